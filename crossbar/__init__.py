@@ -1,0 +1,9 @@
+"""crossbar: a streaming reverse proxy for fleets of llama.cpp ``llama-server`` hosts.
+
+The specification is ``DESIGN.md`` (kept beside the project); module docstrings name
+the section each rule comes from.
+"""
+
+__all__ = ["__version__"]
+
+__version__ = "0.1.0"

@@ -1,0 +1,151 @@
+"""The health table: what crossbar believes about every host (DESIGN.md §The health table).
+
+The table is pure bookkeeping: it performs no I/O. The poller (:mod:`crossbar.poller`)
+feeds it poll results and the proxy feeds it :meth:`HealthTable.mark_down`. Readers get
+frozen :class:`HostStatus` records, so nothing a caller does changes the table (rule 8).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Callable, Iterable, Mapping
+
+from twisted.logger import Logger
+
+__all__ = ["HealthTable", "HostStatus"]
+
+
+@dataclass(frozen=True)
+class HostStatus:
+    """One host's state as last recorded.
+
+    :ivar healthy: whether the proxy may send requests to the host.
+    :ivar loaded: sorted unique ids of the models resident at the last good poll.
+    :ivar last_ok: POSIX time (seconds) of the last good poll, or None.
+    :ivar last_err: why the last poll or request failed; "" after a good poll.
+    :ivar consecutive: good polls in a row.
+    :ivar failures: failed polls in a row.
+    :ivar has_failed: the host has failed since start-up, so it needs
+        ``recovery_polls`` good polls to be trusted again (rules 3-5).
+    :ivar polled: at least one poll of the host has finished (good or failed).
+    """
+
+    healthy: bool = False
+    loaded: tuple[str, ...] = ()
+    last_ok: float | None = None
+    last_err: str = ""
+    consecutive: int = 0
+    failures: int = 0
+    has_failed: bool = False
+    polled: bool = False
+
+
+class HealthTable:
+    """Per-host health, updated by poll results and by the proxy's mark-downs.
+
+    :param hosts: the host names to track; every one starts unhealthy (rule 1).
+    :param recovery_polls: good polls in a row a host that has failed needs (>= 1).
+    :param failure_threshold: failed polls in a row before a healthy host goes down (>= 1).
+    :param now: a clock returning POSIX seconds, e.g. ``reactor.seconds``.
+    """
+
+    _log = Logger()
+
+    def __init__(
+        self,
+        hosts: Iterable[str],
+        recovery_polls: int,
+        failure_threshold: int,
+        now: Callable[[], float],
+    ) -> None:
+        self._hosts: dict[str, HostStatus] = {name: HostStatus() for name in hosts}
+        self.recovery_polls = recovery_polls
+        self.failure_threshold = failure_threshold
+        self._now = now
+
+    def names(self) -> tuple[str, ...]:
+        """The tracked host names, in configuration order."""
+        return tuple(self._hosts)
+
+    def get(self, name: str) -> HostStatus | None:
+        """The status of ``name``, or None for a host the table does not track."""
+        return self._hosts.get(name)
+
+    def all(self) -> Mapping[str, HostStatus]:
+        """A snapshot of every host's status (a new dict; the records are frozen)."""
+        return dict(self._hosts)
+
+    def is_healthy(self, name: str) -> bool:
+        status = self._hosts.get(name)
+        return status is not None and status.healthy
+
+    def record_success(self, name: str, models: Iterable[str]) -> None:
+        """A good poll of ``name`` that found ``models`` resident (rule 3).
+
+        Empty ids and duplicates are dropped and the rest sorted.
+        """
+        old = self._hosts.get(name)
+        if old is None:
+            return
+        consecutive = old.consecutive + 1
+        new = replace(
+            old,
+            consecutive=consecutive,
+            failures=0,
+            last_ok=self._now(),
+            last_err="",
+            loaded=tuple(sorted({m for m in models if m})),
+            healthy=(not old.has_failed) or consecutive >= self.recovery_polls,
+            polled=True,
+        )
+        self._set(name, old, new)
+
+    def record_failure(self, name: str, reason: str) -> None:
+        """A failed poll of ``name`` (rule 4); ``loaded`` is kept as last seen."""
+        old = self._hosts.get(name)
+        if old is None:
+            return
+        failures = old.failures + 1
+        goes_down = (not old.healthy) or failures >= self.failure_threshold
+        new = replace(
+            old,
+            failures=failures,
+            consecutive=0,
+            last_err=reason,
+            polled=True,
+            healthy=old.healthy and not goes_down,
+            has_failed=old.has_failed or goes_down,
+        )
+        self._set(name, old, new)
+
+    def mark_down(self, name: str, reason: str) -> None:
+        """A request to ``name`` really failed: take it out at once (rule 5).
+
+        Unknown names are ignored.
+        """
+        old = self._hosts.get(name)
+        if old is None:
+            return
+        new = replace(
+            old, healthy=False, has_failed=True, consecutive=0, last_err="marked down: " + reason
+        )
+        self._set(name, old, new)
+
+    def mark_polled(self, name: str) -> None:
+        """Note that the first poll of ``name`` ended without a result (for readiness)."""
+        old = self._hosts.get(name)
+        if old is not None and not old.polled:
+            self._hosts[name] = replace(old, polled=True)
+
+    def _set(self, name: str, old: HostStatus, new: HostStatus) -> None:
+        self._hosts[name] = new
+        if old.healthy != new.healthy:
+            if new.healthy:
+                self._log.info(
+                    "host {host} is healthy (models: {loaded})",
+                    host=name, loaded=", ".join(new.loaded) or "none", healthy=True,
+                )
+            else:
+                self._log.warn(
+                    "host {host} is unhealthy: {reason}", host=name, reason=new.last_err, healthy=False
+                )

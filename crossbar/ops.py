@@ -1,0 +1,144 @@
+"""The operations app under ``/_crossbar`` (DESIGN.md §Operations), built on Klein.
+
+``status`` and ``metrics`` show topology and need the ops token when one is configured;
+the probes (``livez``, ``readyz``, ``healthz``) stay open and say nothing but ok / not.
+Readiness is read from memory only: a burst of probes touches no host.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from datetime import datetime, timezone
+from typing import Any, Callable, Mapping
+
+from klein import Klein
+from twisted.web.iweb import IRequest
+from twisted.web.resource import IResource
+
+from crossbar.health import HealthTable
+from crossbar.metrics import CONTENT_TYPE_LATEST, Metrics
+from crossbar.request import json_error_bytes
+
+__all__ = ["OpsApp", "rfc3339"]
+
+
+def rfc3339(seconds: float | None) -> str | None:
+    """POSIX seconds as an RFC 3339 UTC timestamp (``2026-11-29T21:17:03.123Z``), or None."""
+    if seconds is None:
+        return None
+    stamp = datetime.fromtimestamp(seconds, timezone.utc).isoformat(timespec="milliseconds")
+    return stamp.replace("+00:00", "Z")
+
+
+class OpsApp:
+    """``/_crossbar/...``: status, metrics and probes.
+
+    :param table: the health table.
+    :param urls: host name -> base URL (a callable, so a reload is seen at once).
+    :param inflight: host name -> requests in flight to it.
+    :param token: the ops bearer token, or None for open access (a callable, for reload).
+    :param first_round_done: whether every host's first poll has finished.
+    :param metrics: the Prometheus collectors.
+    """
+
+    app = Klein()
+
+    def __init__(
+        self,
+        table: Callable[[], HealthTable],
+        urls: Callable[[], Mapping[str, str]],
+        inflight: Mapping[str, int],
+        token: Callable[[], str | None],
+        first_round_done: Callable[[], bool],
+        metrics: Metrics,
+    ) -> None:
+        self._table = table
+        self._urls = urls
+        self._inflight = inflight
+        self._token = token
+        self._first_round_done = first_round_done
+        self._metrics = metrics
+        self.draining = False
+
+    def resource(self) -> IResource:
+        return self.app.resource()  # type: ignore[no-any-return]
+
+    @property
+    def ready(self) -> bool:
+        """Ready: every host's first poll is done, some host is healthy, not draining."""
+        if self.draining or not self._first_round_done():
+            return False
+        return any(s.healthy for s in self._table().all().values())
+
+    def _json(self, request: IRequest, code: int, doc: Any) -> bytes:
+        request.setResponseCode(code)
+        request.setHeader(b"Content-Type", b"application/json")
+        request.setHeader(b"Cache-Control", b"no-store")
+        return json.dumps(doc).encode("utf-8")
+
+    def _error(self, request: IRequest, code: int, message: str) -> bytes:
+        request.setResponseCode(code)
+        request.setHeader(b"Content-Type", b"application/json")
+        return json_error_bytes(message)
+
+    def _authorized(self, request: IRequest) -> bool:
+        token = self._token()
+        if token is None:
+            return True
+        got = request.getHeader(b"authorization") or b""
+        expected = b"Bearer " + token.encode("utf-8")
+        return hmac.compare_digest(got, expected)
+
+    @app.route("/status", methods=["GET"])
+    def status(self, request: IRequest) -> bytes:
+        if not self._authorized(request):
+            request.setHeader(b"WWW-Authenticate", b'Bearer realm="crossbar"')
+            return self._error(request, 401, "unauthorized")
+        urls = self._urls()
+        hosts = {}
+        for name, s in self._table().all().items():
+            hosts[name] = {
+                "url": urls.get(name),
+                "healthy": s.healthy,
+                "loaded": list(s.loaded),
+                "last_ok": rfc3339(s.last_ok),
+                "last_err": s.last_err,
+                "consecutive": s.consecutive,
+                "failures": s.failures,
+                "inflight": self._inflight.get(name, 0),
+            }
+        return self._json(request, 200, {"hosts": hosts})
+
+    @app.route("/metrics", methods=["GET"])
+    def metrics(self, request: IRequest) -> bytes:
+        if not self._authorized(request):
+            request.setHeader(b"WWW-Authenticate", b'Bearer realm="crossbar"')
+            return self._error(request, 401, "unauthorized")
+        table = self._table()
+        for name, s in table.all().items():
+            self._metrics.host_healthy.labels(name).set(1 if s.healthy else 0)
+            self._metrics.models_loaded.labels(name).set(len(s.loaded))
+        request.setHeader(b"Content-Type", CONTENT_TYPE_LATEST.encode("ascii"))
+        return self._metrics.render()
+
+    @app.route("/livez", methods=["GET", "HEAD"])
+    def livez(self, request: IRequest) -> bytes:
+        return self._json(request, 200, {"status": "ok"})
+
+    @app.route("/readyz", methods=["GET", "HEAD"])
+    @app.route("/healthz", methods=["GET", "HEAD"])
+    def readyz(self, request: IRequest) -> bytes:
+        if self.ready:
+            return self._json(request, 200, {"status": "ready"})
+        return self._json(request, 503, {"status": "not ready"})
+
+    @app.handle_errors(Exception)
+    def on_error(self, request: IRequest, failure: Any) -> bytes:
+        from werkzeug.exceptions import MethodNotAllowed, NotFound
+
+        if failure.check(NotFound):
+            return self._error(request, 404, "not found")
+        if failure.check(MethodNotAllowed):
+            return self._error(request, 405, "method not allowed")
+        return self._error(request, 500, "internal error")

@@ -1,0 +1,255 @@
+"""The health poller: polls every host and records the result (DESIGN.md §The health table).
+
+One poll of one host is ``GET <base>/health`` (must be 200), then ``GET <base>/v1/models``
+(must be 200 and list models); see :class:`HTTPProbe`. :class:`HealthPoller` runs a
+``LoopingCall`` that every ``health.interval`` starts a poll of each host that has none
+in flight (rule 7), bounds each by ``health.timeout``, and records every result in the
+:class:`~crossbar.health.HealthTable` as it arrives. It never requests ``/slots`` nor
+anything else that would make a host load a model (rule 9).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+from twisted.application.service import Service
+from twisted.internet.defer import CancelledError, Deferred, DeferredList, ensureDeferred, succeed
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.iweb import IAgent, IResponse
+from zope.interface import Interface, implementer
+
+import treq
+from treq.client import HTTPClient
+
+from crossbar.health import HealthTable
+from crossbar.models import ModelsError, resident_models
+
+__all__ = ["MAX_POLL_BODY", "HTTPProbe", "HealthPoller", "IHostProbe", "PollCancelled", "PollFailed"]
+
+MAX_POLL_BODY = 1 << 20
+"""Bytes read at most from a ``/health`` or ``/v1/models`` body (DESIGN.md §health, rule 2)."""
+
+
+class PollFailed(Exception):
+    """A poll found the host unfit; ``reason`` starts ``health: `` or ``models: ``."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class PollCancelled(CancelledError):
+    """A poll was cancelled while in ``phase`` (``"health"`` or ``"models"``)."""
+
+    def __init__(self, phase: str) -> None:
+        super().__init__(phase)
+        self.phase = phase
+
+
+class IHostProbe(Interface):
+    """Polls one host once."""
+
+    def poll(url: str) -> Deferred[tuple[str, ...]]:
+        """Poll the host whose base URL is ``url`` (no trailing slash).
+
+        Fires with the sorted resident model ids; errbacks with :class:`PollFailed` for
+        a host that failed the poll, or :class:`PollCancelled` when cancelled.
+        """
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def _describe(failure: Failure) -> str:
+    """A short, single-line reason for a failed request."""
+    value = failure.value
+    reasons = getattr(value, "reasons", None)
+    if reasons:  # ResponseNeverReceived and friends wrap a list of failures
+        return _describe(reasons[0])
+    text = str(value).strip() or type(value).__name__
+    return " ".join(text.split())
+
+
+@implementer(IHostProbe)
+class HTTPProbe:
+    """The real probe: two bounded GETs through treq on ``agent`` (DESIGN.md §health, rule 2).
+
+    Redirects are not followed (a 3xx is not 200) and bodies are read only up to
+    :data:`MAX_POLL_BODY` bytes; a longer body fails the poll without being read further.
+    """
+
+    def __init__(self, agent: IAgent) -> None:
+        self._client = HTTPClient(agent)
+
+    def poll(self, url: str) -> Deferred[tuple[str, ...]]:
+        return ensureDeferred(self._poll(url))
+
+    async def _get(self, phase: str, url: str) -> bytes:
+        try:
+            response: IResponse = await self._client.get(url, allow_redirects=False)
+        except CancelledError:
+            raise PollCancelled(phase) from None
+        except Exception:
+            raise PollFailed(f"{phase}: {_describe(Failure())}") from None
+        chunks: list[bytes] = []
+        size = 0
+
+        def collector(data: bytes) -> None:
+            nonlocal size
+            size += len(data)
+            if size > MAX_POLL_BODY:
+                raise _BodyTooLarge()
+            chunks.append(data)
+
+        try:
+            await treq.collect(response, collector)
+        except CancelledError:
+            raise PollCancelled(phase) from None
+        except _BodyTooLarge:
+            raise PollFailed(f"{phase}: body larger than {MAX_POLL_BODY} bytes") from None
+        except Exception:
+            raise PollFailed(f"{phase}: {_describe(Failure())}") from None
+        if response.code != 200:
+            raise PollFailed(f"{phase}: HTTP {response.code}")
+        return b"".join(chunks)
+
+    async def _poll(self, url: str) -> tuple[str, ...]:
+        await self._get("health", url + "/health")
+        body = await self._get("models", url + "/v1/models")
+        try:
+            return resident_models(body)
+        except ModelsError as e:
+            raise PollFailed(f"models: {e}") from None
+
+
+class HealthPoller(Service):
+    """Polls ``hosts`` every ``interval`` seconds into ``table``.
+
+    :param table: where results are recorded.
+    :param hosts: host name -> base URL.
+    :param probe: polls one host (:class:`HTTPProbe`, or a fake in unit tests).
+    :param interval: seconds between poll rounds (``health.interval``).
+    :param timeout: seconds one poll of one host may take (``health.timeout``).
+    :param clock: the reactor (or a ``Clock`` in tests).
+    :param on_poll: called with (host name, seconds taken, ok) after every recorded poll.
+    """
+
+    _log = Logger()
+
+    def __init__(
+        self,
+        table: HealthTable,
+        hosts: Mapping[str, str],
+        probe: IHostProbe,
+        interval: float,
+        timeout: float,
+        clock: IReactorTime,
+        on_poll: Callable[[str, float, bool], None] | None = None,
+    ) -> None:
+        self.table = table
+        self.hosts = dict(hosts)
+        self.probe = probe
+        self.interval = interval
+        self.timeout = timeout
+        self.clock = clock
+        self._on_poll = on_poll
+        self._inflight: dict[str, Deferred[Any]] = {}
+        self._loop: LoopingCall | None = None
+        self._loop_done: Deferred[Any] | None = None
+        self._stopping = False
+        self._first_round: list[Deferred[None]] = []
+
+    def startService(self) -> None:
+        super().startService()
+        self._stopping = False
+        loop = LoopingCall(self.poll_round)
+        loop.clock = self.clock
+        self._loop = loop
+        self._loop_done = loop.start(self.interval, now=True)
+
+    def stopService(self) -> Deferred[Any]:
+        super().stopService()
+        self._stopping = True
+        if self._loop is not None and self._loop.running:
+            self._loop.stop()
+        self._loop = None
+        pending = list(self._inflight.values())
+        for d in pending:
+            d.cancel()
+        return DeferredList(pending, consumeErrors=True)
+
+    @property
+    def first_round_done(self) -> bool:
+        """Every host's first poll has finished (or timed out)."""
+        return all(s.polled for s in self.table.all().values())
+
+    def when_first_round_done(self) -> Deferred[None]:
+        """A Deferred that fires once :attr:`first_round_done` is true."""
+        if self.first_round_done:
+            return succeed(None)
+        d: Deferred[None] = Deferred()
+        self._first_round.append(d)
+        return d
+
+    def poll_round(self) -> None:
+        """Start a poll of every host that has none in flight (rule 7). Never raises."""
+        for name, url in self.hosts.items():
+            if name not in self._inflight:
+                self._start(name, url)
+
+    def _start(self, name: str, url: str) -> None:
+        started = self.clock.seconds()
+        timed_out = False
+
+        def on_timeout() -> None:
+            nonlocal timed_out
+            timed_out = True
+            d.cancel()
+
+        try:
+            d = self.probe.poll(url)
+        except Exception:
+            d = Deferred()
+            d.errback(Failure())
+        timer: IDelayedCall = self.clock.callLater(self.timeout, on_timeout)
+        self._inflight[name] = d
+
+        def done(result: object) -> None:
+            if timer.active():
+                timer.cancel()
+            if self._inflight.get(name) is d:
+                del self._inflight[name]
+            try:
+                self._record(name, result, timed_out, self.clock.seconds() - started)
+            except Exception:
+                self._log.failure("recording a poll of {host} failed", host=name)
+
+        d.addBoth(done)  # may run at once if the probe answered synchronously
+
+    def _record(self, name: str, result: object, timed_out: bool, took: float) -> None:
+        if isinstance(result, Failure):
+            if result.check(CancelledError) and not timed_out:
+                return  # cancelled because crossbar is stopping: says nothing (rule 6)
+            if isinstance(result.value, PollCancelled):
+                reason = f"{result.value.phase}: timed out after {self.timeout:g}s"
+            elif result.check(CancelledError):
+                reason = f"health: timed out after {self.timeout:g}s"
+            elif isinstance(result.value, PollFailed):
+                reason = result.value.reason
+            else:
+                reason = f"health: {_describe(result)}"
+            self.table.record_failure(name, reason)
+            ok = False
+        else:
+            self.table.record_success(name, result)  # type: ignore[arg-type]
+            ok = True
+        if self._on_poll is not None:
+            self._on_poll(name, took, ok)
+        if self._first_round and self.first_round_done:
+            waiting, self._first_round = self._first_round, []
+            for w in waiting:
+                w.callback(None)

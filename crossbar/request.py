@@ -1,0 +1,100 @@
+"""The HTTP request class crossbar's site uses: bodies capped while they arrive.
+
+twisted.web reads a whole request body before ``render``; :class:`CappedRequest` refuses
+one over :data:`MAX_BODY` as soon as it is known to be too big (DESIGN.md §The proxy,
+rule 4): on ``Content-Length`` before any of the body is read (and before ``100 Continue``
+would be sent), or, for a chunked body, at the byte that crosses the limit. The body is
+held in memory (never a temporary file: no blocking disk I/O on the reactor thread).
+"""
+
+from __future__ import annotations
+
+import json
+from io import BytesIO
+from typing import Any
+
+from twisted.logger import Logger
+from twisted.web.server import Request
+
+__all__ = ["MAX_BODY", "CappedRequest", "json_error_bytes"]
+
+MAX_BODY = 16 * 1024 * 1024
+"""The largest request body crossbar accepts, in bytes (DESIGN.md §The proxy, rule 4)."""
+
+_LINGER_SECONDS = 5.0
+
+
+def json_error_bytes(message: str, **extra: str) -> bytes:
+    """The body of an error answer: ``{"error": message, ...extra}`` (DESIGN.md rule 9)."""
+    return json.dumps({"error": message, **extra}).encode("utf-8")
+
+
+class CappedRequest(Request):
+    """A ``twisted.web.server.Request`` that refuses bodies over ``max_body`` bytes early.
+
+    A refused request is answered ``413 {"error": "body too large"}`` straight on the
+    transport, its write side is closed, and whatever the client still sends is read
+    and dropped for a few seconds (so the client can read the answer instead of getting
+    a connection reset), then the connection is closed. Such a request never reaches a
+    resource.
+    """
+
+    max_body = MAX_BODY
+    defaultContentType = None  # never invent a Content-Type for an upstream answer
+    _log = Logger()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.refused = False
+        self._received = 0
+        self._linger: Any = None
+
+    def gotLength(self, length: int | None) -> None:
+        self.content = BytesIO()
+        if length is not None and length > self.max_body:
+            self._refuse()
+
+    def handleContentChunk(self, data: bytes) -> None:
+        if self.refused:
+            return
+        self._received += len(data)
+        if self._received > self.max_body:
+            self._refuse()
+            return
+        self.content.write(data)
+
+    def process(self) -> None:
+        if self.refused:
+            return
+        super().process()
+
+    def _refuse(self) -> None:
+        self.refused = True
+        self.content = BytesIO()
+        # No "100 Continue" for a body we will not read (HTTPChannel sends it after
+        # gotLength returns when this header is present).
+        self.requestHeaders.removeHeader(b"expect")
+        body = json_error_bytes("body too large")
+        transport = self.channel.transport
+        transport.write(
+            b"HTTP/1.1 413 Content Too Large\r\n"
+            b"Content-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode("ascii") + b"\r\n"
+            b"Connection: close\r\n\r\n" + body
+        )
+        self.channel.persistent = False
+        self._log.info(
+            "refused a request body over {limit} bytes from {peer}",
+            limit=self.max_body, peer=str(self.getClientAddress()),
+        )
+        half_close = getattr(transport, "loseWriteConnection", None)
+        if half_close is None:
+            transport.loseConnection()
+            return
+        half_close()
+        self._linger = self.channel.callLater(_LINGER_SECONDS, transport.abortConnection)
+
+    def connectionLost(self, reason: Any) -> None:
+        if self._linger is not None and self._linger.active():
+            self._linger.cancel()
+        super().connectionLost(reason)

@@ -1,0 +1,100 @@
+"""Pure routing rules of the proxy (DESIGN.md §The proxy, rules 1-5).
+
+Nothing here does I/O: each function takes bytes or names and answers, so each rule is
+unit-tested on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Callable, Iterable
+from urllib.parse import unquote_to_bytes
+
+__all__ = ["ALLOWED_EXACT", "ALLOWED_PREFIX", "choose", "has_dot_segment", "is_allowed", "peek_model", "split_route", "split_target"]
+
+_OBJECT_START = re.compile(rb"(?:\xef\xbb\xbf)?[ \t\r\n]*\{")
+ALLOWED_PREFIX = b"/v1/"
+ALLOWED_EXACT = (b"/health", b"/props")
+
+
+def split_target(target: bytes) -> tuple[bytes, bytes]:
+    """Split a request target into (path, query) where query keeps its leading ``?``.
+
+    ``b"/a/v1/x?y=1"`` -> ``(b"/a/v1/x", b"?y=1")``; ``b"/a"`` -> ``(b"/a", b"")``.
+    """
+    path, sep, query = target.partition(b"?")
+    return path, sep + query
+
+
+def split_route(path: bytes) -> tuple[str, bytes] | None:
+    """Take the first path segment as the route (rule 1).
+
+    Returns ``(route, rest)`` where ``rest`` is the remaining path, byte for byte, always
+    starting with ``/``: ``b"/a/v1/x"`` -> ``("a", b"/v1/x")``; ``b"/a"`` and ``b"/a/"``
+    -> ``("a", b"/")``. Returns None for no route segment: ``b"/"``, ``b"//x"``,
+    ``b""``, ``b"noslash"``. A route segment that is not UTF-8 yields a route name that
+    matches no configured route.
+    """
+    if not path.startswith(b"/"):
+        return None
+    segment, slash, remainder = path[1:].partition(b"/")
+    if not segment:
+        return None
+    route = segment.decode("utf-8", errors="replace")
+    return route, b"/" + remainder
+
+
+def has_dot_segment(rest: bytes) -> bool:
+    """Whether ``rest`` holds a ``.`` or ``..`` segment, also percent-encoded (rule 3).
+
+    The path is percent-decoded once (as an upstream does) and split on ``/`` and ``\\``,
+    so ``/v1/%2e%2e/slots`` and ``/v1/..%2Fslots`` are caught.
+    """
+    decoded = unquote_to_bytes(rest).replace(b"\\", b"/")
+    return any(seg in (b".", b"..") for seg in decoded.split(b"/"))
+
+
+def is_allowed(rest: bytes) -> bool:
+    """Whether ``rest`` is an upstream path crossbar forwards: ``/v1/...``, ``/health``, ``/props``."""
+    return rest.startswith(ALLOWED_PREFIX) or rest in ALLOWED_EXACT
+
+
+def peek_model(body: bytes) -> str | None:
+    """The top-level string ``"model"`` of a JSON object body, else None (rule 4).
+
+    Never raises: a body that is not JSON, not an object, has no ``model`` or a
+    non-string one gives None. Duplicate keys: the last wins, as in llama-server.
+    """
+    if _OBJECT_START.match(body) is None:
+        return None  # cheap: multipart, arrays and plain text are never parsed
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    model = doc.get("model")
+    return model if isinstance(model, str) and model else None
+
+
+def choose(
+    hosts: Iterable[str],
+    model: str | None,
+    is_healthy: Callable[[str], bool],
+    loaded: Callable[[str], Iterable[str]],
+    exclude: Iterable[str] = (),
+) -> str | None:
+    """Pick a host for a request (rule 5).
+
+    The first host, in route order, that is healthy and has ``model`` loaded; failing
+    that, the first healthy host; None when no host is healthy. Hosts in ``exclude``
+    (already tried for this request) are skipped.
+    """
+    skip = set(exclude)
+    candidates = [h for h in hosts if h not in skip and is_healthy(h)]
+    if model is not None:
+        for h in candidates:
+            if model in loaded(h):
+                return h
+    return candidates[0] if candidates else None

@@ -1,0 +1,115 @@
+"""Connections to upstream hosts for the proxy path (DESIGN.md §The proxy, rules 6-7).
+
+The proxy needs to know, for a request that failed, whether crossbar could not *open* a
+connection to the host (fail over to the next host) or whether a *reused* pooled
+connection turned out dead (retry once on a fresh connection, mark nothing down).
+Twisted's ``Agent`` does not say; :class:`ConnectTracker` learns it from the public
+``IAgentEndpointFactory`` seam: ``connect()`` is only called for a new connection.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twisted.internet.defer import Deferred
+from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
+from twisted.internet.interfaces import IProtocolFactory, IReactorTime, IStreamClientEndpoint
+from twisted.python.failure import Failure
+from twisted.web.client import Agent, BrowserLikePolicyForHTTPS, HTTPConnectionPool, URI
+from twisted.web.client import _HTTP11ClientFactory
+from twisted.web.iweb import IAgent, IAgentEndpointFactory
+from zope.interface import implementer
+
+__all__ = ["ConnectTracker", "UpstreamPools", "quiet_pool"]
+
+
+@implementer(IStreamClientEndpoint)
+class _TrackedEndpoint:
+    def __init__(self, wrapped: IStreamClientEndpoint, tracker: ConnectTracker) -> None:
+        self._wrapped = wrapped
+        self._tracker = tracker
+
+    def connect(self, protocolFactory: IProtocolFactory) -> Deferred[Any]:
+        self._tracker.connects += 1
+        d = self._wrapped.connect(protocolFactory)
+
+        def failed(f: Failure) -> Failure:
+            self._tracker.connect_failure = f
+            return f
+
+        d.addErrback(failed)
+        return d
+
+
+@implementer(IAgentEndpointFactory)
+class ConnectTracker:
+    """An endpoint factory for one proxied request that records its connection attempts.
+
+    :ivar connects: new connections opened (0 means a pooled connection was reused).
+    :ivar connect_failure: the failure of the last connection attempt, if it failed.
+    """
+
+    def __init__(self, reactor: Any, connect_timeout: float, tls: BrowserLikePolicyForHTTPS) -> None:
+        self._reactor = reactor
+        self._timeout = connect_timeout
+        self._tls = tls
+        self.connects = 0
+        self.connect_failure: Failure | None = None
+
+    def endpointForURI(self, uri: URI) -> IStreamClientEndpoint:
+        host = uri.host.decode("ascii")
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
+        endpoint: IStreamClientEndpoint = HostnameEndpoint(
+            self._reactor, host, uri.port, timeout=self._timeout
+        )
+        if uri.scheme == b"https":
+            endpoint = wrapClientTLS(self._tls.creatorForNetloc(uri.host, uri.port), endpoint)
+        return _TrackedEndpoint(endpoint, self)
+
+
+class _QuietFactory(_HTTP11ClientFactory):
+    noisy = False  # no "Starting factory" line per upstream connection
+
+
+def quiet_pool(reactor: IReactorTime, persistent: bool) -> HTTPConnectionPool:
+    """An ``HTTPConnectionPool`` that does not log every connection it opens."""
+    pool = HTTPConnectionPool(reactor, persistent=persistent)
+    pool._factory = _QuietFactory
+    return pool
+
+
+class UpstreamPools:
+    """The proxy's connection pools: one persistent, shared by all requests.
+
+    :param reactor: the reactor.
+    :param connect_timeout: seconds to open a connection (``timeouts.connect``).
+    :param max_per_host: idle persistent connections kept per host.
+    :param idle_seconds: how long an idle pooled connection is kept.
+    """
+
+    def __init__(
+        self, reactor: IReactorTime, connect_timeout: float, max_per_host: int = 64, idle_seconds: float = 60.0
+    ) -> None:
+        self._reactor = reactor
+        self.connect_timeout = connect_timeout
+        self._tls = BrowserLikePolicyForHTTPS()
+        self.pool = quiet_pool(reactor, persistent=True)
+        self.pool.maxPersistentPerHost = max_per_host
+        self.pool.cachedConnectionTimeout = idle_seconds
+        # A stale pooled connection is retried by the proxy itself (any method), once.
+        self.pool.retryAutomatically = False
+        self._fresh_pool = quiet_pool(reactor, persistent=False)
+
+    def agent(self, fresh: bool = False) -> tuple[IAgent, ConnectTracker]:
+        """An agent for one attempt and the tracker of its connections.
+
+        ``fresh=True`` never reuses a pooled connection (the retry after a stale one).
+        """
+        tracker = ConnectTracker(self._reactor, self.connect_timeout, self._tls)
+        pool = self._fresh_pool if fresh else self.pool
+        return Agent.usingEndpointFactory(self._reactor, tracker, pool=pool), tracker
+
+    def close(self) -> Deferred[Any]:
+        """Close every idle pooled connection."""
+        return self.pool.closeCachedConnections()

@@ -1,0 +1,35 @@
+"""twistd plugin: ``twistd -n crossbar --config crossbar.yaml`` (DESIGN.md §Shape)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from twisted.application.service import IServiceMaker
+from twisted.plugin import IPlugin
+from twisted.python import usage
+from zope.interface import implementer
+
+
+class Options(usage.Options):
+    optParameters = [["config", "c", "crossbar.yaml", "Path to the crossbar YAML configuration."]]
+
+
+@implementer(IServiceMaker, IPlugin)
+class CrossbarServiceMaker:
+    tapname = "crossbar"
+    description = "Streaming reverse proxy for a fleet of llama.cpp llama-server hosts."
+    options = Options
+
+    def makeService(self, options: Options) -> Any:
+        from crossbar.config import ConfigError, load_config
+        from crossbar.service import make_service
+
+        try:
+            return make_service(load_config(options["config"]))
+        except ConfigError as e:
+            print(f"crossbar: {e}", file=sys.stderr)
+            raise SystemExit(1) from None
+
+
+serviceMaker = CrossbarServiceMaker()
