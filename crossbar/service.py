@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from twisted.application.internet import StreamServerEndpointService
-from twisted.application.service import MultiService
+from twisted.application.service import MultiService, Service
 from twisted.internet.defer import Deferred, DeferredList, ensureDeferred
 from twisted.internet.endpoints import serverFromString
+from twisted.internet.interfaces import IListeningPort, IProtocolFactory, IStreamServerEndpoint
+from twisted.python.failure import Failure
 from twisted.internet.task import deferLater
 from twisted.logger import Logger
 from twisted.web.client import Agent
@@ -28,7 +29,7 @@ from crossbar.proxy import ProxyResource
 from crossbar.request import CappedRequest
 from crossbar.upstream import UpstreamPools, quiet_pool
 
-__all__ = ["CrossbarService", "make_service"]
+__all__ = ["CrossbarService", "ListenService", "make_service"]
 
 
 class _Root(Resource):
@@ -53,6 +54,59 @@ class _Site(Site):
 
     def log(self, request: Request) -> None:
         pass
+
+
+class ListenService(Service):
+    """Listens on ``endpoint`` while running; :attr:`port` is the listening port.
+
+    A listen that fails at once (address in use, bad interface) raises from
+    ``startService``, so ``twistd`` stops at start-up instead of running deaf.
+    """
+
+    _log = Logger(namespace="crossbar")
+
+    def __init__(self, endpoint: IStreamServerEndpoint, factory: IProtocolFactory) -> None:
+        self.endpoint = endpoint
+        self.factory = factory
+        self.port: IListeningPort | None = None
+        self._listening: Deferred[IListeningPort] | None = None
+
+    def startService(self) -> None:
+        super().startService()
+        d = self.endpoint.listen(self.factory)
+        self._listening = d
+        failures: list[Failure] = []
+        d.addCallbacks(self._listened, failures.append)
+        if failures:
+            failures[0].raiseException()
+
+    def _listened(self, port: IListeningPort) -> IListeningPort:
+        self.port = port
+        host = port.getHost()
+        self._log.info("listening on {address}", address=f"{getattr(host, 'host', host)}:{getattr(host, 'port', '')}")
+        return port
+
+    def when_listening(self) -> Deferred[IListeningPort]:
+        """Fires with the listening port once listening."""
+        assert self._listening is not None, "not started"
+        d: Deferred[IListeningPort] = Deferred()
+
+        def fire(port: IListeningPort) -> IListeningPort:
+            d.callback(port)
+            return port
+
+        if self.port is not None:
+            d.callback(self.port)
+        else:
+            self._listening.addCallback(fire)
+        return d
+
+    def stopService(self) -> Deferred[None] | None:
+        super().stopService()
+        port, self.port = self.port, None
+        if port is not None:
+            return port.stopListening()
+        return None
 
 
 class CrossbarService(MultiService):
@@ -100,8 +154,7 @@ class CrossbarService(MultiService):
             endpoint = serverFromString(reactor, config.listen)
         except (ValueError, KeyError, TypeError, ImportError) as e:
             raise ConfigError(config.source, "listen", f"not a valid Twisted endpoint: {e}") from None
-        self.web = StreamServerEndpointService(endpoint, self.site)
-        self.web._raiseSynchronously = True
+        self.web = ListenService(endpoint, self.site)
         self.web.setServiceParent(self)
         self._drain_trigger: Any = None
 
@@ -140,7 +193,9 @@ class CrossbarService(MultiService):
         )
         await deferLater(self.reactor, delay)
         if self.web.running:
-            await self.web.stopService()
+            stopped = self.web.stopService()
+            if stopped is not None:
+                await stopped
         waited = 0.0
         step = 0.05
         while self.proxy.active and waited < grace:
