@@ -58,7 +58,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 __all__ = [
     "LlamaServer",
@@ -671,7 +671,7 @@ class LlamaServer:
         self.stop()
 
 
-def _kill_group(pid: int, dead: "callable[[], bool]", grace: float = 10.0) -> None:  # type: ignore[valid-type]
+def _kill_group(pid: int, dead: Callable[[], bool], grace: float = 10.0) -> None:
     for sig in (signal.SIGTERM, signal.SIGKILL):
         try:
             os.killpg(pid, sig)
