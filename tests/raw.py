@@ -1,0 +1,275 @@
+"""Raw-socket HTTP/1.1 for tests that must send exact bytes (and read exact answers).
+
+treq and twisted.web.client normalise what they send; these helpers do not. The client
+is a Twisted protocol on a real loopback connection: it writes what it is given and
+collects everything until crossbar closes (or half-closes) the connection.
+:func:`parse_responses` is a deliberately strict HTTP/1.1 response parser, so a test
+can assert that an answer is well-formed. Also here: :func:`two_hosts`, crossbar in
+front of two :class:`~tests.harness.FakeLlama` hosts with different loaded models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred
+from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
+from twisted.internet.interfaces import IHalfCloseableProtocol
+from twisted.internet.protocol import Protocol
+from twisted.logger import globalLogPublisher, formatEvent
+from twisted.python.failure import Failure
+from twisted.trial.unittest import TestCase
+from zope.interface import implementer
+
+from crossbar.service import CrossbarService
+from tests.harness import FakeLlama, listen, start_crossbar
+
+__all__ = [
+    "BadResponse", "LogCapture", "RawResponse", "TwoHosts", "parse_responses",
+    "raw_exchange", "two_hosts", "upstream_requests",
+]
+
+
+class BadResponse(Exception):
+    """The bytes crossbar sent are not a well-formed HTTP/1.1 response."""
+
+
+@dataclass
+class RawResponse:
+    """One parsed response: status, headers in wire order (names lower-cased), body
+    (de-chunked), and whether the body was sent chunked."""
+
+    status: int
+    reason: bytes
+    headers: list[tuple[bytes, bytes]]
+    body: bytes
+    chunked: bool = False
+
+    def get(self, name: bytes) -> list[bytes]:
+        """Every value of header ``name`` (case-insensitive), in order."""
+        name = name.lower()
+        return [v for n, v in self.headers if n == name]
+
+    def one(self, name: bytes) -> bytes | None:
+        values = self.get(name)
+        return values[0] if values else None
+
+
+def _parse_one(data: bytes, head: bool, at_eof: bool) -> tuple[RawResponse, bytes]:
+    end = data.find(b"\r\n\r\n")
+    if end < 0:
+        raise BadResponse(f"no end of headers in {data[:200]!r}")
+    lines = data[:end].split(b"\r\n")
+    rest = data[end + 4:]
+    version, _, tail = lines[0].partition(b" ")
+    code, _, reason = tail.partition(b" ")
+    if version not in (b"HTTP/1.1", b"HTTP/1.0") or len(code) != 3 or not code.isdigit():
+        raise BadResponse(f"bad status line {lines[0]!r}")
+    headers: list[tuple[bytes, bytes]] = []
+    for line in lines[1:]:
+        name, colon, value = line.partition(b":")
+        if not colon or not name or name != name.strip():
+            raise BadResponse(f"bad header line {line!r}")
+        headers.append((name.lower(), value.strip()))
+    response = RawResponse(int(code), reason, headers, b"")
+    status = response.status
+    te = response.get(b"transfer-encoding")
+    lengths = response.get(b"content-length")
+    if head or status in (204, 304) or 100 <= status < 200:
+        return response, rest
+    if te:
+        if te != [b"chunked"] or lengths:
+            raise BadResponse(f"bad framing te={te} cl={lengths}")
+        response.chunked = True
+        body = b""
+        while True:
+            size_end = rest.find(b"\r\n")
+            if size_end < 0:
+                raise BadResponse("truncated chunked body (no size line)")
+            size = int(rest[:size_end].split(b";")[0], 16)
+            chunk = rest[size_end + 2:size_end + 2 + size]
+            if len(chunk) < size or rest[size_end + 2 + size:size_end + 4 + size] != b"\r\n":
+                raise BadResponse("truncated chunked body")
+            rest = rest[size_end + 4 + size:]
+            if size == 0:
+                break
+            body += chunk
+        response.body = body
+        return response, rest
+    if lengths:
+        if len(set(lengths)) != 1:
+            raise BadResponse(f"conflicting Content-Length {lengths}")
+        n = int(lengths[0])
+        if len(rest) < n:
+            raise BadResponse(f"body shorter than Content-Length: {len(rest)} < {n}")
+        response.body = rest[:n]
+        return response, rest[n:]
+    if not at_eof:
+        raise BadResponse("body delimited by close on an open connection")
+    response.body = rest
+    return response, b""
+
+
+def parse_responses(data: bytes, head: bool = False, at_eof: bool = True) -> list[RawResponse]:
+    """Every response in ``data``, in order (interim ``1xx`` ones included).
+
+    :raises BadResponse: when the bytes are not well-formed HTTP/1.1 responses.
+    """
+    out: list[RawResponse] = []
+    while data:
+        response, data = _parse_one(data, head, at_eof)
+        out.append(response)
+    return out
+
+
+@implementer(IHalfCloseableProtocol)
+class _Collect(Protocol):
+    def __init__(self, chunks: list[bytes], until: Callable[[bytes], bool] | None) -> None:
+        self.received = b""
+        self.chunks = chunks
+        self.until = until
+        self.done: Deferred[bytes] = Deferred()
+        self.closed: Deferred[None] = Deferred()
+        self.how = ""
+
+    def connectionMade(self) -> None:
+        for chunk in self.chunks:
+            self.transport.write(chunk)  # type: ignore[union-attr]
+
+    def dataReceived(self, data: bytes) -> None:
+        self.received += data
+        if self.until is not None and self.until(self.received):
+            self._finish("until")
+
+    def readConnectionLost(self) -> None:
+        self._finish("half-close")
+
+    def writeConnectionLost(self) -> None:
+        pass
+
+    def connectionLost(self, reason: Failure = None) -> None:  # type: ignore[assignment]
+        self._finish("close")
+        if not self.closed.called:
+            self.closed.callback(None)
+
+    def _finish(self, how: str) -> None:
+        if not self.done.called:
+            self.how = how
+            self.done.callback(self.received)
+
+
+async def raw_exchange(
+    port: int,
+    *chunks: bytes,
+    timeout: float = 10.0,
+    until: Callable[[bytes], bool] | None = None,
+) -> tuple[bytes, str]:
+    """Send ``chunks`` on a new loopback connection to ``port`` and collect every byte
+    until crossbar closes or half-closes it (or ``until(received)`` holds).
+
+    Returns ``(received, how)``, ``how`` being ``"close"``, ``"half-close"`` or
+    ``"until"``. The connection is closed and its end awaited before returning.
+
+    :raises AssertionError: nothing ended within ``timeout`` seconds.
+    """
+    proto = _Collect(list(chunks), until)
+    await connectProtocol(TCP4ClientEndpoint(reactor, "127.0.0.1", port), proto)
+    timer = reactor.callLater(timeout, proto._finish, "timeout")  # type: ignore[attr-defined]
+    received = await proto.done
+    if timer.active():
+        timer.cancel()
+    assert proto.how != "timeout", f"no end within {timeout}s; got {received[:300]!r}"
+    proto.transport.abortConnection()  # type: ignore[union-attr]
+    await proto.closed
+    return received, proto.how
+
+
+def request_bytes(method: bytes, target: bytes, headers: list[tuple[bytes, bytes]] = (),  # type: ignore[assignment]
+                  body: bytes = b"", close: bool = True) -> bytes:
+    """A raw HTTP/1.1 request: ``Host`` first, then ``headers`` as given, then
+    ``Connection: close`` (when ``close``)."""
+    lines = [method + b" " + target + b" HTTP/1.1", b"Host: crossbar.test"]
+    lines += [n + b": " + v for n, v in headers]
+    if close:
+        lines.append(b"Connection: close")
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body
+
+
+def upstream_requests(upstream: FakeLlama) -> list[Any]:
+    """What the upstream saw apart from health polls."""
+    return [s for s in upstream.seen if s.uri not in (b"/health", b"/v1/models")]
+
+
+class LogCapture:
+    """Every ``twisted.logger`` event emitted while installed (removed at cleanup)."""
+
+    def __init__(self, case: TestCase) -> None:
+        self.events: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(self.events.append)
+        case.addCleanup(globalLogPublisher.removeObserver, self.events.append)
+
+    def proxied(self) -> list[dict[str, Any]]:
+        """The proxy's per-request log lines."""
+        return [e for e in self.events if e.get("log_namespace") == "crossbar.proxy" and "ttfb_ms" in e]
+
+    def assert_never_contains(self, case: TestCase, secret: bytes) -> None:
+        """No event, formatted or as its raw fields, contains ``secret``."""
+        text = secret.decode("latin-1")
+        for event in self.events:
+            formatted = formatEvent(event) or ""
+            case.assertNotIn(text, formatted)
+            for key, value in event.items():
+                if key in ("log_logger", "log_source", "log_observer"):
+                    continue
+                rendered = value if isinstance(value, (str, bytes)) else repr(value)
+                needle: Any = secret if isinstance(rendered, bytes) else text
+                case.assertNotIn(needle, rendered, f"secret in log field {key!r}")
+
+
+@dataclass
+class TwoHosts:
+    """crossbar in front of two FakeLlama hosts: ``a`` has ``model-a`` loaded, ``b``
+    ``model-b``; route ``r`` is ``[a, b]`` with default model ``model-b``; route ``d``
+    is ``[dead]`` (a host that answers health 503)."""
+
+    a: FakeLlama
+    b: FakeLlama
+    dead: FakeLlama
+    service: CrossbarService
+    base: str
+    port: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def chosen(self) -> list[str]:
+        """Which host got each proxied request, in order."""
+        out = [(s, "a") for s in upstream_requests(self.a)] + [(s, "b") for s in upstream_requests(self.b)]
+        return [name for _, name in out]
+
+
+async def two_hosts(case: TestCase, timeouts: str = "") -> TwoHosts:
+    """Start :class:`TwoHosts` and wait for the first poll round."""
+    a, b, dead = FakeLlama(["model-a"]), FakeLlama(["model-b"]), FakeLlama(["model-x"])
+    dead.health_code = 503
+    urls = [await listen(case, u) for u in (a, b, dead)]
+    service, base = await start_crossbar(
+        case,
+        f"""
+health: {{interval: 60, timeout: 5}}
+{timeouts}
+hosts:
+  a: {urls[0]}
+  b: {urls[1]}
+  dead: {urls[2]}
+routes:
+  r:
+    hosts: [a, b]
+    default_model: model-b
+  d:
+    hosts: [dead]
+""",
+    )
+    await service.poller.when_first_round_done()
+    port = int(base.rsplit(":", 1)[1])
+    return TwoHosts(a, b, dead, service, base, port)
