@@ -25,8 +25,9 @@ class HostStatus:
     :ivar last_err: why the last poll or request failed; "" after a good poll.
     :ivar consecutive: good polls in a row.
     :ivar failures: failed polls in a row.
-    :ivar has_failed: the host has failed since start-up, so it needs
-        ``recovery_polls`` good polls to be trusted again (rules 3-5).
+    :ivar has_failed: the host has failed (a failed poll that took or kept it down, or a
+        mark-down) and has not been trusted since, so it needs ``recovery_polls`` good
+        polls in a row to be healthy (rules 3-5).
     :ivar polled: at least one poll of the host has finished (good or failed).
     """
 
@@ -88,6 +89,7 @@ class HealthTable:
         if old is None:
             return
         consecutive = old.consecutive + 1
+        healthy = (not old.has_failed) or consecutive >= self.recovery_polls
         new = replace(
             old,
             consecutive=consecutive,
@@ -95,7 +97,10 @@ class HealthTable:
             last_ok=self._now(),
             last_err="",
             loaded=tuple(sorted({m for m in models if m})),
-            healthy=(not old.has_failed) or consecutive >= self.recovery_polls,
+            healthy=healthy,
+            # once trusted again it is judged like a host that never failed: a failed
+            # poll below failure_threshold followed by a good one keeps it healthy
+            has_failed=old.has_failed and not healthy,
             polled=True,
         )
         self._set(name, old, new)
@@ -131,6 +136,19 @@ class HealthTable:
         )
         self._set(name, old, new)
 
+    def set_hosts(self, names: Iterable[str], reset: Iterable[str] = ()) -> None:
+        """Track exactly ``names``, in that order (a config reload, DESIGN.md §Operations).
+
+        A host already tracked and not in ``reset`` keeps its status; a new host, or
+        one in ``reset`` (its URL changed), starts afresh (rule 1); hosts not in
+        ``names`` are forgotten.
+        """
+        fresh = set(reset)
+        old = self._hosts
+        self._hosts = {
+            name: old[name] if name in old and name not in fresh else HostStatus() for name in names
+        }
+
     def mark_polled(self, name: str) -> None:
         """Note that the first poll of ``name`` ended without a result (for readiness)."""
         old = self._hosts.get(name)
@@ -142,10 +160,11 @@ class HealthTable:
         if old.healthy != new.healthy:
             if new.healthy:
                 self._log.info(
-                    "host {host} is healthy (models: {loaded})",
-                    host=name, loaded=", ".join(new.loaded) or "none", healthy=True,
+                    "host {host} is healthy: {reason} (models: {models})",
+                    host=name, healthy=True, reason=f"{new.consecutive} good poll(s) in a row",
+                    loaded=list(new.loaded), models=", ".join(new.loaded) or "none",
                 )
             else:
                 self._log.warn(
-                    "host {host} is unhealthy: {reason}", host=name, reason=new.last_err, healthy=False
+                    "host {host} is unhealthy: {reason}", host=name, healthy=False, reason=new.last_err
                 )
