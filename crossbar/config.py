@@ -39,7 +39,12 @@ class ConfigError(Exception):
         self.key = key
         self.problem = problem
         where = f"{path}: {key}: " if key else f"{path}: "
-        super().__init__(where + problem)
+        super().__init__(_one_line(where + problem))
+
+
+def _one_line(text: str) -> str:
+    """``text`` with every non-printable character escaped, so it stays one line."""
+    return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
 
 
 @dataclass(frozen=True)
@@ -110,30 +115,65 @@ class Config:
     source: str = "<config>"
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """A SafeLoader that refuses duplicate mapping keys instead of keeping the last."""
+_MERGE_TAG = "tag:yaml.org,2002:merge"
 
 
-def _construct_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-    loader.flatten_mapping(node)
-    seen: set[Any] = set()
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
-        try:
-            duplicate = key in seen
-        except TypeError:
-            continue  # an unhashable key; construct_mapping reports it
-        if duplicate:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r}", key_node.start_mark
-            )
-        seen.add(key)
-    return loader.construct_mapping(node, deep)
+def _load_yaml(c: _Checker, text: str) -> Any:
+    """Parse ``text`` with the safe loader, refusing duplicate mapping keys.
+
+    PyYAML keeps the last of duplicate keys silently; here the node tree is walked
+    before construction so a duplicate is reported with its key path and line.
+
+    :raises ConfigError: for a syntax error (with line and column) or a duplicate key.
+    """
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _refuse_duplicates(c, loader, node, "", set())
+        return loader.construct_document(node)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise c.fail("", f"invalid YAML{where}: {problem}") from None
+    except RecursionError:
+        raise c.fail("", "invalid YAML: nested too deeply") from None
+    finally:
+        loader.dispose()
 
 
-_UniqueKeyLoader.add_constructor(
-    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping  # type: ignore[arg-type]
-)
+def _refuse_duplicates(c: _Checker, loader: yaml.SafeLoader, node: yaml.Node, key: str, seen_nodes: set[int]) -> None:
+    if id(node) in seen_nodes:  # an alias already walked (also stops recursive aliases)
+        return
+    seen_nodes.add(id(node))
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _refuse_duplicates(c, loader, item, f"{key}[{i}]", seen_nodes)
+    elif isinstance(node, yaml.MappingNode):
+        first: dict[Any, yaml.Node] = {}
+        for key_node, value_node in node.value:
+            label = key_node.value if isinstance(key_node, yaml.ScalarNode) else "?"
+            sub = _join(key, str(label))
+            if key_node.tag != _MERGE_TAG:
+                value = loader.construct_object(key_node, deep=True)
+                try:
+                    earlier = first.get(value)
+                except TypeError:
+                    earlier = None  # an unhashable key: construction reports it
+                else:
+                    if earlier is None:
+                        first[value] = key_node
+                if earlier is not None:
+                    here, there = key_node.start_mark, earlier.start_mark
+                    raise c.fail(
+                        sub,
+                        f"duplicate key at line {here.line + 1}, column {here.column + 1} "
+                        f"(first at line {there.line + 1})",
+                    )
+            _refuse_duplicates(c, loader, value_node, sub, seen_nodes)
+
 
 _ENV_REF = re.compile(r"\$\{([^}]*)\}")
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -168,6 +208,11 @@ class _Checker:
                 raise self.fail(key, f"keys must be strings, not {_kind(k)} {k!r}")
         return value
 
+    def section(self, key: str, top: dict[str, Any]) -> dict[str, Any]:
+        """The optional top-level mapping ``key``; absent or null means all defaults."""
+        value = top.get(key)
+        return {} if value is None else self.mapping(key, value)
+
     def known_keys(self, key: str, value: dict[str, Any], allowed: tuple[str, ...]) -> None:
         for k in value:
             if k not in allowed:
@@ -176,10 +221,10 @@ class _Checker:
     def string(self, key: str, value: Any) -> str:
         if not isinstance(value, str):
             raise self.fail(key, f"must be a string, not {_kind(value)}")
-        value = self.expand(key, value)
-        if not value.strip():
+        text = self.expand(key, value)
+        if not text.strip():
             raise self.fail(key, "must not be empty")
-        return value
+        return text
 
     def positive(self, key: str, value: Any) -> float:
         if isinstance(value, str):
@@ -201,6 +246,8 @@ class _Checker:
                 value = int(value)
             except ValueError:
                 raise self.fail(key, f"must be a whole number, not {value!r}") from None
+        if isinstance(value, float):
+            raise self.fail(key, f"must be a whole number, not {value!r}")
         if isinstance(value, bool) or not isinstance(value, int):
             raise self.fail(key, f"must be a whole number, not {_kind(value)}")
         if value < 1:
@@ -234,8 +281,10 @@ def load_config(path: str, environ: Mapping[str, str] | None = None) -> Config:
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(path, "", f"cannot read: {getattr(e, 'strerror', None) or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(path, "", f"cannot read: not UTF-8 (byte {e.object[e.start]:#04x} at offset {e.start})") from None
+    except OSError as e:
+        raise ConfigError(path, "", f"cannot read: {e.strerror or e}") from None
     return parse_config(text, path, environ)
 
 
@@ -245,13 +294,7 @@ def parse_config(text: str, path: str = "<config>", environ: Mapping[str, str] |
     :raises ConfigError: see :func:`load_config`.
     """
     c = _Checker(path, os.environ if environ is None else environ)
-    try:
-        raw = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise ConfigError(path, "", f"invalid YAML{where}: {problem}") from None
+    raw = _load_yaml(c, text)
     if raw is None:
         raise c.fail("", "the file is empty")
     top = c.mapping("", raw)
@@ -262,7 +305,7 @@ def parse_config(text: str, path: str = "<config>", environ: Mapping[str, str] |
 
     listen = c.string("listen", top["listen"])
 
-    health_raw = c.mapping("health", top.get("health") or {})
+    health_raw = c.section("health", top)
     c.known_keys("health", health_raw, ("interval", "timeout", "recovery_polls", "failure_threshold"))
     d = HealthSettings()
     health = HealthSettings(
@@ -274,7 +317,7 @@ def parse_config(text: str, path: str = "<config>", environ: Mapping[str, str] |
         ),
     )
 
-    t_raw = c.mapping("timeouts", top.get("timeouts") or {})
+    t_raw = c.section("timeouts", top)
     c.known_keys("timeouts", t_raw, ("connect", "first_byte", "idle"))
     dt = Timeouts()
     timeouts = Timeouts(
@@ -283,7 +326,7 @@ def parse_config(text: str, path: str = "<config>", environ: Mapping[str, str] |
         idle=c.positive("timeouts.idle", t_raw.get("idle", dt.idle)),
     )
 
-    dr_raw = c.mapping("drain", top.get("drain") or {})
+    dr_raw = c.section("drain", top)
     c.known_keys("drain", dr_raw, ("delay", "grace"))
     dd = DrainSettings()
     drain = DrainSettings(
@@ -291,7 +334,7 @@ def parse_config(text: str, path: str = "<config>", environ: Mapping[str, str] |
         grace=c.positive("drain.grace", dr_raw.get("grace", dd.grace)),
     )
 
-    ops_raw = c.mapping("ops", top.get("ops") or {})
+    ops_raw = c.section("ops", top)
     c.known_keys("ops", ops_raw, ("token",))
     token_raw = ops_raw.get("token")
     ops = OpsSettings(token=None if token_raw is None else c.string("ops.token", token_raw))
@@ -317,8 +360,8 @@ def _hosts(c: _Checker, raw: Any) -> dict[str, Host]:
     hosts: dict[str, Host] = {}
     for name, value in hosts_raw.items():
         key = f"hosts.{name}"
-        if not name.strip() or "/" in name or any(ch.isspace() for ch in name):
-            raise c.fail(key, "a host name must be non-empty, without '/' or spaces")
+        if not name or "/" in name or not all(ch.isprintable() and not ch.isspace() for ch in name):
+            raise c.fail(key, "a host name must be non-empty, without '/', spaces or control characters")
         if isinstance(value, dict):
             c.known_keys(key, c.mapping(key, value), ("url",))
             if "url" not in value:

@@ -1,0 +1,91 @@
+"""Fail fast at start-up with one line, never a traceback (DESIGN.md §Configuration).
+
+A bad configuration file, a ``listen`` string Twisted cannot parse, or a ``listen``
+address that cannot be bound (port in use, no such interface) must stop ``twistd`` at
+start-up with one line ``crossbar: FILE: KEY: problem`` on stderr and exit status 1.
+Errors raised while building the service are reported by the plugin with
+:func:`report_and_exit`; errors raised while *starting* it (binding the port happens in
+``startService``, after ``twistd`` has redirected ``sys.stderr`` into its log) are caught
+by :class:`StartupGuard`, which wraps the service ``twistd`` runs.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable, NoReturn, TextIO
+
+from twisted.application.service import IService, MultiService
+from twisted.internet.error import CannotListenError
+from twisted.logger import Logger
+
+from crossbar.config import ConfigError
+
+__all__ = ["StartupGuard", "as_config_error", "report_and_exit"]
+
+_log = Logger(namespace="crossbar")
+
+
+def as_config_error(error: ConfigError | CannotListenError, source: str) -> ConfigError:
+    """``error`` as a :class:`ConfigError` of the file ``source``.
+
+    A :class:`CannotListenError` becomes a problem of the ``listen`` key, e.g.
+    ``crossbar.yaml: listen: cannot listen on 127.0.0.1:7777: Address already in use``.
+    """
+    if isinstance(error, ConfigError):
+        return error
+    reason = error.socketError
+    why = getattr(reason, "strerror", None) or str(reason)
+    where = f"{error.interface or '*'}:{error.port}"
+    return ConfigError(source, "listen", f"cannot listen on {where}: {why}")
+
+
+def report_and_exit(error: ConfigError, stderr: TextIO | None = None, log: bool = True) -> NoReturn:
+    """Write ``crossbar: <error>`` as one line to ``stderr`` and exit with status 1.
+
+    ``stderr`` defaults to the process's original standard error (``sys.__stderr__``),
+    which ``twistd`` leaves alone when it redirects ``sys.stderr`` into its log. With
+    ``log`` the same line is also logged at ``critical`` level for operators who read
+    the log file (pass False before ``twistd`` has started logging: Twisted would print
+    a critical event to stderr a second time).
+
+    :raises SystemExit: always, with code 1.
+    """
+    line = f"crossbar: {error}"
+    if log:
+        _log.critical("start-up failed: {error}", error=str(error))
+    out = stderr if stderr is not None else (sys.__stderr__ or sys.stderr)
+    out.write(line + "\n")
+    out.flush()
+    raise SystemExit(1)
+
+
+class StartupGuard(MultiService):
+    """Runs ``service``; a start-up error becomes one line and exit status 1.
+
+    Catches :class:`ConfigError` and :class:`CannotListenError` from
+    ``privilegedStartService`` and ``startService`` (``source`` is the configuration
+    file named in the message); any other exception is a bug and propagates.
+    """
+
+    def __init__(
+        self,
+        service: IService,
+        source: str,
+        report: Callable[[ConfigError], NoReturn] = report_and_exit,
+    ) -> None:
+        super().__init__()
+        self.source = source
+        self._report = report
+        service.setServiceParent(self)
+
+    def privilegedStartService(self) -> None:
+        try:
+            super().privilegedStartService()
+        except (ConfigError, CannotListenError) as e:
+            self._report(as_config_error(e, self.source))
+
+    def startService(self) -> None:
+        try:
+            super().startService()
+        except (ConfigError, CannotListenError) as e:
+            self._report(as_config_error(e, self.source))
