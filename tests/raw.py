@@ -18,6 +18,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
 from twisted.internet.interfaces import IHalfCloseableProtocol
 from twisted.internet.protocol import Protocol
+from twisted.internet.task import LoopingCall
 from twisted.logger import globalLogPublisher, formatEvent
 from twisted.python.failure import Failure
 from twisted.trial.unittest import TestCase
@@ -133,6 +134,7 @@ class _Collect(Protocol):
         self.done: Deferred[bytes] = Deferred()
         self.closed: Deferred[None] = Deferred()
         self.how = ""
+        self.wait_close = False
 
     def connectionMade(self) -> None:
         for chunk in self.chunks:
@@ -144,7 +146,8 @@ class _Collect(Protocol):
             self._finish("until")
 
     def readConnectionLost(self) -> None:
-        self._finish("half-close")
+        if not self.wait_close:
+            self._finish("half-close")
 
     def writeConnectionLost(self) -> None:
         pass
@@ -165,19 +168,30 @@ async def raw_exchange(
     *chunks: bytes,
     timeout: float = 10.0,
     until: Callable[[bytes], bool] | None = None,
+    wait_close: bool = False,
+    trickle: bytes = b"",
 ) -> tuple[bytes, str]:
     """Send ``chunks`` on a new loopback connection to ``port`` and collect every byte
     until crossbar closes or half-closes it (or ``until(received)`` holds).
 
     Returns ``(received, how)``, ``how`` being ``"close"``, ``"half-close"`` or
-    ``"until"``. The connection is closed and its end awaited before returning.
+    ``"until"``; with ``wait_close`` a half-close is not an end (only a full close,
+    ``until`` or the timeout are). The connection is closed and its end awaited before
+    returning. ``trickle``, when given, is written again every 0.1 s until the
+    connection ends (a client that keeps sending; a reset is only noticed on a write).
 
     :raises AssertionError: nothing ended within ``timeout`` seconds.
     """
     proto = _Collect(list(chunks), until)
+    proto.wait_close = wait_close
     await connectProtocol(TCP4ClientEndpoint(reactor, "127.0.0.1", port), proto)
     timer = reactor.callLater(timeout, proto._finish, "timeout")  # type: ignore[attr-defined]
+    sender = LoopingCall(proto.transport.write, trickle)  # type: ignore[union-attr]
+    if trickle:
+        sender.start(0.1)
     received = await proto.done
+    if sender.running:
+        sender.stop()
     if timer.active():
         timer.cancel()
     assert proto.how != "timeout", f"no end within {timeout}s; got {received[:300]!r}"
