@@ -1,0 +1,644 @@
+"""Every validation rule of DESIGN.md §Configuration, each pinned by its exact message.
+
+A message is one line ``FILE: KEY.PATH: problem``; the tests compare the whole line so
+a change of key path or wording is a visible decision, not an accident.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from dataclasses import FrozenInstanceError
+from typing import Any, Callable, Mapping
+
+import yaml
+from twisted.trial.unittest import SynchronousTestCase
+
+from crossbar.config import (
+    Config,
+    ConfigError,
+    DrainSettings,
+    HealthSettings,
+    Host,
+    OpsSettings,
+    Route,
+    Timeouts,
+    load_config,
+    parse_config,
+)
+
+MINIMAL = """\
+listen: "tcp:7777:interface=127.0.0.1"
+hosts:
+  a: http://127.0.0.1:8080
+routes:
+  r:
+    hosts: [a]
+"""
+
+DESIGN_EXAMPLE = """\
+listen: "tcp:7777:interface=127.0.0.1"  # a Twisted server endpoint string
+health:
+  interval: 5            # s between poll rounds
+  timeout: 5             # s for one poll of one host (both requests)
+  recovery_polls: 2      # good polls in a row a host needs after a failure
+  failure_threshold: 1   # failed polls in a row before a trusted host is marked down
+timeouts:
+  connect: 5             # s to open a connection to a host
+  first_byte: 300        # s from request sent to response headers (long prompts)
+  idle: 120              # s without a body byte from the host (not while the client is slow)
+drain:
+  delay: 5               # s readiness says 503 before crossbar stops accepting
+  grace: 25              # s in-flight requests get to finish after that
+ops:
+  token: ${CROSSBAR_OPS_TOKEN}  # optional bearer token for /_crossbar/status and /metrics
+hosts:
+  gpu-a: http://10.0.0.5:8080             # name -> base URL
+  gpu-b:
+    url: http://10.0.0.6:8080
+routes:
+  opencode-a:
+    hosts: [gpu-a, gpu-b]                 # order is preference order
+    default_model: qwen2.5-coder-7b       # used when a request names no model
+"""
+
+
+def doc(**changes: Any) -> str:
+    """MINIMAL as YAML with top-level keys replaced (a value of ``None`` removes one)."""
+    base: dict[str, Any] = {
+        "listen": "tcp:7777:interface=127.0.0.1",
+        "hosts": {"a": "http://127.0.0.1:8080"},
+        "routes": {"r": {"hosts": ["a"]}},
+    }
+    for key, value in changes.items():
+        if value is None:
+            base.pop(key, None)
+        else:
+            base[key] = value
+    return yaml.safe_dump(base, sort_keys=False)
+
+
+def parse(text: str, environ: Mapping[str, str] | None = None) -> Config:
+    return parse_config(text, "x.yaml", environ={} if environ is None else environ)
+
+
+class _Case(SynchronousTestCase):
+    def assertRejected(self, text: str, message: str, environ: Mapping[str, str] | None = None) -> ConfigError:
+        """``text`` fails with exactly ``message`` (one line, the file named first)."""
+        e = self.assertRaises(ConfigError, parse, text, environ)
+        self.assertEqual(str(e), message)
+        self.assertNotIn("\n", str(e))
+        self.assertEqual(e.path, "x.yaml")
+        return e
+
+
+class DefaultsTests(_Case):
+    def test_minimal_config_gets_design_defaults(self) -> None:
+        c = parse(MINIMAL)
+        self.assertEqual(c.listen, "tcp:7777:interface=127.0.0.1")
+        self.assertEqual(c.health, HealthSettings(interval=5.0, timeout=5.0, recovery_polls=2, failure_threshold=1))
+        self.assertEqual(c.timeouts, Timeouts(connect=5.0, first_byte=300.0, idle=120.0))
+        self.assertEqual(c.drain, DrainSettings(delay=5.0, grace=25.0))
+        self.assertEqual(c.ops, OpsSettings(token=None))
+        self.assertEqual(dict(c.hosts), {"a": Host("a", "http://127.0.0.1:8080")})
+        self.assertEqual(dict(c.routes), {"r": Route("r", ("a",), None)})
+        self.assertEqual(c.source, "x.yaml")
+
+    def test_dataclass_defaults_match_design(self) -> None:
+        """The records' own defaults are DESIGN's too (other modules build them directly)."""
+        self.assertEqual(
+            (HealthSettings(), Timeouts(), DrainSettings(), OpsSettings()),
+            (HealthSettings(5, 5, 2, 1), Timeouts(5, 300, 120), DrainSettings(5, 25), OpsSettings(None)),
+        )
+
+    def test_design_example_parses(self) -> None:
+        c = parse(DESIGN_EXAMPLE, {"CROSSBAR_OPS_TOKEN": "s3cret"})
+        self.assertEqual(c.ops.token, "s3cret")
+        self.assertEqual(c.hosts["gpu-a"].url, "http://10.0.0.5:8080")
+        self.assertEqual(c.hosts["gpu-b"].url, "http://10.0.0.6:8080")
+        self.assertEqual(c.routes["opencode-a"], Route("opencode-a", ("gpu-a", "gpu-b"), "qwen2.5-coder-7b"))
+        self.assertEqual(c.health, HealthSettings())
+        self.assertEqual(c.timeouts, Timeouts())
+        self.assertEqual(c.drain, DrainSettings())
+
+    def test_null_section_means_defaults(self) -> None:
+        c = parse(MINIMAL + "health:\ntimeouts:\ndrain:\nops:\n")
+        self.assertEqual((c.health, c.timeouts, c.drain, c.ops), (HealthSettings(), Timeouts(), DrainSettings(), OpsSettings()))
+
+    def test_partial_section_keeps_other_defaults(self) -> None:
+        c = parse(doc(health={"interval": 0.5}, timeouts={"idle": 7}))
+        self.assertEqual(c.health, HealthSettings(interval=0.5))
+        self.assertEqual(c.timeouts, Timeouts(idle=7.0))
+        self.assertIsInstance(c.timeouts.idle, float)
+
+    def test_settings_are_given_values(self) -> None:
+        c = parse(doc(
+            health={"interval": 1, "timeout": 2.5, "recovery_polls": 3, "failure_threshold": 4},
+            timeouts={"connect": 0.25, "first_byte": 10, "idle": 11},
+            drain={"delay": 0.1, "grace": 0.2},
+        ))
+        self.assertEqual(c.health, HealthSettings(1.0, 2.5, 3, 4))
+        self.assertEqual(c.timeouts, Timeouts(0.25, 10.0, 11.0))
+        self.assertEqual(c.drain, DrainSettings(0.1, 0.2))
+
+
+class OrderAndImmutabilityTests(_Case):
+    def test_hosts_and_routes_keep_file_order(self) -> None:
+        c = parse("""\
+listen: tcp:1
+hosts:
+  zeta: http://z
+  alpha: http://a
+  mid: {url: http://m}
+routes:
+  z2: {hosts: [mid, zeta, alpha]}
+  a1: {hosts: [alpha]}
+  m3: {hosts: [zeta]}
+""")
+        self.assertEqual(list(c.hosts), ["zeta", "alpha", "mid"])
+        self.assertEqual(list(c.routes), ["z2", "a1", "m3"])
+        self.assertEqual(c.routes["z2"].hosts, ("mid", "zeta", "alpha"))
+
+    def test_config_is_frozen(self) -> None:
+        c = parse(MINIMAL)
+        with self.assertRaises(FrozenInstanceError):
+            c.listen = "tcp:1"  # type: ignore[misc]
+        with self.assertRaises(FrozenInstanceError):
+            c.health.interval = 1.0  # type: ignore[misc]
+        with self.assertRaises(FrozenInstanceError):
+            c.hosts["a"].url = "http://evil"  # type: ignore[misc]
+        with self.assertRaises(FrozenInstanceError):
+            c.routes["r"].hosts = ()  # type: ignore[misc]
+        with self.assertRaises(TypeError):
+            c.hosts["b"] = Host("b", "http://b")  # type: ignore[index]
+        with self.assertRaises(TypeError):
+            c.routes["s"] = Route("s", ("a",))  # type: ignore[index]
+        self.assertIsInstance(c.routes["r"].hosts, tuple)
+
+
+class StructureTests(_Case):
+    def test_unknown_top_level_key(self) -> None:
+        self.assertRejected(
+            MINIMAL + "lissen: tcp:1\n",
+            "x.yaml: lissen: unknown key (expected one of: listen, health, timeouts, drain, ops, hosts, routes)",
+        )
+
+    def test_unknown_key_in_health(self) -> None:
+        self.assertRejected(
+            doc(health={"intervall": 5}),
+            "x.yaml: health.intervall: unknown key (expected one of: interval, timeout, recovery_polls, failure_threshold)",
+        )
+
+    def test_unknown_key_in_timeouts(self) -> None:
+        self.assertRejected(
+            doc(timeouts={"read": 5}),
+            "x.yaml: timeouts.read: unknown key (expected one of: connect, first_byte, idle)",
+        )
+
+    def test_unknown_key_in_drain(self) -> None:
+        self.assertRejected(doc(drain={"wait": 5}), "x.yaml: drain.wait: unknown key (expected one of: delay, grace)")
+
+    def test_unknown_key_in_ops(self) -> None:
+        self.assertRejected(doc(ops={"password": "x"}), "x.yaml: ops.password: unknown key (expected one of: token)")
+
+    def test_unknown_key_in_host(self) -> None:
+        self.assertRejected(
+            doc(hosts={"a": {"url": "http://h", "weight": 2}}),
+            "x.yaml: hosts.a.weight: unknown key (expected one of: url)",
+        )
+
+    def test_unknown_key_in_route(self) -> None:
+        self.assertRejected(
+            doc(routes={"r": {"hosts": ["a"], "model": "m"}}),
+            "x.yaml: routes.r.model: unknown key (expected one of: hosts, default_model)",
+        )
+
+    def test_missing_listen(self) -> None:
+        self.assertRejected(doc(listen=None), "x.yaml: listen: is required")
+
+    def test_missing_hosts(self) -> None:
+        self.assertRejected(doc(hosts=None), "x.yaml: hosts: is required")
+
+    def test_missing_routes(self) -> None:
+        self.assertRejected(doc(routes=None), "x.yaml: routes: is required")
+
+    def test_empty_hosts(self) -> None:
+        self.assertRejected(doc(hosts={}), "x.yaml: hosts: must name at least one host")
+
+    def test_empty_routes(self) -> None:
+        self.assertRejected(doc(routes={}), "x.yaml: routes: must name at least one route")
+
+    def test_listen_not_a_string(self) -> None:
+        self.assertRejected(doc(listen=7777), "x.yaml: listen: must be a string, not a number")
+
+    def test_listen_empty(self) -> None:
+        self.assertRejected(doc(listen=" "), "x.yaml: listen: must not be empty")
+
+    def test_top_level_not_a_mapping(self) -> None:
+        self.assertRejected("- listen\n- hosts\n", "x.yaml: must be a mapping, not a list")
+
+    def test_section_not_a_mapping(self) -> None:
+        self.assertRejected(doc(health=[]), "x.yaml: health: must be a mapping, not a list")
+
+    def test_section_scalar_not_a_mapping(self) -> None:
+        self.assertRejected(doc(drain=5), "x.yaml: drain: must be a mapping, not a number")
+
+    def test_non_string_key(self) -> None:
+        self.assertRejected(MINIMAL + "7: x\n", "x.yaml: keys must be strings, not a number 7")
+
+
+class HostURLTests(_Case):
+    def rejected_url(self, url: str, problem: str) -> None:
+        self.assertRejected(doc(hosts={"a": url}), f"x.yaml: hosts.a: {problem}")
+
+    def test_ftp_scheme(self) -> None:
+        self.rejected_url(
+            "ftp://h:21", "must be an absolute http:// or https:// URL without query, not 'ftp://h:21'"
+        )
+
+    def test_relative_url(self) -> None:
+        self.rejected_url(
+            "127.0.0.1:8080", "must be an absolute http:// or https:// URL without query, not '127.0.0.1:8080'"
+        )
+
+    def test_path_only(self) -> None:
+        self.rejected_url("/v1", "must be an absolute http:// or https:// URL without query, not '/v1'")
+
+    def test_no_host(self) -> None:
+        self.rejected_url("http://", "must be an absolute http:// or https:// URL without query, not 'http://'")
+
+    def test_port_without_host(self) -> None:
+        self.rejected_url("http://:8080", "missing host name in 'http://:8080'")
+
+    def test_port_out_of_range(self) -> None:
+        self.rejected_url("http://h:65536", "bad port in 'http://h:65536'")
+
+    def test_port_zero(self) -> None:
+        self.rejected_url("http://h:0", "bad port in 'http://h:0'")
+
+    def test_port_not_numeric(self) -> None:
+        self.rejected_url("http://h:http", "bad port in 'http://h:http'")
+
+    def test_port_empty(self) -> None:
+        self.rejected_url("http://h:/", "bad port in 'http://h:/'")
+
+    def test_with_query(self) -> None:
+        self.rejected_url(
+            "http://h:8080/?key=1", "must be an absolute http:// or https:// URL without query, not 'http://h:8080/?key=1'"
+        )
+
+    def test_with_fragment(self) -> None:
+        self.rejected_url(
+            "http://h:8080/#x", "must be an absolute http:// or https:// URL without query, not 'http://h:8080/#x'"
+        )
+
+    def test_with_credentials(self) -> None:
+        self.rejected_url("http://user:pw@h:8080", "must not carry credentials (user@host)")
+
+    def test_space_in_host(self) -> None:
+        self.rejected_url(
+            "http://h h:8080", "must be an absolute http:// or https:// URL without query, not 'http://h h:8080'"
+        )
+
+    def test_not_a_string(self) -> None:
+        self.rejected_url(8080, "must be a string, not a number")  # type: ignore[arg-type]
+
+    def test_null(self) -> None:
+        self.assertRejected("listen: tcp:1\nhosts:\n  a:\nroutes: {r: {hosts: [a]}}\n", "x.yaml: hosts.a: must be a string, not null")
+
+    def test_url_in_mapping_form_is_checked_under_url_key(self) -> None:
+        self.assertRejected(
+            doc(hosts={"a": {"url": "ftp://h"}}),
+            "x.yaml: hosts.a.url: must be an absolute http:// or https:// URL without query, not 'ftp://h'",
+        )
+
+    def test_mapping_form_without_url(self) -> None:
+        self.assertRejected(doc(hosts={"a": {}}), "x.yaml: hosts.a.url: is required")
+
+    def test_host_as_string_and_as_mapping(self) -> None:
+        c = parse(doc(hosts={"a": "http://h1:1", "b": {"url": "https://h2:2"}}))
+        self.assertEqual(c.hosts["a"], Host("a", "http://h1:1"))
+        self.assertEqual(c.hosts["b"], Host("b", "https://h2:2"))
+
+    def test_trailing_slash_trimmed(self) -> None:
+        c = parse(doc(hosts={"a": "http://h:8080/", "b": {"url": "https://h/llama/"}, "c": "http://h//"}))
+        self.assertEqual([h.url for h in c.hosts.values()], ["http://h:8080", "https://h/llama", "http://h"])
+
+    def test_ipv6_literal(self) -> None:
+        self.assertEqual(parse(doc(hosts={"a": "http://[::1]:8080/"})).hosts["a"].url, "http://[::1]:8080")
+
+    def test_bad_host_name(self) -> None:
+        self.assertRejected(
+            doc(hosts={"a/b": "http://h"}, routes={"r": {"hosts": ["a/b"]}}),
+            "x.yaml: hosts.a/b: a host name must be non-empty, without '/', spaces or control characters",
+        )
+
+
+class RouteTests(_Case):
+    def test_route_names_unknown_host(self) -> None:
+        self.assertRejected(doc(routes={"r": {"hosts": ["a", "gpu-z"]}}), "x.yaml: routes.r.hosts[1]: unknown host 'gpu-z'")
+
+    def test_route_with_no_hosts(self) -> None:
+        self.assertRejected(doc(routes={"r": {"hosts": []}}), "x.yaml: routes.r.hosts: must name at least one host")
+
+    def test_route_without_hosts_key(self) -> None:
+        self.assertRejected(doc(routes={"r": {"default_model": "m"}}), "x.yaml: routes.r.hosts: is required")
+
+    def test_route_hosts_not_a_list(self) -> None:
+        self.assertRejected(doc(routes={"r": {"hosts": "a"}}), "x.yaml: routes.r.hosts: must be a list of host names, not a string")
+
+    def test_route_lists_host_twice(self) -> None:
+        self.assertRejected(doc(routes={"r": {"hosts": ["a", "a"]}}), "x.yaml: routes.r.hosts[1]: host 'a' is listed twice")
+
+    def test_route_name_empty(self) -> None:
+        self.assertRejected(doc(routes={"": {"hosts": ["a"]}}), "x.yaml: routes: a route name must not be empty")
+
+    def test_route_name_with_slash(self) -> None:
+        self.assertRejected(doc(routes={"a/b": {"hosts": ["a"]}}), "x.yaml: routes.a/b: a route name must not contain '/'")
+
+    def test_route_name_reserved_crossbar(self) -> None:
+        self.assertRejected(
+            doc(routes={"_crossbar": {"hosts": ["a"]}}),
+            "x.yaml: routes._crossbar: a route name must not start with '_' (reserved for /_crossbar)",
+        )
+
+    def test_route_name_starting_with_underscore(self) -> None:
+        self.assertRejected(
+            doc(routes={"_x": {"hosts": ["a"]}}),
+            "x.yaml: routes._x: a route name must not start with '_' (reserved for /_crossbar)",
+        )
+
+    def test_route_name_dot_segment(self) -> None:
+        self.assertRejected(
+            doc(routes={"..": {"hosts": ["a"]}}),
+            "x.yaml: routes...: a route name must be a plain path segment (no spaces, '?', '#', '%', dots alone)",
+        )
+
+    def test_route_not_a_mapping(self) -> None:
+        self.assertRejected(doc(routes={"r": ["a"]}), "x.yaml: routes.r: must be a mapping, not a list")
+
+    def test_default_model(self) -> None:
+        c = parse(doc(routes={"r": {"hosts": ["a"], "default_model": "qwen"}, "s": {"hosts": ["a"]}}))
+        self.assertEqual((c.routes["r"].default_model, c.routes["s"].default_model), ("qwen", None))
+
+    def test_default_model_not_a_string(self) -> None:
+        self.assertRejected(
+            doc(routes={"r": {"hosts": ["a"], "default_model": ["m"]}}),
+            "x.yaml: routes.r.default_model: must be a string, not a list",
+        )
+
+    def test_underscore_inside_name_is_fine(self) -> None:
+        self.assertEqual(list(parse(doc(routes={"a_b": {"hosts": ["a"]}})).routes), ["a_b"])
+
+
+_SECONDS = [
+    ("health", "interval"), ("health", "timeout"),
+    ("timeouts", "connect"), ("timeouts", "first_byte"), ("timeouts", "idle"),
+    ("drain", "delay"), ("drain", "grace"),
+]
+_BAD_SECONDS: list[tuple[str, object, str]] = [
+    ("zero", 0, "must be a positive number of seconds, not 0"),
+    ("negative", -1, "must be a positive number of seconds, not -1"),
+    ("negative_float", -0.5, "must be a positive number of seconds, not -0.5"),
+    ("text", "soon", "must be a number of seconds, not 'soon'"),
+    ("with_unit", "5s", "must be a number of seconds, not '5s'"),
+    ("boolean", True, "must be a number of seconds, not a boolean"),
+    ("null", None, "must be a number of seconds, not null"),
+    ("list", [5], "must be a number of seconds, not a list"),
+    ("infinite", float("inf"), "must be a positive number of seconds, not inf"),
+    ("nan", float("nan"), "must be a positive number of seconds, not nan"),
+]
+_COUNTS = [("health", "recovery_polls"), ("health", "failure_threshold")]
+_BAD_COUNTS: list[tuple[str, object, str]] = [
+    ("zero", 0, "must be at least 1, not 0"),
+    ("negative", -3, "must be at least 1, not -3"),
+    ("float", 2.5, "must be a whole number, not 2.5"),
+    ("whole_float", 2.0, "must be a whole number, not 2.0"),
+    ("boolean", True, "must be a whole number, not a boolean"),
+    ("text", "two", "must be a whole number, not 'two'"),
+    ("null", None, "must be a whole number, not null"),
+]
+
+
+def _make_rejection(section: str, key: str, value: object, problem: str) -> Callable[[_Case], None]:
+    def test(self: _Case) -> None:
+        self.assertRejected(doc(**{section: {key: value}}), f"x.yaml: {section}.{key}: {problem}")
+
+    test.__doc__ = f"{section}.{key}: {value!r} is refused"
+    return test
+
+
+class NumberTests(_Case):
+    """Non-positive or non-numeric intervals and timeouts; thresholds below 1."""
+
+    locals().update({
+        f"test_{section}_{key}_{label}": _make_rejection(section, key, value, problem)
+        for section, key in _SECONDS for label, value, problem in _BAD_SECONDS
+    })
+    locals().update({
+        f"test_{section}_{key}_{label}": _make_rejection(section, key, value, problem)
+        for section, key in _COUNTS for label, value, problem in _BAD_COUNTS
+    })
+
+    def test_seconds_may_be_fractions(self) -> None:
+        c = parse(doc(health={"interval": 0.001}, drain={"delay": 1e-3}))
+        self.assertEqual((c.health.interval, c.drain.delay), (0.001, 0.001))
+
+    def test_thresholds_of_one_are_fine(self) -> None:
+        c = parse(doc(health={"recovery_polls": 1, "failure_threshold": 1}))
+        self.assertEqual((c.health.recovery_polls, c.health.failure_threshold), (1, 1))
+
+    def test_numbers_from_environment(self) -> None:
+        c = parse(MINIMAL + "health:\n  interval: ${EVERY}\n  recovery_polls: ${POLLS}\n", {"EVERY": "0.5", "POLLS": "3"})
+        self.assertEqual((c.health.interval, c.health.recovery_polls), (0.5, 3))
+
+    def test_bad_number_from_environment(self) -> None:
+        self.assertRejected(
+            MINIMAL + "timeouts:\n  idle: ${IDLE}\n", "x.yaml: timeouts.idle: must be a number of seconds, not 'forever'",
+            {"IDLE": "forever"},
+        )
+
+
+class YAMLTests(_Case):
+    def test_duplicate_top_level_key(self) -> None:
+        self.assertRejected(
+            MINIMAL + 'listen: "tcp:8888"\n', "x.yaml: listen: duplicate key at line 7, column 1 (first at line 1)"
+        )
+
+    def test_duplicate_nested_key(self) -> None:
+        self.assertRejected(
+            MINIMAL + "health:\n  interval: 1\n  timeout: 2\n  interval: 3\n",
+            "x.yaml: health.interval: duplicate key at line 10, column 3 (first at line 8)",
+        )
+
+    def test_duplicate_host_name(self) -> None:
+        self.assertRejected(
+            "listen: tcp:1\nhosts:\n  a: http://h1\n  a: http://h2\nroutes: {r: {hosts: [a]}}\n",
+            "x.yaml: hosts.a: duplicate key at line 4, column 3 (first at line 3)",
+        )
+
+    def test_duplicate_route_name(self) -> None:
+        self.assertRejected(
+            MINIMAL + "  r:\n    hosts: [a]\n",
+            "x.yaml: routes.r: duplicate key at line 7, column 3 (first at line 5)",
+        )
+
+    def test_duplicate_key_in_flow_mapping(self) -> None:
+        self.assertRejected(
+            MINIMAL + "drain: {delay: 1, delay: 2}\n", "x.yaml: drain.delay: duplicate key at line 7, column 19 (first at line 7)"
+        )
+
+    def test_duplicate_key_deep_in_route(self) -> None:
+        self.assertRejected(
+            "listen: tcp:1\nhosts: {a: http://h}\nroutes:\n  r:\n    hosts: [a]\n    default_model: m\n    hosts: [a]\n",
+            "x.yaml: routes.r.hosts: duplicate key at line 7, column 5 (first at line 5)",
+        )
+
+    def test_same_key_in_different_mappings_is_fine(self) -> None:
+        c = parse(doc(health={"timeout": 1}, timeouts={"connect": 1}, hosts={"a": {"url": "http://a"}, "b": {"url": "http://b"}}))
+        self.assertEqual(list(c.hosts), ["a", "b"])
+
+    def test_merge_key_may_be_overridden(self) -> None:
+        """YAML merge keys (``<<``) are not duplicates of the keys that override them."""
+        c = parse(MINIMAL + "health: &h {interval: 1, timeout: 2}\ndrain:\n  <<: {delay: 1, grace: 1}\n  grace: 3\n")
+        self.assertEqual(c.drain, DrainSettings(1.0, 3.0))
+
+    def test_invalid_syntax_names_line_and_column(self) -> None:
+        self.assertRejected(
+            "listen: tcp:1\nhosts: [a\nroutes: {}\n",
+            "x.yaml: invalid YAML at line 3, column 7: expected ',' or ']', but got ':'",
+        )
+
+    def test_unterminated_quote(self) -> None:
+        self.assertRejected(
+            'listen: "tcp:1\n', "x.yaml: invalid YAML at line 2, column 1: found unexpected end of stream"
+        )
+
+    def test_tab_indentation(self) -> None:
+        self.assertRejected(
+            "hosts:\n\ta: http://h\n",
+            "x.yaml: invalid YAML at line 2, column 1: found character '\\t' that cannot start any token",
+        )
+
+    def test_unsafe_tag_refused(self) -> None:
+        self.assertRejected(
+            "listen: !!python/object/apply:os.system [true]\n",
+            "x.yaml: invalid YAML at line 1, column 9: "
+            "could not determine a constructor for the tag 'tag:yaml.org,2002:python/object/apply:os.system'",
+        )
+
+    def test_deep_nesting_is_one_line(self) -> None:
+        self.assertRejected("a: " + "[" * 5000, "x.yaml: invalid YAML: nested too deeply")
+
+    def test_empty_file(self) -> None:
+        self.assertRejected("", "x.yaml: the file is empty")
+
+    def test_comment_only_file(self) -> None:
+        self.assertRejected("# nothing here\n\n", "x.yaml: the file is empty")
+
+    def test_control_characters_in_keys_stay_on_one_line(self) -> None:
+        self.assertRejected(
+            MINIMAL + '"a\\nb": 1\n',
+            "x.yaml: a\\nb: unknown key (expected one of: listen, health, timeouts, drain, ops, hosts, routes)",
+        )
+
+
+class EnvironmentTests(_Case):
+    def test_token_from_environment(self) -> None:
+        c = parse(MINIMAL + "ops:\n  token: ${CROSSBAR_OPS_TOKEN}\n", {"CROSSBAR_OPS_TOKEN": "t0k"})
+        self.assertEqual(c.ops.token, "t0k")
+
+    def test_unset_variable_is_an_error_naming_it(self) -> None:
+        self.assertRejected(
+            MINIMAL + "ops:\n  token: ${CROSSBAR_OPS_TOKEN}\n",
+            "x.yaml: ops.token: environment variable CROSSBAR_OPS_TOKEN is not set",
+            {"OTHER": "x"},
+        )
+
+    def test_empty_variable_gives_empty_token_which_is_refused(self) -> None:
+        self.assertRejected(
+            MINIMAL + "ops:\n  token: ${T}\n", "x.yaml: ops.token: must not be empty", {"T": ""}
+        )
+
+    def test_variable_in_url(self) -> None:
+        c = parse(doc(hosts={"a": "http://${GPU_A}:8080/"}), {"GPU_A": "10.0.0.5"})
+        self.assertEqual(c.hosts["a"].url, "http://10.0.0.5:8080")
+
+    def test_unset_variable_in_url(self) -> None:
+        self.assertRejected(
+            doc(hosts={"a": {"url": "http://${GPU_A}:8080"}}), "x.yaml: hosts.a.url: environment variable GPU_A is not set"
+        )
+
+    def test_expanded_url_is_validated(self) -> None:
+        self.assertRejected(
+            doc(hosts={"a": "${URL}"}),
+            "x.yaml: hosts.a: must be an absolute http:// or https:// URL without query, not 'ftp://h'",
+            {"URL": "ftp://h"},
+        )
+
+    def test_several_references_in_one_value(self) -> None:
+        c = parse(doc(listen="tcp:${PORT}:interface=${IFACE}"), {"PORT": "7000", "IFACE": "127.0.0.1"})
+        self.assertEqual(c.listen, "tcp:7000:interface=127.0.0.1")
+
+    def test_expansion_is_not_recursive(self) -> None:
+        c = parse(MINIMAL + "ops:\n  token: ${A}\n", {"A": "${B}", "B": "nope"})
+        self.assertEqual(c.ops.token, "${B}")
+
+    def test_bad_reference(self) -> None:
+        self.assertRejected(MINIMAL + "ops:\n  token: ${1X}\n", "x.yaml: ops.token: bad environment reference ${1X}")
+
+    def test_default_environment_is_os_environ(self) -> None:
+        self.patch(os, "environ", {"CROSSBAR_TEST_TOKEN": "from-os"})
+        c = parse_config(MINIMAL + "ops:\n  token: ${CROSSBAR_TEST_TOKEN}\n", "x.yaml")
+        self.assertEqual(c.ops.token, "from-os")
+
+
+class LoadConfigTests(_Case):
+    def write(self, data: bytes) -> str:
+        path = self.mktemp() + ".yaml"
+        with open(path, "wb") as f:
+            f.write(data)
+        return path
+
+    def test_loads_file(self) -> None:
+        path = self.write(MINIMAL.encode())
+        c = load_config(path, environ={})
+        self.assertEqual((c.source, list(c.hosts)), (path, ["a"]))
+
+    def test_errors_name_the_file(self) -> None:
+        path = self.write(b"listen: tcp:1\n")
+        e = self.assertRaises(ConfigError, load_config, path, {})
+        self.assertEqual(str(e), f"{path}: hosts: is required")
+
+    def test_missing_file(self) -> None:
+        path = self.mktemp()
+        e = self.assertRaises(ConfigError, load_config, path)
+        self.assertEqual(str(e), f"{path}: cannot read: No such file or directory")
+
+    def test_directory(self) -> None:
+        path = self.mktemp()
+        os.mkdir(path)
+        e = self.assertRaises(ConfigError, load_config, path)
+        self.assertEqual(str(e), f"{path}: cannot read: Is a directory")
+
+    def test_unreadable(self) -> None:
+        if os.geteuid() == 0:
+            raise self.skipTest("running as root: a mode-000 file is still readable")
+        path = self.write(MINIMAL.encode())
+        os.chmod(path, 0)
+        self.addCleanup(os.chmod, path, stat.S_IRUSR | stat.S_IWUSR)
+        e = self.assertRaises(ConfigError, load_config, path)
+        self.assertEqual(str(e), f"{path}: cannot read: Permission denied")
+
+    def test_not_utf8(self) -> None:
+        path = self.write(MINIMAL.encode() + b"# caf\xe9\n")
+        e = self.assertRaises(ConfigError, load_config, path)
+        self.assertEqual(str(e), f"{path}: cannot read: not UTF-8 (byte 0xe9 at offset {len(MINIMAL) + 5})")
+
+    def test_utf8_with_bom(self) -> None:
+        path = self.write(b"\xef\xbb\xbf" + MINIMAL.encode())
+        self.assertEqual(load_config(path, environ={}).listen, "tcp:7777:interface=127.0.0.1")
+
+    def test_non_ascii_names(self) -> None:
+        path = self.write(MINIMAL.replace("  r:", "  café:").encode())
+        self.assertEqual(list(load_config(path, environ={}).routes), ["café"])
