@@ -13,15 +13,17 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from twisted.application.service import Service
-from twisted.internet.defer import CancelledError, Deferred, DeferredList, ensureDeferred, succeed
+from twisted.internet.defer import CancelledError, Deferred, DeferredList, ensureDeferred, fail, succeed
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.protocol import Protocol, connectionDone
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.iweb import IAgent, IResponse
+from twisted.web.client import ResponseDone
+from twisted.web.http import PotentialDataLoss
+from twisted.web.iweb import UNKNOWN_LENGTH, IAgent, IResponse
 from zope.interface import Interface, implementer
 
-import treq
 from treq.client import HTTPClient
 
 from crossbar.health import HealthTable
@@ -64,6 +66,83 @@ class _BodyTooLarge(Exception):
     pass
 
 
+class _CappedBody(Protocol):
+    """Collects a response body of at most ``limit`` bytes.
+
+    Past the limit it stops the transport (the connection is closed and nothing more is
+    read) and fails ``finished`` with :class:`_BodyTooLarge`. Cancelling ``finished``
+    closes the connection too, so a host dripping a body slowly keeps no socket open
+    after the poll's timeout.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self._limit = limit
+        self._size = 0
+        self._chunks: list[bytes] = []
+        self.finished: Deferred[bytes] = Deferred(self._cancel)
+        self._done = False
+
+    def _stop(self) -> None:
+        self._done = True
+        self._chunks = []
+        if self.transport is not None:
+            self.transport.stopProducing()
+
+    def _cancel(self, d: Deferred[bytes]) -> None:
+        self._stop()  # the Deferred then fails with CancelledError
+
+    def dataReceived(self, data: bytes) -> None:
+        if self._done:
+            return
+        self._size += len(data)
+        if self._size > self._limit:
+            self._stop()
+            self.finished.errback(_BodyTooLarge())
+            return
+        self._chunks.append(data)
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        if self._done:
+            return
+        self._done = True
+        if reason.check(ResponseDone, PotentialDataLoss):
+            self.finished.callback(b"".join(self._chunks))
+        else:
+            self.finished.errback(reason)
+        self._chunks = []
+
+
+class _Discard(Protocol):
+    """Closes the connection of a body crossbar does not want to read."""
+
+    def makeConnection(self, transport: Any) -> None:
+        super().makeConnection(transport)
+        transport.stopProducing()
+
+
+def read_capped(response: IResponse, limit: int) -> Deferred[bytes]:
+    """The body of ``response``, if it has at most ``limit`` bytes.
+
+    A ``Content-Length`` over the limit fails at once without reading; a longer body is
+    cut off at the limit. Either way the connection is closed.
+
+    :raises _BodyTooLarge: (as a failure) when the body exceeds ``limit`` bytes.
+    """
+    if response.length is not UNKNOWN_LENGTH and response.length > limit:  # type: ignore[operator]
+        response.deliverBody(_Discard())
+        return fail(_BodyTooLarge())
+    body = _CappedBody(limit)
+    response.deliverBody(body)
+    return body.finished
+
+
+def _cancelled(failure: Failure) -> bool:
+    """Whether ``failure`` is, or wraps (``ResponseNeverReceived`` etc.), a cancellation."""
+    if failure.check(CancelledError):
+        return True
+    return any(isinstance(r, Failure) and _cancelled(r) for r in getattr(failure.value, "reasons", None) or ())
+
+
 def _describe(failure: Failure) -> str:
     """A short, single-line reason for a failed request."""
     value = failure.value
@@ -76,10 +155,11 @@ def _describe(failure: Failure) -> str:
 
 @implementer(IHostProbe)
 class HTTPProbe:
-    """The real probe: two bounded GETs through treq on ``agent`` (DESIGN.md §health, rule 2).
+    """The real probe: two bounded GETs on ``agent`` through treq (DESIGN.md §health, rule 2).
 
-    Redirects are not followed (a 3xx is not 200) and bodies are read only up to
-    :data:`MAX_POLL_BODY` bytes; a longer body fails the poll without being read further.
+    Redirects are not followed (a 3xx is not 200). Bodies are read only up to
+    :data:`MAX_POLL_BODY` bytes: a longer one fails the poll and its connection is
+    closed without reading the rest. Cancelling a poll closes its connection at once.
     """
 
     def __init__(self, agent: IAgent) -> None:
@@ -90,32 +170,28 @@ class HTTPProbe:
 
     async def _get(self, phase: str, url: str) -> bytes:
         try:
-            response: IResponse = await self._client.get(url, allow_redirects=False)
-        except CancelledError:
-            raise PollCancelled(phase) from None
+            response: IResponse = await self._client.get(url, allow_redirects=False, unbuffered=True)
         except Exception:
-            raise PollFailed(f"{phase}: {_describe(Failure())}") from None
-        chunks: list[bytes] = []
-        size = 0
-
-        def collector(data: bytes) -> None:
-            nonlocal size
-            size += len(data)
-            if size > MAX_POLL_BODY:
-                raise _BodyTooLarge()
-            chunks.append(data)
-
+            failure = Failure()
+            if _cancelled(failure):
+                raise PollCancelled(phase) from None
+            raise PollFailed(f"{phase}: {_describe(failure)}") from None
+        problem: str | None = None
+        body = b""
         try:
-            await treq.collect(response, collector)
-        except CancelledError:
-            raise PollCancelled(phase) from None
+            body = await read_capped(response, MAX_POLL_BODY)
         except _BodyTooLarge:
-            raise PollFailed(f"{phase}: body larger than {MAX_POLL_BODY} bytes") from None
+            problem = f"{phase}: body larger than {MAX_POLL_BODY} bytes"
         except Exception:
-            raise PollFailed(f"{phase}: {_describe(Failure())}") from None
-        if response.code != 200:
+            failure = Failure()
+            if _cancelled(failure):
+                raise PollCancelled(phase) from None
+            problem = f"{phase}: {_describe(failure)}"
+        if response.code != 200:  # the status says more than the body (read only to drain it)
             raise PollFailed(f"{phase}: HTTP {response.code}")
-        return b"".join(chunks)
+        if problem is not None:
+            raise PollFailed(problem)
+        return body
 
     async def _poll(self, url: str) -> tuple[str, ...]:
         await self._get("health", url + "/health")
@@ -195,11 +271,42 @@ class HealthPoller(Service):
         self._first_round.append(d)
         return d
 
+    def set_hosts(self, hosts: Mapping[str, str]) -> None:
+        """Poll ``hosts`` (name -> base URL) from now on (a config reload).
+
+        A poll in flight to a host that is gone or whose URL changed is cancelled (it
+        records nothing, rule 6); while running, every host without a poll in flight
+        (the new ones included) is polled at once.
+        """
+        old, self.hosts = self.hosts, dict(hosts)
+        for name, d in list(self._inflight.items()):
+            if self.hosts.get(name) != old.get(name):
+                del self._inflight[name]
+                d.cancel()
+        if self.running:
+            self.poll_round()
+
+    def set_timing(self, interval: float, timeout: float) -> None:
+        """Use ``interval`` seconds between rounds (from the next round on) and
+        ``timeout`` seconds per poll (for polls started from now on)."""
+        self.interval = interval
+        self.timeout = timeout
+        if self._loop is not None:
+            self._loop.interval = interval
+
     def poll_round(self) -> None:
-        """Start a poll of every host that has none in flight (rule 7). Never raises."""
-        for name, url in self.hosts.items():
-            if name not in self._inflight:
+        """Start a poll of every host that has none in flight (rule 7).
+
+        Never raises: an exception escaping into the ``LoopingCall`` would stop polling
+        for good, so a failure to start one host's poll is logged and the rest go on.
+        """
+        for name, url in list(self.hosts.items()):
+            if name in self._inflight:
+                continue
+            try:
                 self._start(name, url)
+            except Exception:
+                self._log.failure("starting a poll of {host} failed", host=name)
 
     def _start(self, name: str, url: str) -> None:
         started = self.clock.seconds()
@@ -231,9 +338,11 @@ class HealthPoller(Service):
         d.addBoth(done)  # may run at once if the probe answered synchronously
 
     def _record(self, name: str, result: object, timed_out: bool, took: float) -> None:
+        if self._stopping:
+            return  # cancelled because crossbar is stopping: says nothing (rule 6)
         if isinstance(result, Failure):
             if result.check(CancelledError) and not timed_out:
-                return  # cancelled because crossbar is stopping: says nothing (rule 6)
+                return  # cancelled by someone else than the timeout: no verdict on the host
             if isinstance(result.value, PollCancelled):
                 reason = f"{result.value.phase}: timed out after {self.timeout:g}s"
             elif result.check(CancelledError):

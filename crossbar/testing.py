@@ -23,11 +23,22 @@ class FakeProbe:
 
     def __init__(self) -> None:
         self.polls: list[tuple[str, Deferred[tuple[str, ...]]]] = []
+        self._phase: dict[int, str] = {}
 
     def poll(self, url: str) -> Deferred[tuple[str, ...]]:
-        d: Deferred[tuple[str, ...]] = Deferred(lambda d: d.errback(PollCancelled("health")))
+        """Start a poll of ``url``; it is in its ``health`` phase until :meth:`advance`.
+
+        Cancelling it errbacks with :class:`PollCancelled` naming the current phase, as
+        :class:`~crossbar.poller.HTTPProbe` does.
+        """
+        d: Deferred[tuple[str, ...]] = Deferred(lambda d: d.errback(PollCancelled(self._phase.pop(id(d), "health"))))
+        self._phase[id(d)] = "health"
         self.polls.append((url, d))
         return d
+
+    def advance(self, url: str) -> None:
+        """Move the oldest pending poll of ``url`` on to its ``models`` phase."""
+        self._phase[id(self.pending(url)[0])] = "models"
 
     def pending(self, url: str) -> list[Deferred[tuple[str, ...]]]:
         """The polls of ``url`` not answered yet."""
@@ -35,8 +46,12 @@ class FakeProbe:
 
     def succeed(self, url: str, models: tuple[str, ...] = ()) -> None:
         """Answer the oldest pending poll of ``url`` as good, with ``models`` resident."""
-        self.pending(url)[0].callback(tuple(models))
+        d = self.pending(url)[0]
+        self._phase.pop(id(d), None)
+        d.callback(tuple(models))
 
     def fail(self, url: str, reason: str = "health: HTTP 503") -> None:
         """Answer the oldest pending poll of ``url`` as failed with ``reason``."""
-        self.pending(url)[0].errback(PollFailed(reason))
+        d = self.pending(url)[0]
+        self._phase.pop(id(d), None)
+        d.errback(PollFailed(reason))
