@@ -62,7 +62,7 @@ class OpsApp:
         self.draining = False
 
     def resource(self) -> IResource:
-        return self.app.resource()  # type: ignore[no-any-return]
+        return self.app.resource()
 
     @property
     def ready(self) -> bool:

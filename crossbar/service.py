@@ -7,10 +7,11 @@ and everything else to the proxy). On shutdown it drains (DESIGN.md §Operations
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import replace
+from typing import Any, Mapping
 
 from twisted.application.service import MultiService, Service
-from twisted.internet.defer import Deferred, DeferredList, ensureDeferred
+from twisted.internet.defer import Deferred, DeferredList, ensureDeferred, gatherResults
 from twisted.internet.endpoints import serverFromString
 from twisted.internet.interfaces import IListeningPort, IProtocolFactory, IStreamServerEndpoint
 from twisted.python.failure import Failure
@@ -20,13 +21,15 @@ from twisted.web.client import Agent
 from twisted.web.resource import IResource, Resource
 from twisted.web.server import Request, Site
 
-from crossbar.config import Config, ConfigError
+from crossbar.config import Config, ConfigError, load_config
 from crossbar.health import HealthTable
 from crossbar.metrics import Metrics
 from crossbar.ops import OpsApp
 from crossbar.poller import HealthPoller, HTTPProbe
 from crossbar.proxy import ProxyResource
+from crossbar.reload import SIGHUPReload, plan_reload
 from crossbar.request import CappedRequest
+from crossbar.systemd import Notifier, SystemdNotifier, watchdog_interval
 from crossbar.upstream import UpstreamPools, quiet_pool
 
 __all__ = ["CrossbarService", "ListenService", "make_service"]
@@ -52,7 +55,7 @@ class _Site(Site):
     displayTracebacks = False
     noisy = False
 
-    def log(self, request: Request) -> None:
+    def log(self, request: Any) -> None:
         pass
 
 
@@ -109,16 +112,37 @@ class ListenService(Service):
         return None
 
 
+class _Request(CappedRequest):
+    """Says no ``Server: TwistedWeb/x.y``: crossbar's answers reveal no version."""
+
+    def render(self, resrc: IResource) -> None:
+        self.responseHeaders.removeHeader(b"server")
+        super().render(resrc)
+
+
 class CrossbarService(MultiService):
-    """The whole daemon: poller + web service, with drain on shutdown.
+    """The whole daemon: poller + web service, with drain on shutdown, SIGHUP reload
+    and systemd notification (DESIGN.md §Operations).
 
     Attributes exposed for tests and operations: :attr:`config`, :attr:`table`,
-    :attr:`poller`, :attr:`proxy`, :attr:`ops`, :attr:`site`, :attr:`web`.
+    :attr:`poller`, :attr:`proxy`, :attr:`ops`, :attr:`site`, :attr:`web`,
+    :attr:`systemd` (None without ``$NOTIFY_SOCKET``).
+
+    :param environ: where ``NOTIFY_SOCKET`` / ``WATCHDOG_USEC`` are read (default
+        ``os.environ``).
+    :param handle_sighup: install the SIGHUP handler while running (the twistd plugin
+        does; in-process tests need not).
     """
 
     _log = Logger(namespace="crossbar")
 
-    def __init__(self, config: Config, reactor: Any) -> None:
+    def __init__(
+        self,
+        config: Config,
+        reactor: Any,
+        environ: Mapping[str, str] | None = None,
+        handle_sighup: bool = True,
+    ) -> None:
         super().__init__()
         self.config = config
         self.reactor = reactor
@@ -141,51 +165,110 @@ class CrossbarService(MultiService):
         self.poller.setServiceParent(self)
         self.pools = UpstreamPools(reactor, config.timeouts.connect)
         self.proxy = ProxyResource(config, self.table, self.pools, reactor, self.metrics)
+        self._first_round_seen = False
         self.ops = OpsApp(
             table=lambda: self.table,
             urls=lambda: {name: h.url for name, h in self.config.hosts.items()},
             inflight=self.proxy.inflight,
             token=lambda: self.config.ops.token,
-            first_round_done=lambda: self.poller.first_round_done,
+            first_round_done=self.first_round_done,
             metrics=self.metrics,
         )
-        self.site = _Site(_Root(self.ops.resource(), self.proxy), requestFactory=CappedRequest)
+        self.site = _Site(_Root(self.ops.resource(), self.proxy), requestFactory=_Request)
         try:
             endpoint = serverFromString(reactor, config.listen)
-        except (ValueError, KeyError, TypeError, ImportError) as e:
+        except (ValueError, KeyError, TypeError, ImportError, IndexError) as e:
             raise ConfigError(config.source, "listen", f"not a valid Twisted endpoint: {e}") from None
         self.web = ListenService(endpoint, self.site)
         self.web.setServiceParent(self)
+        self.systemd: SystemdNotifier | None = None
+        notifier = Notifier.from_environment(environ)
+        if notifier is not None:
+            self.systemd = SystemdNotifier(
+                notifier,
+                reactor,
+                ready=self._when_ready,
+                healthy=lambda: {name: s.healthy for name, s in self.table.all().items()},
+                watchdog=watchdog_interval(environ),
+            )
+            self.systemd.setServiceParent(self)
+        if handle_sighup:
+            SIGHUPReload(self.reload, reactor).setServiceParent(self)
         self._drain_trigger: Any = None
+        self._drain: Deferred[None] | None = None
+        self._drained = False
+        self._drain_waiters: list[Deferred[None]] = []
+
+    def first_round_done(self) -> bool:
+        """Every host's first poll has finished; once true it stays true (a reload that
+        adds a host does not make a ready crossbar unready)."""
+        if not self._first_round_seen and self.poller.first_round_done:
+            self._first_round_seen = True
+        return self._first_round_seen
+
+    def _when_ready(self) -> Deferred[object]:
+        both: list[Deferred[Any]] = [self.web.when_listening(), self.poller.when_first_round_done()]
+        return gatherResults(both)  # type: ignore[return-value]
 
     def _observe_poll(self, host: str, seconds: float, ok: bool) -> None:
         self.metrics.poll_duration.labels(host, "ok" if ok else "failed").observe(seconds)
+        if self.systemd is not None:
+            self.systemd.health_changed()
 
     def startService(self) -> None:
         super().startService()
         self._drain_trigger = self.reactor.addSystemEventTrigger("before", "shutdown", self.drain)
 
     def stopService(self) -> Deferred[Any]:
+        """Stop everything. When a drain is under way (SIGTERM: twistd calls this and
+        :meth:`drain` from the same "before shutdown" phase), wait for it first, so the
+        listener and the in-flight requests get their ``drain.delay`` and ``drain.grace``."""
         if self._drain_trigger is not None:
             try:
                 self.reactor.removeSystemEventTrigger(self._drain_trigger)
             except (ValueError, KeyError):
                 pass
             self._drain_trigger = None
-        d = super().stopService()
-        d.addBoth(lambda r: DeferredList([self.pools.close(), self._poll_pool.closeCachedConnections()]))
-        return d
+        return ensureDeferred(self._stop())
+
+    async def _stop(self) -> None:
+        if self._drain is not None and not self._drained:
+            waiter: Deferred[None] = Deferred()
+            self._drain_waiters.append(waiter)
+            await waiter
+        try:
+            await super().stopService()
+        finally:
+            if self.systemd is not None:
+                self.systemd.notifier.close()
+            await DeferredList([self.pools.close(), self._poll_pool.closeCachedConnections()])
 
     def drain(self) -> Deferred[None]:
         """Drain (DESIGN.md §Operations): readiness 503 at once, keep serving for
         ``drain.delay`` s, stop accepting, give in-flight requests ``drain.grace`` s,
-        then abort what is left."""
-        return ensureDeferred(self._drain())
+        then abort what is left. Calling it again returns the drain under way."""
+        if self._drain is None:
+            self._drain = ensureDeferred(self._run_drain())
+            self._drain.addBoth(self._drain_over)
+        d: Deferred[None] = Deferred()
+        if self._drained:
+            d.callback(None)
+        else:
+            self._drain_waiters.append(d)
+        return d
 
-    async def _drain(self) -> None:
-        if self.ops.draining:
-            return
+    def _drain_over(self, result: object) -> None:
+        self._drained = True
+        if isinstance(result, Failure):
+            self._log.failure("drain failed", failure=result)
+        waiters, self._drain_waiters = self._drain_waiters, []
+        for w in waiters:
+            w.callback(None)
+
+    async def _run_drain(self) -> None:
         self.ops.draining = True
+        if self.systemd is not None:
+            self.systemd.draining()
         delay, grace = self.config.drain.delay, self.config.drain.grace
         self._log.info(
             "draining: readiness is 503; accepting for {delay}s more, then {grace}s for "
@@ -196,19 +279,72 @@ class CrossbarService(MultiService):
             stopped = self.web.stopService()
             if stopped is not None:
                 await stopped
-        waited = 0.0
-        step = 0.05
-        while self.proxy.active and waited < grace:
-            await deferLater(self.reactor, step)
-            waited += step
+        self._log.info("stopped accepting; {count} requests in flight", count=len(self.proxy.active))
+        deadline = self.reactor.seconds() + grace
+        while self.proxy.active and self.reactor.seconds() < deadline:
+            await deferLater(self.reactor, min(0.05, max(0.0, deadline - self.reactor.seconds())))
         if self.proxy.active:
             self._log.warn("drain grace over: aborting {count} requests", count=len(self.proxy.active))
             self.proxy.abort_all()
         self._log.info("drained")
 
+    def reload(self) -> bool:
+        """Re-read and validate the config file (SIGHUP, DESIGN.md §Operations).
 
-def make_service(config: Config, reactor: Any = None) -> CrossbarService:
+        An invalid file is logged and the running config kept (returns False). A valid
+        one is swapped in (returns True): routes, hosts, health settings, timeouts,
+        drain and the ops token. In-flight requests finish on the config they started
+        with; hosts whose URL did not change keep their health; new hosts are polled at
+        once. ``listen`` cannot change without a restart: that is logged and the old
+        listener kept.
+        """
+        path = self.config.source
+        try:
+            new = load_config(path)
+        except ConfigError as e:
+            self._log.error("reload refused, keeping the running config: {error}", error=str(e))
+            return False
+        old = self.config
+        plan = plan_reload(old, new)
+        if plan.listen_changed:
+            self._log.warn(
+                "reload: listen changed from {old} to {new}; a restart is needed to apply it",
+                old=old.listen, new=new.listen,
+            )
+            new = replace(new, listen=old.listen)
+        health = new.health
+        self.table.recovery_polls = health.recovery_polls
+        self.table.failure_threshold = health.failure_threshold
+        self.table.set_hosts(new.hosts, reset=plan.fresh)
+        for name in plan.removed + plan.fresh:
+            for gauge in (self.metrics.host_healthy, self.metrics.models_loaded):
+                try:
+                    gauge.remove(name)
+                except KeyError:
+                    pass
+        self.poller.probe = HTTPProbe(Agent(self.reactor, pool=self._poll_pool, connectTimeout=health.timeout))
+        self.pools.connect_timeout = new.timeouts.connect
+        self.config = new
+        self.proxy.config = new
+        self.poller.set_timing(health.interval, health.timeout)
+        self.poller.set_hosts({name: h.url for name, h in new.hosts.items()})
+        if self.systemd is not None:
+            self.systemd.health_changed()
+        self._log.info(
+            "reloaded {path}: {routes} routes, {hosts} hosts ({fresh} new or changed, {removed} removed)",
+            path=path, routes=len(new.routes), hosts=len(new.hosts), fresh=len(plan.fresh),
+            removed=len(plan.removed),
+        )
+        return True
+
+
+def make_service(
+    config: Config, reactor: Any = None, environ: Mapping[str, str] | None = None, handle_sighup: bool = False
+) -> CrossbarService:
     """Build the crossbar service for ``config`` on ``reactor`` (default: the global one).
+
+    ``environ`` and ``handle_sighup``: see :class:`CrossbarService` (the twistd plugin
+    passes ``handle_sighup=True``).
 
     :raises ConfigError: when ``listen`` is not a valid Twisted endpoint string.
     """
@@ -216,4 +352,4 @@ def make_service(config: Config, reactor: Any = None) -> CrossbarService:
         from twisted.internet import reactor as global_reactor
 
         reactor = global_reactor
-    return CrossbarService(config, reactor)
+    return CrossbarService(config, reactor, environ=environ, handle_sighup=handle_sighup)

@@ -24,12 +24,12 @@ class CrossbarServiceMaker:
     def makeService(self, options: Options) -> Any:
         from crossbar.config import ConfigError, load_config
         from crossbar.service import make_service
+        from crossbar.startup import StartupGuard, report_and_exit
 
         try:
-            return make_service(load_config(options["config"]))
+            return StartupGuard(make_service(load_config(options["config"]), handle_sighup=True), options["config"])
         except ConfigError as e:
-            print(f"crossbar: {e}", file=sys.stderr)
-            raise SystemExit(1) from None
+            report_and_exit(e, sys.stderr, log=False)
 
 
 serviceMaker = CrossbarServiceMaker()

@@ -1,0 +1,89 @@
+"""Configuration reload on SIGHUP (DESIGN.md §Operations).
+
+:func:`plan_reload` is the pure part: what changes between the running and the new
+:class:`~crossbar.config.Config`. :class:`SIGHUPReload` is the service that turns a
+SIGHUP into a call on the reactor thread (``twistd`` itself does nothing on SIGHUP):
+the handler only schedules the reload with ``reactor.callFromThread``, which is safe
+from a signal handler and wakes the reactor. The previous handler is put back when the
+service stops.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any, Callable
+
+from twisted.application.service import Service
+from twisted.logger import Logger
+
+from crossbar.config import Config
+
+__all__ = ["ReloadPlan", "SIGHUPReload", "plan_reload"]
+
+
+@dataclass(frozen=True)
+class ReloadPlan:
+    """What a reload from one config to another does.
+
+    :ivar kept: hosts whose URL did not change: their health is kept.
+    :ivar fresh: hosts that are new or whose URL changed: they start unhealthy and are
+        polled at once.
+    :ivar removed: hosts no longer configured.
+    :ivar listen_changed: ``listen`` differs; it cannot change without a restart.
+    """
+
+    kept: tuple[str, ...]
+    fresh: tuple[str, ...]
+    removed: tuple[str, ...]
+    listen_changed: bool
+
+
+def plan_reload(old: Config, new: Config) -> ReloadPlan:
+    """Compare the running config ``old`` with ``new`` (both already validated)."""
+    kept = tuple(n for n, h in new.hosts.items() if n in old.hosts and old.hosts[n].url == h.url)
+    fresh = tuple(n for n in new.hosts if n not in kept)
+    removed = tuple(n for n in old.hosts if n not in new.hosts)
+    return ReloadPlan(kept=kept, fresh=fresh, removed=removed, listen_changed=old.listen != new.listen)
+
+
+class SIGHUPReload(Service):
+    """Calls ``reload()`` on the reactor thread for every SIGHUP while running.
+
+    :param reload: what to do (e.g. :meth:`CrossbarService.reload`); exceptions are logged.
+    :param reactor: provides ``callFromThread``.
+    """
+
+    _log = Logger(namespace="crossbar")
+
+    def __init__(self, reload: Callable[[], object], reactor: Any) -> None:
+        self._reload = reload
+        self._reactor = reactor
+        self._previous: Any = None
+        self._installed = False
+
+    def startService(self) -> None:
+        super().startService()
+        if threading.current_thread() is not threading.main_thread():
+            self._log.warn("not on the main thread: SIGHUP reload is off")
+            return
+        self._previous = signal.signal(signal.SIGHUP, self._on_signal)
+        self._installed = True
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self._reactor.callFromThread(self._run)
+
+    def _run(self) -> None:
+        try:
+            self._reload()
+        except Exception:
+            self._log.failure("reloading the configuration failed")
+
+    def stopService(self) -> None:
+        super().stopService()
+        if self._installed:
+            self._installed = False
+            previous = self._previous if self._previous is not None else signal.SIG_DFL
+            signal.signal(signal.SIGHUP, previous)
