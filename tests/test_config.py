@@ -7,7 +7,9 @@ a change of key path or wording is a visible decision, not an accident.
 from __future__ import annotations
 
 import os
+import shutil
 import stat
+import tempfile
 from dataclasses import FrozenInstanceError
 from typing import Any, Callable, Mapping
 
@@ -594,6 +596,14 @@ class EnvironmentTests(_Case):
 
 
 class LoadConfigTests(_Case):
+    def setUp(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="crossbar-config-")
+        self.addCleanup(shutil.rmtree, self.dir, True)
+
+    def mktemp(self) -> str:
+        """A fresh path in a private temporary directory (not under the working directory)."""
+        return tempfile.mktemp(dir=self.dir)
+
     def write(self, data: bytes) -> str:
         path = self.mktemp() + ".yaml"
         with open(path, "wb") as f:

@@ -1,0 +1,291 @@
+"""Start-up through a real ``twistd`` process (DESIGN.md §Configuration, §Operations).
+
+A bad configuration stops ``twistd -n crossbar --config FILE`` at once: exit status 1,
+exactly one line ``crossbar: FILE: KEY: problem`` on stderr, no traceback anywhere. A
+good one serves ``/_crossbar/livez`` and exits cleanly on SIGTERM after its drain.
+
+Also unit tests of :class:`crossbar.startup.StartupGuard`, which turns errors raised
+while the service starts (a port in use) into that one line.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import NoReturn
+
+from twisted.application.service import Service
+from twisted.internet.error import CannotListenError
+from twisted.trial.unittest import SynchronousTestCase
+
+from crossbar.config import ConfigError
+from crossbar.startup import StartupGuard, as_config_error, report_and_exit
+
+REPO = Path(__file__).resolve().parent.parent
+
+# ``python -m twisted`` is the ``twist`` runner, not ``twistd``; and a non-editable
+# install of this project puts its own copy of crossbar_plugin.py into site-packages'
+# twisted/plugins, which comes first in ``twisted.plugins.__path__``. Put the
+# checkout's plugin directory first so the code under test is the code that runs.
+_TWISTD = (
+    "import sys, twisted.plugins as p; p.__path__.insert(0, sys.argv.pop(1)); "
+    "sys.argv[0] = 'twistd'; from twisted.scripts.twistd import run; run()"
+)
+
+START_TIMEOUT = 30.0  # s: a loaded 2-core machine may take several seconds to import
+STOP_TIMEOUT = 30.0
+
+GOOD = """\
+listen: "tcp:{port}:interface=127.0.0.1"
+health: {{interval: 0.5, timeout: 0.5}}
+drain: {{delay: 0.1, grace: 0.1}}
+hosts:
+  a: http://127.0.0.1:{upstream}
+routes:
+  r:
+    hosts: [a]
+"""
+
+
+def free_port() -> int:
+    """A loopback TCP port nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def twistd_argv(config: str) -> list[str]:
+    plugins = str(REPO / "twisted" / "plugins")
+    return [sys.executable, "-c", _TWISTD, plugins, "-n", "--pidfile=", "crossbar", "--config", config]
+
+
+def twistd_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+class _TwistdCase(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="crossbar-startup-")
+        self.addCleanup(shutil.rmtree, self.dir, True)
+
+    def write(self, name: str, text: str) -> str:
+        path = os.path.join(self.dir, name)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        return path
+
+    def spawn(self, config: str) -> subprocess.Popen[str]:
+        """Start twistd for ``config``; it is killed at cleanup if still running."""
+        proc = subprocess.Popen(
+            twistd_argv(config), cwd=self.dir, env=twistd_env(), stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+
+        def reap() -> None:
+            if proc.poll() is None:
+                proc.kill()
+            try:
+                proc.communicate(timeout=STOP_TIMEOUT)
+            except (ValueError, OSError, subprocess.TimeoutExpired):
+                pass  # already collected, or unkillable: nothing more to do
+
+        self.addCleanup(reap)
+        return proc
+
+    def run_to_exit(self, config: str) -> tuple[int, str, str, float]:
+        """Run twistd for ``config`` until it exits; (status, stdout, stderr, seconds)."""
+        started = time.monotonic()
+        proc = self.spawn(config)
+        try:
+            out, err = proc.communicate(timeout=START_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate(timeout=STOP_TIMEOUT)
+            self.fail(f"twistd still running after {START_TIMEOUT}s: it must stop at start-up\n{out}\n{err}")
+        return proc.returncode, out, err, time.monotonic() - started
+
+    def assertStartupFails(self, config: str, line: str | None = None, prefix: str | None = None) -> str:
+        """twistd exits 1 quickly; stderr is one line (``line``, or starting ``prefix``)."""
+        status, out, err, seconds = self.run_to_exit(config)
+        self.assertEqual(status, 1, f"exit status {status}\nstdout:\n{out}\nstderr:\n{err}")
+        self.assertNotIn("Traceback", out + err)
+        lines = err.splitlines()
+        self.assertEqual(len(lines), 1, f"stderr must be exactly one line, got:\n{err}")
+        if line is not None:
+            self.assertEqual(lines[0], line)
+        if prefix is not None:
+            self.assertTrue(lines[0].startswith(prefix), f"{lines[0]!r} does not start with {prefix!r}")
+        self.assertLess(seconds, START_TIMEOUT)
+        return lines[0]
+
+
+class BadConfigTests(_TwistdCase):
+    def good_text(self) -> str:
+        return GOOD.format(port=free_port(), upstream=free_port())
+
+    def test_unknown_key(self) -> None:
+        path = self.write("bad.yaml", self.good_text() + "helth: {interval: 1}\n")
+        self.assertStartupFails(
+            path,
+            f"crossbar: {path}: helth: unknown key "
+            "(expected one of: listen, health, timeouts, drain, ops, hosts, routes)",
+        )
+
+    def test_unknown_host_in_route(self) -> None:
+        path = self.write("bad.yaml", self.good_text().replace("hosts: [a]", "hosts: [a, gpu-z]"))
+        self.assertStartupFails(path, f"crossbar: {path}: routes.r.hosts[1]: unknown host 'gpu-z'")
+
+    def test_duplicate_key(self) -> None:
+        path = self.write("bad.yaml", self.good_text() + "drain: {delay: 1}\n")
+        self.assertStartupFails(path, f"crossbar: {path}: drain: duplicate key at line 9, column 1 (first at line 3)")
+
+    def test_missing_file(self) -> None:
+        path = os.path.join(self.dir, "nowhere.yaml")
+        self.assertStartupFails(path, f"crossbar: {path}: cannot read: No such file or directory")
+
+    def test_bad_listen_endpoint_string(self) -> None:
+        text = self.good_text()
+        path = self.write("bad.yaml", "listen: \"bogus:7777\"\n" + text.split("\n", 1)[1])
+        self.assertStartupFails(path, prefix=f"crossbar: {path}: listen: not a valid Twisted endpoint: ")
+
+    def test_bad_listen_port_number(self) -> None:
+        text = self.good_text()
+        path = self.write("bad.yaml", "listen: \"tcp:notaport\"\n" + text.split("\n", 1)[1])
+        self.assertStartupFails(path, prefix=f"crossbar: {path}: listen: not a valid Twisted endpoint: ")
+
+    def test_listen_port_in_use(self) -> None:
+        """A port someone else holds stops start-up; crossbar never runs deaf."""
+        blocker = socket.socket()
+        self.addCleanup(blocker.close)
+        blocker.bind(("127.0.0.1", 0))
+        blocker.listen(1)
+        port = blocker.getsockname()[1]
+        path = self.write("inuse.yaml", GOOD.format(port=port, upstream=free_port()))
+        self.assertStartupFails(
+            path, f"crossbar: {path}: listen: cannot listen on 127.0.0.1:{port}: Address already in use"
+        )
+
+
+class GoodConfigTests(_TwistdCase):
+    def get(self, url: str) -> int:
+        try:
+            with urllib.request.urlopen(url, timeout=5) as response:
+                return int(response.status)
+        except urllib.error.HTTPError as e:
+            return int(e.code)
+
+    def test_serves_livez_and_exits_on_sigterm(self) -> None:
+        for attempt in range(3):  # the free port may be taken by someone else meanwhile
+            port = free_port()
+            path = self.write("good.yaml", GOOD.format(port=port, upstream=free_port()))
+            proc = self.spawn(path)
+            url = f"http://127.0.0.1:{port}/_crossbar/livez"
+            deadline = time.monotonic() + START_TIMEOUT
+            status = None
+            while time.monotonic() < deadline and proc.poll() is None:
+                try:
+                    status = self.get(url)
+                    break
+                except OSError:
+                    time.sleep(0.1)
+            if proc.poll() is not None:
+                out, err = proc.communicate(timeout=STOP_TIMEOUT)
+                if "Address already in use" in err and attempt < 2:
+                    continue
+                self.fail(f"twistd exited with {proc.returncode} at start-up\nstdout:\n{out}\nstderr:\n{err}")
+            break
+        self.assertEqual(status, 200, "livez did not answer 200 within the start-up bound")
+
+        stopped = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            out, err = proc.communicate(timeout=STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate(timeout=STOP_TIMEOUT)
+            self.fail(f"twistd did not exit within {STOP_TIMEOUT}s of SIGTERM\nstdout:\n{out}\nstderr:\n{err}")
+        seconds = time.monotonic() - stopped
+        self.assertIn(proc.returncode, (0, -signal.SIGTERM), f"stdout:\n{out}\nstderr:\n{err}")
+        self.assertNotIn("Traceback", out + err)
+        self.assertEqual(err, "", "a good run writes nothing to stderr (twistd -n logs to stdout)")
+        self.assertLess(seconds, STOP_TIMEOUT)
+        # The listener is really closed: nothing answers on the port any more.
+        with socket.socket() as s:
+            s.settimeout(5)
+            self.assertNotEqual(s.connect_ex(("127.0.0.1", port)), 0)
+
+
+class _Failing(Service):
+    def __init__(self, error: Exception, privileged: bool = False) -> None:
+        self.error = error
+        self.privileged = privileged
+
+    def privilegedStartService(self) -> None:
+        if self.privileged:
+            raise self.error
+
+    def startService(self) -> None:
+        raise self.error
+
+
+class _Reported(Exception):
+    pass
+
+
+class StartupGuardTests(SynchronousTestCase):
+    def guard(self, inner: Service) -> tuple[StartupGuard, list[ConfigError]]:
+        reported: list[ConfigError] = []
+
+        def report(error: ConfigError) -> NoReturn:
+            reported.append(error)
+            raise _Reported()
+
+        return StartupGuard(inner, "c.yaml", report), reported
+
+    def test_port_in_use_becomes_listen_error(self) -> None:
+        error = CannotListenError("127.0.0.1", 7777, OSError(98, "Address already in use"))
+        guard, reported = self.guard(_Failing(error))
+        self.assertRaises(_Reported, guard.startService)
+        self.assertEqual([str(e) for e in reported], ["c.yaml: listen: cannot listen on 127.0.0.1:7777: Address already in use"])
+
+    def test_any_interface_is_shown_as_star(self) -> None:
+        error = CannotListenError("", 80, OSError(13, "Permission denied"))
+        self.assertEqual(str(as_config_error(error, "c.yaml")), "c.yaml: listen: cannot listen on *:80: Permission denied")
+
+    def test_config_error_from_privileged_start(self) -> None:
+        guard, reported = self.guard(_Failing(ConfigError("c.yaml", "listen", "nope"), privileged=True))
+        self.assertRaises(_Reported, guard.privilegedStartService)
+        self.assertEqual([str(e) for e in reported], ["c.yaml: listen: nope"])
+
+    def test_other_errors_propagate(self) -> None:
+        """A bug is not dressed up as a configuration problem."""
+        guard, reported = self.guard(_Failing(ZeroDivisionError("bug")))
+        self.assertRaises(ZeroDivisionError, guard.startService)
+        self.assertEqual(reported, [])
+
+    def test_started_service_runs_inside(self) -> None:
+        inner = Service()
+        guard, reported = self.guard(inner)
+        guard.startService()
+        self.assertTrue(inner.running)
+        guard.stopService()
+        self.assertFalse(inner.running)
+
+    def test_report_writes_one_line_and_exits_1(self) -> None:
+        out = io.StringIO()
+        e = self.assertRaises(SystemExit, report_and_exit, ConfigError("c.yaml", "routes.r", "bad"), out, False)
+        self.assertEqual(e.code, 1)
+        self.assertEqual(out.getvalue(), "crossbar: c.yaml: routes.r: bad\n")
