@@ -10,7 +10,7 @@ request at once. Nothing here reads, logs or keeps a body beyond forwarding it.
 from __future__ import annotations
 
 from io import BytesIO
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from twisted.internet.defer import Deferred
 from twisted.internet.error import ConnectionLost
@@ -52,14 +52,17 @@ _REPLACED_UPSTREAM = frozenset(
      b"x-forwarded-proto", b"forwarded"}
 )
 _NO_BODY_METHODS = (b"GET", b"HEAD")
+_NO_BODY_CODES = (204, 304)
 
 
-def hop_by_hop_names(headers: Headers) -> frozenset[bytes]:
-    """The lower-cased names not to forward: :data:`HOP_BY_HOP` and those listed in
-    ``Connection``."""
+def hop_by_hop_names(headers: Headers, connection: Iterable[bytes] = ()) -> frozenset[bytes]:
+    """The lower-cased names not to forward (DESIGN.md §The proxy, rule 6):
+    :data:`HOP_BY_HOP` and those listed in ``Connection`` -- the values in ``headers``
+    and, for an upstream answer (whose ``Connection`` Twisted keeps out of
+    ``IResponse.headers``), the raw values in ``connection``."""
     named = {
         token.strip().lower()
-        for value in headers.getRawHeaders(b"connection", [])
+        for value in (*headers.getRawHeaders(b"connection", []), *connection)
         for token in value.split(b",")
     }
     named.discard(b"")
@@ -304,16 +307,32 @@ class _Exchange:
         request.setResponseCode(response.code, response.phrase or None)
         out = request.responseHeaders
         out.removeHeader(b"server")
-        drop = hop_by_hop_names(response.headers)
-        for name, values in response.headers.getAllRawHeaders():
-            if name.lower() not in drop:
-                out.setRawHeaders(name, values)
+        self.copy_response_headers(response)
         assert self.host is not None
         out.setRawHeaders(HOST_HEADER, [self.host.encode("utf-8")])
         self.stream = _StreamBody(self)
         request.registerProducer(self.stream, True)
         self.start_idle_timer()
         response.deliverBody(self.stream)
+
+    def copy_response_headers(self, response: IResponse) -> None:
+        """The upstream answer's headers onto the client's answer (rule 6): hop-by-hop
+        ones dropped, repeated ones kept, and ``Content-Length`` kept when the upstream
+        gave one (Twisted moves it to ``response.length``), so the answer is chunked
+        only when the upstream's was. HEAD answers keep theirs in ``response.headers``;
+        204 and 304 carry none."""
+        out = self.request.responseHeaders
+        drop = hop_by_hop_names(response.headers, getattr(response, "upstream_connection", ()))
+        for name, values in response.headers.getAllRawHeaders():
+            if name.lower() not in drop:
+                out.setRawHeaders(name, values)
+        length = response.length
+        if (
+            isinstance(length, int)
+            and response.code not in _NO_BODY_CODES
+            and self.request.method != b"HEAD"
+        ):
+            out.setRawHeaders(b"Content-Length", [str(length).encode("ascii")])
 
     # -- streaming ------------------------------------------------------------------
 

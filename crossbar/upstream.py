@@ -17,6 +17,7 @@ from twisted.internet.interfaces import IProtocolFactory, IReactorTime, IStreamC
 from twisted.python.failure import Failure
 from twisted.web.client import Agent, BrowserLikePolicyForHTTPS, HTTPConnectionPool, URI
 from twisted.web.client import _HTTP11ClientFactory
+from twisted.web._newclient import HTTP11ClientProtocol
 from twisted.web.iweb import IAgent, IAgentEndpointFactory
 from zope.interface import implementer
 
@@ -68,8 +69,30 @@ class ConnectTracker:
         return _TrackedEndpoint(endpoint, self)
 
 
+class _ClientProtocol(HTTP11ClientProtocol):
+    """Twisted's client protocol, also telling the proxy the answer's ``Connection``
+    header: Twisted keeps it out of ``IResponse.headers``, yet the proxy must drop the
+    headers it names (DESIGN.md §The proxy, rule 6). Each response gets the attribute
+    ``upstream_connection``: the raw ``Connection`` values (a tuple of bytes)."""
+
+    def request(self, request: Any) -> Deferred[Any]:
+        d = super().request(request)
+        parser = self._parser
+
+        def keep(response: Any) -> Any:
+            values = parser.connHeaders.getRawHeaders(b"connection", ()) if parser is not None else ()
+            response.upstream_connection = tuple(values)
+            return response
+
+        d.addCallback(keep)
+        return d
+
+
 class _QuietFactory(_HTTP11ClientFactory):
     noisy = False  # no "Starting factory" line per upstream connection
+
+    def buildProtocol(self, addr: Any) -> HTTP11ClientProtocol:
+        return _ClientProtocol(self._quiescentCallback)
 
 
 def quiet_pool(reactor: IReactorTime, persistent: bool) -> HTTPConnectionPool:

@@ -15,20 +15,22 @@ from typing import Any, Callable
 
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
-from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
+from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint, connectProtocol
 from twisted.internet.interfaces import IHalfCloseableProtocol
 from twisted.internet.protocol import Protocol
 from twisted.internet.task import LoopingCall
 from twisted.logger import globalLogPublisher, formatEvent
 from twisted.python.failure import Failure
 from twisted.trial.unittest import TestCase
+from twisted.web.resource import Resource
+from twisted.web.server import Site
 from zope.interface import implementer
 
 from crossbar.service import CrossbarService
-from tests.harness import FakeLlama, listen, start_crossbar
+from tests.harness import FakeLlama, start_crossbar
 
 __all__ = [
-    "BadResponse", "LogCapture", "RawResponse", "TwoHosts", "parse_responses",
+    "BadResponse", "LogCapture", "complete", "RawResponse", "TwoHosts", "parse_responses",
     "raw_exchange", "two_hosts", "upstream_requests",
 ]
 
@@ -125,6 +127,14 @@ def parse_responses(data: bytes, head: bool = False, at_eof: bool = True) -> lis
     return out
 
 
+def complete(data: bytes) -> bool:
+    """Whether ``data`` holds a whole, well-formed response (for ``until=``)."""
+    try:
+        return bool(parse_responses(data, at_eof=False))
+    except (BadResponse, ValueError):
+        return False
+
+
 @implementer(IHalfCloseableProtocol)
 class _Collect(Protocol):
     def __init__(self, chunks: list[bytes], until: Callable[[bytes], bool] | None) -> None:
@@ -194,9 +204,9 @@ async def raw_exchange(
         sender.stop()
     if timer.active():
         timer.cancel()
-    assert proto.how != "timeout", f"no end within {timeout}s; got {received[:300]!r}"
     proto.transport.abortConnection()  # type: ignore[union-attr]
     await proto.closed
+    assert proto.how != "timeout", f"no end within {timeout}s; got {received[:300]!r}"
     return received, proto.how
 
 
@@ -226,7 +236,8 @@ class LogCapture:
 
     def proxied(self) -> list[dict[str, Any]]:
         """The proxy's per-request log lines."""
-        return [e for e in self.events if e.get("log_namespace") == "crossbar.proxy" and "ttfb_ms" in e]
+        return [e for e in self.events
+                if str(e.get("log_namespace", "")).startswith("crossbar.proxy") and "ttfb_ms" in e]
 
     def assert_never_contains(self, case: TestCase, secret: bytes) -> None:
         """No event, formatted or as its raw fields, contains ``secret``."""
@@ -262,11 +273,27 @@ class TwoHosts:
         return [name for _, name in out]
 
 
+class _QuietSite(Site):
+    """An upstream's site without an access log, so captured log events are crossbar's."""
+
+    noisy = False
+
+    def log(self, request: Any) -> None:
+        pass
+
+
+async def quiet_listen(case: TestCase, resource: Resource) -> str:
+    """Like :func:`tests.harness.listen`, without the upstream's access log."""
+    port = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(_QuietSite(resource))
+    case.addCleanup(port.stopListening)
+    return f"http://127.0.0.1:{port.getHost().port}"
+
+
 async def two_hosts(case: TestCase, timeouts: str = "") -> TwoHosts:
     """Start :class:`TwoHosts` and wait for the first poll round."""
     a, b, dead = FakeLlama(["model-a"]), FakeLlama(["model-b"]), FakeLlama(["model-x"])
     dead.health_code = 503
-    urls = [await listen(case, u) for u in (a, b, dead)]
+    urls = [await quiet_listen(case, u) for u in (a, b, dead)]
     service, base = await start_crossbar(
         case,
         f"""
