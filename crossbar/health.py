@@ -8,7 +8,7 @@ frozen :class:`HostStatus` records, so nothing a caller does changes the table (
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable
 
 from twisted.logger import Logger
 
@@ -72,7 +72,7 @@ class HealthTable:
         """The status of ``name``, or None for a host the table does not track."""
         return self._hosts.get(name)
 
-    def all(self) -> Mapping[str, HostStatus]:
+    def all(self) -> dict[str, HostStatus]:
         """A snapshot of every host's status (a new dict; the records are frozen)."""
         return dict(self._hosts)
 

@@ -10,11 +10,11 @@ anything else that would make a host load a model (rule 9).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, cast
 
 from twisted.application.service import Service
 from twisted.internet.defer import CancelledError, Deferred, DeferredList, ensureDeferred, fail, succeed
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
+from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
 from twisted.internet.protocol import Protocol, connectionDone
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
@@ -85,8 +85,8 @@ class _CappedBody(Protocol):
     def _stop(self) -> None:
         self._done = True
         self._chunks = []
-        if self.transport is not None:
-            self.transport.stopProducing()
+        if self.transport is not None:  # a TransportProxyProducer: the connection
+            cast(IPushProducer, self.transport).stopProducing()
 
     def _cancel(self, d: Deferred[bytes]) -> None:
         self._stop()  # the Deferred then fails with CancelledError
@@ -117,7 +117,7 @@ class _Discard(Protocol):
 
     def makeConnection(self, transport: Any) -> None:
         super().makeConnection(transport)
-        transport.stopProducing()
+        cast(IPushProducer, transport).stopProducing()
 
 
 def read_capped(response: IResponse, limit: int) -> Deferred[bytes]:
@@ -128,7 +128,7 @@ def read_capped(response: IResponse, limit: int) -> Deferred[bytes]:
 
     :raises _BodyTooLarge: (as a failure) when the body exceeds ``limit`` bytes.
     """
-    if response.length is not UNKNOWN_LENGTH and response.length > limit:  # type: ignore[operator]
+    if response.length is not UNKNOWN_LENGTH and response.length > limit:
         response.deliverBody(_Discard())
         return fail(_BodyTooLarge())
     body = _CappedBody(limit)

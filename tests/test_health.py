@@ -6,10 +6,10 @@ No I/O: a ``Clock`` gives the time, results are fed in directly.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, cast
 
 from twisted.internet.task import Clock
-from twisted.logger import LogEvent, globalLogPublisher
+from twisted.logger import ILogObserver, LogEvent, globalLogPublisher
 from twisted.trial.unittest import TestCase
 
 from crossbar.health import HealthTable, HostStatus
@@ -212,8 +212,8 @@ class CopiesTests(TestCase):
         with self.assertRaises(dataclasses.FrozenInstanceError):
             s.healthy = False  # type: ignore[misc]
         self.assertIsInstance(s.loaded, tuple)
-        snapshot["a"] = HostStatus()  # type: ignore[index]
-        del snapshot["b"]  # type: ignore[attr-defined]
+        snapshot["a"] = HostStatus()
+        del snapshot["b"]
         self.assertTrue(status(t).healthy)
         self.assertIn("b", t.all())
         self.assertIsNot(t.all(), t.all())
@@ -225,8 +225,9 @@ class CopiesTests(TestCase):
 class TransitionLogTests(TestCase):
     def capture(self) -> list[LogEvent]:
         events: list[LogEvent] = []
-        globalLogPublisher.addObserver(events.append)
-        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        observer = cast(ILogObserver, events.append)
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
         return events
 
     @staticmethod

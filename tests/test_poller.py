@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import socket
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from twisted.internet import reactor
-from twisted.internet.defer import CancelledError, Deferred, ensureDeferred, fail
+from twisted.internet.defer import Deferred, ensureDeferred
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import Clock, deferLater
-from twisted.logger import LogEvent, globalLogPublisher
+from twisted.logger import ILogObserver, LogEvent, globalLogPublisher
 from twisted.python.failure import Failure
 from twisted.trial.unittest import TestCase
 from twisted.web.client import Agent
@@ -282,10 +282,14 @@ class _Streamer:
         self.sent = 0
         self.chunk = b"x" * chunk
         self.lost: Deferred[None] = Deferred()
-        request.notifyFinish().addBoth(lambda _: self.lost.called or self.lost.callback(None))
+        request.notifyFinish().addBoth(self._gone)
         request.registerProducer(self, True)
         self.paused = False
         self.resumeProducing()
+
+    def _gone(self, _: object) -> None:
+        if not self.lost.called:
+            self.lost.callback(None)
 
     def resumeProducing(self) -> None:
         self.paused = False
@@ -320,7 +324,7 @@ class HTTPProbeTests(TestCase):
             return e.reason
         self.fail(f"poll succeeded with {models}")
 
-    def test_good_poll(self) -> None:
+    def test_good_poll(self) -> Deferred[None]:
         async def go() -> None:
             upstream = FakeLlama(["b", "a", "a", ""])
             url = await listen(self, upstream)
@@ -330,7 +334,7 @@ class HTTPProbeTests(TestCase):
 
         return ensureDeferred(go())
 
-    def test_health_http_status(self) -> None:
+    def test_health_http_status(self) -> Deferred[None]:
         async def go() -> None:
             upstream = FakeLlama()
             upstream.health_code = 503
@@ -340,7 +344,7 @@ class HTTPProbeTests(TestCase):
 
         return ensureDeferred(go())
 
-    def test_connection_refused(self) -> None:
+    def test_connection_refused(self) -> Deferred[None]:
         async def go() -> None:
             sock = socket.socket()
             sock.bind(("127.0.0.1", 0))
@@ -353,7 +357,7 @@ class HTTPProbeTests(TestCase):
 
         return ensureDeferred(go())
 
-    def test_models_http_status(self) -> None:
+    def test_models_http_status(self) -> Deferred[None]:
         async def go() -> None:
             upstream = FakeLlama()
 
@@ -367,7 +371,7 @@ class HTTPProbeTests(TestCase):
 
         return ensureDeferred(go())
 
-    def test_models_bad_json(self) -> None:
+    def test_models_bad_json(self) -> Deferred[None]:
         async def go() -> None:
             upstream = FakeLlama()
             upstream.models = b"<html>not json</html>"
@@ -377,7 +381,7 @@ class HTTPProbeTests(TestCase):
 
         return ensureDeferred(go())
 
-    def test_models_wrong_shape(self) -> None:
+    def test_models_wrong_shape(self) -> Deferred[None]:
         async def go() -> None:
             upstream = FakeLlama()
             upstream.models = {"models": ["a"]}
@@ -386,7 +390,7 @@ class HTTPProbeTests(TestCase):
 
         return ensureDeferred(go())
 
-    def test_redirect_not_followed(self) -> None:
+    def test_redirect_not_followed(self) -> Deferred[None]:
         async def go() -> None:
             target = FakeLlama()
             target_url = await listen(self, target)
@@ -404,7 +408,7 @@ class HTTPProbeTests(TestCase):
 
         return ensureDeferred(go())
 
-    def test_body_exactly_at_limit_is_read(self) -> None:
+    def test_body_exactly_at_limit_is_read(self) -> Deferred[None]:
         async def go() -> None:
             prefix = b'{"data": [{"id": "big"}], "pad": "'
             body = prefix + b"x" * (MAX_POLL_BODY - len(prefix) - 2) + b'"}'
@@ -440,16 +444,16 @@ class HTTPProbeTests(TestCase):
 
         return ensureDeferred(go())
 
-    def test_models_body_over_limit_chunked(self) -> None:
+    def test_models_body_over_limit_chunked(self) -> Deferred[None]:
         return self._stream_test(b"/v1/models", 100 * 1024 * 1024, chunked=True)
 
-    def test_models_body_over_limit_with_length(self) -> None:
+    def test_models_body_over_limit_with_length(self) -> Deferred[None]:
         return self._stream_test(b"/v1/models", 100 * 1024 * 1024, chunked=False)
 
-    def test_health_body_over_limit(self) -> None:
+    def test_health_body_over_limit(self) -> Deferred[None]:
         return self._stream_test(b"/health", 100 * 1024 * 1024, chunked=True)
 
-    def test_hung_host_bounded_by_timeout(self) -> None:
+    def test_hung_host_bounded_by_timeout(self) -> Deferred[None]:
         """A host that accepts and never answers: the poller's health.timeout ends the
         poll with the timeout reason, and the connection is closed."""
 
@@ -475,7 +479,7 @@ class HTTPProbeTests(TestCase):
 
         return ensureDeferred(go())
 
-    def test_dripping_body_bounded_by_timeout(self) -> None:
+    def test_dripping_body_bounded_by_timeout(self) -> Deferred[None]:
         """A host that sends headers, then a byte now and then forever: the poll ends at
         health.timeout ("models: timed out") and its connection is closed."""
 
@@ -490,7 +494,7 @@ class HTTPProbeTests(TestCase):
 
                 def more() -> None:
                     request.write(b" ")
-                    state["call"] = reactor.callLater(0.05, more)  # type: ignore[attr-defined]
+                    state["call"] = reactor.callLater(0.05, more)
 
                 def stop(_: object) -> None:
                     state["call"].cancel()
@@ -507,13 +511,13 @@ class HTTPProbeTests(TestCase):
 
     async def _timeout_case(self, url: str, phase: str, lost: list[Deferred[None]]) -> None:
         timeout = 1.0
-        table = HealthTable({"h": url}, 1, 1, reactor.seconds)  # type: ignore[attr-defined]
-        poller = HealthPoller(table, {"h": url}, self.probe(), 60, timeout, reactor)  # type: ignore[arg-type]
-        started = reactor.seconds()  # type: ignore[attr-defined]
+        table = HealthTable({"h": url}, 1, 1, reactor.seconds)
+        poller = HealthPoller(table, {"h": url}, self.probe(), 60, timeout, reactor)
+        started = reactor.seconds()
         poller.startService()
         self.addCleanup(lambda: poller.stopService() if poller.running else None)
         await poller.when_first_round_done()
-        took = reactor.seconds() - started  # type: ignore[attr-defined]
+        took = reactor.seconds() - started
         status = table.get("h")
         assert status is not None
         self.assertEqual(status.last_err, f"{phase}: timed out after 1s")
@@ -523,7 +527,7 @@ class HTTPProbeTests(TestCase):
         self.assertEqual(len(lost), 1)
         await lost[0]
 
-    def test_stop_cancels_real_poll_and_records_nothing(self) -> None:
+    def test_stop_cancels_real_poll_and_records_nothing(self) -> Deferred[None]:
         """Rule 6 on real sockets: stopping mid-poll records nothing and closes the
         connection."""
 
@@ -537,8 +541,8 @@ class HTTPProbeTests(TestCase):
                 return NOT_DONE_YET
 
             url = await listen(self, _Handler(hang))
-            table = HealthTable({"h": url}, 1, 1, reactor.seconds)  # type: ignore[attr-defined]
-            poller = HealthPoller(table, {"h": url}, self.probe(), 60, 30, reactor)  # type: ignore[arg-type]
+            table = HealthTable({"h": url}, 1, 1, reactor.seconds)
+            poller = HealthPoller(table, {"h": url}, self.probe(), 60, 30, reactor)
             poller.startService()
             while not lost:
                 await deferLater(reactor, 0.01)
@@ -553,7 +557,7 @@ class HTTPProbeTests(TestCase):
 class NeverSlotsTests(TestCase):
     timeout = 60
 
-    def test_only_health_and_models_requested(self) -> None:
+    def test_only_health_and_models_requested(self) -> Deferred[None]:
         """Rule 9: over many rounds (good, failing and recovering) the real poller asks
         for exactly /health and /v1/models, nothing else (never /slots)."""
 
@@ -563,9 +567,9 @@ class NeverSlotsTests(TestCase):
             pool = quiet_pool(reactor, persistent=True)
             self.addCleanup(pool.closeCachedConnections)
             probe = HTTPProbe(Agent(reactor, pool=pool, connectTimeout=2))
-            table = HealthTable({"h": url}, 2, 1, reactor.seconds)  # type: ignore[attr-defined]
+            table = HealthTable({"h": url}, 2, 1, reactor.seconds)
             rounds: list[bool] = []
-            poller = HealthPoller(table, {"h": url}, probe, 0.02, 2, reactor,  # type: ignore[arg-type]
+            poller = HealthPoller(table, {"h": url}, probe, 0.02, 2, reactor,
                                   on_poll=lambda h, s, ok: rounds.append(ok))
             poller.startService()
             self.addCleanup(lambda: poller.stopService() if poller.running else None)
@@ -591,8 +595,9 @@ class TransitionLogTests(TestCase):
         """One structured line per healthy/unhealthy change, with the reason; none per
         good poll."""
         events: list[LogEvent] = []
-        globalLogPublisher.addObserver(events.append)
-        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        observer = cast(ILogObserver, events.append)
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
         t = _Setup(self, hosts={"a": URLS["a"]}, recovery_polls=1)
         for _ in range(5):
             t.probe.succeed(URLS["a"], ("m",))

@@ -15,7 +15,7 @@ from typing import Any
 
 import treq
 from twisted.internet import reactor
-from twisted.internet.defer import ensureDeferred
+from twisted.internet.defer import Deferred, ensureDeferred
 from twisted.internet.task import deferLater
 from twisted.trial.unittest import SkipTest, TestCase
 
@@ -36,7 +36,7 @@ class RouterModeTests(TestCase):
         self.addCleanup(self.server.stop)
         self.server.start(timeout=90)  # blocking, before any reactor work of the test
 
-    def test_model_loads_on_request_and_poll_sees_it(self) -> None:
+    def test_model_loads_on_request_and_poll_sees_it(self) -> Deferred[None]:
         async def go() -> None:
             service, base = await start_crossbar(
                 self,
@@ -71,9 +71,9 @@ routes:
             self.assertEqual(response.headers.getRawHeaders(b"x-crossbar-host"), [b"llama"])
             self.assertEqual(body["model"], "tiny-b")
 
-            deadline = reactor.seconds() + 30  # type: ignore[attr-defined]
+            deadline = reactor.seconds() + 30
             while "tiny-b" not in (service.table.get("llama").loaded):  # type: ignore[union-attr]
-                self.assertLess(reactor.seconds(), deadline, "no poll saw tiny-b loaded")  # type: ignore[attr-defined]
+                self.assertLess(reactor.seconds(), deadline, "no poll saw tiny-b loaded")
                 await deferLater(reactor, 0.1)
             status = await treq.json_content(await http.get(base + "/_crossbar/status"))
             host = status["hosts"]["llama"]

@@ -10,7 +10,7 @@ from typing import Any
 
 import treq
 from twisted.internet import reactor
-from twisted.internet.defer import ensureDeferred
+from twisted.internet.defer import Deferred, ensureDeferred
 from twisted.internet.task import deferLater
 from twisted.trial.unittest import TestCase
 
@@ -38,7 +38,7 @@ def parse_rfc3339(text: str) -> float:
 class StatusTests(TestCase):
     timeout = 60
 
-    def test_status_shape_for_every_host(self) -> None:
+    def test_status_shape_for_every_host(self) -> Deferred[None]:
         async def go() -> None:
             good = FakeLlama(["tiny-b", "tiny-a"])
             good.events = 200
