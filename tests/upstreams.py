@@ -1,0 +1,211 @@
+"""Misbehaving upstreams and a crossbar set-up for the streaming and failure tests.
+
+Each handler plugs into :attr:`tests.harness.FakeLlama.handlers` (``path -> f(request,
+body)``); :func:`start_proxy` runs crossbar in front of named upstream URLs and waits for
+the first poll round, so every host starts healthy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import treq
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IPushProducer
+from twisted.internet.task import deferLater
+from twisted.logger import LogLevel, formatEvent, globalLogPublisher
+from twisted.trial.unittest import TestCase
+from twisted.web.server import NOT_DONE_YET, Request
+from zope.interface import implementer
+
+from crossbar.service import CrossbarService
+from tests.harness import http_client, sse_event, start_crossbar
+
+__all__ = [
+    "Die", "ErrorWatch", "Firehose", "Hang", "KillReused", "host_status", "start_proxy", "wait_until",
+]
+
+
+async def start_proxy(
+    case: TestCase, hosts: dict[str, str], timeouts: str = "", route_hosts: list[str] | None = None
+) -> tuple[CrossbarService, str]:
+    """crossbar with ``hosts`` (name -> URL) in one route ``r`` (in that order), a poll
+    interval long enough that polls do not heal a marked-down host during a test, and
+    the given ``timeouts`` flow mapping (e.g. ``"{idle: 1}"``). Returns after the first
+    poll round."""
+    lines = [f"  {name}: {url}" for name, url in hosts.items()]
+    order = ", ".join(route_hosts or list(hosts))
+    service, base = await start_crossbar(
+        case,
+        "health: {interval: 60, timeout: 2}\n"
+        + (f"timeouts: {timeouts}\n" if timeouts else "")
+        + "hosts:\n" + "\n".join(lines) + "\n"
+        + f"routes:\n  r:\n    hosts: [{order}]\n",
+    )
+    await service.poller.when_first_round_done()
+    return service, base
+
+
+async def host_status(case: TestCase, base: str) -> dict[str, Any]:
+    """``/_crossbar/status``'s ``hosts`` document."""
+    response = await http_client(case).get(base + "/_crossbar/status")
+    doc = await treq.json_content(response)
+    return doc["hosts"]  # type: ignore[no-any-return]
+
+
+async def wait_until(predicate: Any, timeout: float = 5.0, step: float = 0.01) -> float:
+    """Poll ``predicate()`` until true; returns the seconds waited, fails after ``timeout``."""
+    waited = 0.0
+    while not predicate():
+        if waited >= timeout:
+            raise AssertionError(f"condition not met within {timeout}s")
+        await deferLater(reactor, step)
+        waited += step
+    return waited
+
+
+@implementer(IPushProducer)
+class Firehose:
+    """An upstream answer of ``total`` bytes written as fast as the connection takes them
+    (a push producer on the upstream's request: it writes while not paused).
+
+    :ivar written: body bytes handed to the upstream's transport so far.
+    :ivar pauses: how often the upstream's connection paused this producer.
+    """
+
+    def __init__(self, total: int, chunk: int = 64 * 1024) -> None:
+        self.total = total
+        self.chunk = b"x" * chunk
+        self.written = 0
+        self.pauses = 0
+        self.paused = False
+        self.request: Request | None = None
+        self.closed: Deferred[None] = Deferred()
+
+    def __call__(self, request: Request, body: bytes) -> Any:
+        self.request = request
+        request.setHeader(b"content-type", b"application/octet-stream")
+        request.notifyFinish().addBoth(lambda _: self.closed.called or self.closed.callback(None))
+        request.registerProducer(self, True)
+        reactor.callLater(0, self.resumeProducing)  # type: ignore[attr-defined]
+        return NOT_DONE_YET
+
+    def pauseProducing(self) -> None:
+        if not self.paused:
+            self.pauses += 1
+        self.paused = True
+
+    def resumeProducing(self) -> None:
+        self.paused = False
+        request = self.request
+        assert request is not None
+        while not self.paused and self.written < self.total and not request.finished:
+            if request._disconnected:  # type: ignore[attr-defined]
+                return
+            self.written += len(self.chunk)
+            request.write(self.chunk)
+        if self.written >= self.total and not request.finished and not request._disconnected:  # type: ignore[attr-defined]
+            request.unregisterProducer()
+            request.finish()
+
+    def stopProducing(self) -> None:
+        self.paused = True
+
+
+class Hang:
+    """An upstream that takes the request and never answers (or, with ``events``,
+    sends the headers and that many events and then goes silent).
+
+    :ivar requests: requests received.
+    :ivar closed: fires when crossbar closes the connection of the last request.
+    """
+
+    def __init__(self, events: int = 0) -> None:
+        self.events = events
+        self.requests = 0
+        self.closed: Deferred[None] = Deferred()
+
+    def __call__(self, request: Request, body: bytes) -> Any:
+        self.requests += 1
+        self.closed = Deferred()
+        closed = self.closed
+        request.notifyFinish().addBoth(lambda _: closed.called or closed.callback(None))
+        if self.events:
+            request.setHeader(b"content-type", b"text/event-stream")
+            for i in range(self.events):
+                request.write(sse_event(i))
+        return NOT_DONE_YET
+
+
+class Die:
+    """An upstream whose connection dies: before any answer (``events=None``), or after
+    the headers and ``events`` events of a chunked answer.
+
+    :ivar requests: requests received.
+    """
+
+    def __init__(self, events: int | None = None, delay: float = 0.05) -> None:
+        self.events = events
+        self.delay = delay
+        self.requests = 0
+
+    def __call__(self, request: Request, body: bytes) -> Any:
+        self.requests += 1
+        transport = request.channel.transport
+        if self.events is not None:
+            request.setHeader(b"content-type", b"text/event-stream")
+            for i in range(self.events):
+                request.write(sse_event(i))
+        reactor.callLater(self.delay, transport.abortConnection)  # type: ignore[attr-defined]
+        return NOT_DONE_YET
+
+
+class ErrorWatch:
+    """Collects, for one test, every log event that reports a failure or an unhandled
+    error (``log_failure``, level error/critical, or 'Unhandled' in its text)."""
+
+    def __init__(self, case: TestCase) -> None:
+        self.events: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(self)
+        case.addCleanup(globalLogPublisher.removeObserver, self)
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        level = event.get("log_level")
+        text = formatEvent(event) or ""
+        if (
+            event.get("log_failure") is not None
+            or level in (LogLevel.error, LogLevel.critical)
+            or "Unhandled" in text
+        ):
+            self.events.append(event)
+
+    def texts(self) -> list[str]:
+        return [formatEvent(e) or repr(e) for e in self.events]
+
+
+class KillReused:
+    """An upstream completion handler that answers the first request on a connection and
+    kills the connection when a second request arrives on it (an upstream closing an
+    idle keep-alive connection just as crossbar reuses it).
+
+    :ivar requests: requests received; :ivar connections: distinct connections seen.
+    """
+
+    def __init__(self) -> None:
+        self.requests = 0
+        self.killed = 0
+        self._served: set[int] = set()
+        self.connections: set[int] = set()
+
+    def __call__(self, request: Request, body: bytes) -> Any:
+        self.requests += 1
+        channel = id(request.channel)
+        self.connections.add(channel)
+        if channel in self._served:
+            self.killed += 1
+            request.channel.transport.abortConnection()
+            return NOT_DONE_YET
+        self._served.add(channel)
+        request.setHeader(b"content-type", b"application/json")
+        return b'{"object": "chat.completion", "body": ' + str(len(body)).encode() + b"}"
