@@ -1,0 +1,279 @@
+"""A real ``twistd -n crossbar`` subprocess for process-level tests (signals, drain,
+reload, logging, systemd).
+
+:func:`start_twistd` writes the config to a temporary file, spawns
+``twistd -n --pidfile= [--logger ...] crossbar --config FILE`` with the
+checkout on ``PYTHONPATH`` through ``reactor.spawnProcess`` (so the test's reactor keeps
+serving the loopback upstreams meanwhile), learns the port from the ``listening on``
+log line (the config listens on port 0) and kills the process at the end of the test
+if it is still running.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sys
+from typing import Any, Callable
+
+import treq
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred
+from twisted.internet.error import ProcessDone, ProcessTerminated
+from twisted.internet.protocol import ProcessProtocol
+from twisted.internet.task import deferLater
+from twisted.python.failure import Failure
+from twisted.trial.unittest import TestCase
+
+from tests.harness import http_client
+
+__all__ = ["Twistd", "start_twistd", "wait_for"]
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_LISTENING = re.compile(r"listening on 127\.0\.0\.1:(\d+)")
+
+
+class Twistd(ProcessProtocol):
+    """The subprocess: its output lines so far and how it ended.
+
+    :ivar out: standard output lines (the log, or JSON lines with ``--logger``).
+    :ivar err: standard error lines.
+    :ivar ended: fires with ``(exit code or None, signal or None)``.
+    :ivar ended_at: reactor time the process ended, or None.
+    """
+
+    def __init__(self) -> None:
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._partial = {1: b"", 2: b""}
+        self.ended: Deferred[tuple[int | None, int | None]] = Deferred()
+        self.ended_at: float | None = None
+        self.exit: tuple[int | None, int | None] | None = None
+        self.port: int | None = None
+        self._watchers: list[tuple[Callable[[str], bool], Deferred[str]]] = []
+        self.config_path = ""
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def childDataReceived(self, fd: int, data: bytes) -> None:
+        buf = self._partial.get(fd, b"") + data
+        *lines, self._partial[fd] = buf.split(b"\n")
+        for raw in lines:
+            line = raw.decode("utf-8", "replace")
+            (self.out if fd == 1 else self.err).append(line)
+            if self.port is None:
+                m = _LISTENING.search(line)
+                if m:
+                    self.port = int(m.group(1))
+            for watcher in list(self._watchers):
+                predicate, d = watcher
+                if predicate(line):
+                    self._watchers.remove(watcher)
+                    d.callback(line)
+
+    def processEnded(self, reason: Failure) -> None:
+        self.ended_at = reactor.seconds()  # type: ignore[attr-defined]
+        value = reason.value
+        if isinstance(value, ProcessDone):
+            self.exit = (0, None)
+        elif isinstance(value, ProcessTerminated):
+            self.exit = (value.exitCode, value.signal)
+        else:
+            self.exit = (None, None)
+        for _, d in self._watchers:
+            d.errback(AssertionError("twistd ended; output:\n" + self.text()))
+        self._watchers = []
+        self.ended.callback(self.exit)
+
+    def text(self) -> str:
+        return "\n".join(self.out + ["--- stderr ---"] + self.err)
+
+    def line(self, predicate: Callable[[str], bool], timeout: float = 20.0) -> Deferred[str]:
+        """Fires with the first output line (already seen or future) ``predicate`` accepts."""
+        for line in self.out + self.err:
+            if predicate(line):
+                d: Deferred[str] = Deferred()
+                d.callback(line)
+                return d
+        d = Deferred()
+        if self.exit is not None:
+            d.errback(AssertionError("twistd ended; output:\n" + self.text()))
+            return d
+        self._watchers.append((predicate, d))
+        timer = reactor.callLater(timeout, self._expire, d)  # type: ignore[attr-defined]
+        d.addBoth(lambda r: (timer.cancel() if timer.active() else None, r)[1])
+        return d
+
+    def _expire(self, d: Deferred[str]) -> None:
+        for watcher in list(self._watchers):
+            if watcher[1] is d:
+                self._watchers.remove(watcher)
+                d.errback(AssertionError("no such line in time; output:\n" + self.text()))
+
+    def signal(self, sig: int) -> None:
+        assert self.transport is not None
+        self.transport.signalProcess(sig)
+
+
+async def wait_for(check: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:
+    """Poll the async or sync ``check`` every 50 ms until it returns a truthy value."""
+    deadline = reactor.seconds() + timeout  # type: ignore[attr-defined]
+    while True:
+        value = check()
+        if isinstance(value, Deferred) or hasattr(value, "__await__"):
+            value = await value
+        if value:
+            return value
+        if reactor.seconds() > deadline:  # type: ignore[attr-defined]
+            raise AssertionError(f"timed out waiting for {what}")
+        await deferLater(reactor, 0.05)
+
+
+async def start_twistd(
+    case: TestCase,
+    config_yaml: str,
+    env: dict[str, str] | None = None,
+    logger: str | None = None,
+    ready: bool = True,
+    child_fds: dict[int, Any] | None = None,
+    argv_prefix: list[str] | None = None,
+) -> Twistd:
+    """Spawn crossbar under twistd for ``config_yaml`` (``listen`` defaults to a free
+    loopback port). Waits for the listening line and, if ``ready``, for readyz 200."""
+    if not any(line.startswith("listen:") for line in config_yaml.splitlines()):
+        config_yaml = 'listen: "tcp:0:interface=127.0.0.1"\n' + config_yaml
+    directory = os.path.abspath(case.mktemp())
+    os.makedirs(directory)
+    path = os.path.join(directory, "crossbar.yaml")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(config_yaml)
+    proc = Twistd()
+    proc.config_path = path
+    child_env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
+    child_env["PYTHONPATH"] = ROOT
+    child_env["PYTHONUNBUFFERED"] = "1"
+    child_env.update(env or {})
+    # ``python -m twisted`` is the newer ``twist`` runner (no -n, no --logger): run
+    # twistd's own entry point instead.
+    args = [sys.executable, "-c", "from twisted.scripts.twistd import run; run()", "-n", "--pidfile="]
+    if logger:
+        args.append(f"--logger={logger}")
+    args += ["crossbar", "--config", path]
+    args = (argv_prefix or []) + args
+    reactor.spawnProcess(  # type: ignore[attr-defined]
+        proc, args[0], args, env=child_env, path=ROOT,
+        childFDs=child_fds or {0: "w", 1: "r", 2: "r"},
+    )
+
+    async def cleanup() -> None:
+        if proc.exit is None:
+            try:
+                proc.signal("KILL")
+            except Exception:
+                pass
+            await proc.ended
+
+    case.addCleanup(cleanup)
+    await proc.line(lambda line: _LISTENING.search(line) is not None or '"listening on' in line, timeout=30)
+    if proc.port is None:  # JSON log: the address is a field
+        for line in proc.out:
+            m = re.search(r'"address": "127\.0\.0\.1:(\d+)"', line)
+            if m:
+                proc.port = int(m.group(1))
+    assert proc.port is not None, proc.text()
+    if ready:
+        http = http_client(case)
+
+        async def is_ready() -> bool:
+            response = await http.get(proc.base + "/_crossbar/readyz")
+            await treq.content(response)
+            return bool(response.code == 200)
+
+        await wait_for(is_ready, 30, "readyz 200")
+    return proc
+
+
+def signum(name: str) -> int:
+    return int(getattr(signal, "SIG" + name))
+
+
+def paced_stream(request: Any, body: bytes) -> Any:
+    """A :attr:`FakeLlama.handlers` entry for ``/v1/chat/completions``: streams
+    ``n`` SSE events ``delay`` seconds apart (both from the JSON body), then
+    ``data: [DONE]``; stops when the client goes away."""
+    import json
+
+    from twisted.web.server import NOT_DONE_YET
+
+    from tests.harness import sse_event
+
+    doc = json.loads(body or b"{}")
+    n, delay = int(doc.get("n", 5)), float(doc.get("delay", 0.1))
+    request.setHeader(b"content-type", b"text/event-stream")
+    state: dict[str, Any] = {"i": 0, "call": None, "gone": False}
+
+    def gone(_: object) -> None:
+        state["gone"] = True
+        if state["call"] is not None and state["call"].active():
+            state["call"].cancel()
+
+    request.notifyFinish().addBoth(gone)
+
+    def tick() -> None:
+        state["call"] = None
+        if state["gone"]:
+            return
+        if state["i"] < n:
+            request.write(sse_event(state["i"]))
+            state["i"] += 1
+            state["call"] = reactor.callLater(delay, tick)  # type: ignore[attr-defined]
+        else:
+            request.write(b"data: [DONE]\n\n")
+            request.finish()
+
+    tick()
+    return NOT_DONE_YET
+
+
+class ClientStream:
+    """One streaming request read chunk by chunk: :attr:`done` fires with
+    ``("complete" | "cut", body bytes)``; :attr:`first` fires at the first chunk."""
+
+    def __init__(self, http: Any, url: str, n: int, delay: float) -> None:
+        from twisted.internet.defer import ensureDeferred
+
+        self.chunks: list[bytes] = []
+        self.first: Deferred[None] = Deferred()
+        self.done: Deferred[tuple[str, bytes]] = ensureDeferred(self._run(http, url, n, delay))
+
+    def _got(self, data: bytes) -> None:
+        self.chunks.append(data)
+        if not self.first.called:
+            self.first.callback(None)
+
+    async def _run(self, http: Any, url: str, n: int, delay: float) -> tuple[str, bytes]:
+        body = {"model": "tiny-a", "stream": True, "n": n, "delay": delay, "messages": []}
+        try:
+            response = await http.post(url, json=body, unbuffered=True)
+            if response.code != 200:
+                raise AssertionError(f"HTTP {response.code}")
+            await treq.collect(response, self._got)
+        except Exception:
+            if not self.first.called:
+                self.first.errback(Failure())
+            return "cut", b"".join(self.chunks)
+        return "complete", b"".join(self.chunks)
+
+    @staticmethod
+    def events(body: bytes) -> list[int]:
+        """The indexes of the SSE events in ``body``, in order."""
+        import json
+
+        out = []
+        for block in body.split(b"\n\n"):
+            if block.startswith(b"data: {"):
+                out.append(json.loads(block[6:])["i"])
+        return out

@@ -1,0 +1,144 @@
+"""Drain on SIGTERM with a real ``twistd`` process (DESIGN.md §Operations).
+
+Timeline of :meth:`DrainTests.test_sigterm_drains`: three long streams from a loopback
+upstream are in flight when SIGTERM arrives. During ``drain.delay`` readiness says 503
+and crossbar still serves; after it a new connection is refused; the streams that end
+within ``drain.grace`` end intact; the one that does not is cut; the process exits
+within delay + grace + 2 s.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import treq
+from twisted.internet import reactor
+from twisted.internet.defer import ensureDeferred
+from twisted.internet.endpoints import TCP4ClientEndpoint
+from twisted.internet.error import ConnectionRefusedError
+from twisted.internet.protocol import Factory, Protocol
+from twisted.trial.unittest import TestCase
+
+from tests.harness import FakeLlama, http_client, listen
+from tests.process import ClientStream, paced_stream, start_twistd
+
+DELAY = 2.0
+GRACE = 4.0
+
+
+def _config(upstream: str, delay: float = DELAY, grace: float = GRACE) -> str:
+    return f"""
+health: {{interval: 0.5, timeout: 2}}
+drain: {{delay: {delay}, grace: {grace}}}
+hosts:
+  a: {upstream}
+routes:
+  r:
+    hosts: [a]
+"""
+
+
+class DrainTests(TestCase):
+    timeout = 90
+
+    def test_sigterm_drains(self) -> object:
+        async def go() -> None:
+            upstream = FakeLlama()
+            upstream.handlers[b"/v1/chat/completions"] = paced_stream
+            url = await listen(self, upstream)
+            proc = await start_twistd(self, _config(url))
+            http = http_client(self)
+            target = proc.base + "/r/v1/chat/completions"
+            # short: ends during the delay; medium: ends during the grace; long: cut.
+            short = ClientStream(http, target, n=10, delay=0.2)      # ~2 s
+            medium = ClientStream(http, target, n=22, delay=0.2)     # ~4.4 s
+            long = ClientStream(http, target, n=300, delay=0.2)      # ~60 s
+            for s in (short, medium, long):
+                await s.first
+            sent = reactor.seconds()
+            proc.signal("TERM")
+            await proc.line(lambda line: "draining" in line, timeout=DELAY)
+
+            # readiness is 503 at once, while liveness and the proxy still answer.
+            probe = http_client(self)
+            ready = await probe.get(proc.base + "/_crossbar/readyz")
+            self.assertEqual(ready.code, 503)
+            self.assertEqual(await treq.json_content(ready), {"status": "not ready"})
+            self.assertLess(reactor.seconds() - sent, DELAY, "503 came too late to test the delay")
+            live = await probe.get(proc.base + "/_crossbar/livez")
+            self.assertEqual(live.code, 200)
+            await treq.content(live)
+            plain = await probe.post(proc.base + "/r/v1/chat/completions", json={"n": 1, "delay": 0, "stream": True})
+            self.assertEqual(plain.code, 200, "still serving during the delay")
+            await treq.content(plain)
+
+            # after the delay: a new connection is refused.
+            await proc.line(lambda line: "stopped accepting" in line, timeout=DELAY + 5)
+            self.assertGreaterEqual(reactor.seconds() - sent, DELAY - 0.2)
+            with self.assertRaises(ConnectionRefusedError):
+                await TCP4ClientEndpoint(reactor, "127.0.0.1", proc.port).connect(Factory.forProtocol(Protocol))
+
+            # streams ending within the grace end intact; the other is cut.
+            for s, n in ((short, 10), (medium, 22)):
+                how, body = await s.done
+                self.assertEqual(how, "complete")
+                self.assertEqual(ClientStream.events(body), list(range(n)))
+                self.assertTrue(body.endswith(b"data: [DONE]\n\n"))
+            how, body = await long.done
+            self.assertEqual(how, "cut")
+            self.assertFalse(body.endswith(b"data: [DONE]\n\n"))
+            got = ClientStream.events(body)
+            self.assertEqual(got, list(range(len(got))), "what arrived arrived in order")
+            self.assertGreater(len(got), 20, "the long stream ran through the delay and grace")
+            cut_at = reactor.seconds() - sent
+            self.assertGreater(cut_at, DELAY + GRACE - 1.0)
+
+            code, sig = await proc.ended
+            took = (proc.ended_at or 0) - sent
+            self.assertLess(took, DELAY + GRACE + 2.0, proc.text())
+            self.assertTrue(code == 0 or sig == signal.SIGTERM, (code, sig, proc.text()))
+            self.assertIn("aborting 1 requests", proc.text())
+            self.assertNotIn("Traceback", proc.text())
+
+        return ensureDeferred(go())
+
+    def test_sigterm_idle_exits_after_delay(self) -> object:
+        """With nothing in flight, crossbar exits right after the delay."""
+
+        async def go() -> None:
+            upstream = FakeLlama()
+            url = await listen(self, upstream)
+            proc = await start_twistd(self, _config(url, delay=1.0, grace=30.0))
+            sent = reactor.seconds()
+            proc.signal("TERM")
+            code, sig = await proc.ended
+            took = (proc.ended_at or 0) - sent
+            self.assertGreaterEqual(took, 1.0 - 0.1)
+            self.assertLess(took, 1.0 + 5.0, "did not wait for the grace with nothing in flight")
+            self.assertTrue(code == 0 or sig == signal.SIGTERM, (code, sig, proc.text()))
+
+        return ensureDeferred(go())
+
+
+class RollingRestartTests(TestCase):
+    """SIGTERM to one crossbar while a client streams through it finishes the stream."""
+
+    timeout = 60
+
+    def test_stream_survives_sigterm(self) -> object:
+        async def go() -> None:
+            upstream = FakeLlama()
+            upstream.handlers[b"/v1/chat/completions"] = paced_stream
+            url = await listen(self, upstream)
+            proc = await start_twistd(self, _config(url, delay=1.0, grace=10.0))
+            stream = ClientStream(http_client(self), proc.base + "/r/v1/chat/completions", n=25, delay=0.1)
+            await stream.first
+            proc.signal("TERM")
+            how, body = await stream.done
+            self.assertEqual(how, "complete")
+            self.assertEqual(ClientStream.events(body), list(range(25)))
+            code, sig = await proc.ended
+            self.assertTrue(code == 0 or sig == signal.SIGTERM, (code, sig, proc.text()))
+            self.assertNotIn("aborting", proc.text())
+
+        return ensureDeferred(go())
