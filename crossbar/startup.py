@@ -11,8 +11,10 @@ by :class:`StartupGuard`, which wraps the service ``twistd`` runs.
 
 from __future__ import annotations
 
+import os
 import sys
-from typing import Callable, NoReturn, TextIO
+from functools import partial
+from typing import Any, Callable, MutableMapping, NoReturn, TextIO
 
 from twisted.application.service import IService, MultiService
 from twisted.internet.error import CannotListenError
@@ -39,7 +41,12 @@ def as_config_error(error: ConfigError | CannotListenError, source: str) -> Conf
     return ConfigError(source, "listen", f"cannot listen on {where}: {why}")
 
 
-def report_and_exit(error: ConfigError, stderr: TextIO | None = None, log: bool = True) -> NoReturn:
+def report_and_exit(
+    error: ConfigError,
+    stderr: TextIO | None = None,
+    log: bool = True,
+    twistd: MutableMapping[str, Any] | None = None,
+) -> NoReturn:
     """Write ``crossbar: <error>`` as one line to ``stderr`` and exit with status 1.
 
     ``stderr`` defaults to the process's original standard error (``sys.__stderr__``),
@@ -47,6 +54,11 @@ def report_and_exit(error: ConfigError, stderr: TextIO | None = None, log: bool 
     ``log`` the same line is also logged at ``critical`` level for operators who read
     the log file (pass False before ``twistd`` has started logging: Twisted would print
     a critical event to stderr a second time).
+
+    ``twistd`` is twistd's own option mapping (``ServerOptions``), when running under
+    it: a daemonized twistd's parent waits on a status pipe for the child's verdict and
+    hangs for ever when the child exits without one, so the line is written there (the
+    parent prints it and exits 1); and the pidfile this process wrote is removed.
 
     :raises SystemExit: always, with code 1.
     """
@@ -56,7 +68,30 @@ def report_and_exit(error: ConfigError, stderr: TextIO | None = None, log: bool 
     out = stderr if stderr is not None else (sys.__stderr__ or sys.stderr)
     out.write(line + "\n")
     out.flush()
+    if twistd is not None:
+        _tell_twistd(twistd, line)
     raise SystemExit(1)
+
+
+def _tell_twistd(twistd: MutableMapping[str, Any], line: str) -> None:
+    pipe = twistd.get("statusPipe")
+    if pipe is not None:
+        twistd["statusPipe"] = None
+        try:
+            # twistd's protocol: b"0" is success, b"1 <message>" failure (<= 100 bytes).
+            os.write(pipe, b"1 " + line.encode("ascii", "backslashreplace")[:98])
+            os.close(pipe)
+        except OSError:
+            pass  # the parent is gone: nobody is waiting
+    pidfile = twistd.get("pidfile")
+    if pidfile:
+        try:
+            with open(pidfile, encoding="ascii") as f:
+                ours = f.read().strip() == str(os.getpid())
+            if ours:
+                os.remove(pidfile)
+        except (OSError, UnicodeDecodeError):
+            pass  # none written yet, or not ours to remove
 
 
 class StartupGuard(MultiService):
@@ -64,18 +99,21 @@ class StartupGuard(MultiService):
 
     Catches :class:`ConfigError` and :class:`CannotListenError` from
     ``privilegedStartService`` and ``startService`` (``source`` is the configuration
-    file named in the message); any other exception is a bug and propagates.
+    file named in the message) and hands them, as :class:`ConfigError`, to ``report``
+    (default :func:`report_and_exit` told about ``twistd``, twistd's option mapping);
+    any other exception is a bug and propagates.
     """
 
     def __init__(
         self,
         service: IService,
         source: str,
-        report: Callable[[ConfigError], NoReturn] = report_and_exit,
+        report: Callable[[ConfigError], NoReturn] | None = None,
+        twistd: MutableMapping[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.source = source
-        self._report = report
+        self._report = report if report is not None else partial(report_and_exit, twistd=twistd)
         service.setServiceParent(self)
 
     def privilegedStartService(self) -> None:

@@ -64,9 +64,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def twistd_argv(config: str) -> list[str]:
+def twistd_argv(config: str, twistd_options: tuple[str, ...] = ("-n", "--pidfile=")) -> list[str]:
     plugins = str(REPO / "twisted" / "plugins")
-    return [sys.executable, "-c", _TWISTD, plugins, "-n", "--pidfile=", "crossbar", "--config", config]
+    return [sys.executable, "-c", _TWISTD, plugins, *twistd_options, "crossbar", "--config", config]
 
 
 def twistd_env() -> dict[str, str]:
@@ -87,10 +87,10 @@ class _TwistdCase(SynchronousTestCase):
             f.write(text)
         return path
 
-    def spawn(self, config: str) -> subprocess.Popen[str]:
+    def spawn(self, config: str, twistd_options: tuple[str, ...] = ("-n", "--pidfile=")) -> subprocess.Popen[str]:
         """Start twistd for ``config``; it is killed at cleanup if still running."""
         proc = subprocess.Popen(
-            twistd_argv(config), cwd=self.dir, env=twistd_env(), stdin=subprocess.DEVNULL,
+            twistd_argv(config, twistd_options), cwd=self.dir, env=twistd_env(), stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
 
@@ -105,10 +105,12 @@ class _TwistdCase(SynchronousTestCase):
         self.addCleanup(reap)
         return proc
 
-    def run_to_exit(self, config: str) -> tuple[int, str, str, float]:
+    def run_to_exit(
+        self, config: str, twistd_options: tuple[str, ...] = ("-n", "--pidfile=")
+    ) -> tuple[int, str, str, float]:
         """Run twistd for ``config`` until it exits; (status, stdout, stderr, seconds)."""
         started = time.monotonic()
-        proc = self.spawn(config)
+        proc = self.spawn(config, twistd_options)
         try:
             out, err = proc.communicate(timeout=START_TIMEOUT)
         except subprocess.TimeoutExpired:
@@ -117,9 +119,15 @@ class _TwistdCase(SynchronousTestCase):
             self.fail(f"twistd still running after {START_TIMEOUT}s: it must stop at start-up\n{out}\n{err}")
         return proc.returncode, out, err, time.monotonic() - started
 
-    def assertStartupFails(self, config: str, line: str | None = None, prefix: str | None = None) -> str:
+    def assertStartupFails(
+        self,
+        config: str,
+        line: str | None = None,
+        prefix: str | None = None,
+        twistd_options: tuple[str, ...] = ("-n", "--pidfile="),
+    ) -> str:
         """twistd exits 1 quickly; stderr is one line (``line``, or starting ``prefix``)."""
-        status, out, err, seconds = self.run_to_exit(config)
+        status, out, err, seconds = self.run_to_exit(config, twistd_options)
         self.assertEqual(status, 1, f"exit status {status}\nstdout:\n{out}\nstderr:\n{err}")
         self.assertNotIn("Traceback", out + err)
         lines = err.splitlines()
@@ -168,15 +176,57 @@ class BadConfigTests(_TwistdCase):
 
     def test_listen_port_in_use(self) -> None:
         """A port someone else holds stops start-up; crossbar never runs deaf."""
-        blocker = socket.socket()
-        self.addCleanup(blocker.close)
-        blocker.bind(("127.0.0.1", 0))
-        blocker.listen(1)
-        port = blocker.getsockname()[1]
+        port = self.hold_port()
         path = self.write("inuse.yaml", GOOD.format(port=port, upstream=free_port()))
         self.assertStartupFails(
             path, f"crossbar: {path}: listen: cannot listen on 127.0.0.1:{port}: Address already in use"
         )
+
+
+    def hold_port(self) -> int:
+        blocker = socket.socket()
+        self.addCleanup(blocker.close)
+        blocker.bind(("127.0.0.1", 0))
+        blocker.listen(1)
+        return int(blocker.getsockname()[1])
+
+    def test_port_in_use_removes_own_pidfile(self) -> None:
+        """twistd -n with a pidfile: the failed start leaves no stale pidfile behind."""
+        port = self.hold_port()
+        path = self.write("inuse.yaml", GOOD.format(port=port, upstream=free_port()))
+        pidfile = os.path.join(self.dir, "crossbar.pid")
+        self.assertStartupFails(
+            path, f"crossbar: {path}: listen: cannot listen on 127.0.0.1:{port}: Address already in use",
+            twistd_options=("-n", f"--pidfile={pidfile}"),
+        )
+        self.assertFalse(os.path.exists(pidfile))
+
+    def test_port_in_use_daemonized(self) -> None:
+        """Without -n, twistd's parent waits for the daemon's verdict on a pipe: it must
+        get one (else it hangs for ever), print it and exit 1; the log has the line and no
+        traceback; no pidfile is left."""
+        port = self.hold_port()
+        path = self.write("inuse.yaml", GOOD.format(port=port, upstream=free_port()))
+        pidfile = os.path.join(self.dir, "crossbar.pid")
+        logfile = os.path.join(self.dir, "crossbar.log")
+        status, out, err, seconds = self.run_to_exit(path, (f"--pidfile={pidfile}", f"--logfile={logfile}"))
+        self.assertEqual(status, 1, f"stdout:\n{out}\nstderr:\n{err}")
+        self.assertTrue(
+            err.startswith(f"An error has occurred: b'crossbar: {path}: listen: "), f"stderr:\n{err}"
+        )
+        self.assertNotIn("Traceback", out + err)
+        deadline = time.monotonic() + STOP_TIMEOUT  # the daemon writes its log as it exits
+        line = f"start-up failed: {path}: listen: cannot listen on 127.0.0.1:{port}: Address already in use"
+        log = ""
+        while time.monotonic() < deadline:
+            with open(logfile, encoding="utf-8") as f:
+                log = f.read()
+            if line in log:
+                break
+            time.sleep(0.1)
+        self.assertIn(line, log)
+        self.assertNotIn("Traceback", log)
+        self.assertFalse(os.path.exists(pidfile))
 
 
 class GoodConfigTests(_TwistdCase):
@@ -283,6 +333,34 @@ class StartupGuardTests(SynchronousTestCase):
         self.assertTrue(inner.running)
         guard.stopService()
         self.assertFalse(inner.running)
+
+    def test_report_answers_twistd_status_pipe_and_removes_own_pidfile(self) -> None:
+        r, w = os.pipe()
+        self.addCleanup(os.close, r)
+        directory = tempfile.mkdtemp(prefix="crossbar-startup-")
+        self.addCleanup(shutil.rmtree, directory, True)
+        pidfile = os.path.join(directory, "twistd.pid")
+        with open(pidfile, "w") as f:
+            f.write(f"{os.getpid()}\n")
+        twistd: dict[str, object] = {"statusPipe": w, "pidfile": pidfile}
+        self.assertRaises(
+            SystemExit, report_and_exit, ConfigError("c.yaml", "listen", "x" * 200), io.StringIO(), False, twistd
+        )
+        message = os.read(r, 1000)
+        self.assertEqual(message, (b"1 crossbar: c.yaml: listen: " + b"x" * 200)[:100])
+        self.assertIsNone(twistd["statusPipe"])
+        self.assertFalse(os.path.exists(pidfile))
+
+    def test_report_leaves_someone_elses_pidfile(self) -> None:
+        directory = tempfile.mkdtemp(prefix="crossbar-startup-")
+        self.addCleanup(shutil.rmtree, directory, True)
+        pidfile = os.path.join(directory, "twistd.pid")
+        with open(pidfile, "w") as f:
+            f.write("1\n")
+        self.assertRaises(
+            SystemExit, report_and_exit, ConfigError("c.yaml", "listen", "x"), io.StringIO(), False, {"pidfile": pidfile}
+        )
+        self.assertTrue(os.path.exists(pidfile))
 
     def test_report_writes_one_line_and_exits_1(self) -> None:
         out = io.StringIO()
