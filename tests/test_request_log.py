@@ -1,0 +1,79 @@
+"""The per-request log line (DESIGN.md §The proxy, rule 8): one structured event after
+each proxied request ends, with its fields; never a body, an Authorization value or the
+query string."""
+
+from __future__ import annotations
+
+import json
+
+from twisted.internet.defer import ensureDeferred
+from twisted.trial.unittest import TestCase
+
+from tests.raw import LogCapture, parse_responses, raw_exchange, request_bytes, two_hosts
+
+SECRET = b"s3cr3t-marker-91ad"
+
+
+class RequestLogTests(TestCase):
+    def test_one_event_per_request_with_fields(self) -> object:
+        async def go() -> None:
+            log = LogCapture(self)
+            hosts = await two_hosts(self)
+            body = json.dumps({"model": "model-a", "messages": [{"role": "user", "content": SECRET.decode()}]}).encode()
+            data, _ = await raw_exchange(hosts.port, request_bytes(
+                b"POST", b"/r/v1/chat/completions?api_key=" + SECRET,
+                [(b"Authorization", b"Bearer " + SECRET), (b"Content-Length", b"%d" % len(body)),
+                 (b"Cookie", b"sid=" + SECRET)], body))
+            [response] = parse_responses(data)
+            [event] = log.proxied()
+            self.assertEqual(event["route"], "r")
+            self.assertEqual(event["host"], "a")
+            self.assertEqual(event["method"], "POST")
+            self.assertEqual(event["path"], "/v1/chat/completions")
+            self.assertEqual(event["status"], 200)
+            self.assertEqual(event["bytes"], len(response.body))
+            self.assertIsInstance(event["ttfb_ms"], float)
+            self.assertIsInstance(event["ms"], float)
+            self.assertGreaterEqual(event["ttfb_ms"], 0)
+            self.assertGreaterEqual(event["ms"], event["ttfb_ms"])
+            self.assertLess(event["ms"], 30000)
+
+            # A streamed answer: logged once, after it ends, with every byte counted.
+            stream = b'{"model": "model-b", "stream": true}'
+            data, _ = await raw_exchange(hosts.port, request_bytes(
+                b"POST", b"/r/v1/chat/completions", [(b"Content-Length", b"%d" % len(stream))], stream))
+            [response] = parse_responses(data)
+            [_, event] = log.proxied()
+            self.assertEqual((event["host"], event["status"], event["bytes"]), ("b", 200, len(response.body)))
+
+            # crossbar's own error answers are logged too, without a host.
+            await raw_exchange(hosts.port, request_bytes(b"GET", b"/d/v1/models?token=" + SECRET))
+            [_, _, event] = log.proxied()
+            self.assertEqual((event["route"], event["status"], event["path"]), ("d", 503, "/v1/models"))
+            self.assertEqual(len(log.proxied()), 3)
+            log.assert_never_contains(self, SECRET)
+
+        return ensureDeferred(go())
+
+    def test_secret_marker_never_logged_on_failures(self) -> object:
+        """Failing requests (413, bad path, a dead host, a client that leaves) log
+        nothing of the body, the Authorization value or the query either."""
+
+        async def go() -> None:
+            log = LogCapture(self)
+            hosts = await two_hosts(self)
+            auth = (b"Authorization", b"Bearer " + SECRET)
+            await raw_exchange(hosts.port, request_bytes(
+                b"POST", b"/r/v1/x?k=" + SECRET, [auth, (b"Content-Length", b"%d" % (17 << 20))], close=False))
+            await raw_exchange(hosts.port, request_bytes(b"GET", b"/r/v1/../slots?k=" + SECRET, [auth]))
+            with self.assertRaises(AssertionError):  # a client that leaves mid-body
+                await raw_exchange(hosts.port, request_bytes(
+                    b"POST", b"/r/v1/chat/completions?k=" + SECRET, [auth, (b"Content-Length", b"100")],
+                    SECRET), timeout=0.3)
+            hosts.service.table.mark_down("a", "test")
+            hosts.service.table.mark_down("b", "test")
+            await raw_exchange(hosts.port, request_bytes(b"GET", b"/r/v1/models?k=" + SECRET, [auth]))
+            self.assertTrue(log.events)
+            log.assert_never_contains(self, SECRET)
+
+        return ensureDeferred(go())
