@@ -266,6 +266,8 @@ def _join(key: str, sub: str) -> str:
     return f"{key}.{sub}" if key else sub
 
 
+_ROUTE_CHARS = "letters, digits and -._~!$&'()*+,;=:@ only"
+_ROUTE_NAME = re.compile(r"[A-Za-z0-9\-._~!$&'()*+,;=:@]+\Z")  # RFC 3986 pchar, no %-escapes
 _TOP_KEYS = ("listen", "health", "timeouts", "drain", "ops", "hosts", "routes")
 _URL = re.compile(r"(?P<scheme>https?)://(?P<authority>[^/?#\s]+)(?P<path>/[^?#\s]*)?\Z")
 
@@ -410,8 +412,10 @@ def _routes(c: _Checker, raw: Any, hosts: Mapping[str, Host]) -> dict[str, Route
             raise c.fail(key, "a route name must not contain '/'")
         if name.startswith("_"):
             raise c.fail(key, "a route name must not start with '_' (reserved for /_crossbar)")
-        if name in (".", "..") or any(ch.isspace() or ch in "?#%" for ch in name):
-            raise c.fail(key, "a route name must be a plain path segment (no spaces, '?', '#', '%', dots alone)")
+        if name in (".", "..") or not _ROUTE_NAME.match(name):
+            # Clients percent-encode anything else, and the route segment is matched as
+            # sent: such a route could never be reached.
+            raise c.fail(key, f"a route name must be a plain URL path segment ({_ROUTE_CHARS}; not '.' or '..')")
         body = c.mapping(key, value)
         c.known_keys(key, body, ("hosts", "default_model"))
         if "hosts" not in body:

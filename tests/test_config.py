@@ -370,11 +370,31 @@ class RouteTests(_Case):
             "x.yaml: routes._x: a route name must not start with '_' (reserved for /_crossbar)",
         )
 
+    _PLAIN = "a route name must be a plain URL path segment (letters, digits and -._~!$&'()*+,;=:@ only; not '.' or '..')"
+
     def test_route_name_dot_segment(self) -> None:
-        self.assertRejected(
-            doc(routes={"..": {"hosts": ["a"]}}),
-            "x.yaml: routes...: a route name must be a plain path segment (no spaces, '?', '#', '%', dots alone)",
-        )
+        self.assertRejected(doc(routes={"..": {"hosts": ["a"]}}), f"x.yaml: routes...: {self._PLAIN}")
+
+    def test_route_name_single_dot(self) -> None:
+        self.assertRejected(doc(routes={".": {"hosts": ["a"]}}), f"x.yaml: routes..: {self._PLAIN}")
+
+    def test_route_name_with_space(self) -> None:
+        self.assertRejected(doc(routes={"my route": {"hosts": ["a"]}}), f"x.yaml: routes.my route: {self._PLAIN}")
+
+    def test_route_name_with_percent(self) -> None:
+        self.assertRejected(doc(routes={"a%2Fb": {"hosts": ["a"]}}), f"x.yaml: routes.a%2Fb: {self._PLAIN}")
+
+    def test_route_name_with_query_character(self) -> None:
+        self.assertRejected(doc(routes={"a?b": {"hosts": ["a"]}}), f"x.yaml: routes.a?b: {self._PLAIN}")
+
+    def test_route_name_non_ascii(self) -> None:
+        """Clients send ``caf%C3%A9``; the route segment is matched as sent: unreachable."""
+        self.assertRejected(doc(routes={"café": {"hosts": ["a"]}}), f"x.yaml: routes.café: {self._PLAIN}")
+
+    def test_route_name_with_path_safe_punctuation(self) -> None:
+        names = ["opencode-a", "a.b", "v1~x", "a:b@c", "x+y=z", "A_1"]
+        c = parse(doc(routes={n: {"hosts": ["a"]} for n in names}))
+        self.assertEqual(list(c.routes), names)
 
     def test_route_not_a_mapping(self) -> None:
         self.assertRejected(doc(routes={"r": ["a"]}), "x.yaml: routes.r: must be a mapping, not a list")
@@ -649,6 +669,6 @@ class LoadConfigTests(_Case):
         path = self.write(b"\xef\xbb\xbf" + MINIMAL.encode())
         self.assertEqual(load_config(path, environ={}).listen, "tcp:7777:interface=127.0.0.1")
 
-    def test_non_ascii_names(self) -> None:
-        path = self.write(MINIMAL.replace("  r:", "  café:").encode())
-        self.assertEqual(list(load_config(path, environ={}).routes), ["café"])
+    def test_non_ascii_text(self) -> None:
+        path = self.write((MINIMAL + "    default_model: modèle-ß\n").encode())
+        self.assertEqual(load_config(path, environ={}).routes["r"].default_model, "modèle-ß")
