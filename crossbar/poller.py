@@ -275,8 +275,8 @@ class HealthPoller(Service):
         """Poll ``hosts`` (name -> base URL) from now on (a config reload).
 
         A poll in flight to a host that is gone or whose URL changed is cancelled (it
-        records nothing, rule 6); while running, every host without a poll in flight
-        (the new ones included) is polled at once.
+        records nothing, rule 6); while running, the new hosts and those whose URL
+        changed are polled at once (the others keep their schedule).
         """
         old, self.hosts = self.hosts, dict(hosts)
         for name, d in list(self._inflight.items()):
@@ -284,7 +284,9 @@ class HealthPoller(Service):
                 del self._inflight[name]
                 d.cancel()
         if self.running:
-            self.poll_round()
+            for name, url in self.hosts.items():
+                if old.get(name) != url and name not in self._inflight:
+                    self._start(name, url)
 
     def set_timing(self, interval: float, timeout: float) -> None:
         """Use ``interval`` seconds between rounds (from the next round on) and

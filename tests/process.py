@@ -158,7 +158,13 @@ async def start_twistd(
     child_env.update(env or {})
     # ``python -m twisted`` is the newer ``twist`` runner (no -n, no --logger): run
     # twistd's own entry point instead.
-    args = [sys.executable, "-c", "from twisted.scripts.twistd import run; run()", "-n", "--pidfile="]
+    # The checkout's plugin goes first on twisted.plugins' path, so a copy of crossbar
+    # pip-installed into the environment can never shadow the code under test.
+    bootstrap = (
+        "import sys, twisted.plugins as p; p.__path__.insert(0, sys.argv.pop(1)); "
+        "from twisted.scripts.twistd import run; run()"
+    )
+    args = [sys.executable, "-c", bootstrap, os.path.join(ROOT, "twisted", "plugins"), "-n", "--pidfile="]
     if logger:
         args.append(f"--logger={logger}")
     args += ["crossbar", "--config", path]

@@ -1,0 +1,185 @@
+"""SIGHUP reload (DESIGN.md §Operations): the plan, the table and poller changes, and a
+real ``twistd`` process reloaded with a stream in flight."""
+
+from __future__ import annotations
+
+import signal
+
+import treq
+from twisted.internet import reactor
+from twisted.internet.defer import ensureDeferred
+from twisted.internet.task import Clock
+from twisted.trial.unittest import TestCase
+
+from crossbar.config import parse_config
+from crossbar.health import HealthTable
+from crossbar.poller import HealthPoller
+from crossbar.reload import SIGHUPReload, plan_reload
+from crossbar.testing import FakeProbe
+from tests.harness import FakeLlama, http_client, listen
+from tests.process import ClientStream, paced_stream, start_twistd, wait_for
+
+
+def _cfg(hosts: str, listen: str = "tcp:7777") -> str:
+    return f"listen: \"{listen}\"\nhosts:\n{hosts}\nroutes:\n  r:\n    hosts: [a]\n"
+
+
+class PlanTests(TestCase):
+    def test_kept_fresh_removed(self) -> None:
+        old = parse_config(_cfg("  a: http://h:1\n  b: http://h:2\n  c: http://h:3"))
+        new = parse_config(_cfg("  a: http://h:1\n  b: http://h:9\n  d: http://h:4", listen="tcp:8888"))
+        plan = plan_reload(old, new)
+        self.assertEqual(plan.kept, ("a",))
+        self.assertEqual(plan.fresh, ("b", "d"))
+        self.assertEqual(plan.removed, ("c",))
+        self.assertTrue(plan.listen_changed)
+        self.assertFalse(plan_reload(old, old).listen_changed)
+
+
+class TableAndPollerTests(TestCase):
+    def test_table_keeps_unchanged_hosts(self) -> None:
+        table = HealthTable(["a", "b", "c"], 2, 1, lambda: 100.0)
+        for name in ("a", "b", "c"):
+            table.record_success(name, ["m"])
+        table.set_hosts(["b", "a", "d"], reset=["b"])
+        self.assertEqual(table.names(), ("b", "a", "d"))
+        a = table.get("a")
+        assert a is not None
+        self.assertTrue(a.healthy)
+        self.assertEqual(a.loaded, ("m",))
+        b = table.get("b")
+        assert b is not None
+        self.assertFalse(b.healthy)
+        self.assertFalse(b.polled)
+        self.assertIsNone(table.get("c"))
+
+    def test_poller_polls_new_hosts_at_once_and_cancels_stale_polls(self) -> None:
+        clock = Clock()
+        probe = FakeProbe()
+        table = HealthTable(["a", "b"], 2, 1, clock.seconds)
+        poller = HealthPoller(table, {"a": "http://a", "b": "http://b"}, probe, 30, 5, clock)
+        poller.startService()
+        self.addCleanup(poller.stopService)
+        probe.succeed("http://a", ("m",))
+        self.assertEqual(len(probe.pending("http://b")), 1)
+        table.set_hosts(["a", "b", "c"], reset=["b"])
+        poller.set_hosts({"a": "http://a", "b": "http://b2", "c": "http://c"})
+        # b's poll of its old URL is cancelled and records nothing; b and c are polled now.
+        self.assertEqual(probe.pending("http://b"), [])
+        self.assertEqual(len(probe.pending("http://b2")), 1)
+        self.assertEqual(len(probe.pending("http://c")), 1)
+        self.assertEqual(probe.pending("http://a"), [], "a is not polled early")
+        b = table.get("b")
+        assert b is not None
+        self.assertFalse(b.polled)
+        probe.succeed("http://c", ("n",))
+        c = table.get("c")
+        assert c is not None
+        self.assertTrue(c.healthy)
+        poller.set_timing(1, 5)
+        clock.advance(30)  # the round already scheduled, then every second
+        self.assertEqual(len(probe.pending("http://a")), 1)
+        probe.succeed("http://a", ("m",))
+        clock.advance(1)
+        self.assertEqual(len(probe.pending("http://a")), 1)
+
+
+class SignalTests(TestCase):
+    def test_handler_installed_and_restored(self) -> None:
+        calls: list[int] = []
+        before = signal.getsignal(signal.SIGHUP)
+
+        class _Reactor:
+            def callFromThread(self, f: object, *a: object) -> None:
+                calls.append(1)
+                f()  # type: ignore[operator]
+
+        reloads: list[int] = []
+        service = SIGHUPReload(lambda: reloads.append(1), _Reactor())
+        service.startService()
+        self.assertIsNot(signal.getsignal(signal.SIGHUP), before)
+        signal.raise_signal(signal.SIGHUP)
+        self.assertEqual((calls, reloads), ([1], [1]))
+        service.stopService()
+        self.assertIs(signal.getsignal(signal.SIGHUP), before)
+
+
+def _twistd_config(a: str, b: str | None, token: str, listen: str = "tcp:0:interface=127.0.0.1") -> str:
+    hosts = f"  a: {a}\n" + (f"  b: {b}\n" if b else "")
+    routes = "  r:\n    hosts: [a]\n" + ("  r2:\n    hosts: [b]\n" if b else "")
+    return f"""
+listen: "{listen}"
+health: {{interval: 60, timeout: 2}}
+drain: {{delay: 0.2, grace: 2}}
+ops: {{token: {token}}}
+hosts:
+{hosts}routes:
+{routes}"""
+
+
+class TwistdReloadTests(TestCase):
+    timeout = 60
+
+    def test_sighup_reload_with_stream_in_flight(self) -> object:
+        async def go() -> None:
+            up_a, up_b = FakeLlama(), FakeLlama(models=["tiny-b"])
+            up_a.handlers[b"/v1/chat/completions"] = paced_stream
+            url_a, url_b = await listen(self, up_a), await listen(self, up_b)
+            proc = await start_twistd(self, _twistd_config(url_a, None, "t1"))
+            http = http_client(self)
+
+            async def status(token: str) -> tuple[int, dict]:  # type: ignore[type-arg]
+                response = await http.get(proc.base + "/_crossbar/status",
+                                          headers={"Authorization": f"Bearer {token}"})
+                return response.code, await treq.json_content(response)
+
+            code, before = await status("t1")
+            self.assertEqual(code, 200)
+            stream = ClientStream(http, proc.base + "/r/v1/chat/completions", n=30, delay=0.1)
+            await stream.first
+
+            with open(proc.config_path, "w") as f:
+                f.write(_twistd_config(url_a, url_b, "t2"))
+            proc.signal("HUP")
+            await proc.line(lambda line: "reloaded" in line, 10)
+
+            # Token swapped; a kept its health (interval 60: not re-polled); b polled at once.
+            self.assertEqual((await status("t1"))[0], 401)
+            _, after = await status("t2")
+            self.assertEqual(after["hosts"]["a"]["last_ok"], before["hosts"]["a"]["last_ok"])
+            self.assertTrue(after["hosts"]["a"]["healthy"])
+            self.assertEqual(after["hosts"]["a"]["inflight"], 1)
+
+            async def b_healthy() -> bool:
+                return bool((await status("t2"))[1]["hosts"]["b"]["healthy"])
+
+            await wait_for(b_healthy, 10, "b healthy after reload")
+            response = await http.post(proc.base + "/r2/v1/chat/completions", json={"messages": []})
+            self.assertEqual(response.code, 200)
+            self.assertEqual(response.headers.getRawHeaders(b"x-crossbar-host"), [b"b"])
+            await treq.content(response)
+
+            # An invalid file is refused, the running config kept.
+            with open(proc.config_path, "w") as f:
+                f.write(_twistd_config(url_a, url_b, "t3") + "bogus: 1\n")
+            proc.signal("HUP")
+            await proc.line(lambda line: "reload refused" in line and "bogus" in line, 10)
+            self.assertEqual((await status("t2"))[0], 200)
+            self.assertEqual((await status("t3"))[0], 401)
+
+            # listen cannot change live: logged, still served on the same port.
+            with open(proc.config_path, "w") as f:
+                f.write(_twistd_config(url_a, url_b, "t4", listen="tcp:1:interface=127.0.0.1"))
+            proc.signal("HUP")
+            await proc.line(lambda line: "restart is needed" in line, 10)
+            self.assertEqual((await status("t4"))[0], 200)
+
+            # The stream that was in flight through all of this ended intact.
+            how, body = await stream.done
+            self.assertEqual(how, "complete")
+            self.assertEqual(ClientStream.events(body), list(range(30)))
+            self.assertNotIn("Traceback", proc.text())
+            proc.signal("TERM")
+            await proc.ended
+
+        return ensureDeferred(go())
