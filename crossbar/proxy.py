@@ -31,7 +31,9 @@ from crossbar.config import Config, Route
 from crossbar.health import HealthTable
 from crossbar.metrics import Metrics
 from crossbar.request import json_error_bytes
-from crossbar.routing import choose, has_dot_segment, is_allowed, peek_model, split_route, split_target
+from crossbar.routing import (
+    choose, has_dot_segment, is_allowed, is_forwardable, peek_model, split_route, split_target,
+)
 from crossbar.upstream import ConnectTracker, UpstreamPools
 
 __all__ = ["HOST_HEADER", "HOP_BY_HOP", "ProxyResource", "hop_by_hop_names", "describe_failure"]
@@ -199,7 +201,7 @@ class _Exchange:
         if route is None:
             return self.answer_error(404, "unknown route")
         self.route = route
-        if has_dot_segment(self.rest):
+        if has_dot_segment(self.rest) or not is_forwardable(request.method, self.rest + self.query):
             return self.answer_error(400, "bad path")
         if not is_allowed(self.rest):
             return self.answer_error(404, "not found")

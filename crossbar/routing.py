@@ -11,9 +11,14 @@ import re
 from typing import Callable, Iterable
 from urllib.parse import unquote_to_bytes
 
-__all__ = ["ALLOWED_EXACT", "ALLOWED_PREFIX", "choose", "has_dot_segment", "is_allowed", "peek_model", "split_route", "split_target"]
+__all__ = [
+    "ALLOWED_EXACT", "ALLOWED_PREFIX", "choose", "has_dot_segment", "is_allowed", "is_forwardable",
+    "peek_model", "split_route", "split_target",
+]
 
 _OBJECT_START = re.compile(rb"(?:\xef\xbb\xbf)?[ \t\r\n]*\{")
+_VISIBLE_ASCII = re.compile(rb"\A[\x21-\x7e]*\Z")
+_TOKEN = re.compile(rb"\A[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
 ALLOWED_PREFIX = b"/v1/"
 ALLOWED_EXACT = (b"/health", b"/props")
 
@@ -53,6 +58,17 @@ def has_dot_segment(rest: bytes) -> bool:
     """
     decoded = unquote_to_bytes(rest).replace(b"\\", b"/")
     return any(seg in (b".", b"..") for seg in decoded.split(b"/"))
+
+
+def is_forwardable(method: bytes, target: bytes) -> bool:
+    """Whether ``method`` is an HTTP token and ``target`` (rest and query) only visible
+    ASCII (RFC 9110 §9.1, RFC 9112 §3.2), so the request can be sent upstream as it is.
+
+    twisted.web's server lets other bytes through (only a space splits the request
+    line); the client side refuses them. Such a request is answered 400 ``bad path``
+    (DESIGN.md §The proxy, rule 3) instead of being forwarded.
+    """
+    return _TOKEN.match(method) is not None and _VISIBLE_ASCII.match(target) is not None
 
 
 def is_allowed(rest: bytes) -> bool:

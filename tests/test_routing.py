@@ -8,7 +8,9 @@ import json
 from twisted.internet.defer import ensureDeferred
 from twisted.trial.unittest import TestCase
 
-from crossbar.routing import choose, has_dot_segment, is_allowed, peek_model, split_route, split_target
+from crossbar.routing import (
+    choose, has_dot_segment, is_allowed, is_forwardable, peek_model, split_route, split_target,
+)
 from tests.raw import TwoHosts, parse_responses, raw_exchange, request_bytes, two_hosts, upstream_requests
 
 
@@ -47,6 +49,14 @@ class DotSegmentTests(TestCase):
         for rest in (b"/v1/chat/completions", b"/v1/a.b", b"/v1/...", b"/v1/..a", b"/v1/.well",
                      b"/v1/%252e%252e/x", b"/health", b"/v1/x%2Fy"):
             self.assertFalse(has_dot_segment(rest), rest)
+
+    def test_forwardable(self) -> None:
+        self.assertTrue(is_forwardable(b"POST", b"/v1/x%2Fy?a=1&b=%FF"))
+        self.assertTrue(is_forwardable(b"M-SEARCH", b"/health"))
+        for target in (b"/v1/\x7f", b"/v1/caf\xc3\xa9", b"/v1/a b", b"/v1/x?\x96", b"/v1/\x00", b"/v1/\t"):
+            self.assertFalse(is_forwardable(b"GET", target), target)
+        for method in (b"G\x00T", b"GE T", b"", b"G\xc3\xa9T", b"GET/"):
+            self.assertFalse(is_forwardable(method, b"/v1/x"), method)
 
     def test_allowed(self) -> None:
         for rest in (b"/v1/chat/completions", b"/v1/", b"/health", b"/props", b"/v1/x%2Fy"):
