@@ -61,7 +61,8 @@ class CappedRequest(Request):
         if self._received > self.max_body:
             self._refuse()
             return
-        self.content.write(data)
+        content: Any = self.content
+        content.write(data)
 
     def process(self) -> None:
         if self.refused:
@@ -75,7 +76,7 @@ class CappedRequest(Request):
         # gotLength returns when this header is present).
         self.requestHeaders.removeHeader(b"expect")
         body = json_error_bytes("body too large")
-        transport = self.channel.transport
+        transport: Any = self.channel.transport  # an ITCPTransport (write, half-close, abort)
         transport.write(
             b"HTTP/1.1 413 Content Too Large\r\n"
             b"Content-Type: application/json\r\n"

@@ -11,7 +11,7 @@ front of two :class:`~tests.harness.FakeLlama` hosts with different loaded model
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
@@ -19,7 +19,7 @@ from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint, c
 from twisted.internet.interfaces import IHalfCloseableProtocol
 from twisted.internet.protocol import Protocol
 from twisted.internet.task import LoopingCall
-from twisted.logger import globalLogPublisher, formatEvent
+from twisted.logger import ILogObserver, globalLogPublisher, formatEvent
 from twisted.python.failure import Failure
 from twisted.trial.unittest import TestCase
 from twisted.web.resource import Resource
@@ -195,7 +195,7 @@ async def raw_exchange(
     proto = _Collect(list(chunks), until)
     proto.wait_close = wait_close
     await connectProtocol(TCP4ClientEndpoint(reactor, "127.0.0.1", port), proto)
-    timer = reactor.callLater(timeout, proto._finish, "timeout")  # type: ignore[attr-defined]
+    timer = reactor.callLater(timeout, proto._finish, "timeout")
     sender = LoopingCall(proto.transport.write, trickle)  # type: ignore[union-attr]
     if trickle:
         sender.start(0.1)
@@ -231,8 +231,9 @@ class LogCapture:
 
     def __init__(self, case: TestCase) -> None:
         self.events: list[dict[str, Any]] = []
-        globalLogPublisher.addObserver(self.events.append)
-        case.addCleanup(globalLogPublisher.removeObserver, self.events.append)
+        observer = cast(ILogObserver, self.events.append)
+        globalLogPublisher.addObserver(observer)
+        case.addCleanup(globalLogPublisher.removeObserver, observer)
 
     def proxied(self) -> list[dict[str, Any]]:
         """The proxy's per-request log lines."""
