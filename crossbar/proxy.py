@@ -36,7 +36,7 @@ from crossbar.routing import (
 )
 from crossbar.upstream import ConnectTracker, UpstreamPools
 
-__all__ = ["HOST_HEADER", "HOP_BY_HOP", "ProxyResource", "hop_by_hop_names", "describe_failure"]
+__all__ = ["HOST_HEADER", "HOP_BY_HOP", "STALE_WINDOW", "ProxyResource", "hop_by_hop_names", "describe_failure"]
 
 HOST_HEADER = b"X-Crossbar-Host"
 """Set on every proxied answer: the name of the host that answered (DESIGN.md rule 6)."""
@@ -54,6 +54,12 @@ _REPLACED_UPSTREAM = frozenset(
      b"x-forwarded-proto", b"forwarded"}
 )
 _NO_BODY_METHODS = (b"GET", b"HEAD")
+
+STALE_WINDOW = 1.0
+"""Seconds after sending within which a reused pooled connection that dies before any
+answer counts as stale (closed by the host while idle) and is retried once on a fresh
+connection (DESIGN.md rule 7). Later, the host had the request long enough to have
+started the work: that is a host failure (mark_down, 502, no retry)."""
 _NO_BODY_CODES = (204, 304)
 
 
@@ -141,6 +147,13 @@ class _StreamBody(Protocol):
         self.paused = True
         self.exchange.stop_idle_timer()
         if self.transport is not None:
+            self.transport.pauseProducing()
+
+    def hold_pause(self) -> None:
+        """Re-apply a pause: ``Response.deliverBody`` resumes the upstream transport
+        unconditionally once it has handed over, even when a write during the hand-over
+        made the client's connection pause us."""
+        if self.paused and self.transport is not None:
             self.transport.pauseProducing()
 
     def resumeProducing(self) -> None:
@@ -289,6 +302,7 @@ class _Exchange:
         if (
             not fresh
             and tracker.connects == 0
+            and self.clock.seconds() - self.sent_at < STALE_WINDOW
             and failure.check(RequestNotSent, RequestTransmissionFailed, ResponseNeverReceived)
         ):
             # A reused pooled connection was dead before any answer: once more, fresh.
@@ -312,10 +326,16 @@ class _Exchange:
         self.copy_response_headers(response)
         assert self.host is not None
         out.setRawHeaders(HOST_HEADER, [self.host.encode("utf-8")])
-        self.stream = _StreamBody(self)
-        request.registerProducer(self.stream, True)
+        stream = self.stream = _StreamBody(self)
+        request.registerProducer(stream, True)
+        if getattr(request.channel, "_waitingForTransport", False):
+            # The client's connection is already full (e.g. a pipelined answer before
+            # this one): HTTPChannel only tells producers of later pauses.
+            stream.pauseProducing()
         self.start_idle_timer()
-        response.deliverBody(self.stream)
+        response.deliverBody(stream)
+        if not self.ended:
+            stream.hold_pause()
 
     def copy_response_headers(self, response: IResponse) -> None:
         """The upstream answer's headers onto the client's answer (rule 6): hop-by-hop
@@ -414,7 +434,7 @@ class _Exchange:
         if self.stream is not None:
             self.request.unregisterProducer()
         self.end()
-        transport = self.request.channel.transport if self.request.channel is not None else None
+        transport: Any = self.request.channel.transport if self.request.channel is not None else None
         if transport is not None:
             transport.abortConnection()
 

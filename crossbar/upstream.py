@@ -119,7 +119,7 @@ class UpstreamPools:
         self._tls = BrowserLikePolicyForHTTPS()
         self.pool = quiet_pool(reactor, persistent=True)
         self.pool.maxPersistentPerHost = max_per_host
-        self.pool.cachedConnectionTimeout = idle_seconds
+        self.pool.cachedConnectionTimeout = idle_seconds  # type: ignore[assignment]  # Twisted says int; seconds
         # A stale pooled connection is retried by the proxy itself (any method), once.
         self.pool.retryAutomatically = False
         self._fresh_pool = quiet_pool(reactor, persistent=False)

@@ -19,6 +19,7 @@ from twisted.internet.task import deferLater
 from twisted.trial.unittest import TestCase
 from twisted.web.server import Site
 
+from crossbar.proxy import STALE_WINDOW
 from tests.harness import FakeLlama, http_client, listen
 from tests.rawhttp import connect_raw, request_bytes
 from tests.upstreams import Die, ErrorWatch, Hang, KillReused, host_status, start_proxy, wait_until
@@ -179,6 +180,30 @@ class HostFailureTests(TestCase):
             status = (await host_status(self, base))["a"]
             self.assertTrue(status["healthy"])
             self.assertEqual(status["last_err"], "")
+            self.assertEqual(status["inflight"], 0)
+
+        return ensureDeferred(go())
+
+    def test_reused_connection_dying_late_is_a_host_failure(self) -> object:
+        """A reused connection that dies well after the request was sent (longer than
+        ``STALE_WINDOW``) is not a stale pooled connection but a host that may have
+        started the work: 502, marked down, not retried."""
+
+        async def go() -> None:
+            kill = KillReused(delay=STALE_WINDOW + 0.5)
+            upstream = FakeLlama()
+            upstream.handlers[b"/v1/chat/completions"] = kill
+            _, base = await start_proxy(self, {"a": await listen(self, upstream)})
+            http = http_client(self)
+            first = await http.post(base + "/r/v1/chat/completions", json=_PLAIN)
+            self.assertEqual(first.code, 200)
+            await treq.content(first)
+            second = await http.post(base + "/r/v1/chat/completions", json=_PLAIN)
+            self.assertEqual(second.code, 502)
+            self.assertEqual(await treq.json_content(second), {"error": "upstream failed", "host": "a"})
+            self.assertEqual((kill.requests, kill.killed), (2, 1))
+            status = (await host_status(self, base))["a"]
+            self.assertFalse(status["healthy"])
             self.assertEqual(status["inflight"], 0)
 
         return ensureDeferred(go())

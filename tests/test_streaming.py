@@ -12,12 +12,13 @@ from typing import Any
 
 from twisted.internet import reactor
 from twisted.internet.defer import ensureDeferred
+from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.internet.task import LoopingCall, deferLater
 from twisted.trial.unittest import TestCase
 
 from tests.harness import FakeLlama, listen
 from tests.rawhttp import RawClient, connect_raw, request_bytes
-from tests.upstreams import Firehose, host_status, start_proxy, wait_until
+from tests.upstreams import Firehose, RawFirehose, host_status, start_proxy, wait_until
 
 _STREAM_BODY = json.dumps({"model": "tiny-a", "stream": True, "messages": []}).encode()
 _INDEX = re.compile(rb'"i": (\d+)')
@@ -180,5 +181,31 @@ class StreamingTests(TestCase):
             self.assertEqual(status["last_err"], "")
             self.assertEqual(status["inflight"], 0)
             print(f"backpressure: held max {samples['held']} B, upstream ahead max {samples['ahead']} B, upstream pauses {firehose.pauses}")
+
+        return ensureDeferred(go())
+
+    def test_client_that_never_reads(self) -> object:
+        """A client that reads nothing after its request, an upstream whose head and
+        first 64 KiB of body arrive in one read and which then sends 50 MB as fast as
+        it can: crossbar's first writes fill its buffer, its upstream reads pause and
+        stay paused, it holds under 1 MiB; the client's leaving closes the upstream."""
+
+        async def go() -> None:
+            firehose = RawFirehose(50 * 1024 * 1024)
+            port = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(firehose)
+            self.addCleanup(port.stopListening)
+            url = f"http://127.0.0.1:{port.getHost().port}"  # type: ignore[attr-defined]
+            service, base = await start_proxy(self, {"a": url})
+            client = await connect_raw(self, base, request_bytes("GET", "/r/v1/big"), rcvbuf=4096)
+            client.transport.pauseProducing()  # type: ignore[union-attr]
+            await wait_until(lambda: firehose.started)
+            await deferLater(reactor, 1.0)
+            held = [_userland_buffer(e.request.channel.transport) for e in service.proxy.active]
+            self.assertEqual(len(held), 1)
+            self.assertLess(held[0], 1024 * 1024, f"crossbar held {held[0]} bytes for a client that reads nothing")
+            self.assertLess(firehose.written, 32 * 1024 * 1024)
+            client.transport.abortConnection()  # type: ignore[union-attr]
+            await firehose.closed
+            await wait_until(lambda: not service.proxy.active, 1.0)
 
         return ensureDeferred(go())

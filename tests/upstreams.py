@@ -13,6 +13,8 @@ import treq
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IPushProducer
+from twisted.internet.protocol import Factory, Protocol
+from twisted.python.failure import Failure
 from twisted.internet.task import deferLater
 from twisted.logger import LogLevel, formatEvent, globalLogPublisher
 from twisted.trial.unittest import TestCase
@@ -23,7 +25,8 @@ from crossbar.service import CrossbarService
 from tests.harness import http_client, sse_event, start_crossbar
 
 __all__ = [
-    "Die", "ErrorWatch", "Firehose", "Hang", "KillReused", "host_status", "start_proxy", "wait_until",
+    "Die", "ErrorWatch", "Firehose", "Hang", "KillReused", "RawFirehose", "host_status", "start_proxy",
+    "wait_until",
 ]
 
 
@@ -187,12 +190,14 @@ class ErrorWatch:
 class KillReused:
     """An upstream completion handler that answers the first request on a connection and
     kills the connection when a second request arrives on it (an upstream closing an
-    idle keep-alive connection just as crossbar reuses it).
+    idle keep-alive connection just as crossbar reuses it), or ``delay`` seconds later
+    (a host that dies while working on it).
 
     :ivar requests: requests received; :ivar connections: distinct connections seen.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, delay: float = 0.0) -> None:
+        self.delay = delay
         self.requests = 0
         self.killed = 0
         self._served: set[int] = set()
@@ -204,8 +209,77 @@ class KillReused:
         self.connections.add(channel)
         if channel in self._served:
             self.killed += 1
-            request.channel.transport.abortConnection()
+            reactor.callLater(self.delay, request.channel.transport.abortConnection)  # type: ignore[attr-defined]
             return NOT_DONE_YET
         self._served.add(channel)
         request.setHeader(b"content-type", b"application/json")
         return b'{"object": "chat.completion", "body": ' + str(len(body)).encode() + b"}"
+
+
+@implementer(IPushProducer)
+class _RawFirehoseProtocol(Protocol):
+    def __init__(self, owner: RawFirehose) -> None:
+        self.owner = owner
+        self.paused = False
+        self.started = False
+
+    def dataReceived(self, data: bytes) -> None:
+        if self.started or b"\r\n\r\n" not in data:
+            return
+        line = data.split(b"\r\n", 1)[0]
+        if b" /health " in line or b" /v1/models " in line:
+            body = b'{"status": "ok"}' if b"/health" in line else b'{"data": [{"id": "tiny-a"}]}'
+            self.transport.write(  # type: ignore[union-attr]
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                b"Content-Length: %d\r\n\r\n" % len(body) + body
+            )
+            self.transport.loseConnection()  # type: ignore[union-attr]
+            return
+        self.started = True
+        self.owner.started = True
+        self.transport.registerProducer(self, True)  # type: ignore[union-attr]
+        head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        first = 65536 - len(head) - 16
+        self._send(head + b"%x\r\n" % first + b"y" * first + b"\r\n", first)
+        self.resumeProducing()
+
+    def _send(self, data: bytes, body: int) -> None:
+        self.owner.written += body
+        self.transport.write(data)  # type: ignore[union-attr]
+
+    def pauseProducing(self) -> None:
+        self.paused = True
+
+    def resumeProducing(self) -> None:
+        self.paused = False
+        chunk = self.owner.chunk
+        while not self.paused and self.owner.written < self.owner.total:
+            self._send(b"%x\r\n" % len(chunk) + chunk + b"\r\n", len(chunk))
+
+    def stopProducing(self) -> None:
+        self.paused = True
+
+    def connectionLost(self, reason: Failure = None) -> None:  # type: ignore[assignment]
+        if self.started and not self.owner.closed.called:
+            self.owner.closed.callback(None)
+
+
+class RawFirehose(Factory):
+    """A raw-socket upstream whose first write is the head and a body chunk together,
+    exactly 64 KiB (so crossbar reads head and body in one read), and which then writes
+    ``total`` body bytes as fast as the connection takes them. ``/health`` and
+    ``/v1/models`` get minimal good answers (one per connection).
+
+    :ivar written: body bytes written; :ivar closed: fires when the answering
+        connection closes.
+    """
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.chunk = b"z" * 65536
+        self.written = 0
+        self.started = False
+        self.closed: Deferred[None] = Deferred()
+
+    def buildProtocol(self, addr: Any) -> Protocol:
+        return _RawFirehoseProtocol(self)
