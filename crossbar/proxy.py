@@ -38,6 +38,8 @@ from crossbar.upstream import ConnectTracker, UpstreamPools
 
 __all__ = ["HOST_HEADER", "HOP_BY_HOP", "STALE_WINDOW", "ProxyResource", "hop_by_hop_names", "describe_failure"]
 
+_log = Logger(namespace="crossbar.proxy")
+
 HOST_HEADER = b"X-Crossbar-Host"
 """Set on every proxied answer: the name of the host that answered (DESIGN.md rule 6)."""
 
@@ -98,7 +100,6 @@ class ProxyResource(Resource):
     """
 
     isLeaf = True
-    _log = Logger(namespace="crossbar.proxy")
 
     def __init__(
         self, config: Config, table: HealthTable, pools: UpstreamPools, clock: IReactorTime, metrics: Metrics
@@ -111,6 +112,9 @@ class ProxyResource(Resource):
         self.metrics = metrics
         self.inflight: dict[str, int] = {}
         self.active: set[_Exchange] = set()
+        self.draining = False
+        """Set when a drain starts: answers then close their connection (keep-alive
+        clients reconnect elsewhere instead of sending more requests here)."""
 
     def render(self, request: Request) -> Any:
         _Exchange(self, request).start()
@@ -306,7 +310,7 @@ class _Exchange:
             and failure.check(RequestNotSent, RequestTransmissionFailed, ResponseNeverReceived)
         ):
             # A reused pooled connection was dead before any answer: once more, fresh.
-            self.proxy._log.debug("retrying {host} on a fresh connection", host=host)
+            _log.debug("retrying {host} on a fresh connection", host=host)
             return self.send(fresh=True)
         self.mark_down("request", f"request failed: {describe_failure(failure)}")
         return self.answer_error(502, "upstream failed", host=host)
@@ -324,6 +328,7 @@ class _Exchange:
         out = request.responseHeaders
         out.removeHeader(b"server")
         self.copy_response_headers(response)
+        self.close_if_draining()
         assert self.host is not None
         out.setRawHeaders(HOST_HEADER, [self.host.encode("utf-8")])
         stream = self.stream = _StreamBody(self)
@@ -418,7 +423,7 @@ class _Exchange:
         """Abort this exchange from outside (the end of a drain's grace)."""
         if self.ended:
             return
-        self.proxy._log.info("aborting {method} /{route}{path}: {why}", method=self.request.method.decode("latin-1"),
+        _log.info("aborting {method} /{route}{path}: {why}", method=self.request.method.decode("latin-1"),
                              route=self.route.name if self.route else "", path=self.rest.decode("latin-1"), why=why)
         upstream, self.upstream = self.upstream, None
         self.abort_client()
@@ -449,9 +454,19 @@ class _Exchange:
         request.responseHeaders.removeHeader(b"server")
         request.setHeader(b"Content-Type", b"application/json")
         request.setHeader(b"Content-Length", str(len(body)).encode("ascii"))
+        self.close_if_draining()
         request.write(body)
         request.finish()
         self.end()
+
+    def close_if_draining(self) -> None:
+        """During a drain, answer with ``Connection: close`` and close after it."""
+        if not self.proxy.draining:
+            return
+        self.request.responseHeaders.setRawHeaders(b"Connection", [b"close"])
+        channel = self.request.channel
+        if channel is not None:
+            channel.persistent = False
 
     def end(self) -> None:
         """Once per exchange: release the host, count, and write the log line (rule 8)."""
@@ -473,11 +488,11 @@ class _Exchange:
             m.duration.labels(route, host).observe(now - self.started)
             if self.ttfb is not None:
                 m.ttfb.labels(route, host).observe(self.ttfb)
-        self.proxy._log.info(
-            "{method} {target} -> {host} {status} {bytes}B ttfb={ttfb_ms}ms {ms}ms",
+        _log.info(
+            "{method} {target} -> {host} {status} {bytes}B ttfb={ttfb_text} {ms}ms",
             route=route, host=host or "-", method=self.request.method.decode("latin-1"),
             path=self.rest.decode("latin-1"), status=self.status, bytes=self.bytes,
-            ttfb_ms="-" if ttfb_ms is None else ttfb_ms, ms=ms,
+            ttfb_ms=ttfb_ms, ttfb_text="-" if ttfb_ms is None else f"{ttfb_ms}ms", ms=ms,
             target=split_target(self.request.uri)[0].decode("latin-1"),
         )
 
@@ -504,7 +519,7 @@ class _Exchange:
 
     def on_bug(self, failure: Failure) -> None:
         """Last resort: a bug in crossbar must not leave the client hanging."""
-        self.proxy._log.failure("proxying failed", failure=failure)
+        _log.failure("proxying failed", failure=failure)
         if not self.ended:
             if self.request.startedWriting:
                 self.abort_client()

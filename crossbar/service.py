@@ -74,14 +74,34 @@ class ListenService(Service):
         self.port: IListeningPort | None = None
         self._listening: Deferred[IListeningPort] | None = None
 
+    def privilegedStartService(self) -> None:
+        """Listen before twistd drops privileges (``--uid``), so ports below 1024 work."""
+        super().privilegedStartService()
+        self._listen()
+
     def startService(self) -> None:
         super().startService()
+        if self._listening is None:  # started without privilegedStartService (tests)
+            self._listen()
+
+    def _listen(self) -> None:
         d = self.endpoint.listen(self.factory)
         self._listening = d
-        failures: list[Failure] = []
-        d.addCallbacks(self._listened, failures.append)
-        if failures:
-            failures[0].raiseException()
+        d.addCallback(self._listened)
+        if d.called:  # TCP, UNIX, systemd: listening (or not) at once
+            failures: list[Failure] = []
+            d.addErrback(failures.append)
+            if failures:
+                failures[0].raiseException()
+        else:
+            d.addErrback(self._listen_failed)
+
+    def _listen_failed(self, failure: Failure) -> None:
+        """A listen that failed later (e.g. a slow endpoint): running deaf helps nobody."""
+        self._log.failure("cannot listen; stopping", failure=failure)
+        from twisted.internet import reactor
+
+        reactor.stop()
 
     def _listened(self, port: IListeningPort) -> IListeningPort:
         self.port = port
@@ -106,6 +126,7 @@ class ListenService(Service):
 
     def stopService(self) -> Deferred[None] | None:
         super().stopService()
+        self._listening = None
         port, self.port = self.port, None
         if port is not None:
             return port.stopListening()
@@ -267,6 +288,7 @@ class CrossbarService(MultiService):
 
     async def _run_drain(self) -> None:
         self.ops.draining = True
+        self.proxy.draining = True
         if self.systemd is not None:
             self.systemd.draining()
         delay, grace = self.config.drain.delay, self.config.drain.grace

@@ -10,6 +10,7 @@ within delay + grace + 2 s.
 from __future__ import annotations
 
 import signal
+from dataclasses import replace
 
 import treq
 from twisted.internet import reactor
@@ -19,6 +20,7 @@ from twisted.internet.error import ConnectionRefusedError
 from twisted.internet.protocol import Factory, Protocol
 from twisted.trial.unittest import TestCase
 
+from crossbar.config import DrainSettings
 from tests.harness import FakeLlama, http_client, listen
 from tests.process import ClientStream, paced_stream, start_twistd
 
@@ -140,5 +142,39 @@ class RollingRestartTests(TestCase):
             code, sig = await proc.ended
             self.assertTrue(code == 0 or sig == signal.SIGTERM, (code, sig, proc.text()))
             self.assertNotIn("aborting", proc.text())
+
+        return ensureDeferred(go())
+
+
+class DrainClosesKeepAliveTests(TestCase):
+    """During a drain, answers say ``Connection: close`` and close their connection, so
+    keep-alive clients go elsewhere instead of sending more requests here."""
+
+    def test_answers_close_their_connection_while_draining(self) -> object:
+        async def go() -> None:
+            from urllib.parse import urlsplit
+
+            from tests.raw import parse_responses, raw_exchange, request_bytes
+            from tests.upstreams import start_proxy
+
+            upstream = FakeLlama()
+            url = await listen(self, upstream)
+            service, base = await start_proxy(self, {"a": url})
+            port = urlsplit(base).port
+            assert port is not None
+            keep_alive = request_bytes(b"GET", b"/r/v1/models", close=False)
+            before, how = await raw_exchange(port, keep_alive, until=lambda data: data.endswith(b"}"), timeout=5)
+            self.assertEqual(how, "until")  # served, and the connection stays open
+            self.assertEqual(parse_responses(before, at_eof=False)[0].get(b"connection"), [])
+
+            service.proxy.config = replace(service.proxy.config, drain=DrainSettings(delay=0.3, grace=0.3))
+            service.config = service.proxy.config
+            draining = service.drain()
+            for target in (b"/r/v1/models", b"/nope/v1/models"):  # proxied, and crossbar's own error
+                during, how = await raw_exchange(port, request_bytes(b"GET", target, close=False), timeout=5)
+                self.assertIn(how, ("close", "half-close"))  # crossbar closed it
+                (answer,) = parse_responses(during)
+                self.assertEqual(answer.get(b"connection"), [b"close"])
+            await draining
 
         return ensureDeferred(go())
