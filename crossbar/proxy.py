@@ -36,7 +36,10 @@ from crossbar.routing import (
 )
 from crossbar.upstream import ConnectTracker, UpstreamPools
 
-__all__ = ["HOST_HEADER", "HOP_BY_HOP", "STALE_WINDOW", "ProxyResource", "hop_by_hop_names", "describe_failure"]
+__all__ = [
+    "HOST_HEADER", "HOP_BY_HOP", "STALE_WINDOW", "ProxyResource", "hop_by_hop_names", "describe_failure",
+    "relayable_phrase",
+]
 
 _log = Logger(namespace="crossbar.proxy")
 
@@ -77,6 +80,16 @@ def hop_by_hop_names(headers: Headers, connection: Iterable[bytes] = ()) -> froz
     }
     named.discard(b"")
     return HOP_BY_HOP | named
+
+
+def relayable_phrase(phrase: bytes) -> bytes | None:
+    """The upstream's reason phrase if it may be relayed as it is, else ``None`` (the
+    standard phrase for the code is sent instead): RFC 9112 §4 allows only HTAB, SP,
+    visible ASCII and obs-text, so a bare CR (which a lenient client could read as a
+    line end, i.e. a header injected by the host) or a NUL never reaches the client."""
+    if not phrase or any(c < 0x20 and c != 0x09 or c == 0x7F for c in phrase):
+        return None
+    return phrase
 
 
 def describe_failure(failure: Failure) -> str:
@@ -324,7 +337,7 @@ class _Exchange:
         self.ttfb = self.clock.seconds() - self.sent_at
         request = self.request
         self.status = response.code
-        request.setResponseCode(response.code, response.phrase or None)
+        request.setResponseCode(response.code, relayable_phrase(response.phrase))
         out = request.responseHeaders
         out.removeHeader(b"server")
         self.copy_response_headers(response)

@@ -17,11 +17,20 @@ from twisted.internet.interfaces import IProtocolFactory, IReactorTime, IStreamC
 from twisted.python.failure import Failure
 from twisted.web.client import Agent, BrowserLikePolicyForHTTPS, HTTPConnectionPool, URI
 from twisted.web.client import _HTTP11ClientFactory
-from twisted.web._newclient import HTTP11ClientProtocol
+from twisted.web._newclient import HEADER, STATUS, HTTP11ClientProtocol, ParseError
 from twisted.web.iweb import IAgent, IAgentEndpointFactory
 from zope.interface import implementer
 
-__all__ = ["ConnectTracker", "UpstreamPools", "quiet_pool"]
+__all__ = ["MAX_RESPONSE_HEAD", "ConnectTracker", "ResponseHeadTooLarge", "UpstreamPools", "quiet_pool"]
+
+MAX_RESPONSE_HEAD = 64 * 1024
+"""The most bytes of an upstream answer's head (status lines and headers, interim
+``1xx`` answers included) crossbar reads before giving up on it (DESIGN.md §The proxy,
+rule 9): Twisted's HTTP client bounds each line but not how many there are."""
+
+
+class ResponseHeadTooLarge(Exception):
+    """An upstream answer's head went over :data:`MAX_RESPONSE_HEAD` bytes."""
 
 
 @implementer(IStreamClientEndpoint)
@@ -73,11 +82,30 @@ class _ClientProtocol(HTTP11ClientProtocol):
     """Twisted's client protocol, also telling the proxy the answer's ``Connection``
     header: Twisted keeps it out of ``IResponse.headers``, yet the proxy must drop the
     headers it names (DESIGN.md §The proxy, rule 6). Each response gets the attribute
-    ``upstream_connection``: the raw ``Connection`` values (a tuple of bytes)."""
+    ``upstream_connection``: the raw ``Connection`` values (a tuple of bytes).
+
+    It also refuses answers crossbar cannot relay as a failed request (rule 7, so the
+    proxy marks the host down and answers 502): a head over :data:`MAX_RESPONSE_HEAD`
+    bytes, a status code outside 100-599 (Twisted takes any integer), and ``101
+    Switching Protocols`` (crossbar never forwards ``Upgrade``; Twisted would skip it
+    as an interim answer and parse the new protocol's bytes as HTTP)."""
+
+    _head_bytes = 0
 
     def request(self, request: Any) -> Deferred[Any]:
         d = super().request(request)
         parser = self._parser
+        self._head_bytes = 0
+        if parser is not None:
+            parse_status = parser.statusReceived
+
+            def status_received(line: bytes) -> None:
+                parse_status(line)
+                code = parser.response.code
+                if code == 101 or not 100 <= code <= 599:
+                    raise ParseError("status code crossbar cannot relay", line[:100])
+
+            parser.statusReceived = status_received  # type: ignore[method-assign]
 
         def keep(response: Any) -> Any:
             values = parser.connHeaders.getRawHeaders(b"connection", ()) if parser is not None else ()
@@ -86,6 +114,19 @@ class _ClientProtocol(HTTP11ClientProtocol):
 
         d.addCallback(keep)
         return d
+
+    def dataReceived(self, bytes: bytes) -> None:
+        parser = self._parser
+        if parser is None or parser.state not in (STATUS, HEADER):
+            super().dataReceived(bytes)
+            return
+        self._head_bytes += len(bytes)
+        super().dataReceived(bytes)
+        # Still in the head after all of it: every byte counted was head.
+        if self._parser is parser and parser.state in (STATUS, HEADER) and self._head_bytes > MAX_RESPONSE_HEAD:
+            self._giveUp(Failure(ResponseHeadTooLarge(f"response head over {MAX_RESPONSE_HEAD} bytes")))
+            transport: Any = self.transport  # an ITCPTransport
+            transport.abortConnection()  # never wait to flush to a host we gave up on
 
 
 class _QuietFactory(_HTTP11ClientFactory):

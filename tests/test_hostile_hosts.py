@@ -1,0 +1,374 @@
+"""Hostile hosts (DESIGN.md §The proxy, rules 6, 7 and 9): a host that answers with
+malformed or abusive HTTP must never crash crossbar, make it send a malformed answer,
+make it buffer without bound, or leave it serving less.
+
+Each test runs crossbar in front of a raw-socket host (:class:`RawHost`: good answers
+to the health polls, a scripted answer to everything else) and a well-behaved
+:class:`~tests.harness.FakeLlama`, on loopback. The client side uses the strict parser
+of :mod:`tests.raw`, so an answer crossbar relays must be well-formed HTTP/1.1. After
+each hostile exchange a normal request through crossbar still succeeds and nothing
+was logged as an error.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Callable
+
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred, ensureDeferred
+from twisted.internet.endpoints import TCP4ServerEndpoint
+from twisted.internet.interfaces import IPushProducer
+from twisted.internet.protocol import Factory, Protocol
+from twisted.python.failure import Failure
+from twisted.trial.unittest import TestCase
+from zope.interface import implementer
+
+from crossbar.service import CrossbarService
+from tests.harness import FakeLlama
+from tests.raw import RawResponse, complete, parse_responses, quiet_listen, raw_exchange, request_bytes
+from tests.upstreams import ErrorWatch, start_proxy
+
+_BODY = json.dumps({"model": "tiny-a", "messages": []}).encode()
+
+Script = Callable[["_HostProtocol"], None]
+
+
+class _HostProtocol(Protocol):
+    def __init__(self, owner: RawHost) -> None:
+        self.owner = owner
+        self.buffer = b""
+        self.answered = False
+        self.written = 0
+        self.closed: Deferred[None] = Deferred()
+
+    def dataReceived(self, data: bytes) -> None:
+        self.buffer += data
+        if self.answered or b"\r\n\r\n" not in self.buffer:
+            return
+        line = self.buffer.split(b"\r\n", 1)[0]
+        if b" /health " in line or b" /v1/models " in line:
+            body = b'{"status": "ok"}' if b"/health" in line else b'{"data": [{"id": "tiny-a"}]}'
+            self.transport.write(  # type: ignore[union-attr]
+                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
+                b"Content-Length: %d\r\n\r\n" % len(body) + body
+            )
+            self.transport.loseConnection()  # type: ignore[union-attr]
+            return
+        self.answered = True
+        self.owner.requests.append(self)
+        self.owner.script(self)
+
+    def write(self, data: bytes) -> None:
+        self.written += len(data)
+        self.transport.write(data)  # type: ignore[union-attr]
+
+    def connectionLost(self, reason: Failure = None) -> None:  # type: ignore[assignment]
+        self.closed.callback(None)
+
+
+class RawHost(Factory):
+    """A raw-socket host: minimal good answers to ``/health`` and ``/v1/models`` (one
+    per connection), and ``script(protocol)`` for any other request once its head has
+    arrived (the protocol's ``buffer`` holds what was received so far).
+
+    :ivar requests: the protocols of the scripted requests, in order.
+    """
+
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.requests: list[_HostProtocol] = []
+
+    def buildProtocol(self, addr: Any) -> Protocol:
+        return _HostProtocol(self)
+
+
+async def _serve_raw(case: TestCase, host: RawHost) -> str:
+    port = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(host)
+
+    async def stop() -> None:
+        await port.stopListening()
+        for proto in host.requests:
+            if not proto.closed.called:
+                proto.transport.abortConnection()  # type: ignore[union-attr]
+                await proto.closed
+
+    case.addCleanup(lambda: ensureDeferred(stop()))
+    return f"http://127.0.0.1:{port.getHost().port}"  # type: ignore[attr-defined]
+
+
+def _send(data: bytes, close: bool = False) -> Script:
+    """A script that writes ``data`` (and then closes, with ``close``)."""
+
+    def script(proto: _HostProtocol) -> None:
+        proto.write(data)
+        if close:
+            proto.transport.loseConnection()  # type: ignore[union-attr]
+
+    return script
+
+
+class _Setup:
+    def __init__(self, service: CrossbarService, base: str, port: int, host: RawHost, watch: ErrorWatch) -> None:
+        self.service = service
+        self.base = base
+        self.port = port
+        self.host = host
+        self.watch = watch
+
+
+async def _setup(case: TestCase, script: Script, timeouts: str = "{first_byte: 20, idle: 20}") -> _Setup:
+    """crossbar with route ``r`` -> the raw host ``evil`` and route ``ok`` -> a good
+    FakeLlama ``good``, both healthy."""
+    watch = ErrorWatch(case)
+    host = RawHost(script)
+    evil = await _serve_raw(case, host)
+    good = await quiet_listen(case, FakeLlama())
+    service, base = await start_proxy(case, {"evil": evil, "good": good}, timeouts=timeouts,
+                                      route_hosts=["evil"])
+    # A second route for the good host (start_proxy makes one route only).
+    from dataclasses import replace
+
+    from crossbar.config import Route
+
+    routes = dict(service.proxy.config.routes)
+    routes["ok"] = Route(name="ok", hosts=("good",), default_model=None)
+    service.proxy.config = replace(service.proxy.config, routes=routes)
+    return _Setup(service, base, int(base.rsplit(":", 1)[1]), host, watch)
+
+
+async def _ask(setup: _Setup, route: bytes = b"r", method: bytes = b"POST", timeout: float = 10.0) -> RawResponse:
+    body = _BODY if method != b"GET" else b""
+    headers = [(b"Content-Type", b"application/json"), (b"Content-Length", b"%d" % len(body))] if body else []
+    data, how = await raw_exchange(setup.port, request_bytes(method, b"/" + route + b"/v1/chat/completions",
+                                                             headers, body), timeout=timeout)
+    responses = parse_responses(data, head=method == b"HEAD", at_eof=True)
+    final = [r for r in responses if r.status >= 200]
+    assert len(final) == 1, responses
+    return final[0]
+
+
+async def _still_serving(case: TestCase, setup: _Setup) -> None:
+    """A normal request through crossbar succeeds; nothing was logged as an error."""
+    answer = await _ask(setup, b"ok")
+    case.assertEqual((answer.status, answer.one(b"x-crossbar-host")), (200, b"good"))
+    case.assertEqual(json.loads(answer.body)["object"], "chat.completion")
+    case.assertEqual(setup.watch.texts(), [])
+    case.assertEqual(setup.service.proxy.inflight.get("evil", 0), 0)
+    case.assertEqual(setup.service.proxy.active, set())
+
+
+def _assert_502(case: TestCase, setup: _Setup, answer: RawResponse, reason: str = "") -> None:
+    case.assertEqual(answer.status, 502, answer)
+    case.assertEqual(answer.one(b"content-type"), b"application/json")
+    case.assertEqual(json.loads(answer.body), {"error": "upstream failed", "host": "evil"})
+    status = setup.service.table.get("evil")
+    assert status is not None
+    case.assertFalse(status.healthy)
+    case.assertIn(reason, status.last_err)
+
+
+def _hostile(script: Script, check: Callable[[TestCase, _Setup, RawResponse], None],
+             method: bytes = b"POST", timeouts: str = "{first_byte: 20, idle: 20}") -> Callable[[TestCase], object]:
+    def test(self: TestCase) -> object:
+        async def go() -> None:
+            setup = await _setup(self, script, timeouts)
+            answer = await _ask(setup, method=method)
+            check(self, setup, answer)
+            await _still_serving(self, setup)
+
+        return ensureDeferred(go())
+
+    return test
+
+
+def _is_502(reason: str = "") -> Callable[[TestCase, _Setup, RawResponse], None]:
+    def check(case: TestCase, setup: _Setup, answer: RawResponse) -> None:
+        _assert_502(case, setup, answer, reason)
+
+    return check
+
+
+class MalformedHeadTests(TestCase):
+    """Answers whose head is not HTTP: 502, the host marked down."""
+
+    test_garbage_status_line = _hostile(_send(b"SSH-2.0-OpenSSH_9.6\r\n\r\n"), _is_502())
+    test_non_numeric_status = _hostile(_send(b"HTTP/1.1 2OO OK\r\nContent-Length: 0\r\n\r\n"), _is_502())
+    test_status_too_big = _hostile(_send(b"HTTP/1.1 1000 Big\r\nContent-Length: 2\r\n\r\nhi"), _is_502("status"))
+    test_status_negative = _hostile(_send(b"HTTP/1.1 -1 Neg\r\nContent-Length: 2\r\n\r\nhi"), _is_502("status"))
+    test_status_zero = _hostile(_send(b"HTTP/1.1 000 Zero\r\nContent-Length: 2\r\n\r\nhi"), _is_502("status"))
+    test_status_600 = _hostile(_send(b"HTTP/1.1 600 Six\r\nContent-Length: 2\r\n\r\nhi"), _is_502("status"))
+    test_header_without_colon = _hostile(_send(b"HTTP/1.1 200 OK\r\nNoColonHere\r\n\r\n"), _is_502())
+    test_invalid_header_name = _hostile(_send(b"HTTP/1.1 200 OK\r\nBad Name: x\r\nContent-Length: 0\r\n\r\n"),
+                                        _is_502())
+    test_unknown_transfer_encoding = _hostile(
+        _send(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"), _is_502())
+    test_conflicting_content_lengths = _hostile(
+        _send(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\nhi"), _is_502())
+    test_close_right_after_status_line = _hostile(_send(b"HTTP/1.1 200 OK\r\n", close=True), _is_502())
+    test_header_line_that_never_ends = _hostile(_send(b"HTTP/1.1 200 OK\r\nX-Long: " + b"a" * 200_000), _is_502())
+
+    def test_reason_phrase_with_bare_cr_not_relayed(self) -> object:
+        """A reason phrase is relayed only when it is valid (RFC 9112 §4): a bare CR in
+        it could split the client's view of the head (a sender MUST NOT generate one)."""
+
+        def check(case: TestCase, setup: _Setup, answer: RawResponse) -> None:
+            case.assertEqual(answer.status, 200)
+            case.assertNotIn(b"\r", answer.reason)
+            case.assertEqual(answer.get(b"x-injected"), [])
+            case.assertEqual(answer.body, b"hi")
+
+        return _hostile(_send(b"HTTP/1.1 200 OK\rX-Injected: 1\r\nContent-Length: 2\r\n\r\nhi"), check)(self)
+
+
+@implementer(IPushProducer)
+class _EndlessHead:
+    """Writes header lines as fast as the connection takes them, never ending the head."""
+
+    def __init__(self, proto: _HostProtocol) -> None:
+        self.proto = proto
+        self.paused = False
+        proto.transport.registerProducer(self, True)  # type: ignore[union-attr]
+        proto.write(b"HTTP/1.1 200 OK\r\n")
+        self.resumeProducing()
+
+    def pauseProducing(self) -> None:
+        self.paused = True
+
+    def resumeProducing(self) -> None:
+        self.paused = False
+        line = b"X-Filler: " + b"f" * 100 + b"\r\n"
+        while not self.paused and not self.proto.closed.called:
+            self.proto.write(line * 64)
+
+    def stopProducing(self) -> None:
+        self.paused = True
+
+
+class AbusiveHeadTests(TestCase):
+    def test_endless_header_section(self) -> object:
+        """A host that sends header lines forever (each one short and valid): crossbar
+        stops reading it after a bounded head (not at the first-byte timeout, 20 s here),
+        answers 502 and closes the host's connection, so memory stays bounded."""
+
+        async def go() -> None:
+            setup = await _setup(self, lambda proto: reactor.callLater(0, _EndlessHead, proto))  # type: ignore[attr-defined]
+            start = time.monotonic()
+            answer = await _ask(setup, timeout=5.0)
+            _assert_502(self, setup, answer, "head")
+            self.assertLess(time.monotonic() - start, 5.0)
+            [proto] = setup.host.requests
+            await proto.closed
+            # Socket buffers on loopback hold a few MiB; crossbar itself stops early.
+            self.assertLess(proto.written, 32 * 1024 * 1024)
+            await _still_serving(self, setup)
+
+        return ensureDeferred(go())
+
+    def test_endless_interim_responses(self) -> object:
+        """A host that sends ``100 Continue`` forever (each interim answer is dropped by
+        the HTTP client) is cut off the same way: 502, well before the timeout."""
+
+        @implementer(IPushProducer)
+        class Interims(_EndlessHead):
+            def resumeProducing(self) -> None:
+                self.paused = False
+                while not self.paused and not self.proto.closed.called:
+                    self.proto.write(b"HTTP/1.1 100 Continue\r\n\r\n" * 256)
+
+        async def go() -> None:
+            setup = await _setup(self, lambda proto: reactor.callLater(0, Interims, proto))  # type: ignore[attr-defined]
+            answer = await _ask(setup, timeout=5.0)
+            _assert_502(self, setup, answer)
+            await _still_serving(self, setup)
+
+        return ensureDeferred(go())
+
+
+class OddAnswerTests(TestCase):
+    """Answers that are odd but valid HTTP, relayed well-formed."""
+
+    def test_interim_responses_before_the_answer(self) -> object:
+        """``100 Continue`` and ``103 Early Hints`` before the real answer: the client
+        gets the final answer only, well-formed, and the host stays healthy."""
+
+        def check(case: TestCase, setup: _Setup, answer: RawResponse) -> None:
+            case.assertEqual((answer.status, answer.body), (200, b"hello"))
+            status = setup.service.table.get("evil")
+            assert status is not None
+            case.assertTrue(status.healthy)
+
+        return _hostile(_send(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>; rel=preload"
+                              b"\r\n\r\nHTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"), check)(self)
+
+    def test_switching_protocols_is_not_relayed(self) -> object:
+        """A host that answers ``101 Switching Protocols`` (crossbar never forwards
+        ``Upgrade``): the client never sees a 101 (crossbar cannot relay a protocol
+        switch), it gets a well-formed error."""
+
+        def check(case: TestCase, setup: _Setup, answer: RawResponse) -> None:
+            _assert_502(case, setup, answer)
+
+        return _hostile(_send(b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade"
+                              b"\r\n\r\n\x81\x05hello"), check)(self)
+
+    def test_content_length_and_chunked_together(self) -> object:
+        """``Content-Length`` and ``Transfer-Encoding: chunked`` both: the chunked
+        framing wins (RFC 9112 §6.3) and the client gets one consistent framing."""
+
+        def check(case: TestCase, setup: _Setup, answer: RawResponse) -> None:
+            case.assertEqual((answer.status, answer.body), (200, b"hello world"))
+            case.assertEqual(answer.get(b"content-length"), [])
+
+        return _hostile(_send(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n"
+                              b"5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"), check)(self)
+
+    def test_body_shorter_than_content_length(self) -> object:
+        """A host that closes before its ``Content-Length`` is complete: the client's
+        answer is cut off (never a clean end) and the host marked down."""
+
+        async def go() -> None:
+            setup = await _setup(self, _send(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly-some", close=True))
+            data, how = await raw_exchange(setup.port, request_bytes(
+                b"POST", b"/r/v1/chat/completions", [(b"Content-Length", b"%d" % len(_BODY))], _BODY))
+            # The connection is aborted: whatever had not reached the client yet is
+            # dropped with it, so it sees a cut-off answer or none, never a clean end.
+            self.assertEqual(how, "close")
+            self.assertFalse(complete(data), data)
+            status = setup.service.table.get("evil")
+            assert status is not None
+            self.assertFalse(status.healthy)
+            self.assertIn("mid-answer", status.last_err)
+            await _still_serving(self, setup)
+
+        return ensureDeferred(go())
+
+    def test_answer_without_length_ended_by_close(self) -> object:
+        """A host that frames by closing (no length, not chunked) right after its
+        headers: an empty body, relayed with a clean end; nothing marked down."""
+
+        def check(case: TestCase, setup: _Setup, answer: RawResponse) -> None:
+            case.assertEqual((answer.status, answer.body), (200, b""))
+            status = setup.service.table.get("evil")
+            assert status is not None
+            case.assertTrue(status.healthy)
+
+        return _hostile(_send(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\n", close=True), check)(self)
+
+    def test_answer_before_reading_a_large_body(self) -> object:
+        """A host that answers ``413`` at once, without reading a 4 MiB request body, and
+        closes: the client gets a well-formed answer (the 413 relayed, or a 502), and
+        crossbar keeps serving."""
+
+        async def go() -> None:
+            setup = await _setup(self, _send(b"HTTP/1.1 413 Too Large\r\nContent-Length: 2\r\nConnection: close"
+                                             b"\r\n\r\nno", close=True))
+            body = b'{"model": "tiny-a", "pad": "' + b"p" * (4 * 1024 * 1024) + b'"}'
+            data, _ = await raw_exchange(setup.port, request_bytes(
+                b"POST", b"/r/v1/chat/completions", [(b"Content-Length", b"%d" % len(body))], body), timeout=10)
+            [answer] = parse_responses(data)
+            self.assertIn(answer.status, (413, 502), answer)
+            await _still_serving(self, setup)
+
+        return ensureDeferred(go())
