@@ -1,0 +1,553 @@
+"""bench/run's body: start the upstream and crossbar, run the scenarios, print the table.
+
+See bench/README.md for what each figure means. Run through ``bench/run`` (which makes
+the venv); ``python bench/runner.py --help`` lists the options.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import re
+import resource
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from load import StreamsResult, run_streams, slow_read  # noqa: E402
+
+HERE = Path(__file__).resolve().parent
+HOST = "127.0.0.1"
+ROUTE = "/bench"
+_CLK = os.sysconf("SC_CLK_TCK")
+_PAGE_KIB = os.sysconf("SC_PAGE_SIZE") // 1024
+
+# -- processes -----------------------------------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds used so far by process ``pid``."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / _CLK
+
+
+def rss_mib(pid: int) -> float:
+    """Resident set size of ``pid`` in MiB."""
+    return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * _PAGE_KIB / 1024
+
+
+def wait_http(url: str, timeout: float, proc: subprocess.Popen[Any]) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"bench: {proc.args[0]} exited with {proc.returncode} before {url} answered")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise SystemExit(f"bench: {url} did not answer 200 within {timeout:g}s")
+
+
+@dataclass
+class Procs:
+    upstream: subprocess.Popen[Any]
+    crossbar: subprocess.Popen[Any]
+    up_port: int
+    cb_port: int
+    workdir: Path
+
+
+def start(workdir: Path) -> Procs:
+    """Start the upstream, then crossbar (a real ``twistd -n crossbar``, one process)."""
+    up = subprocess.Popen(
+        [sys.executable, str(HERE / "upstream.py"), "--port", "0"],
+        stdout=subprocess.PIPE, stderr=open(workdir / "upstream.stderr", "w"), text=True,
+    )
+    line = up.stdout.readline() if up.stdout else ""
+    if not line.startswith("ready "):
+        up.kill()
+        raise SystemExit(f"bench: upstream did not start: {line!r}")
+    up_port = int(line.split()[1])
+    import socket
+
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        cb_port = s.getsockname()[1]
+    config = workdir / "crossbar.yaml"
+    config.write_text(
+        f'listen: "tcp:{cb_port}:interface={HOST}:backlog=1024"\n'
+        "health: {interval: 5, timeout: 5}\n"
+        f"hosts:\n  up: http://{HOST}:{up_port}\n"
+        "routes:\n  bench:\n    hosts: [up]\n    default_model: bench\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    twistd = Path(sys.executable).parent / "twistd"
+    cb = subprocess.Popen(
+        [str(twistd), "-n", "--pidfile=", f"--logfile={workdir / 'crossbar.log'}",
+         "crossbar", "--config", str(config)],
+        cwd=workdir, env=env, stdout=subprocess.DEVNULL, stderr=open(workdir / "crossbar.stderr", "w"),
+    )
+    procs = Procs(up, cb, up_port, cb_port, workdir)
+    try:
+        wait_http(f"http://{HOST}:{cb_port}/_crossbar/readyz", 30, cb)
+    except BaseException:
+        stop(procs)
+        sys.stderr.write((workdir / "crossbar.stderr").read_text()[-3000:])
+        raise
+    return procs
+
+
+def stop(procs: Procs) -> None:
+    for p in (procs.crossbar, procs.upstream):
+        if p.poll() is None:
+            p.send_signal(signal.SIGINT if p is procs.upstream else signal.SIGTERM)
+    for p in (procs.crossbar, procs.upstream):
+        try:
+            p.wait(40)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+# -- measuring -----------------------------------------------------------------------------
+
+
+def pct(values: list[float], p: float) -> float:
+    """The ``p``-th percentile (nearest rank) of ``values``; NaN when empty."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    return s[min(len(s) - 1, max(0, round(p / 100 * len(s) + 0.5) - 1))]
+
+
+class CpuMeter:
+    """CPU use of crossbar and the upstream over a span (1.0 = one core busy)."""
+
+    def __init__(self, procs: Procs) -> None:
+        self.pids = {"crossbar": procs.crossbar.pid, "upstream": procs.upstream.pid}
+        self.t0 = time.monotonic()
+        self.c0 = {k: cpu_seconds(p) for k, p in self.pids.items()}
+
+    def read(self) -> dict[str, float]:
+        wall = time.monotonic() - self.t0
+        return {k: (cpu_seconds(p) - self.c0[k]) / wall for k, p in self.pids.items()}
+
+
+class RssPeak:
+    """Samples a process's RSS every 20 ms while running; :attr:`peak` in MiB."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.peak = rss_mib(pid)
+        self.task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        while True:
+            self.peak = max(self.peak, rss_mib(self.pid))
+            await asyncio.sleep(0.02)
+
+    def __enter__(self) -> RssPeak:
+        self.task = asyncio.get_running_loop().create_task(self._run())
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        assert self.task is not None
+        self.task.cancel()
+        self.peak = max(self.peak, rss_mib(self.pid))
+
+
+_WRK_LUA = """wrk.method = "POST"
+wrk.body = '{"model":"bench","messages":[{"role":"user","content":"Say hello."}],"max_tokens":16}'
+wrk.headers["Content-Type"] = "application/json"
+"""
+
+
+def _ms(text: str) -> float:
+    m = re.fullmatch(r"([\d.]+)(us|ms|s|m)", text)
+    if not m:
+        raise ValueError(text)
+    return float(m.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 6e4}[m.group(2)]
+
+
+async def wrk(url: str, connections: int, seconds: float, lua: Path) -> dict[str, float]:
+    """Run wrk (one thread, keep-alive) and return requests/s, p50/p99 latency (ms),
+    non-2xx count, and wrk's own CPU use."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    proc = await asyncio.create_subprocess_exec(
+        "wrk", "-t1", f"-c{connections}", f"-d{seconds:g}s", "--latency", "-s", str(lua), url,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )
+    out = (await proc.communicate())[0].decode()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    rps = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    p50 = re.search(r"50%\s+(\S+)", out)
+    p99 = re.search(r"99%\s+(\S+)", out)
+    if not (rps and p50 and p99):
+        raise SystemExit(f"bench: cannot read wrk output:\n{out}")
+    bad = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
+    cpu = (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime) / seconds
+    return {"rps": float(rps.group(1)), "p50": _ms(p50.group(1)), "p99": _ms(p99.group(1)),
+            "bad": float(bad.group(1)) if bad else 0.0, "client_cpu": cpu}
+
+
+# -- scenarios -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Settings:
+    rounds: int
+    wrk_seconds: float
+    e_events: int
+    d_seconds: float
+
+
+QUICK = Settings(rounds=1, wrk_seconds=2, e_events=40, d_seconds=5)
+FULL = Settings(rounds=3, wrk_seconds=5, e_events=100, d_seconds=20)
+
+Results = dict[tuple[str, str, str], list[float]]  # (row group, metric, target) -> per round
+
+
+class Bench:
+    def __init__(self, procs: Procs, settings: Settings, lua: Path) -> None:
+        self.procs = procs
+        self.s = settings
+        self.lua = lua
+        self.r: Results = defaultdict(list)
+        self.notes: list[str] = []
+
+    def target(self, name: str) -> tuple[int, str]:
+        return (self.procs.up_port, "") if name == "direct" else (self.procs.cb_port, ROUTE)
+
+    def put(self, group: str, metric: str, target: str, value: float) -> None:
+        self.r[(group, metric, target)].append(value)
+
+    async def scenario_a(self, target: str, c: int) -> None:
+        port, prefix = self.target(target)
+        meter = CpuMeter(self.procs)
+        out = await wrk(f"http://{HOST}:{port}{prefix}/v1/chat/completions", c, self.s.wrk_seconds, self.lua)
+        cpu = meter.read()
+        g = f"a c={c}"
+        for k in ("rps", "p50", "p99", "client_cpu"):
+            self.put(g, k, target, out[k])
+        self.put(g, "crossbar_cpu", target, cpu["crossbar"])
+        self.put(g, "upstream_cpu", target, cpu["upstream"])
+        if out["bad"]:
+            self.notes.append(f"(a) c={c} {target}: {out['bad']:g} non-2xx answers")
+
+    async def streams(self, target: str, n: int, events: int, delay_ms: float, timeout: float) -> StreamsResult:
+        port, prefix = self.target(target)
+        return await run_streams(HOST, port, prefix, n, events, delay_ms, timeout)
+
+    def put_streams(self, g: str, target: str, res: StreamsResult, cpu: dict[str, float]) -> None:
+        lags = res.lags_ms
+        self.put(g, "completed", target, res.completed)
+        self.put(g, "ttfe", target, statistics.median(res.ttfe_ms) if res.ttfe_ms else float("nan"))
+        self.put(g, "lag_p50", target, pct(lags, 50))
+        self.put(g, "lag_p99", target, pct(lags, 99))
+        self.put(g, "coalesced", target, 100 * res.coalesced_share)
+        self.put(g, "client_cpu", target, res.client_cpu)
+        self.put(g, "crossbar_cpu", target, cpu["crossbar"])
+        self.put(g, "upstream_cpu", target, cpu["upstream"])
+        errors = [s.error for s in res.streams if not s.done]
+        if errors:
+            self.notes.append(f"{g} {target}: {len(errors)} streams failed, e.g. {errors[0]}")
+
+    async def scenario_b(self, target: str, n: int) -> None:
+        meter = CpuMeter(self.procs)
+        res = await self.streams(target, n, 200, 5, 30)
+        self.put_streams(f"b {n} streams", target, res, meter.read())
+
+    async def scenario_c(self) -> None:
+        with RssPeak(self.procs.crossbar.pid) as peak:
+            res = await self.streams("crossbar", 200, 200, 5, 30)
+        self.put("c", "rss_200", "crossbar", peak.peak)
+        if res.completed != 200:
+            self.notes.append(f"(c) only {res.completed}/200 streams completed")
+
+    async def scenario_d(self) -> None:
+        pid = self.procs.crossbar.pid
+        await asyncio.sleep(0.5)
+        base = rss_mib(pid)
+        with RssPeak(pid) as peak:
+            got = await slow_read(HOST, self.procs.cb_port, f"{ROUTE}/v1/blob?size={50 * 1024 * 1024}",
+                                  16 * 1024, 0.05, self.s.d_seconds)
+        self.put("d", "rss_growth", "crossbar", peak.peak - base)
+        self.put("d", "read_mib", "crossbar", got / 2**20)
+
+    async def scenario_e(self, target: str) -> None:
+        meter = CpuMeter(self.procs)
+        res = await self.streams(target, 1000, self.s.e_events, 50, 60 + self.s.e_events * 0.05)
+        self.put_streams("e 1000 streams", target, res, meter.read())
+
+    async def ceilings(self) -> None:
+        """The load generators' and upstream's own ceilings, direct to the upstream."""
+        out = await wrk(f"http://{HOST}:{self.procs.up_port}/v1/chat/completions", 64, 2, self.lua)
+        self.put("ceiling", "wrk_rps", "direct", out["rps"])
+        self.put("ceiling", "wrk_cpu", "direct", out["client_cpu"])
+        meter = CpuMeter(self.procs)
+        res = await self.streams("direct", 100, 1000, 0, 30)
+        wall = res.wall_s
+        self.put("ceiling", "events_per_s", "direct", sum(s.events for s in res.streams) / wall)
+        self.put("ceiling", "stream_client_cpu", "direct", res.client_cpu)
+        self.put("ceiling", "stream_upstream_cpu", "direct", meter.read()["upstream"])
+
+    async def run(self, only: set[str]) -> None:
+        pid = self.procs.crossbar.pid
+        await asyncio.sleep(1)
+        self.put("c", "rss_idle", "crossbar", rss_mib(pid))
+        await self.ceilings()
+        for rnd in range(self.s.rounds):
+            order = ("direct", "crossbar") if rnd % 2 == 0 else ("crossbar", "direct")
+            print(f"round {rnd + 1}/{self.s.rounds} ({' then '.join(order)} in each step)", file=sys.stderr)
+            steps: list[tuple[str, Callable[[str], Awaitable[None]]]] = []
+            if "a" in only:
+                for c in (1, 16, 64):
+                    steps.append((f"a c={c}", lambda t, c=c: self.scenario_a(t, c)))
+            if "b" in only:
+                for n in (1, 100):
+                    steps.append((f"b {n}", lambda t, n=n: self.scenario_b(t, n)))
+            if "e" in only:
+                steps.append(("e", self.scenario_e))
+            for name, step in steps:
+                for t in order:
+                    print(f"  {name} {t}", file=sys.stderr)
+                    await step(t)
+                    await asyncio.sleep(0.3)
+            if "c" in only:
+                print("  c crossbar", file=sys.stderr)
+                await self.scenario_c()
+        if "d" in only:
+            print("  d crossbar", file=sys.stderr)
+            await self.scenario_d()
+
+
+# -- the table -------------------------------------------------------------------------------
+
+
+def fmt(values: list[float], digits: int) -> str:
+    if not values:
+        return "-"
+    med = statistics.median(values)
+    if len(values) == 1:
+        return f"{med:.{digits}f}"
+    return f"{med:.{digits}f} [{min(values):.{digits}f}-{max(values):.{digits}f}]"
+
+
+ROWS: list[tuple[str, str, str, int, str, Callable[[float, float], bool] | None]] = [
+    # group, metric, label, digits, target text, check(direct median, crossbar median)
+    ("a c=1", "rps", "(a) c=1 requests/s", 0, "", None),
+    ("a c=1", "p50", "(a) c=1 latency p50 ms", 2, "", None),
+    ("a c=1", "p99", "(a) c=1 latency p99 ms", 2, "", None),
+    ("a c=16", "rps", "(a) c=16 requests/s", 0, ">= 3000", lambda d, c: c >= 3000),
+    ("a c=16", "p50", "(a) c=16 latency p50 ms", 2, "", None),
+    ("a c=16", "p99", "(a) c=16 latency p99 ms", 2, "", None),
+    ("a c=64", "rps", "(a) c=64 requests/s", 0, "", None),
+    ("a c=64", "p50", "(a) c=64 latency p50 ms", 2, "", None),
+    ("a c=64", "p99", "(a) c=64 latency p99 ms", 2, "", None),
+    ("b 1 streams", "ttfe", "(b) 1 stream first event ms", 2, "", None),
+    ("b 1 streams", "lag_p50", "(b) 1 stream lag p50 ms", 2, "", None),
+    ("b 1 streams", "lag_p99", "(b) 1 stream lag p99 ms", 2, "", None),
+    ("b 1 streams", "coalesced", "(b) 1 stream coalesced %", 1, "", None),
+    ("b 100 streams", "ttfe", "(b) 100 streams first event ms", 2, "added <= 5", lambda d, c: c - d <= 5),
+    ("b 100 streams", "lag_p50", "(b) 100 streams lag p50 ms", 2, "", None),
+    ("b 100 streams", "lag_p99", "(b) 100 streams lag p99 ms", 2, "<= 5", lambda d, c: c <= 5),
+    ("b 100 streams", "coalesced", "(b) 100 streams coalesced %", 1, "<= direct", lambda d, c: c <= d + 0.5),
+    ("b 100 streams", "completed", "(b) 100 streams completed", 0, "", None),
+    ("c", "rss_idle", "(c) crossbar RSS idle MiB", 1, "", None),
+    ("c", "rss_200", "(c) crossbar RSS 200 streams MiB", 1, "<= 60", lambda d, c: c <= 60),
+    ("d", "rss_growth", "(d) slow client RSS growth MiB", 1, "<= 5", lambda d, c: c <= 5),
+    ("d", "read_mib", "(d) slow client read MiB", 1, "", None),
+    ("e 1000 streams", "completed", "(e) 1000 streams completed", 0, "= 1000", lambda d, c: c >= 1000),
+    ("e 1000 streams", "ttfe", "(e) 1000 streams first event ms", 1, "", None),
+    ("e 1000 streams", "lag_p50", "(e) 1000 streams lag p50 ms", 2, "", None),
+    ("e 1000 streams", "lag_p99", "(e) 1000 streams lag p99 ms", 2, "<= 50", lambda d, c: c <= 50),
+    ("e 1000 streams", "coalesced", "(e) 1000 streams coalesced %", 1, "", None),
+]
+
+CPU_GROUPS = ["a c=1", "a c=16", "a c=64", "b 1 streams", "b 100 streams", "e 1000 streams"]
+
+
+def table(r: Results) -> str:
+    lines = []
+    head = f"{'figure':36} {'direct':>26} {'crossbar':>26} {'x/direct':>8}  {'target':10} ok"
+    lines += [head, "-" * len(head)]
+    for group, metric, label, digits, target, check in ROWS:
+        d, c = r.get((group, metric, "direct"), []), r.get((group, metric, "crossbar"), [])
+        if not d and not c:
+            continue
+        dm = statistics.median(d) if d else float("nan")
+        cm = statistics.median(c) if c else float("nan")
+        ratio = f"{cm / dm:.2f}" if d and c and dm else ""
+        verdict = ""
+        if check is not None and c:
+            verdict = "yes" if check(dm, cm) else "NO"
+        lines.append(f"{label:36} {fmt(d, digits):>26} {fmt(c, digits):>26} {ratio:>8}  {target:10} {verdict}")
+    lines.append("")
+    lines.append("CPU use, median share of one core (crossbar / upstream / load client):")
+    for g in CPU_GROUPS:
+        parts = []
+        for t in ("direct", "crossbar"):
+            vals = [r.get((g, k, t), []) for k in ("crossbar_cpu", "upstream_cpu", "client_cpu")]
+            if all(vals):
+                parts.append(f"{t}: " + " / ".join(f"{statistics.median(v):.2f}" for v in vals))
+        if parts:
+            lines.append(f"  {g:16} " + "   ".join(parts))
+    return "\n".join(lines)
+
+
+def machine() -> str:
+    def sh(cmd: str) -> str:
+        try:
+            return subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=10).stdout.strip()
+        except Exception:  # noqa: BLE001 - informative only
+            return "?"
+
+    import twisted
+
+    wrk_version = sh("wrk -v 2>&1 | head -1 | cut -d' ' -f2")
+    model = sh("lscpu | sed -n 's/^Model name:[ \\t]*//p' | head -1")
+    mem = sh("free -h | awk '/^Mem:/{print $2}'")
+    return (f"machine: nproc={os.cpu_count()} cpu={model!r} mem={mem} python={platform.python_version()} "
+            f"twisted={twisted.__version__} wrk={wrk_version}")
+
+
+def loadavg() -> str:
+    return "load average " + " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+async def amain(args: argparse.Namespace) -> int:
+    settings = QUICK if args.quick else FULL
+    if args.rounds:
+        settings = Settings(args.rounds, settings.wrk_seconds, settings.e_events, settings.d_seconds)
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 65536)), hard))
+    if shutil.which("wrk") is None:
+        print("bench: wrk not found (apt-get install wrk)", file=sys.stderr)
+        return 2
+    only = set(args.only) if args.only else {"a", "b", "c", "d", "e"}
+    t0 = time.monotonic()
+    started_load = loadavg()
+    with tempfile.TemporaryDirectory(prefix="crossbar-bench-") as tmp:
+        workdir = Path(tmp)
+        lua = workdir / "post.lua"
+        lua.write_text(_WRK_LUA)
+        procs = start(workdir)
+        try:
+            bench = Bench(procs, settings, lua)
+            if args.profile:
+                await profile(bench, Path(args.profile))
+                return 0
+            await bench.run(only)
+        finally:
+            stop(procs)
+            if args.keep_log:
+                shutil.copy(workdir / "crossbar.log", args.keep_log)
+    r = bench.r
+    print()
+    print(machine())
+    print(f"mode: {'quick' if args.quick else 'full'}, {settings.rounds} round(s); {started_load} at start, "
+          f"{loadavg()} at end; {time.monotonic() - t0:.0f}s")
+    c = r[("ceiling", "wrk_rps", "direct")]
+    print(f"ceilings (direct to the upstream): wrk+upstream {statistics.median(c):.0f} req/s at c=64 "
+          f"(wrk CPU {statistics.median(r[('ceiling', 'wrk_cpu', 'direct')]):.2f}); stream client+upstream "
+          f"{statistics.median(r[('ceiling', 'events_per_s', 'direct')]):.0f} events/s at 100 streams, no delay "
+          f"(client CPU {statistics.median(r[('ceiling', 'stream_client_cpu', 'direct')]):.2f}, upstream CPU "
+          f"{statistics.median(r[('ceiling', 'stream_upstream_cpu', 'direct')]):.2f})")
+    print("values: median [min-max] over rounds; x/direct = crossbar median / direct median")
+    print()
+    print(table(r))
+    for note in bench.notes:
+        print("note:", note)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"|".join(k): v for k, v in r.items()}, indent=1))
+    return 0
+
+
+# -- profiling ---------------------------------------------------------------------------------
+
+
+async def profile(bench: Bench, outdir: Path) -> None:
+    """py-spy on crossbar under (a) c=16 and under (b) 100 streams; summaries to ``outdir``."""
+    outdir.mkdir(parents=True, exist_ok=True)
+    pyspy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    pid = bench.procs.crossbar.pid
+    seconds = 10
+
+    async def under(name: str, load: Callable[[], Awaitable[None]]) -> None:
+        raw = outdir / f"{name}.raw.txt"
+        spy = await asyncio.create_subprocess_exec(
+            pyspy, "record", "--pid", str(pid), "--rate", "250", "--format", "raw", "--nolineno",
+            "--nonblocking", "--duration", str(seconds), "-o", str(raw),
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE,
+        )
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            await load()
+        err = (await spy.communicate())[1].decode()
+        if spy.returncode != 0:
+            raise SystemExit(f"bench: py-spy failed: {err}")
+        summary = summarize(raw.read_text())
+        (outdir / f"{name}.txt").write_text(summary)
+        print(f"== {name}\n{summary}")
+
+    await under("profile-a-c16", lambda: bench.scenario_a("crossbar", 16))
+    await under("profile-b-100", lambda: bench.scenario_b("crossbar", 100))
+
+
+def summarize(raw: str, top: int = 30) -> str:
+    """Self and inclusive shares per function from py-spy's collapsed stacks."""
+    self_n: dict[str, int] = defaultdict(int)
+    incl_n: dict[str, int] = defaultdict(int)
+    total = 0
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        n = int(count)
+        total += n
+        frames = stack.split(";")
+        self_n[frames[-1]] += n
+        for f in set(frames):
+            incl_n[f] += n
+    out = [f"samples: {total}", "", f"top {top} by self time (% of samples):"]
+    out += [f"{100 * n / total:6.1f}  {f}" for f, n in sorted(self_n.items(), key=lambda x: -x[1])[:top]]
+    out += ["", f"top {top} by inclusive time (% of samples):"]
+    out += [f"{100 * n / total:6.1f}  {f}" for f, n in sorted(incl_n.items(), key=lambda x: -x[1])[:top]]
+    return "\n".join(out) + "\n"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description="crossbar against a direct upstream, side by side")
+    p.add_argument("--quick", action="store_true", help="one short round (development)")
+    p.add_argument("--rounds", type=int, default=0, help="rounds (default: 3 full, 1 quick)")
+    p.add_argument("--only", nargs="*", choices=["a", "b", "c", "d", "e"], help="run only these scenarios")
+    p.add_argument("--profile", metavar="DIR", help="profile crossbar with py-spy under (a) and (b) instead")
+    p.add_argument("--json", metavar="PATH", help="also write every per-round value as JSON")
+    p.add_argument("--keep-log", metavar="PATH", help="copy crossbar's log here")
+    args = p.parse_args()
+    try:
+        import uvloop
+
+        return uvloop.run(amain(args))
+    except ImportError:
+        return asyncio.run(amain(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
