@@ -32,7 +32,7 @@ from tests.upstreams import ErrorWatch, start_proxy
 
 _BODY = json.dumps({"model": "tiny-a", "messages": []}).encode()
 
-Script = Callable[["_HostProtocol"], None]
+Script = Callable[["_HostProtocol"], object]
 
 
 class _HostProtocol(Protocol):
@@ -95,7 +95,7 @@ async def _serve_raw(case: TestCase, host: RawHost) -> str:
                 await proto.closed
 
     case.addCleanup(lambda: ensureDeferred(stop()))
-    return f"http://127.0.0.1:{port.getHost().port}"  # type: ignore[attr-defined]
+    return f"http://127.0.0.1:{port.getHost().port}"
 
 
 def _send(data: bytes, close: bool = False) -> Script:
@@ -253,7 +253,7 @@ class AbusiveHeadTests(TestCase):
         answers 502 and closes the host's connection, so memory stays bounded."""
 
         async def go() -> None:
-            setup = await _setup(self, lambda proto: reactor.callLater(0, _EndlessHead, proto))  # type: ignore[attr-defined]
+            setup = await _setup(self, lambda proto: reactor.callLater(0, _EndlessHead, proto))
             start = time.monotonic()
             answer = await _ask(setup, timeout=5.0)
             _assert_502(self, setup, answer, "head")
@@ -278,7 +278,7 @@ class AbusiveHeadTests(TestCase):
                     self.proto.write(b"HTTP/1.1 100 Continue\r\n\r\n" * 256)
 
         async def go() -> None:
-            setup = await _setup(self, lambda proto: reactor.callLater(0, Interims, proto))  # type: ignore[attr-defined]
+            setup = await _setup(self, lambda proto: reactor.callLater(0, Interims, proto))
             answer = await _ask(setup, timeout=5.0)
             _assert_502(self, setup, answer)
             await _still_serving(self, setup)
