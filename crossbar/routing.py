@@ -16,6 +16,7 @@ __all__ = [
     "peek_model", "split_route", "split_target",
 ]
 
+_ABSOLUTE_FORM = re.compile(rb"[Hh][Tt][Tt][Pp][Ss]?://[^/?#]*")
 _OBJECT_START = re.compile(rb"(?:\xef\xbb\xbf)?[ \t\r\n]*\{")
 _VISIBLE_ASCII = re.compile(rb"\A[\x21-\x7e]*\Z")
 _TOKEN = re.compile(rb"\A[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
@@ -27,7 +28,15 @@ def split_target(target: bytes) -> tuple[bytes, bytes]:
     """Split a request target into (path, query) where query keeps its leading ``?``.
 
     ``b"/a/v1/x?y=1"`` -> ``(b"/a/v1/x", b"?y=1")``; ``b"/a"`` -> ``(b"/a", b"")``.
+    An absolute-form target (RFC 9112 §3.2.2, which a server must accept) is reduced to
+    its path: ``b"http://crossbar:7777/a/v1/x"`` -> ``(b"/a/v1/x", b"")``. crossbar is
+    no forward proxy: the authority in it never chooses where the request goes.
     """
+    absolute = _ABSOLUTE_FORM.match(target)
+    if absolute is not None:
+        target = target[absolute.end():]
+        if not target.startswith(b"/"):
+            target = b"/" + target
     path, sep, query = target.partition(b"?")
     return path, sep + query
 

@@ -21,6 +21,15 @@ class SplitTests(TestCase):
         self.assertEqual(split_target(b"/a"), (b"/a", b""))
         self.assertEqual(split_target(b"/a?b?c"), (b"/a", b"?b?c"))
 
+    def test_split_target_absolute_form(self) -> None:
+        """RFC 9112 §3.2.2: a server must accept absolute-form targets; the authority
+        never chooses the upstream."""
+        self.assertEqual(split_target(b"http://crossbar:7777/a/v1/x?y=1"), (b"/a/v1/x", b"?y=1"))
+        self.assertEqual(split_target(b"HTTPS://h/a"), (b"/a", b""))
+        self.assertEqual(split_target(b"http://h"), (b"/", b""))
+        self.assertEqual(split_target(b"http://h?q"), (b"/", b"?q"))
+        self.assertEqual(split_target(b"/http://h/a"), (b"/http://h/a", b""))
+
     def test_split_route(self) -> None:
         self.assertEqual(split_route(b"/a/v1/x"), ("a", b"/v1/x"))
         self.assertEqual(split_route(b"/a"), ("a", b"/"))
