@@ -21,6 +21,7 @@ from twisted.web.client import Agent
 from twisted.web.resource import IResource, Resource
 from twisted.web.server import Request, Site
 
+from crossbar.channel import HeadDeadlineChannel
 from crossbar.config import Config, ConfigError, load_config
 from crossbar.health import HealthTable
 from crossbar.metrics import Metrics
@@ -54,6 +55,7 @@ class _Site(Site):
 
     displayTracebacks = False
     noisy = False
+    protocol = HeadDeadlineChannel  # type: ignore[assignment]  # HTTP/1.1 only: no HTTP/2
 
     def log(self, request: Any) -> None:
         pass

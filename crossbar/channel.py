@@ -1,0 +1,72 @@
+"""The HTTP/1.1 server channel: Twisted's, with a deadline on each request head.
+
+Twisted's own ``timeOut`` (60 s) is an *idle* timeout: every byte restarts it, so a
+client trickling one header byte a minute (slowloris) would hold a connection for days.
+:class:`HeadDeadlineChannel` gives the whole request head -- request line and headers --
+:data:`HEAD_DEADLINE` seconds, counted from when the connection is ready for a request
+(opened, or the previous answer finished). An idle keep-alive connection is closed after
+the same time. The deadline does not run while a request is being answered, so long
+streams are unaffected. (DESIGN.md §The proxy, rule 9: no request can leave crossbar
+serving less.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twisted.internet.interfaces import IDelayedCall
+from twisted.internet.protocol import connectionDone
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.http import HTTPChannel
+
+__all__ = ["HEAD_DEADLINE", "HeadDeadlineChannel"]
+
+HEAD_DEADLINE = 60.0
+"""Seconds a connection gets to deliver a complete request head once it is ready for one."""
+
+_log = Logger(namespace="crossbar.channel")
+
+
+class HeadDeadlineChannel(HTTPChannel):
+    """An ``HTTPChannel`` that closes connections whose request head takes longer than
+    ``head_deadline`` seconds (default :data:`HEAD_DEADLINE`)."""
+
+    head_deadline = HEAD_DEADLINE
+    _head_timer: IDelayedCall | None = None
+
+    def connectionMade(self) -> None:
+        super().connectionMade()
+        self._arm_head_deadline()
+
+    def allHeadersReceived(self) -> None:
+        self._disarm_head_deadline()
+        super().allHeadersReceived()
+
+    def requestDone(self, request: Any) -> None:
+        # Armed first: a pipelined request already buffered is parsed inside
+        # super().requestDone, and its allHeadersReceived disarms the deadline again.
+        self._arm_head_deadline()
+        super().requestDone(request)
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        self._disarm_head_deadline()
+        super().connectionLost(reason)
+
+    def _arm_head_deadline(self) -> None:
+        self._disarm_head_deadline()
+        self._head_timer = self.callLater(self.head_deadline, self._head_deadline_passed)
+
+    def _disarm_head_deadline(self) -> None:
+        timer, self._head_timer = self._head_timer, None
+        if timer is not None and timer.active():
+            timer.cancel()
+
+    def _head_deadline_passed(self) -> None:
+        self._head_timer = None
+        if self.transport is None:
+            return
+        peer = self.transport.getPeer()
+        _log.debug("closing {peer}: no complete request head within {deadline}s",
+                   peer=str(peer), deadline=self.head_deadline)
+        self.transport.abortConnection()  # type: ignore[attr-defined]

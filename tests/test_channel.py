@@ -1,0 +1,90 @@
+"""The request-head deadline (crossbar/channel.py): slowloris is cut, keep-alive and
+long answers are not."""
+
+from __future__ import annotations
+
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
+from twisted.trial.unittest import TestCase
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET, Request, Site
+
+from crossbar.channel import HEAD_DEADLINE, HeadDeadlineChannel
+
+
+class _Slow(Resource):
+    """Answers only when the test says so (a long stream stands in)."""
+
+    isLeaf = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending: list[Request] = []
+
+    def render(self, request: Request) -> object:
+        self.pending.append(request)
+        return NOT_DONE_YET
+
+
+def _channel(resource: Resource) -> tuple[HeadDeadlineChannel, StringTransport, Clock]:
+    clock = Clock()
+    site = Site(resource, reactor=clock)
+    site.protocol = HeadDeadlineChannel  # type: ignore[assignment]
+    channel = site.buildProtocol(None)
+    assert isinstance(channel, HeadDeadlineChannel)
+    transport = StringTransport()
+    channel.makeConnection(transport)
+    return channel, transport, clock
+
+
+class HeadDeadlineTests(TestCase):
+    def test_trickled_head_is_cut_at_the_deadline(self) -> None:
+        """One header byte every 10 s never completes a head: aborted at the deadline,
+        although Twisted's idle timeout alone would never fire."""
+        channel, transport, clock = _channel(_Slow())
+        channel.dataReceived(b"GET /r/v1/models HTTP/1.1\r\n")
+        waited = 0.0
+        while waited + 10 < HEAD_DEADLINE:
+            clock.advance(10)
+            waited += 10
+            channel.dataReceived(b"X")
+            self.assertFalse(transport.disconnecting)
+        clock.advance(HEAD_DEADLINE - waited)
+        self.assertTrue(transport.disconnecting)
+
+    def test_long_answer_is_not_cut(self) -> None:
+        """Once the head is in, the deadline does not run while the answer is made."""
+        slow = _Slow()
+        channel, transport, clock = _channel(slow)
+        channel.dataReceived(b"GET /r/v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertEqual(len(slow.pending), 1)
+        for _ in range(10):
+            clock.advance(HEAD_DEADLINE / 2)
+            slow.pending[0].write(b"chunk")
+        self.assertFalse(transport.disconnecting)
+        slow.pending[0].finish()
+        self.assertFalse(transport.disconnecting)  # keep-alive: open for the next head
+
+    def test_keep_alive_gets_a_fresh_deadline_per_request(self) -> None:
+        slow = _Slow()
+        channel, transport, clock = _channel(slow)
+        for i in range(3):
+            clock.advance(HEAD_DEADLINE - 1)
+            channel.dataReceived(b"GET /r/v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+            slow.pending[i].finish()
+        self.assertFalse(transport.disconnecting)
+        clock.advance(HEAD_DEADLINE)  # idle keep-alive: closed after the same time
+        self.assertTrue(transport.disconnecting)
+
+    def test_pipelined_request_is_not_cut(self) -> None:
+        """A second request already buffered behind the first is parsed as the first
+        ends; the deadline armed for it is disarmed by its complete head."""
+        slow = _Slow()
+        channel, transport, clock = _channel(slow)
+        get = b"GET /r/v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+        channel.dataReceived(get + get)
+        slow.pending[0].finish()
+        self.assertEqual(len(slow.pending), 2)
+        clock.advance(HEAD_DEADLINE * 3)
+        self.assertFalse(transport.disconnecting)
+        slow.pending[1].finish()
