@@ -221,7 +221,7 @@ class BadConfigTests(_TwistdCase):
         while time.monotonic() < deadline:
             with open(logfile, encoding="utf-8") as f:
                 log = f.read()
-            if line in log:
+            if line in log and not os.path.exists(pidfile):  # the pidfile goes after the line
                 break
             time.sleep(0.1)
         self.assertIn(line, log)
