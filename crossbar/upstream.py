@@ -12,7 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from twisted.internet.defer import Deferred
-from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
+from twisted.internet.abstract import isIPAddress, isIPv6Address
+from twisted.internet.endpoints import HostnameEndpoint, TCP4ClientEndpoint, TCP6ClientEndpoint, wrapClientTLS
 from twisted.internet.interfaces import IProtocolFactory, IReactorTime, IStreamClientEndpoint
 from twisted.python.failure import Failure
 from twisted.web.client import Agent, BrowserLikePolicyForHTTPS, HTTPConnectionPool, URI
@@ -31,6 +32,10 @@ rule 9): Twisted's HTTP client bounds each line but not how many there are."""
 
 class ResponseHeadTooLarge(Exception):
     """An upstream answer's head went over :data:`MAX_RESPONSE_HEAD` bytes."""
+
+
+_ATTEMPT_DELAY = 0.05
+"""Seconds between connection attempts to a name's successive addresses."""
 
 
 @implementer(IStreamClientEndpoint)
@@ -70,9 +75,17 @@ class ConnectTracker:
         host = uri.host.decode("ascii")
         if host.startswith("[") and host.endswith("]"):
             host = host[1:-1]
-        endpoint: IStreamClientEndpoint = HostnameEndpoint(
-            self._reactor, host, uri.port, timeout=self._timeout
-        )
+        endpoint: IStreamClientEndpoint
+        if isIPAddress(host):  # no resolution, and a refusal is known at once
+            endpoint = TCP4ClientEndpoint(self._reactor, host, uri.port, timeout=self._timeout)
+        elif isIPv6Address(host):
+            endpoint = TCP6ClientEndpoint(self._reactor, host, uri.port, timeout=self._timeout)
+        else:
+            # HostnameEndpoint waits attemptDelay (0.3 s by default) for further
+            # addresses even after the last attempt was refused: keep failover quick.
+            endpoint = HostnameEndpoint(
+                self._reactor, host, uri.port, timeout=self._timeout, attemptDelay=_ATTEMPT_DELAY
+            )
         if uri.scheme == b"https":
             endpoint = wrapClientTLS(self._tls.creatorForNetloc(uri.host, uri.port), endpoint)
         return _TrackedEndpoint(endpoint, self)
