@@ -157,7 +157,12 @@ class HealthTable:
 
     def _set(self, name: str, old: HostStatus, new: HostStatus) -> None:
         self._hosts[name] = new
-        if old.healthy != new.healthy:
+        if not old.polled and new.polled and not new.healthy and not old.healthy:
+            # Unhealthy from the start: no transition, but the operator must hear of it.
+            self._log.warn(
+                "host {host} is unhealthy: {reason}", host=name, healthy=False, reason=new.last_err
+            )
+        elif old.healthy != new.healthy:
             if new.healthy:
                 self._log.info(
                     "host {host} is healthy: {reason} (models: {models})",

@@ -268,3 +268,13 @@ class TransitionLogTests(TestCase):
         down = [e for e in events if e.get("healthy") is False]
         self.assertIn("health: HTTP 502", formatEvent(down[0]))
         self.assertIn("a", formatEvent(down[0]))
+
+    def test_logs_a_host_unhealthy_from_the_start(self) -> None:
+        """A host whose first poll fails never changes state, yet the operator hears of
+        it once; later failed polls stay quiet."""
+        events = self.capture()
+        t, _ = table(recovery_polls=2, failure_threshold=1)
+        t.record_failure("a", "health: connection refused")
+        t.record_failure("a", "health: connection refused")
+        got = self.transitions(events)
+        self.assertEqual(got, [{"host": "a", "healthy": False, "reason": "health: connection refused"}])
