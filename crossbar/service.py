@@ -303,12 +303,14 @@ class CrossbarService(MultiService):
             stopped = self.web.stopService()
             if stopped is not None:
                 await stopped
-        self._log.info("stopped accepting; {count} requests in flight", count=len(self.proxy.active))
+        self._log.info("stopped accepting; requests in flight: {count}", count=len(self.proxy.active))
         deadline = self.reactor.seconds() + grace
         while self.proxy.active and self.reactor.seconds() < deadline:
             await deferLater(self.reactor, min(0.05, max(0.0, deadline - self.reactor.seconds())))
         if self.proxy.active:
-            self._log.warn("drain grace over: aborting {count} requests", count=len(self.proxy.active))
+            self._log.warn(
+                "drain grace over: aborting requests still in flight: {count}", count=len(self.proxy.active)
+            )
             self.proxy.abort_all()
         self._log.info("drained")
 

@@ -99,7 +99,7 @@ class DrainTests(TestCase):
             took = (proc.ended_at or 0) - sent
             self.assertLess(took, DELAY + GRACE + 2.0, proc.text())
             self.assertTrue(code == 0 or sig == signal.SIGTERM, (code, sig, proc.text()))
-            self.assertIn("aborting 1 requests", proc.text())
+            self.assertIn("aborting requests still in flight: 1", proc.text())
             self.assertNotIn("Traceback", proc.text())
 
         return ensureDeferred(go())
