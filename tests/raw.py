@@ -11,7 +11,7 @@ front of two :class:`~tests.harness.FakeLlama` hosts with different loaded model
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, cast
+from typing import Any, Callable
 
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
@@ -19,7 +19,6 @@ from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint, c
 from twisted.internet.interfaces import IHalfCloseableProtocol
 from twisted.internet.protocol import Protocol
 from twisted.internet.task import LoopingCall
-from twisted.logger import ILogObserver, globalLogPublisher, formatEvent
 from twisted.python.failure import Failure
 from twisted.trial.unittest import TestCase
 from twisted.web.resource import Resource
@@ -30,7 +29,7 @@ from crossbar.service import CrossbarService
 from tests.harness import FakeLlama, start_crossbar
 
 __all__ = [
-    "BadResponse", "LogCapture", "complete", "RawResponse", "TwoHosts", "parse_responses",
+    "BadResponse", "complete", "RawResponse", "TwoHosts", "parse_responses",
     "raw_exchange", "two_hosts", "upstream_requests",
 ]
 
@@ -224,34 +223,6 @@ def request_bytes(method: bytes, target: bytes, headers: list[tuple[bytes, bytes
 def upstream_requests(upstream: FakeLlama) -> list[Any]:
     """What the upstream saw apart from health polls."""
     return [s for s in upstream.seen if s.uri not in (b"/health", b"/v1/models")]
-
-
-class LogCapture:
-    """Every ``twisted.logger`` event emitted while installed (removed at cleanup)."""
-
-    def __init__(self, case: TestCase) -> None:
-        self.events: list[dict[str, Any]] = []
-        observer = cast(ILogObserver, self.events.append)
-        globalLogPublisher.addObserver(observer)
-        case.addCleanup(globalLogPublisher.removeObserver, observer)
-
-    def proxied(self) -> list[dict[str, Any]]:
-        """The proxy's per-request log lines."""
-        return [e for e in self.events
-                if str(e.get("log_namespace", "")).startswith("crossbar.proxy") and "ttfb_ms" in e]
-
-    def assert_never_contains(self, case: TestCase, secret: bytes) -> None:
-        """No event, formatted or as its raw fields, contains ``secret``."""
-        text = secret.decode("latin-1")
-        for event in self.events:
-            formatted = formatEvent(event) or ""
-            case.assertNotIn(text, formatted)
-            for key, value in event.items():
-                if key in ("log_logger", "log_source", "log_observer"):
-                    continue
-                rendered = value if isinstance(value, (str, bytes)) else repr(value)
-                needle: Any = secret if isinstance(rendered, bytes) else text
-                case.assertNotIn(needle, rendered, f"secret in log field {key!r}")
 
 
 @dataclass

@@ -22,7 +22,8 @@ from twisted.web.server import Site
 from crossbar.proxy import STALE_WINDOW
 from tests.harness import FakeLlama, http_client, listen
 from tests.rawhttp import connect_raw, request_bytes
-from tests.upstreams import Die, ErrorWatch, Hang, KillReused, host_status, start_proxy, wait_until
+from tests.logs import LogCapture
+from tests.upstreams import Die, Hang, KillReused, host_status, start_proxy, wait_until
 
 _STREAM = json.dumps({"model": "tiny-a", "stream": True, "messages": []}).encode()
 _PLAIN = {"model": "tiny-a", "messages": [{"role": "user", "content": "hi"}]}
@@ -60,7 +61,7 @@ async def _stoppable(case: TestCase, upstream: FakeLlama) -> tuple[str, Any]:
 
 class ClientGoneTests(TestCase):
     async def _mid_stream(self, abort: bool) -> None:
-        watch = ErrorWatch(self)
+        watch = LogCapture(self)
         upstream = FakeLlama()
         upstream.events = 1000
         upstream.event_delay = 0.05
@@ -79,7 +80,7 @@ class ClientGoneTests(TestCase):
         self.assertEqual(status["last_err"], "")
         self.assertEqual(status["inflight"], 0)
         await deferLater(reactor, 0.2)  # a late write or finish would log here
-        self.assertEqual(watch.texts(), [])
+        self.assertEqual(watch.errors(), [])
 
     def test_client_closes_mid_stream(self) -> object:
         """A client that closes its connection mid-stream: the upstream sees its peer
@@ -95,7 +96,7 @@ class ClientGoneTests(TestCase):
         connection is closed within a second; nothing marked down or logged."""
 
         async def go() -> None:
-            watch = ErrorWatch(self)
+            watch = LogCapture(self)
             hang = Hang()
             upstream = FakeLlama()
             upstream.handlers[b"/v1/chat/completions"] = hang
@@ -111,7 +112,7 @@ class ClientGoneTests(TestCase):
             self.assertEqual(status["last_err"], "")
             self.assertEqual(status["inflight"], 0)
             await deferLater(reactor, 0.2)
-            self.assertEqual(watch.texts(), [])
+            self.assertEqual(watch.errors(), [])
 
         return ensureDeferred(go())
 

@@ -6,13 +6,14 @@ No I/O: a ``Clock`` gives the time, results are fed in directly.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, cast
+from typing import Any
 
 from twisted.internet.task import Clock
-from twisted.logger import ILogObserver, LogEvent, globalLogPublisher
+from twisted.logger import LogEvent
 from twisted.trial.unittest import TestCase
 
 from crossbar.health import HealthTable, HostStatus
+from tests.logs import LogCapture
 
 
 def table(recovery_polls: int = 2, failure_threshold: int = 1, hosts: tuple[str, ...] = ("a", "b")) -> tuple[HealthTable, Clock]:
@@ -224,11 +225,7 @@ class CopiesTests(TestCase):
 
 class TransitionLogTests(TestCase):
     def capture(self) -> list[LogEvent]:
-        events: list[LogEvent] = []
-        observer = cast(ILogObserver, events.append)
-        globalLogPublisher.addObserver(observer)
-        self.addCleanup(globalLogPublisher.removeObserver, observer)
-        return events
+        return LogCapture(self).events
 
     @staticmethod
     def transitions(events: list[LogEvent]) -> list[dict[str, Any]]:

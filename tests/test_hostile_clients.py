@@ -24,7 +24,8 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import TestCase
 
 from tests.raw import TwoHosts, complete, parse_responses, raw_exchange, request_bytes, two_hosts, upstream_requests
-from tests.upstreams import ErrorWatch, wait_until
+from tests.logs import LogCapture
+from tests.upstreams import wait_until
 
 _PLAIN = b'{"model": "model-a", "messages": []}'
 _STREAM = b'{"model": "model-a", "stream": true, "messages": []}'
@@ -36,7 +37,7 @@ def _post(body: bytes, close: bool = True, extra: list[tuple[bytes, bytes]] | No
     return request_bytes(b"POST", _PATH, headers, body, close=close)
 
 
-async def _still_serving(case: TestCase, hosts: TwoHosts, watch: ErrorWatch) -> None:
+async def _still_serving(case: TestCase, hosts: TwoHosts, watch: LogCapture) -> None:
     """A normal request succeeds, both hosts are healthy, nothing logged as an error."""
     data, _ = await raw_exchange(hosts.port, _post(_PLAIN))
     [answer] = parse_responses(data)
@@ -45,7 +46,7 @@ async def _still_serving(case: TestCase, hosts: TwoHosts, watch: ErrorWatch) -> 
         status = hosts.service.table.get(name)
         assert status is not None
         case.assertTrue(status.healthy, (name, status.last_err))
-    case.assertEqual(watch.texts(), [])
+    case.assertEqual(watch.errors(), [])
     await wait_until(lambda: not hosts.service.proxy.active, 2.0)
 
 
@@ -82,7 +83,7 @@ class PipeliningTests(TestCase):
         well-formed answers in order, each from the upstream, the stream complete."""
 
         async def go() -> None:
-            watch = ErrorWatch(self)
+            watch = LogCapture(self)
             hosts = await two_hosts(self)
             hosts.a.event_delay = 0.02
             data, _ = await raw_exchange(
@@ -108,7 +109,7 @@ class SmugglingTests(TestCase):
     upstream is always exactly the body crossbar read, with its own Content-Length."""
 
     async def _refused(self, wire: bytes) -> None:
-        watch = ErrorWatch(self)
+        watch = LogCapture(self)
         hosts = await two_hosts(self)
         data, how = await raw_exchange(hosts.port, wire)
         if data:
@@ -167,7 +168,7 @@ class SmugglingTests(TestCase):
         by crossbar as such; the first one's body upstream is exactly its chunks."""
 
         async def go() -> None:
-            watch = ErrorWatch(self)
+            watch = LogCapture(self)
             hosts = await two_hosts(self)
             wire = (b"POST " + _PATH + b" HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
                     b"%x\r\n%s\r\n0\r\n\r\n" % (len(_PLAIN), _PLAIN)
@@ -192,7 +193,7 @@ class FramingTests(TestCase):
         unchunked, ended by the close, complete."""
 
         async def go() -> None:
-            watch = ErrorWatch(self)
+            watch = LogCapture(self)
             hosts = await two_hosts(self)
             wire = _post(_STREAM, close=False).replace(b" HTTP/1.1\r\n", b" HTTP/1.0\r\n", 1)
             data, how = await raw_exchange(hosts.port, wire)
@@ -211,7 +212,7 @@ class FramingTests(TestCase):
         delimited, or the connection closed after it)."""
 
         async def go() -> None:
-            watch = ErrorWatch(self)
+            watch = LogCapture(self)
             hosts = await two_hosts(self)
             wire = (b"POST " + _PATH + b" HTTP/1.0\r\nConnection: keep-alive\r\nContent-Length: %d\r\n\r\n"
                     % len(_PLAIN) + _PLAIN)
@@ -230,7 +231,7 @@ class FramingTests(TestCase):
         routed by its path; crossbar is no forward proxy: never a request to ``other``."""
 
         async def go() -> None:
-            watch = ErrorWatch(self)
+            watch = LogCapture(self)
             hosts = await two_hosts(self)
             for target in (b"http://127.0.0.1:1/r/v1/chat/completions", b"http://x" + _PATH):
                 data, _ = await raw_exchange(hosts.port, _post(_PLAIN).replace(_PATH, target, 1))
@@ -250,7 +251,7 @@ class FramingTests(TestCase):
         answer, never a tunnel; the upstream never sees a CONNECT."""
 
         async def go() -> None:
-            watch = ErrorWatch(self)
+            watch = LogCapture(self)
             hosts = await two_hosts(self)
             for wire in (b"CONNECT 127.0.0.1:22 HTTP/1.1\r\nHost: 127.0.0.1:22\r\n\r\n",
                          b"OPTIONS * HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
@@ -269,7 +270,7 @@ class FramingTests(TestCase):
         well-formed final answer; the upstream never sees ``Expect``."""
 
         async def go() -> None:
-            watch = ErrorWatch(self)
+            watch = LogCapture(self)
             hosts = await two_hosts(self)
             for wire in (_post(_PLAIN, extra=[(b"Expect", b"200-ok")]),
                          _post(_PLAIN, extra=[(b"Expect", b"100-continue, x")]),
@@ -288,7 +289,7 @@ class FramingTests(TestCase):
         goes upstream."""
 
         async def go() -> None:
-            watch = ErrorWatch(self)
+            watch = LogCapture(self)
             hosts = await two_hosts(self)
             for headers in ([(b"X-Big", b"b" * 65536)], [(b"X-H%d" % i, b"v") for i in range(1000)]):
                 data, _ = await raw_exchange(hosts.port, _post(_PLAIN, extra=headers))
@@ -306,7 +307,7 @@ class SlowAndGoneTests(TestCase):
         upstream, nothing is in flight, nothing logged as an error."""
 
         async def go() -> None:
-            watch = ErrorWatch(self)
+            watch = LogCapture(self)
             hosts = await two_hosts(self)
             for abort in (False, True):
                 conn = await _open(self, hosts.port)
@@ -327,7 +328,7 @@ class SlowAndGoneTests(TestCase):
         """A body trickled in small pieces (a slow uploader) is forwarded whole, once."""
 
         async def go() -> None:
-            watch = ErrorWatch(self)
+            watch = LogCapture(self)
             hosts = await two_hosts(self)
             wire = _post(_PLAIN)
             head, body = wire[: wire.index(b"\r\n\r\n") + 4], wire[wire.index(b"\r\n\r\n") + 4:]
@@ -363,7 +364,7 @@ class SlowAndGoneTests(TestCase):
         once they go, nothing is left behind."""
 
         async def go() -> None:
-            watch = ErrorWatch(self)
+            watch = LogCapture(self)
             hosts = await two_hosts(self)
             conns = await DeferredList([Deferred.fromCoroutine(_open(self, hosts.port)) for _ in range(500)],
                                        consumeErrors=True)

@@ -28,7 +28,8 @@ from zope.interface import implementer
 from crossbar.service import CrossbarService
 from tests.harness import FakeLlama
 from tests.raw import RawResponse, complete, parse_responses, quiet_listen, raw_exchange, request_bytes
-from tests.upstreams import ErrorWatch, start_proxy
+from tests.logs import LogCapture
+from tests.upstreams import start_proxy
 
 _BODY = json.dumps({"model": "tiny-a", "messages": []}).encode()
 
@@ -110,7 +111,7 @@ def _send(data: bytes, close: bool = False) -> Script:
 
 
 class _Setup:
-    def __init__(self, service: CrossbarService, base: str, port: int, host: RawHost, watch: ErrorWatch) -> None:
+    def __init__(self, service: CrossbarService, base: str, port: int, host: RawHost, watch: LogCapture) -> None:
         self.service = service
         self.base = base
         self.port = port
@@ -121,7 +122,7 @@ class _Setup:
 async def _setup(case: TestCase, script: Script, timeouts: str = "{first_byte: 20, idle: 20}") -> _Setup:
     """crossbar with route ``r`` -> the raw host ``evil`` and route ``ok`` -> a good
     FakeLlama ``good``, both healthy."""
-    watch = ErrorWatch(case)
+    watch = LogCapture(case)
     host = RawHost(script)
     evil = await _serve_raw(case, host)
     good = await quiet_listen(case, FakeLlama())
@@ -154,7 +155,7 @@ async def _still_serving(case: TestCase, setup: _Setup) -> None:
     answer = await _ask(setup, b"ok")
     case.assertEqual((answer.status, answer.one(b"x-crossbar-host")), (200, b"good"))
     case.assertEqual(json.loads(answer.body)["object"], "chat.completion")
-    case.assertEqual(setup.watch.texts(), [])
+    case.assertEqual(setup.watch.errors(), [])
     case.assertEqual(setup.service.proxy.inflight.get("evil", 0), 0)
     case.assertEqual(setup.service.proxy.active, set())
 

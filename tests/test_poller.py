@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import json
 import socket
-from typing import Any, Callable, cast
+from typing import Any, Callable
 
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred, ensureDeferred
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import Clock, deferLater
-from twisted.logger import ILogObserver, LogEvent, globalLogPublisher
 from twisted.python.failure import Failure
 from twisted.trial.unittest import TestCase
 from twisted.web.client import Agent
@@ -28,6 +27,7 @@ from crossbar.poller import MAX_POLL_BODY, HealthPoller, HTTPProbe, PollCancelle
 from crossbar.testing import FakeProbe
 from crossbar.upstream import quiet_pool
 from tests.harness import FakeLlama, listen
+from tests.logs import LogCapture
 
 URLS = {"a": "http://a.test", "b": "http://b.test", "c": "http://c.test"}
 INTERVAL = 2.0
@@ -594,10 +594,7 @@ class TransitionLogTests(TestCase):
     def test_poller_logs_transitions_not_polls(self) -> None:
         """One structured line per healthy/unhealthy change, with the reason; none per
         good poll."""
-        events: list[LogEvent] = []
-        observer = cast(ILogObserver, events.append)
-        globalLogPublisher.addObserver(observer)
-        self.addCleanup(globalLogPublisher.removeObserver, observer)
+        events = LogCapture(self).events
         t = _Setup(self, hosts={"a": URLS["a"]}, recovery_polls=1)
         for _ in range(5):
             t.probe.succeed(URLS["a"], ("m",))

@@ -9,7 +9,8 @@ import json
 from twisted.internet.defer import ensureDeferred
 from twisted.trial.unittest import TestCase
 
-from tests.raw import LogCapture, parse_responses, raw_exchange, request_bytes, two_hosts
+from tests.logs import LogCapture
+from tests.raw import parse_responses, raw_exchange, request_bytes, two_hosts
 
 SECRET = b"s3cr3t-marker-91ad"
 

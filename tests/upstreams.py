@@ -16,7 +16,6 @@ from twisted.internet.interfaces import IPushProducer
 from twisted.internet.protocol import Factory, Protocol
 from twisted.python.failure import Failure
 from twisted.internet.task import deferLater
-from twisted.logger import LogLevel, formatEvent, globalLogPublisher
 from twisted.trial.unittest import TestCase
 from twisted.web.server import NOT_DONE_YET, Request
 from zope.interface import implementer
@@ -25,7 +24,7 @@ from crossbar.service import CrossbarService
 from tests.harness import http_client, sse_event, start_crossbar
 
 __all__ = [
-    "Die", "ErrorWatch", "Firehose", "Hang", "KillReused", "RawFirehose", "host_status", "start_proxy",
+    "Die", "Firehose", "Hang", "KillReused", "RawFirehose", "host_status", "start_proxy",
     "wait_until",
 ]
 
@@ -162,29 +161,6 @@ class Die:
                 request.write(sse_event(i))
         reactor.callLater(self.delay, transport.abortConnection)  # type: ignore[attr-defined]
         return NOT_DONE_YET
-
-
-class ErrorWatch:
-    """Collects, for one test, every log event that reports a failure or an unhandled
-    error (``log_failure``, level error/critical, or 'Unhandled' in its text)."""
-
-    def __init__(self, case: TestCase) -> None:
-        self.events: list[dict[str, Any]] = []
-        globalLogPublisher.addObserver(self)
-        case.addCleanup(globalLogPublisher.removeObserver, self)
-
-    def __call__(self, event: dict[str, Any]) -> None:
-        level = event.get("log_level")
-        text = formatEvent(event) or ""
-        if (
-            event.get("log_failure") is not None
-            or level in (LogLevel.error, LogLevel.critical)
-            or "Unhandled" in text
-        ):
-            self.events.append(event)
-
-    def texts(self) -> list[str]:
-        return [formatEvent(e) or repr(e) for e in self.events]
 
 
 class KillReused:
