@@ -1,21 +1,26 @@
-"""Shared test harness: a loopback stand-in for llama-server and crossbar in-process.
+"""Shared test harness: loopback stand-ins for llama-server and crossbar in-process.
 
 :class:`FakeLlama` speaks the parts of llama-server's HTTP interface crossbar uses
 (``/health``, ``/v1/models``, ``/v1/chat/completions`` plain and streaming) on a real
-loopback socket, with knobs for failure modes. :func:`start_crossbar` runs a real
-:class:`~crossbar.service.CrossbarService` on ``127.0.0.1:<free port>``.
-"""
+loopback socket, with knobs for failure modes; :func:`listen` serves it (or any
+resource). :func:`start_crossbar` runs a real :class:`~crossbar.service.CrossbarService`
+for a YAML text on ``127.0.0.1:<free port>``; :func:`start_routes` builds that text
+from hosts and routes and waits for the first poll round; :func:`two_hosts` is the
+common two-host set-up. :func:`wait_for` polls a condition."""
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
+from urllib.parse import urlsplit
 
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.internet.interfaces import IListeningPort
+from twisted.internet.task import deferLater
 from twisted.trial.unittest import TestCase
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
@@ -26,7 +31,10 @@ from twisted.web.client import Agent, HTTPConnectionPool
 from crossbar.config import parse_config
 from crossbar.service import CrossbarService, make_service
 
-__all__ = ["FakeLlama", "Seen", "http_client", "listen", "start_crossbar", "sse_event"]
+__all__ = [
+    "FakeLlama", "Seen", "TwoHosts", "http_client", "listen", "port_of", "sse_event", "start_crossbar",
+    "start_routes", "two_hosts", "upstream_requests", "wait_for",
+]
 
 
 class Seen:
@@ -139,13 +147,28 @@ def http_client(case: TestCase) -> HTTPClient:
     return HTTPClient(Agent(reactor, pool=pool))
 
 
+class _QuietSite(Site):
+    """An upstream's site without an access log, so captured log events are crossbar's."""
+
+    noisy = False
+
+    def log(self, request: Any) -> None:
+        pass
+
+
 async def listen(case: TestCase, resource: Resource) -> str:
-    """Serve ``resource`` on a free loopback port for the test; returns its base URL."""
-    site = Site(resource)
-    site.noisy = False
-    port: IListeningPort = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(site)
+    """Serve ``resource`` on a free loopback port for the test, without an access log;
+    returns its base URL."""
+    port: IListeningPort = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(_QuietSite(resource))
     case.addCleanup(port.stopListening)
     return f"http://127.0.0.1:{port.getHost().port}"  # type: ignore[attr-defined]
+
+
+def port_of(base_url: str) -> int:
+    """The port of a base URL such as ``http://127.0.0.1:PORT``."""
+    port = urlsplit(base_url).port
+    assert port is not None, base_url
+    return port
 
 
 async def start_crossbar(case: TestCase, config_yaml: str) -> tuple[CrossbarService, str]:
@@ -159,3 +182,88 @@ async def start_crossbar(case: TestCase, config_yaml: str) -> tuple[CrossbarServ
     case.addCleanup(service.stopService)
     port = await service.web.when_listening()
     return service, f"http://127.0.0.1:{port.getHost().port}"  # type: ignore[attr-defined]
+
+
+async def start_routes(
+    case: TestCase,
+    hosts: dict[str, str],
+    routes: dict[str, list[str]] | None = None,
+    timeouts: str = "",
+    default_models: dict[str, str] | None = None,
+) -> tuple[CrossbarService, str]:
+    """crossbar with ``hosts`` (name -> URL) and ``routes`` (name -> host names, in
+    order; default: one route ``r`` over every host), a poll interval long enough
+    that polls do not heal a marked-down host during a test, the given ``timeouts``
+    flow mapping (e.g. ``"{idle: 1}"``) and route ``default_models``. Returns the
+    service and crossbar's base URL once the first poll round is done."""
+    routes = routes or {"r": list(hosts)}
+    text = "health: {interval: 60, timeout: 5}\n"
+    if timeouts:
+        text += f"timeouts: {timeouts}\n"
+    text += "hosts:\n" + "".join(f"  {name}: {url}\n" for name, url in hosts.items())
+    text += "routes:\n"
+    for name, members in routes.items():
+        text += f"  {name}:\n    hosts: [{', '.join(members)}]\n"
+        if default_models and name in default_models:
+            text += f"    default_model: {default_models[name]}\n"
+    service, base = await start_crossbar(case, text)
+    await service.poller.when_first_round_done()
+    return service, base
+
+
+def upstream_requests(upstream: FakeLlama) -> list[Seen]:
+    """What the upstream saw apart from health polls."""
+    return [s for s in upstream.seen if s.uri not in (b"/health", b"/v1/models")]
+
+
+@dataclass
+class TwoHosts:
+    """crossbar in front of two FakeLlama hosts: ``a`` has ``model-a`` loaded, ``b``
+    ``model-b``; route ``r`` is ``[a, b]`` with default model ``model-b``; route ``d``
+    is ``[dead]`` (a host that answers health 503).
+
+    :ivar port: crossbar's loopback port; :ivar base: its base URL.
+    """
+
+    a: FakeLlama
+    b: FakeLlama
+    dead: FakeLlama
+    service: CrossbarService
+    base: str
+    port: int
+
+    def chosen(self) -> list[str]:
+        """Which host got each proxied request, in order."""
+        out = [(s, "a") for s in upstream_requests(self.a)] + [(s, "b") for s in upstream_requests(self.b)]
+        return [name for _, name in out]
+
+
+async def two_hosts(case: TestCase) -> TwoHosts:
+    """Start :class:`TwoHosts` and wait for the first poll round."""
+    a, b, dead = FakeLlama(["model-a"]), FakeLlama(["model-b"]), FakeLlama(["model-x"])
+    dead.health_code = 503
+    urls = [await listen(case, u) for u in (a, b, dead)]
+    service, base = await start_routes(
+        case, dict(zip(("a", "b", "dead"), urls)), {"r": ["a", "b"], "d": ["dead"]},
+        default_models={"r": "model-b"},
+    )
+    return TwoHosts(a, b, dead, service, base, port_of(base))
+
+
+async def wait_for(check: Callable[[], Any], timeout: float = 5.0, what: str = "condition",
+                   step: float = 0.05) -> Any:
+    """Poll the sync or async ``check`` every ``step`` seconds until it returns a truthy
+    value, which is returned.
+
+    :raises AssertionError: not within ``timeout`` seconds.
+    """
+    deadline = reactor.seconds() + timeout
+    while True:
+        value = check()
+        if isinstance(value, Deferred) or hasattr(value, "__await__"):
+            value = await value
+        if value:
+            return value
+        if reactor.seconds() > deadline:
+            raise AssertionError(f"{what} not met within {timeout}s")
+        await deferLater(reactor, step)

@@ -26,7 +26,7 @@ from twisted.internet.task import deferLater
 from twisted.python.failure import Failure
 from twisted.trial.unittest import TestCase
 
-from tests.harness import http_client
+from tests.harness import http_client, wait_for
 
 __all__ = ["Twistd", "start_twistd", "wait_for"]
 
@@ -116,20 +116,6 @@ class Twistd(ProcessProtocol):
     def signal(self, sig: int) -> None:
         assert self.transport is not None
         self.transport.signalProcess(sig)
-
-
-async def wait_for(check: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:
-    """Poll the async or sync ``check`` every 50 ms until it returns a truthy value."""
-    deadline = reactor.seconds() + timeout  # type: ignore[attr-defined]
-    while True:
-        value = check()
-        if isinstance(value, Deferred) or hasattr(value, "__await__"):
-            value = await value
-        if value:
-            return value
-        if reactor.seconds() > deadline:  # type: ignore[attr-defined]
-            raise AssertionError(f"timed out waiting for {what}")
-        await deferLater(reactor, 0.05)
 
 
 async def start_twistd(

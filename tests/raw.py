@@ -1,37 +1,60 @@
 """Raw-socket HTTP/1.1 for tests that must send exact bytes (and read exact answers).
 
-treq and twisted.web.client normalise what they send; these helpers do not. The client
-is a Twisted protocol on a real loopback connection: it writes what it is given and
-collects everything until crossbar closes (or half-closes) the connection.
+treq and twisted.web.client normalise what they send and buffer what they read; these
+helpers do neither. :func:`request_bytes` and :func:`post_bytes` build requests byte
+for byte. :class:`RawClient` is a Twisted protocol on a real loopback connection: it
+writes what it is given and records every read with its arrival time, so a test can
+see when bytes arrive, pause reading (a slow client, with a small ``SO_RCVBUF``) or
+leave early. :func:`raw_exchange` is the one-shot form: send, collect until crossbar
+closes (or half-closes) the connection, return the bytes.
+
 :func:`parse_responses` is a deliberately strict HTTP/1.1 response parser, so a test
-can assert that an answer is well-formed. Also here: :func:`two_hosts`, crossbar in
-front of two :class:`~tests.harness.FakeLlama` hosts with different loaded models.
+can assert that an answer is well-formed; :meth:`RawClient.response` uses the same
+parser but accepts an answer that was cut off (``complete`` False) — what a failed
+stream looks like to its client.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Callable
+import socket
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
-from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint, connectProtocol
+from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
 from twisted.internet.interfaces import IHalfCloseableProtocol
 from twisted.internet.protocol import Protocol
 from twisted.internet.task import LoopingCall
 from twisted.python.failure import Failure
 from twisted.trial.unittest import TestCase
-from twisted.web.resource import Resource
-from twisted.web.server import Site
 from zope.interface import implementer
 
-from crossbar.service import CrossbarService
-from tests.harness import FakeLlama, start_crossbar
+from tests.harness import port_of
 
 __all__ = [
-    "BadResponse", "complete", "RawResponse", "TwoHosts", "parse_responses",
-    "raw_exchange", "two_hosts", "upstream_requests",
+    "BadResponse", "RawClient", "RawResponse", "complete", "connect_raw", "parse_responses", "post_bytes",
+    "raw_exchange", "request_bytes",
 ]
+
+
+def request_bytes(method: bytes, target: bytes, headers: Sequence[tuple[bytes, bytes]] = (),
+                  body: bytes = b"", close: bool = True) -> bytes:
+    """A raw HTTP/1.1 request: ``Host`` first, then ``headers`` as given, then
+    ``Connection: close`` (when ``close``), then ``body`` (no framing header is added)."""
+    lines = [method + b" " + target + b" HTTP/1.1", b"Host: crossbar.test"]
+    lines += [n + b": " + v for n, v in headers]
+    if close:
+        lines.append(b"Connection: close")
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body
+
+
+def post_bytes(target: bytes, body: bytes, extra: Sequence[tuple[bytes, bytes]] = (), close: bool = True) -> bytes:
+    """A POST of the JSON ``body`` with its ``Content-Type`` and ``Content-Length``,
+    then the ``extra`` headers."""
+    headers = [(b"Content-Type", b"application/json"), (b"Content-Length", b"%d" % len(body)), *extra]
+    return request_bytes(b"POST", target, headers, body, close=close)
 
 
 class BadResponse(Exception):
@@ -41,13 +64,16 @@ class BadResponse(Exception):
 @dataclass
 class RawResponse:
     """One parsed response: status, headers in wire order (names lower-cased), body
-    (de-chunked), and whether the body was sent chunked."""
+    (de-chunked), whether the body was sent chunked, and whether it ended properly
+    (the ``0`` chunk, or ``Content-Length`` bytes; False only for a cut-off answer
+    read by :meth:`RawClient.response`)."""
 
     status: int
     reason: bytes
     headers: list[tuple[bytes, bytes]]
     body: bytes
     chunked: bool = False
+    complete: bool = True
 
     def get(self, name: bytes) -> list[bytes]:
         """Every value of header ``name`` (case-insensitive), in order."""
@@ -55,11 +81,20 @@ class RawResponse:
         return [v for n, v in self.headers if n == name]
 
     def one(self, name: bytes) -> bytes | None:
+        """The first value of header ``name``, or None."""
         values = self.get(name)
         return values[0] if values else None
 
 
-def _parse_one(data: bytes, head: bool, at_eof: bool) -> tuple[RawResponse, bytes]:
+def _cut(response: RawResponse, body: bytes, problem: str, cut_ok: bool) -> tuple[RawResponse, bytes]:
+    if not cut_ok:
+        raise BadResponse(problem)
+    response.body = body
+    response.complete = False
+    return response, b""
+
+
+def _parse_one(data: bytes, head: bool, at_eof: bool, cut_ok: bool = False) -> tuple[RawResponse, bytes]:
     end = data.find(b"\r\n\r\n")
     if end < 0:
         raise BadResponse(f"no end of headers in {data[:200]!r}")
@@ -89,15 +124,17 @@ def _parse_one(data: bytes, head: bool, at_eof: bool) -> tuple[RawResponse, byte
         while True:
             size_end = rest.find(b"\r\n")
             if size_end < 0:
-                raise BadResponse("truncated chunked body (no size line)")
+                return _cut(response, body, "truncated chunked body (no size line)", cut_ok)
             size = int(rest[:size_end].split(b";")[0], 16)
-            chunk = rest[size_end + 2:size_end + 2 + size]
-            if len(chunk) < size or rest[size_end + 2 + size:size_end + 4 + size] != b"\r\n":
-                raise BadResponse("truncated chunked body")
-            rest = rest[size_end + 4 + size:]
+            chunk_end = size_end + 2 + size
+            if len(rest) < chunk_end + 2:
+                return _cut(response, body + rest[size_end + 2:chunk_end], "truncated chunked body", cut_ok)
+            if rest[chunk_end:chunk_end + 2] != b"\r\n":
+                raise BadResponse("chunk not followed by CRLF")
+            body += rest[size_end + 2:chunk_end]
+            rest = rest[chunk_end + 2:]
             if size == 0:
                 break
-            body += chunk
         response.body = body
         return response, rest
     if lengths:
@@ -105,7 +142,7 @@ def _parse_one(data: bytes, head: bool, at_eof: bool) -> tuple[RawResponse, byte
             raise BadResponse(f"conflicting Content-Length {lengths}")
         n = int(lengths[0])
         if len(rest) < n:
-            raise BadResponse(f"body shorter than Content-Length: {len(rest)} < {n}")
+            return _cut(response, rest, f"body shorter than Content-Length: {len(rest)} < {n}", cut_ok)
         response.body = rest[:n]
         return response, rest[n:]
     if not at_eof:
@@ -117,7 +154,7 @@ def _parse_one(data: bytes, head: bool, at_eof: bool) -> tuple[RawResponse, byte
 def parse_responses(data: bytes, head: bool = False, at_eof: bool = True) -> list[RawResponse]:
     """Every response in ``data``, in order (interim ``1xx`` ones included).
 
-    :raises BadResponse: when the bytes are not well-formed HTTP/1.1 responses.
+    :raises BadResponse: when the bytes are not well-formed, complete HTTP/1.1 responses.
     """
     out: list[RawResponse] = []
     while data:
@@ -135,41 +172,133 @@ def complete(data: bytes) -> bool:
 
 
 @implementer(IHalfCloseableProtocol)
-class _Collect(Protocol):
-    def __init__(self, chunks: list[bytes], until: Callable[[bytes], bool] | None) -> None:
-        self.received = b""
-        self.chunks = chunks
+class RawClient(Protocol):
+    """Writes ``chunks`` on connect, then records what arrives.
+
+    :ivar reads: each read as ``(time.time(), data)`` (unless ``keep_reads`` is False).
+    :ivar received: bytes received so far (a count; :attr:`data` holds them).
+    :ivar after_read: called with the client after each read (e.g. to pause the
+        transport: a slow client).
+    :ivar ended: fires with how the exchange ended: ``"until"`` (``until(data)`` held),
+        ``"half-close"`` (the peer closed its side; not an end with ``wait_close``) or
+        ``"close"``.
+    :ivar closed: fires (with None) once the connection is gone.
+    :ivar reason: why it closed (a ``Failure``), once it has.
+
+    ``rcvbuf``, when given, is set as the socket's ``SO_RCVBUF`` (bytes) on connect.
+    Unless ``wait_close``, the client closes its side too once the peer has closed.
+    """
+
+    def __init__(
+        self,
+        chunks: Sequence[bytes],
+        rcvbuf: int | None = None,
+        keep_reads: bool = True,
+        until: Callable[[bytes], bool] | None = None,
+        wait_close: bool = False,
+    ) -> None:
+        self.chunks = list(chunks)
+        self.rcvbuf = rcvbuf
+        self.keep_reads = keep_reads
         self.until = until
-        self.done: Deferred[bytes] = Deferred()
+        self.wait_close = wait_close
+        self.after_read: Callable[[RawClient], object] | None = None
+        self.reads: list[tuple[float, bytes]] = []
+        self.received = 0
+        self.ended: Deferred[str] = Deferred()
         self.closed: Deferred[None] = Deferred()
-        self.how = ""
-        self.wait_close = False
+        self.reason: Failure | None = None
+        self._waiters: list[tuple[bytes, Deferred[None]]] = []
+        self._buffer = bytearray()
+
+    @property
+    def data(self) -> bytes:
+        """Every byte received so far."""
+        return bytes(self._buffer)
 
     def connectionMade(self) -> None:
+        if self.rcvbuf is not None:
+            self.transport.getHandle().setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.rcvbuf)  # type: ignore[union-attr]
         for chunk in self.chunks:
             self.transport.write(chunk)  # type: ignore[union-attr]
 
     def dataReceived(self, data: bytes) -> None:
-        self.received += data
-        if self.until is not None and self.until(self.received):
-            self._finish("until")
+        if self.keep_reads:
+            self.reads.append((time.time(), data))
+        self.received += len(data)
+        self._buffer += data
+        for waiter in list(self._waiters):
+            marker, d = waiter
+            if marker in self._buffer:
+                self._waiters.remove(waiter)
+                d.callback(None)
+        if self.until is not None and self.until(self.data):
+            self._end("until")
+        if self.after_read is not None:
+            self.after_read(self)
 
     def readConnectionLost(self) -> None:
         if not self.wait_close:
-            self._finish("half-close")
+            self.transport.loseConnection()  # type: ignore[union-attr]
+            self._end("half-close")
 
     def writeConnectionLost(self) -> None:
         pass
 
     def connectionLost(self, reason: Failure = None) -> None:  # type: ignore[assignment]
-        self._finish("close")
-        if not self.closed.called:
-            self.closed.callback(None)
+        self.reason = reason
+        self._end("close")
+        self.closed.callback(None)
+        for _, d in self._waiters:
+            d.errback(reason)
+        self._waiters = []
 
-    def _finish(self, how: str) -> None:
-        if not self.done.called:
-            self.how = how
-            self.done.callback(self.received)
+    def _end(self, how: str) -> None:
+        if not self.ended.called:
+            self.ended.callback(how)
+
+    def wait_for(self, marker: bytes) -> Deferred[None]:
+        """Fires once ``marker`` has been received (errbacks if the connection closes first)."""
+        d: Deferred[None] = Deferred()
+        if marker in self._buffer:
+            d.callback(None)
+        elif self.closed.called:
+            d.errback(RuntimeError(f"closed before {marker!r}"))
+        else:
+            self._waiters.append((marker, d))
+        return d
+
+    def response(self) -> RawResponse | None:
+        """The (first) response received, possibly cut off (``complete`` False); None
+        before the end of its head.
+
+        :raises BadResponse: what arrived is not well-formed HTTP/1.1.
+        """
+        data = self.data
+        if b"\r\n\r\n" not in data:
+            return None
+        return _parse_one(data, head=False, at_eof=True, cut_ok=True)[0]
+
+
+async def _connect(port: int, client: RawClient) -> RawClient:
+    await connectProtocol(TCP4ClientEndpoint(reactor, "127.0.0.1", port), client)
+    return client
+
+
+async def connect_raw(
+    case: TestCase, base_url: str, *chunks: bytes, rcvbuf: int | None = None, keep_reads: bool = True
+) -> RawClient:
+    """Connect a :class:`RawClient` that sends ``chunks`` to ``base_url``
+    (``http://127.0.0.1:PORT``); the connection is aborted at cleanup if still open."""
+    client = await _connect(port_of(base_url), RawClient(chunks, rcvbuf, keep_reads))
+
+    async def close() -> None:
+        if not client.closed.called:
+            client.transport.abortConnection()  # type: ignore[union-attr]
+            await client.closed
+
+    case.addCleanup(lambda: Deferred.fromCoroutine(close()))
+    return client
 
 
 async def raw_exchange(
@@ -191,98 +320,18 @@ async def raw_exchange(
 
     :raises AssertionError: nothing ended within ``timeout`` seconds.
     """
-    proto = _Collect(list(chunks), until)
-    proto.wait_close = wait_close
-    await connectProtocol(TCP4ClientEndpoint(reactor, "127.0.0.1", port), proto)
-    timer = reactor.callLater(timeout, proto._finish, "timeout")
-    sender = LoopingCall(proto.transport.write, trickle)  # type: ignore[union-attr]
+    client = await _connect(port, RawClient(chunks, keep_reads=False, until=until, wait_close=wait_close))
+    timer = reactor.callLater(timeout, client._end, "timeout")
+    sender = LoopingCall(client.transport.write, trickle)  # type: ignore[union-attr]
     if trickle:
         sender.start(0.1)
-    received = await proto.done
+    how = await client.ended
     if sender.running:
         sender.stop()
     if timer.active():
         timer.cancel()
-    proto.transport.abortConnection()  # type: ignore[union-attr]
-    await proto.closed
-    assert proto.how != "timeout", f"no end within {timeout}s; got {received[:300]!r}"
-    return received, proto.how
-
-
-def request_bytes(method: bytes, target: bytes, headers: list[tuple[bytes, bytes]] = (),  # type: ignore[assignment]
-                  body: bytes = b"", close: bool = True) -> bytes:
-    """A raw HTTP/1.1 request: ``Host`` first, then ``headers`` as given, then
-    ``Connection: close`` (when ``close``)."""
-    lines = [method + b" " + target + b" HTTP/1.1", b"Host: crossbar.test"]
-    lines += [n + b": " + v for n, v in headers]
-    if close:
-        lines.append(b"Connection: close")
-    return b"\r\n".join(lines) + b"\r\n\r\n" + body
-
-
-def upstream_requests(upstream: FakeLlama) -> list[Any]:
-    """What the upstream saw apart from health polls."""
-    return [s for s in upstream.seen if s.uri not in (b"/health", b"/v1/models")]
-
-
-@dataclass
-class TwoHosts:
-    """crossbar in front of two FakeLlama hosts: ``a`` has ``model-a`` loaded, ``b``
-    ``model-b``; route ``r`` is ``[a, b]`` with default model ``model-b``; route ``d``
-    is ``[dead]`` (a host that answers health 503)."""
-
-    a: FakeLlama
-    b: FakeLlama
-    dead: FakeLlama
-    service: CrossbarService
-    base: str
-    port: int
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def chosen(self) -> list[str]:
-        """Which host got each proxied request, in order."""
-        out = [(s, "a") for s in upstream_requests(self.a)] + [(s, "b") for s in upstream_requests(self.b)]
-        return [name for _, name in out]
-
-
-class _QuietSite(Site):
-    """An upstream's site without an access log, so captured log events are crossbar's."""
-
-    noisy = False
-
-    def log(self, request: Any) -> None:
-        pass
-
-
-async def quiet_listen(case: TestCase, resource: Resource) -> str:
-    """Like :func:`tests.harness.listen`, without the upstream's access log."""
-    port = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(_QuietSite(resource))
-    case.addCleanup(port.stopListening)
-    return f"http://127.0.0.1:{port.getHost().port}"
-
-
-async def two_hosts(case: TestCase, timeouts: str = "") -> TwoHosts:
-    """Start :class:`TwoHosts` and wait for the first poll round."""
-    a, b, dead = FakeLlama(["model-a"]), FakeLlama(["model-b"]), FakeLlama(["model-x"])
-    dead.health_code = 503
-    urls = [await quiet_listen(case, u) for u in (a, b, dead)]
-    service, base = await start_crossbar(
-        case,
-        f"""
-health: {{interval: 60, timeout: 5}}
-{timeouts}
-hosts:
-  a: {urls[0]}
-  b: {urls[1]}
-  dead: {urls[2]}
-routes:
-  r:
-    hosts: [a, b]
-    default_model: model-b
-  d:
-    hosts: [dead]
-""",
-    )
-    await service.poller.when_first_round_done()
-    port = int(base.rsplit(":", 1)[1])
-    return TwoHosts(a, b, dead, service, base, port)
+    client.transport.abortConnection()  # type: ignore[union-attr]
+    await client.closed
+    received = client.data
+    assert how != "timeout", f"no end within {timeout}s; got {received[:300]!r}"
+    return received, how

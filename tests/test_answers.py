@@ -9,7 +9,8 @@ from twisted.internet.defer import ensureDeferred
 from twisted.trial.unittest import TestCase
 from twisted.web.server import NOT_DONE_YET, Request
 
-from tests.raw import parse_responses, raw_exchange, request_bytes, two_hosts, upstream_requests
+from tests.harness import two_hosts, upstream_requests
+from tests.raw import parse_responses, raw_exchange, request_bytes
 
 
 def no_content(request: Request, body: bytes) -> bytes:

@@ -21,8 +21,9 @@ from twisted.internet.protocol import Factory, Protocol
 from twisted.trial.unittest import TestCase
 
 from crossbar.config import DrainSettings
-from tests.harness import FakeLlama, http_client, listen
+from tests.harness import FakeLlama, http_client, listen, port_of, start_routes
 from tests.process import ClientStream, paced_stream, start_twistd
+from tests.raw import parse_responses, raw_exchange, request_bytes
 
 DELAY = 2.0
 GRACE = 4.0
@@ -152,16 +153,10 @@ class DrainClosesKeepAliveTests(TestCase):
 
     def test_answers_close_their_connection_while_draining(self) -> object:
         async def go() -> None:
-            from urllib.parse import urlsplit
-
-            from tests.raw import parse_responses, raw_exchange, request_bytes
-            from tests.upstreams import start_proxy
-
             upstream = FakeLlama()
             url = await listen(self, upstream)
-            service, base = await start_proxy(self, {"a": url})
-            port = urlsplit(base).port
-            assert port is not None
+            service, base = await start_routes(self, {"a": url})
+            port = port_of(base)
             keep_alive = request_bytes(b"GET", b"/r/v1/models", close=False)
             before, how = await raw_exchange(port, keep_alive, until=lambda data: data.endswith(b"}"), timeout=5)
             self.assertEqual(how, "until")  # served, and the connection stays open

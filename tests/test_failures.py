@@ -20,10 +20,10 @@ from twisted.trial.unittest import TestCase
 from twisted.web.server import Site
 
 from crossbar.proxy import STALE_WINDOW
-from tests.harness import FakeLlama, http_client, listen
-from tests.rawhttp import connect_raw, request_bytes
+from tests.harness import FakeLlama, http_client, listen, start_routes, wait_for
 from tests.logs import LogCapture
-from tests.upstreams import Die, Hang, KillReused, host_status, start_proxy, wait_until
+from tests.raw import connect_raw, post_bytes
+from tests.upstreams import Die, Hang, KillReused, host_status
 
 _STREAM = json.dumps({"model": "tiny-a", "stream": True, "messages": []}).encode()
 _PLAIN = {"model": "tiny-a", "messages": [{"role": "user", "content": "hi"}]}
@@ -65,8 +65,8 @@ class ClientGoneTests(TestCase):
         upstream = FakeLlama()
         upstream.events = 1000
         upstream.event_delay = 0.05
-        service, base = await start_proxy(self, {"a": await listen(self, upstream)})
-        client = await connect_raw(self, base, request_bytes("POST", "/r/v1/chat/completions", _STREAM))
+        service, base = await start_routes(self, {"a": await listen(self, upstream)})
+        client = await connect_raw(self, base, post_bytes(b"/r/v1/chat/completions", _STREAM))
         await client.wait_for(b'"i": 2')
         self.assertEqual((await host_status(self, base))["a"]["inflight"], 1)
         if abort:
@@ -74,7 +74,7 @@ class ClientGoneTests(TestCase):
         else:
             client.transport.loseConnection()  # type: ignore[union-attr]
         await _within(upstream.streams_closed[0], 1.0)
-        await wait_until(lambda: not service.proxy.active, 1.0)
+        await wait_for(lambda: not service.proxy.active, 1.0)
         status = (await host_status(self, base))["a"]
         self.assertTrue(status["healthy"])
         self.assertEqual(status["last_err"], "")
@@ -100,13 +100,13 @@ class ClientGoneTests(TestCase):
             hang = Hang()
             upstream = FakeLlama()
             upstream.handlers[b"/v1/chat/completions"] = hang
-            service, base = await start_proxy(self, {"a": await listen(self, upstream)})
-            client = await connect_raw(self, base, request_bytes("POST", "/r/v1/chat/completions", _STREAM))
-            await wait_until(lambda: hang.requests == 1)
+            service, base = await start_routes(self, {"a": await listen(self, upstream)})
+            client = await connect_raw(self, base, post_bytes(b"/r/v1/chat/completions", _STREAM))
+            await wait_for(lambda: hang.requests == 1)
             self.assertEqual((await host_status(self, base))["a"]["inflight"], 1)
             client.transport.loseConnection()  # type: ignore[union-attr]
             await _within(hang.closed, 1.0)
-            await wait_until(lambda: not service.proxy.active, 1.0)
+            await wait_for(lambda: not service.proxy.active, 1.0)
             status = (await host_status(self, base))["a"]
             self.assertTrue(status["healthy"])
             self.assertEqual(status["last_err"], "")
@@ -125,7 +125,7 @@ class HostFailureTests(TestCase):
         async def go() -> None:
             first, second = FakeLlama(), FakeLlama()
             url_a, stop_a = await _stoppable(self, first)
-            _, base = await start_proxy(self, {"a": url_a, "b": await listen(self, second)})
+            _, base = await start_routes(self, {"a": url_a, "b": await listen(self, second)})
             await stop_a()
             response = await http_client(self).post(base + "/r/v1/chat/completions", json=_PLAIN)
             body = await treq.json_content(response)
@@ -146,7 +146,7 @@ class HostFailureTests(TestCase):
         async def go() -> None:
             url_a, stop_a = await _stoppable(self, FakeLlama())
             url_b, stop_b = await _stoppable(self, FakeLlama())
-            _, base = await start_proxy(self, {"a": url_a, "b": url_b})
+            _, base = await start_routes(self, {"a": url_a, "b": url_b})
             await stop_a()
             await stop_b()
             response = await http_client(self).post(base + "/r/v1/chat/completions", json=_PLAIN)
@@ -169,7 +169,7 @@ class HostFailureTests(TestCase):
             kill = KillReused()
             upstream = FakeLlama()
             upstream.handlers[b"/v1/chat/completions"] = kill
-            _, base = await start_proxy(self, {"a": await listen(self, upstream)})
+            _, base = await start_routes(self, {"a": await listen(self, upstream)})
             http = http_client(self)
             for n in range(2):
                 response = await http.post(base + "/r/v1/chat/completions", json=_PLAIN)
@@ -194,7 +194,7 @@ class HostFailureTests(TestCase):
             kill = KillReused(delay=STALE_WINDOW + 0.5)
             upstream = FakeLlama()
             upstream.handlers[b"/v1/chat/completions"] = kill
-            _, base = await start_proxy(self, {"a": await listen(self, upstream)})
+            _, base = await start_routes(self, {"a": await listen(self, upstream)})
             http = http_client(self)
             first = await http.post(base + "/r/v1/chat/completions", json=_PLAIN)
             self.assertEqual(first.code, 200)
@@ -228,7 +228,7 @@ class HostFailureTests(TestCase):
                     upstream.handlers[b"/v1/chat/completions"] = close_after
 
             upstream.handlers[b"/v1/chat/completions"] = close_after
-            _, base = await start_proxy(self, {"a": await listen(self, upstream)})
+            _, base = await start_routes(self, {"a": await listen(self, upstream)})
             http = http_client(self)
             for n in range(3):
                 response = await http.post(base + "/r/v1/chat/completions", json=_PLAIN)
@@ -249,7 +249,7 @@ class HostFailureTests(TestCase):
             die = Die(events=None, delay=0.0)
             upstream, other = FakeLlama(), FakeLlama()
             upstream.handlers[b"/v1/chat/completions"] = die
-            _, base = await start_proxy(self, {"a": await listen(self, upstream), "b": await listen(self, other)})
+            _, base = await start_routes(self, {"a": await listen(self, upstream), "b": await listen(self, other)})
             response = await http_client(self).post(base + "/r/v1/chat/completions", json=_PLAIN)
             self.assertEqual(response.code, 502)
             self.assertEqual(await treq.json_content(response), {"error": "upstream failed", "host": "a"})
@@ -271,7 +271,7 @@ class HostFailureTests(TestCase):
             hang = Hang()
             upstream = FakeLlama()
             upstream.handlers[b"/v1/chat/completions"] = hang
-            _, base = await start_proxy(self, {"a": await listen(self, upstream)}, timeouts="{first_byte: 0.5}")
+            _, base = await start_routes(self, {"a": await listen(self, upstream)}, timeouts="{first_byte: 0.5}")
             start = time.monotonic()
             response = await http_client(self).post(base + "/r/v1/chat/completions", json=_PLAIN)
             took = time.monotonic() - start
@@ -296,15 +296,15 @@ class HostFailureTests(TestCase):
         async def go() -> None:
             upstream = FakeLlama()
             upstream.handlers[b"/v1/chat/completions"] = Die(events=3, delay=0.3)
-            service, base = await start_proxy(self, {"a": await listen(self, upstream)})
-            client = await connect_raw(self, base, request_bytes("POST", "/r/v1/chat/completions", _STREAM))
+            service, base = await start_routes(self, {"a": await listen(self, upstream)})
+            client = await connect_raw(self, base, post_bytes(b"/r/v1/chat/completions", _STREAM))
             await client.wait_for(b'"i": 2')
             self.assertEqual((await host_status(self, base))["a"]["inflight"], 1)
             await _within(client.closed, 5.0)
             response = client.response()
             assert response is not None
             self.assertEqual(response.status, 200)
-            self.assertEqual(response.header("transfer-encoding"), "chunked")
+            self.assertEqual(response.one(b"transfer-encoding"), b"chunked")
             self.assertFalse(response.complete, "the client saw a clean end of a failed answer")
             self.assertIn(b'"i": 2', response.body)
             status = (await host_status(self, base))["a"]
@@ -322,8 +322,8 @@ class HostFailureTests(TestCase):
             hang = Hang(events=2)
             upstream = FakeLlama()
             upstream.handlers[b"/v1/chat/completions"] = hang
-            _, base = await start_proxy(self, {"a": await listen(self, upstream)}, timeouts="{idle: 0.5}")
-            client = await connect_raw(self, base, request_bytes("POST", "/r/v1/chat/completions", _STREAM))
+            _, base = await start_routes(self, {"a": await listen(self, upstream)}, timeouts="{idle: 0.5}")
+            client = await connect_raw(self, base, post_bytes(b"/r/v1/chat/completions", _STREAM))
             await client.wait_for(b'"i": 1')
             took = await _within(client.closed, 5.0)
             self.assertGreaterEqual(took, 0.3)

@@ -22,8 +22,9 @@ from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import TestCase
 
 from crossbar.request import MAX_BODY
+from tests.harness import two_hosts
 from tests.logs import LogCapture
-from tests.raw import BadResponse, complete, parse_responses, raw_exchange, request_bytes, two_hosts
+from tests.raw import BadResponse, complete, parse_responses, raw_exchange, request_bytes
 
 SECRET = b"fuzz-secret-7d2e"
 _TOKEN = re.compile(rb"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")

@@ -12,8 +12,9 @@ from twisted.web.http_headers import Headers
 from twisted.web.server import Request
 
 from crossbar.proxy import HOP_BY_HOP, hop_by_hop_names
+from tests.harness import two_hosts, upstream_requests
 from tests.logs import LogCapture
-from tests.raw import complete, parse_responses, raw_exchange, request_bytes, two_hosts, upstream_requests
+from tests.raw import complete, parse_responses, raw_exchange, request_bytes
 
 SECRET = b"sk-very-secret-4f1c9a"
 

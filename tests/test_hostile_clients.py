@@ -23,9 +23,9 @@ from twisted.internet.task import deferLater
 from twisted.python.failure import Failure
 from twisted.trial.unittest import TestCase
 
-from tests.raw import TwoHosts, complete, parse_responses, raw_exchange, request_bytes, two_hosts, upstream_requests
+from tests.harness import TwoHosts, two_hosts, upstream_requests, wait_for
 from tests.logs import LogCapture
-from tests.upstreams import wait_until
+from tests.raw import complete, parse_responses, post_bytes, raw_exchange, request_bytes
 
 _PLAIN = b'{"model": "model-a", "messages": []}'
 _STREAM = b'{"model": "model-a", "stream": true, "messages": []}'
@@ -33,8 +33,7 @@ _PATH = b"/r/v1/chat/completions"
 
 
 def _post(body: bytes, close: bool = True, extra: list[tuple[bytes, bytes]] | None = None) -> bytes:
-    headers = [(b"Content-Type", b"application/json"), (b"Content-Length", b"%d" % len(body))] + (extra or [])
-    return request_bytes(b"POST", _PATH, headers, body, close=close)
+    return post_bytes(_PATH, body, extra or (), close)
 
 
 async def _still_serving(case: TestCase, hosts: TwoHosts, watch: LogCapture) -> None:
@@ -47,7 +46,7 @@ async def _still_serving(case: TestCase, hosts: TwoHosts, watch: LogCapture) -> 
         assert status is not None
         case.assertTrue(status.healthy, (name, status.last_err))
     case.assertEqual(watch.errors(), [])
-    await wait_until(lambda: not hosts.service.proxy.active, 2.0)
+    await wait_for(lambda: not hosts.service.proxy.active, 2.0)
 
 
 class _Conn(Protocol):

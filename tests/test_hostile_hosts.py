@@ -26,10 +26,9 @@ from twisted.trial.unittest import TestCase
 from zope.interface import implementer
 
 from crossbar.service import CrossbarService
-from tests.harness import FakeLlama
-from tests.raw import RawResponse, complete, parse_responses, quiet_listen, raw_exchange, request_bytes
+from tests.harness import FakeLlama, listen, port_of, start_routes
 from tests.logs import LogCapture
-from tests.upstreams import start_proxy
+from tests.raw import RawResponse, complete, parse_responses, raw_exchange, request_bytes
 
 _BODY = json.dumps({"model": "tiny-a", "messages": []}).encode()
 
@@ -125,18 +124,10 @@ async def _setup(case: TestCase, script: Script, timeouts: str = "{first_byte: 2
     watch = LogCapture(case)
     host = RawHost(script)
     evil = await _serve_raw(case, host)
-    good = await quiet_listen(case, FakeLlama())
-    service, base = await start_proxy(case, {"evil": evil, "good": good}, timeouts=timeouts,
-                                      route_hosts=["evil"])
-    # A second route for the good host (start_proxy makes one route only).
-    from dataclasses import replace
-
-    from crossbar.config import Route
-
-    routes = dict(service.proxy.config.routes)
-    routes["ok"] = Route(name="ok", hosts=("good",), default_model=None)
-    service.proxy.config = replace(service.proxy.config, routes=routes)
-    return _Setup(service, base, int(base.rsplit(":", 1)[1]), host, watch)
+    good = await listen(case, FakeLlama())
+    service, base = await start_routes(case, {"evil": evil, "good": good}, {"r": ["evil"], "ok": ["good"]},
+                                       timeouts=timeouts)
+    return _Setup(service, base, port_of(base), host, watch)
 
 
 async def _ask(setup: _Setup, route: bytes = b"r", method: bytes = b"POST", timeout: float = 10.0) -> RawResponse:

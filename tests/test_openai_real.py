@@ -16,7 +16,8 @@ from twisted.internet.defer import ensureDeferred
 from twisted.internet.threads import deferToThread
 from twisted.trial import unittest
 
-from tests.upstreams import host_status, start_proxy, wait_until
+from tests.harness import start_routes, wait_for
+from tests.upstreams import host_status
 from tools.llama_server import LlamaServer, skip_reason
 
 _MESSAGES = [{"role": "user", "content": "Say hello."}]
@@ -84,8 +85,8 @@ class OpenAIClientTests(unittest.TestCase):
             server = LlamaServer("single")
             self.addCleanup(server.stop)
             await deferToThread(server.start, 60)
-            service, base = await start_proxy(self, {"gpu": server.url})
-            await wait_until(lambda: service.table.is_healthy("gpu"), timeout=10)
+            service, base = await start_routes(self, {"gpu": server.url})
+            await wait_for(lambda: service.table.is_healthy("gpu"), timeout=10)
 
             host, tokens, finish = await deferToThread(_stream, base)
             self.assertEqual(host, "gpu")

@@ -9,7 +9,8 @@ import json
 from twisted.internet.defer import ensureDeferred
 from twisted.trial.unittest import TestCase
 
-from tests.raw import parse_responses, raw_exchange, request_bytes, two_hosts, upstream_requests
+from tests.harness import two_hosts, upstream_requests
+from tests.raw import parse_responses, raw_exchange, request_bytes
 
 
 class PathTests(TestCase):

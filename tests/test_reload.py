@@ -16,8 +16,8 @@ from crossbar.health import HealthTable
 from crossbar.poller import HealthPoller
 from crossbar.reload import SIGHUPReload, plan_reload
 from crossbar.testing import FakeProbe
-from tests.harness import FakeLlama, http_client, listen
-from tests.process import ClientStream, paced_stream, start_twistd, wait_for
+from tests.harness import FakeLlama, http_client, listen, wait_for
+from tests.process import ClientStream, paced_stream, start_twistd
 
 
 def _cfg(hosts: str, listen: str = "tcp:7777") -> str:

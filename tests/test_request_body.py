@@ -12,7 +12,8 @@ from twisted.trial.unittest import TestCase
 
 from crossbar import request as request_module
 from crossbar.request import MAX_BODY
-from tests.raw import TwoHosts, parse_responses, raw_exchange, request_bytes, two_hosts, upstream_requests
+from tests.harness import TwoHosts, two_hosts, upstream_requests
+from tests.raw import parse_responses, raw_exchange, request_bytes
 
 TARGET = b"/r/v1/chat/completions"
 

@@ -9,8 +9,9 @@ import json
 from twisted.internet.defer import ensureDeferred
 from twisted.trial.unittest import TestCase
 
+from tests.harness import two_hosts
 from tests.logs import LogCapture
-from tests.raw import parse_responses, raw_exchange, request_bytes, two_hosts
+from tests.raw import parse_responses, raw_exchange, request_bytes
 
 SECRET = b"s3cr3t-marker-91ad"
 

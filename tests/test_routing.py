@@ -11,7 +11,8 @@ from twisted.trial.unittest import TestCase
 from crossbar.routing import (
     choose, has_dot_segment, is_allowed, is_forwardable, peek_model, split_route, split_target,
 )
-from tests.raw import TwoHosts, parse_responses, raw_exchange, request_bytes, two_hosts, upstream_requests
+from tests.harness import TwoHosts, two_hosts, upstream_requests
+from tests.raw import parse_responses, raw_exchange, request_bytes
 
 
 class SplitTests(TestCase):

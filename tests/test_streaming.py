@@ -16,9 +16,9 @@ from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.internet.task import LoopingCall, deferLater
 from twisted.trial.unittest import TestCase
 
-from tests.harness import FakeLlama, listen
-from tests.rawhttp import RawClient, connect_raw, request_bytes
-from tests.upstreams import Firehose, RawFirehose, host_status, start_proxy, wait_until
+from tests.harness import FakeLlama, listen, start_routes, wait_for
+from tests.raw import RawClient, connect_raw, post_bytes, request_bytes
+from tests.upstreams import Firehose, RawFirehose, host_status
 
 _STREAM_BODY = json.dumps({"model": "tiny-a", "stream": True, "messages": []}).encode()
 _INDEX = re.compile(rb'"i": (\d+)')
@@ -65,8 +65,8 @@ class StreamingTests(TestCase):
             upstream = FakeLlama()
             upstream.events = 5
             upstream.event_delay = 0.2
-            service, base = await start_proxy(self, {"a": await listen(self, upstream)})
-            client = await connect_raw(self, base, request_bytes("POST", "/r/v1/chat/completions", _STREAM_BODY))
+            service, base = await start_routes(self, {"a": await listen(self, upstream)})
+            client = await connect_raw(self, base, post_bytes(b"/r/v1/chat/completions", _STREAM_BODY))
             await client.wait_for(b'"i": 0')
             self.assertEqual((await host_status(self, base))["a"]["inflight"], 1)
             await client.closed
@@ -74,8 +74,8 @@ class StreamingTests(TestCase):
             assert response is not None
             self.assertEqual(response.status, 200)
             self.assertTrue(response.complete)
-            self.assertEqual(response.header("x-crossbar-host"), "a")
-            self.assertEqual(response.header("content-type"), "text/event-stream")
+            self.assertEqual(response.one(b"x-crossbar-host"), b"a")
+            self.assertEqual(response.one(b"content-type"), b"text/event-stream")
             events = _events(client)
             self.assertEqual([e["i"] for e in events], list(range(5)))
             arrivals = _arrivals(client)
@@ -95,9 +95,9 @@ class StreamingTests(TestCase):
             upstream.events = 200
             upstream.event_delay = 0.005
             url = await listen(self, upstream)
-            _, base = await start_proxy(self, {"a": url})
-            direct = await connect_raw(self, url, request_bytes("POST", "/v1/chat/completions", _STREAM_BODY))
-            proxied = await connect_raw(self, base, request_bytes("POST", "/r/v1/chat/completions", _STREAM_BODY))
+            _, base = await start_routes(self, {"a": url})
+            direct = await connect_raw(self, url, post_bytes(b"/v1/chat/completions", _STREAM_BODY))
+            proxied = await connect_raw(self, base, post_bytes(b"/r/v1/chat/completions", _STREAM_BODY))
             await direct.closed
             await proxied.closed
             self.assertEqual(len(_events(direct)), 200)
@@ -121,7 +121,7 @@ class StreamingTests(TestCase):
             firehose = Firehose(total)
             upstream = FakeLlama()
             upstream.handlers[b"/v1/big"] = firehose
-            service, base = await start_proxy(self, {"a": await listen(self, upstream)}, timeouts="{idle: 0.5}")
+            service, base = await start_routes(self, {"a": await listen(self, upstream)}, timeouts="{idle: 0.5}")
             proxy = service.proxy
             samples = {"held": 0, "ahead": 0, "stream_paused": 0}
 
@@ -136,7 +136,7 @@ class StreamingTests(TestCase):
                 samples["ahead"] = max(samples["ahead"], firehose.written - client.received)
 
             client = await connect_raw(
-                self, base, request_bytes("GET", "/r/v1/big"), rcvbuf=16 * 1024, keep_reads=False
+                self, base, request_bytes(b"GET", b"/r/v1/big"), rcvbuf=16 * 1024, keep_reads=False
             )
             sampler = LoopingCall(sample)
             sampler.start(0.005)
@@ -195,10 +195,10 @@ class StreamingTests(TestCase):
             port = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(firehose)
             self.addCleanup(port.stopListening)
             url = f"http://127.0.0.1:{port.getHost().port}"  # type: ignore[attr-defined]
-            service, base = await start_proxy(self, {"a": url})
-            client = await connect_raw(self, base, request_bytes("GET", "/r/v1/big"), rcvbuf=4096)
+            service, base = await start_routes(self, {"a": url})
+            client = await connect_raw(self, base, request_bytes(b"GET", b"/r/v1/big"), rcvbuf=4096)
             client.transport.pauseProducing()  # type: ignore[union-attr]
-            await wait_until(lambda: firehose.started)
+            await wait_for(lambda: firehose.started)
             await deferLater(reactor, 1.0)
             held = [_userland_buffer(e.request.channel.transport) for e in service.proxy.active]
             self.assertEqual(len(held), 1)
@@ -206,6 +206,6 @@ class StreamingTests(TestCase):
             self.assertLess(firehose.written, 32 * 1024 * 1024)
             client.transport.abortConnection()  # type: ignore[union-attr]
             await firehose.closed
-            await wait_until(lambda: not service.proxy.active, 1.0)
+            await wait_for(lambda: not service.proxy.active, 1.0)
 
         return ensureDeferred(go())

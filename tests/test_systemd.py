@@ -21,8 +21,8 @@ from twisted.trial.unittest import TestCase
 from twisted.web.server import NOT_DONE_YET
 
 from crossbar.systemd import Notifier, SystemdNotifier, watchdog_interval
-from tests.harness import FakeLlama, http_client, listen
-from tests.process import start_twistd, wait_for
+from tests.harness import FakeLlama, http_client, listen, wait_for
+from tests.process import start_twistd
 
 
 class _Collector(DatagramProtocol):

@@ -1,8 +1,8 @@
-"""Misbehaving upstreams and a crossbar set-up for the streaming and failure tests.
+"""Misbehaving upstreams for the streaming and failure tests.
 
 Each handler plugs into :attr:`tests.harness.FakeLlama.handlers` (``path -> f(request,
-body)``); :func:`start_proxy` runs crossbar in front of named upstream URLs and waits for
-the first poll round, so every host starts healthy.
+body)``); :class:`RawFirehose` is a raw-socket upstream. :func:`host_status` reads
+crossbar's view of its hosts.
 """
 
 from __future__ import annotations
@@ -15,38 +15,15 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IPushProducer
 from twisted.internet.protocol import Factory, Protocol
 from twisted.python.failure import Failure
-from twisted.internet.task import deferLater
 from twisted.trial.unittest import TestCase
 from twisted.web.server import NOT_DONE_YET, Request
 from zope.interface import implementer
 
-from crossbar.service import CrossbarService
-from tests.harness import http_client, sse_event, start_crossbar
+from tests.harness import http_client, sse_event
 
 __all__ = [
-    "Die", "Firehose", "Hang", "KillReused", "RawFirehose", "host_status", "start_proxy",
-    "wait_until",
+    "Die", "Firehose", "Hang", "KillReused", "RawFirehose", "host_status",
 ]
-
-
-async def start_proxy(
-    case: TestCase, hosts: dict[str, str], timeouts: str = "", route_hosts: list[str] | None = None
-) -> tuple[CrossbarService, str]:
-    """crossbar with ``hosts`` (name -> URL) in one route ``r`` (in that order), a poll
-    interval long enough that polls do not heal a marked-down host during a test, and
-    the given ``timeouts`` flow mapping (e.g. ``"{idle: 1}"``). Returns after the first
-    poll round."""
-    lines = [f"  {name}: {url}" for name, url in hosts.items()]
-    order = ", ".join(route_hosts or list(hosts))
-    service, base = await start_crossbar(
-        case,
-        "health: {interval: 60, timeout: 2}\n"
-        + (f"timeouts: {timeouts}\n" if timeouts else "")
-        + "hosts:\n" + "\n".join(lines) + "\n"
-        + f"routes:\n  r:\n    hosts: [{order}]\n",
-    )
-    await service.poller.when_first_round_done()
-    return service, base
 
 
 async def host_status(case: TestCase, base: str) -> dict[str, Any]:
@@ -54,17 +31,6 @@ async def host_status(case: TestCase, base: str) -> dict[str, Any]:
     response = await http_client(case).get(base + "/_crossbar/status")
     doc = await treq.json_content(response)
     return doc["hosts"]  # type: ignore[no-any-return]
-
-
-async def wait_until(predicate: Any, timeout: float = 5.0, step: float = 0.01) -> float:
-    """Poll ``predicate()`` until true; returns the seconds waited, fails after ``timeout``."""
-    waited = 0.0
-    while not predicate():
-        if waited >= timeout:
-            raise AssertionError(f"condition not met within {timeout}s")
-        await deferLater(reactor, step)
-        waited += step
-    return waited
 
 
 @implementer(IPushProducer)
