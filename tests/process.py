@@ -15,7 +15,7 @@ import os
 import re
 import signal
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import treq
 from twisted.internet import reactor
@@ -28,10 +28,42 @@ from twisted.trial.unittest import TestCase
 
 from tests.harness import http_client, wait_for
 
-__all__ = ["Twistd", "start_twistd", "wait_for"]
+__all__ = ["Twistd", "start_twistd", "twistd_argv", "twistd_env"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LISTENING = re.compile(r"listening on 127\.0\.0\.1:(\d+)")
+
+
+# ``python -m twisted`` is the newer ``twist`` runner (no -n, no --logger): run twistd's
+# own entry point instead. A non-editable install of this project puts its own copy of
+# crossbar_plugin.py into site-packages' twisted/plugins, which comes first in
+# ``twisted.plugins.__path__``: put the checkout's plugin directory first so the code
+# under test is the code that runs.
+_TWISTD = (
+    "import sys, twisted.plugins as p; p.__path__.insert(0, sys.argv.pop(1)); "
+    "sys.argv[0] = 'twistd'; from twisted.scripts.twistd import run; run()"
+)
+
+
+def twistd_argv(config_path: str, options: Sequence[str] = ("-n", "--pidfile="), logger: str | None = None) -> list[str]:
+    """The command line of ``twistd OPTIONS [--logger=LOGGER] crossbar --config FILE``
+    for this checkout."""
+    args = [sys.executable, "-c", _TWISTD, os.path.join(ROOT, "twisted", "plugins"), *options]
+    if logger:
+        args.append(f"--logger={logger}")
+    return args + ["crossbar", "--config", config_path]
+
+
+def twistd_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """This process's environment for a twistd child: the checkout first on
+    ``PYTHONPATH``, unbuffered output, no bytecode written, no systemd variables of our
+    own (a test passes its own in ``extra``)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
+    env["PYTHONPATH"] = os.pathsep.join([ROOT] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env.update(extra or {})
+    return env
 
 
 class Twistd(ProcessProtocol):
@@ -138,25 +170,9 @@ async def start_twistd(
         f.write(config_yaml)
     proc = Twistd()
     proc.config_path = path
-    child_env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
-    child_env["PYTHONPATH"] = ROOT
-    child_env["PYTHONUNBUFFERED"] = "1"
-    child_env.update(env or {})
-    # ``python -m twisted`` is the newer ``twist`` runner (no -n, no --logger): run
-    # twistd's own entry point instead.
-    # The checkout's plugin goes first on twisted.plugins' path, so a copy of crossbar
-    # pip-installed into the environment can never shadow the code under test.
-    bootstrap = (
-        "import sys, twisted.plugins as p; p.__path__.insert(0, sys.argv.pop(1)); "
-        "from twisted.scripts.twistd import run; run()"
-    )
-    args = [sys.executable, "-c", bootstrap, os.path.join(ROOT, "twisted", "plugins"), "-n", "--pidfile="]
-    if logger:
-        args.append(f"--logger={logger}")
-    args += ["crossbar", "--config", path]
-    args = (argv_prefix or []) + args
+    args = (argv_prefix or []) + twistd_argv(path, logger=logger)
     reactor.spawnProcess(  # type: ignore[attr-defined]
-        proc, args[0], args, env=child_env, path=ROOT,
+        proc, args[0], args, env=twistd_env(env), path=ROOT,
         childFDs=child_fds or {0: "w", 1: "r", 2: "r"},
     )
 

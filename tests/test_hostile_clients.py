@@ -1,6 +1,6 @@
 """Hostile clients (DESIGN.md §The proxy, rule 9: no request can crash crossbar or
 leave it serving less), on real loopback sockets against crossbar in front of two
-:class:`~tests.harness.FakeLlama` hosts (:func:`tests.raw.two_hosts`).
+:class:`~tests.harness.FakeLlama` hosts (:func:`tests.harness.two_hosts`).
 
 What the random requests of ``test_fuzz`` do not reach: several requests in one write,
 request smuggling (the upstream must never see a request boundary crossbar did not),

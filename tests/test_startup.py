@@ -16,12 +16,10 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 from typing import NoReturn
 
 from twisted.application.service import Service
@@ -30,17 +28,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from crossbar.config import ConfigError
 from crossbar.startup import StartupGuard, as_config_error, report_and_exit
-
-REPO = Path(__file__).resolve().parent.parent
-
-# ``python -m twisted`` is the ``twist`` runner, not ``twistd``; and a non-editable
-# install of this project puts its own copy of crossbar_plugin.py into site-packages'
-# twisted/plugins, which comes first in ``twisted.plugins.__path__``. Put the
-# checkout's plugin directory first so the code under test is the code that runs.
-_TWISTD = (
-    "import sys, twisted.plugins as p; p.__path__.insert(0, sys.argv.pop(1)); "
-    "sys.argv[0] = 'twistd'; from twisted.scripts.twistd import run; run()"
-)
+from tests.process import twistd_argv, twistd_env
 
 START_TIMEOUT = 30.0  # s: a loaded 2-core machine may take several seconds to import
 STOP_TIMEOUT = 30.0
@@ -62,18 +50,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def twistd_argv(config: str, twistd_options: tuple[str, ...] = ("-n", "--pidfile=")) -> list[str]:
-    plugins = str(REPO / "twisted" / "plugins")
-    return [sys.executable, "-c", _TWISTD, plugins, *twistd_options, "crossbar", "--config", config]
-
-
-def twistd_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    env["PYTHONDONTWRITEBYTECODE"] = "1"
-    return env
 
 
 class _TwistdCase(SynchronousTestCase):
