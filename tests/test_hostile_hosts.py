@@ -29,79 +29,15 @@ from crossbar.service import CrossbarService
 from tests.harness import FakeLlama, listen, port_of, start_routes
 from tests.logs import LogCapture
 from tests.raw import RawResponse, complete, parse_responses, raw_exchange, request_bytes
+from tests.upstreams import RawHost, RawHostProtocol, Script, serve_raw
 
 _BODY = json.dumps({"model": "tiny-a", "messages": []}).encode()
-
-Script = Callable[["_HostProtocol"], object]
-
-
-class _HostProtocol(Protocol):
-    def __init__(self, owner: RawHost) -> None:
-        self.owner = owner
-        self.buffer = b""
-        self.answered = False
-        self.written = 0
-        self.closed: Deferred[None] = Deferred()
-
-    def dataReceived(self, data: bytes) -> None:
-        self.buffer += data
-        if self.answered or b"\r\n\r\n" not in self.buffer:
-            return
-        line = self.buffer.split(b"\r\n", 1)[0]
-        if b" /health " in line or b" /v1/models " in line:
-            body = b'{"status": "ok"}' if b"/health" in line else b'{"data": [{"id": "tiny-a"}]}'
-            self.transport.write(  # type: ignore[union-attr]
-                b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nConnection: close\r\n"
-                b"Content-Length: %d\r\n\r\n" % len(body) + body
-            )
-            self.transport.loseConnection()  # type: ignore[union-attr]
-            return
-        self.answered = True
-        self.owner.requests.append(self)
-        self.owner.script(self)
-
-    def write(self, data: bytes) -> None:
-        self.written += len(data)
-        self.transport.write(data)  # type: ignore[union-attr]
-
-    def connectionLost(self, reason: Failure = None) -> None:  # type: ignore[assignment]
-        self.closed.callback(None)
-
-
-class RawHost(Factory):
-    """A raw-socket host: minimal good answers to ``/health`` and ``/v1/models`` (one
-    per connection), and ``script(protocol)`` for any other request once its head has
-    arrived (the protocol's ``buffer`` holds what was received so far).
-
-    :ivar requests: the protocols of the scripted requests, in order.
-    """
-
-    def __init__(self, script: Script) -> None:
-        self.script = script
-        self.requests: list[_HostProtocol] = []
-
-    def buildProtocol(self, addr: Any) -> Protocol:
-        return _HostProtocol(self)
-
-
-async def _serve_raw(case: TestCase, host: RawHost) -> str:
-    port = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(host)
-
-    async def stop() -> None:
-        await port.stopListening()
-        for proto in host.requests:
-            if not proto.closed.called:
-                proto.transport.abortConnection()  # type: ignore[union-attr]
-                await proto.closed
-
-    case.addCleanup(lambda: ensureDeferred(stop()))
-    return f"http://127.0.0.1:{port.getHost().port}"
 
 
 def _send(data: bytes, close: bool = False) -> Script:
     """A script that writes ``data`` (and then closes, with ``close``)."""
 
-    def script(proto: _HostProtocol) -> None:
+    def script(proto: RawHostProtocol) -> None:
         proto.write(data)
         if close:
             proto.transport.loseConnection()  # type: ignore[union-attr]
@@ -123,7 +59,7 @@ async def _setup(case: TestCase, script: Script, timeouts: str = "{first_byte: 2
     FakeLlama ``good``, both healthy."""
     watch = LogCapture(case)
     host = RawHost(script)
-    evil = await _serve_raw(case, host)
+    evil = await serve_raw(case, host)
     good = await listen(case, FakeLlama())
     service, base = await start_routes(case, {"evil": evil, "good": good}, {"r": ["evil"], "ok": ["good"]},
                                        timeouts=timeouts)
@@ -218,7 +154,7 @@ class MalformedHeadTests(TestCase):
 class _EndlessHead:
     """Writes header lines as fast as the connection takes them, never ending the head."""
 
-    def __init__(self, proto: _HostProtocol) -> None:
+    def __init__(self, proto: RawHostProtocol) -> None:
         self.proto = proto
         self.paused = False
         proto.transport.registerProducer(self, True)  # type: ignore[union-attr]

@@ -12,13 +12,12 @@ from typing import Any
 
 from twisted.internet import reactor
 from twisted.internet.defer import ensureDeferred
-from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.internet.task import LoopingCall, deferLater
 from twisted.trial.unittest import TestCase
 
 from tests.harness import FakeLlama, listen, start_routes, wait_for
 from tests.raw import RawClient, connect_raw, post_bytes, request_bytes
-from tests.upstreams import Firehose, RawFirehose, host_status
+from tests.upstreams import Firehose, RawFirehose, host_status, serve_raw
 
 _STREAM_BODY = json.dumps({"model": "tiny-a", "stream": True, "messages": []}).encode()
 _INDEX = re.compile(rb'"i": (\d+)')
@@ -192,9 +191,7 @@ class StreamingTests(TestCase):
 
         async def go() -> None:
             firehose = RawFirehose(50 * 1024 * 1024)
-            port = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(firehose)
-            self.addCleanup(port.stopListening)
-            url = f"http://127.0.0.1:{port.getHost().port}"  # type: ignore[attr-defined]
+            url = await serve_raw(self, firehose)
             service, base = await start_routes(self, {"a": url})
             client = await connect_raw(self, base, request_bytes(b"GET", b"/r/v1/big"), rcvbuf=4096)
             client.transport.pauseProducing()  # type: ignore[union-attr]

@@ -1,17 +1,19 @@
 """Misbehaving upstreams for the streaming and failure tests.
 
 Each handler plugs into :attr:`tests.harness.FakeLlama.handlers` (``path -> f(request,
-body)``); :class:`RawFirehose` is a raw-socket upstream. :func:`host_status` reads
+body)``). :class:`RawHost` is a raw-socket upstream that answers health polls well and
+runs a script for anything else; :class:`RawFirehose` is one. :func:`host_status` reads
 crossbar's view of its hosts.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import treq
 from twisted.internet import reactor
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, ensureDeferred
+from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.internet.interfaces import IPushProducer
 from twisted.internet.protocol import Factory, Protocol
 from twisted.python.failure import Failure
@@ -22,8 +24,11 @@ from zope.interface import implementer
 from tests.harness import http_client, sse_event
 
 __all__ = [
-    "Die", "Firehose", "Hang", "KillReused", "RawFirehose", "host_status",
+    "Die", "Firehose", "Hang", "KillReused", "RawFirehose", "RawHost", "RawHostProtocol", "Script", "host_status",
+    "serve_raw",
 ]
+
+Script = Callable[["RawHostProtocol"], object]
 
 
 async def host_status(case: TestCase, base: str) -> dict[str, Any]:
@@ -158,17 +163,26 @@ class KillReused:
         return b'{"object": "chat.completion", "body": ' + str(len(body)).encode() + b"}"
 
 
-@implementer(IPushProducer)
-class _RawFirehoseProtocol(Protocol):
-    def __init__(self, owner: RawFirehose) -> None:
+class RawHostProtocol(Protocol):
+    """One connection to a :class:`RawHost`.
+
+    :ivar buffer: the bytes received so far.
+    :ivar written: bytes written through :meth:`write`.
+    :ivar closed: fires once the connection is gone.
+    """
+
+    def __init__(self, owner: RawHost) -> None:
         self.owner = owner
-        self.paused = False
-        self.started = False
+        self.buffer = b""
+        self.answered = False
+        self.written = 0
+        self.closed: Deferred[None] = Deferred()
 
     def dataReceived(self, data: bytes) -> None:
-        if self.started or b"\r\n\r\n" not in data:
+        self.buffer += data
+        if self.answered or b"\r\n\r\n" not in self.buffer:
             return
-        line = data.split(b"\r\n", 1)[0]
+        line = self.buffer.split(b"\r\n", 1)[0]
         if b" /health " in line or b" /v1/models " in line:
             body = b'{"status": "ok"}' if b"/health" in line else b'{"data": [{"id": "tiny-a"}]}'
             self.transport.write(  # type: ignore[union-attr]
@@ -177,36 +191,52 @@ class _RawFirehoseProtocol(Protocol):
             )
             self.transport.loseConnection()  # type: ignore[union-attr]
             return
-        self.started = True
-        self.owner.started = True
-        self.transport.registerProducer(self, True)  # type: ignore[union-attr]
-        head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
-        first = 65536 - len(head) - 16
-        self._send(head + b"%x\r\n" % first + b"y" * first + b"\r\n", first)
-        self.resumeProducing()
+        self.answered = True
+        self.owner.requests.append(self)
+        self.owner.script(self)
 
-    def _send(self, data: bytes, body: int) -> None:
-        self.owner.written += body
+    def write(self, data: bytes) -> None:
+        self.written += len(data)
         self.transport.write(data)  # type: ignore[union-attr]
 
-    def pauseProducing(self) -> None:
-        self.paused = True
-
-    def resumeProducing(self) -> None:
-        self.paused = False
-        chunk = self.owner.chunk
-        while not self.paused and self.owner.written < self.owner.total:
-            self._send(b"%x\r\n" % len(chunk) + chunk + b"\r\n", len(chunk))
-
-    def stopProducing(self) -> None:
-        self.paused = True
-
     def connectionLost(self, reason: Failure = None) -> None:  # type: ignore[assignment]
-        if self.started and not self.owner.closed.called:
-            self.owner.closed.callback(None)
+        self.closed.callback(None)
 
 
-class RawFirehose(Factory):
+class RawHost(Factory):
+    """A raw-socket host: minimal good answers to ``/health`` and ``/v1/models`` (one
+    per connection), and ``script(protocol)`` for any other request once its head has
+    arrived (the protocol's ``buffer`` holds what was received so far).
+
+    :ivar requests: the protocols of the scripted requests, in order.
+    """
+
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.requests: list[RawHostProtocol] = []
+
+    def buildProtocol(self, addr: Any) -> Protocol:
+        return RawHostProtocol(self)
+
+
+async def serve_raw(case: TestCase, host: RawHost) -> str:
+    """Serve ``host`` on a free loopback port for the test (its scripted connections are
+    aborted at the end); returns its base URL."""
+    port = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(host)
+
+    async def stop() -> None:
+        await port.stopListening()
+        for proto in host.requests:
+            if not proto.closed.called:
+                proto.transport.abortConnection()  # type: ignore[union-attr]
+                await proto.closed
+
+    case.addCleanup(lambda: ensureDeferred(stop()))
+    return f"http://127.0.0.1:{port.getHost().port}"
+
+
+@implementer(IPushProducer)
+class RawFirehose(RawHost):
     """A raw-socket upstream whose first write is the head and a body chunk together,
     exactly 64 KiB (so crossbar reads head and body in one read), and which then writes
     ``total`` body bytes as fast as the connection takes them. ``/health`` and
@@ -217,11 +247,37 @@ class RawFirehose(Factory):
     """
 
     def __init__(self, total: int) -> None:
+        super().__init__(self._answer)
         self.total = total
         self.chunk = b"z" * 65536
         self.written = 0
         self.started = False
+        self.paused = False
         self.closed: Deferred[None] = Deferred()
+        self._proto: RawHostProtocol | None = None
 
-    def buildProtocol(self, addr: Any) -> Protocol:
-        return _RawFirehoseProtocol(self)
+    def _answer(self, proto: RawHostProtocol) -> None:
+        self.started = True
+        self._proto = proto
+        proto.closed.addCallback(lambda _: None if self.closed.called else self.closed.callback(None))
+        proto.transport.registerProducer(self, True)  # type: ignore[union-attr]
+        head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        first = 65536 - len(head) - 16
+        self._send(head + b"%x\r\n" % first + b"y" * first + b"\r\n", first)
+        self.resumeProducing()
+
+    def _send(self, data: bytes, body: int) -> None:
+        assert self._proto is not None
+        self.written += body
+        self._proto.write(data)
+
+    def pauseProducing(self) -> None:
+        self.paused = True
+
+    def resumeProducing(self) -> None:
+        self.paused = False
+        while not self.paused and self.written < self.total:
+            self._send(b"%x\r\n" % len(self.chunk) + self.chunk + b"\r\n", len(self.chunk))
+
+    def stopProducing(self) -> None:
+        self.paused = True
