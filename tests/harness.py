@@ -60,8 +60,9 @@ class FakeLlama(Resource):
 
     :ivar health_code: status of ``GET /health``.
     :ivar models: the ``/v1/models`` document (or raw bytes) to answer.
-    :ivar events: server-sent events per streaming completion.
-    :ivar event_delay: seconds between events.
+    :ivar events: server-sent events per streaming completion (a request's JSON ``n``
+        overrides it).
+    :ivar event_delay: seconds between events (a request's JSON ``delay`` overrides it).
     :ivar handlers: path -> ``f(request, body) -> bytes | NOT_DONE_YET`` overrides.
     :ivar seen: every request received, in order.
     """
@@ -97,7 +98,7 @@ class FakeLlama(Resource):
             except ValueError:
                 doc = {}
             if isinstance(doc, dict) and doc.get("stream"):
-                return self._stream(request)
+                return self._stream(request, int(doc.get("n", self.events)), float(doc.get("delay", self.event_delay)))
             request.setHeader(b"content-type", b"application/json")
             return json.dumps({"object": "chat.completion", "model": doc.get("model") if isinstance(doc, dict) else None,
                                "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}}]}).encode()
@@ -105,7 +106,7 @@ class FakeLlama(Resource):
         request.setHeader(b"content-type", b"application/json")
         return b'{"error":"not found"}'
 
-    def _stream(self, request: Request) -> Any:
+    def _stream(self, request: Request, events: int, delay: float) -> Any:
         request.setHeader(b"content-type", b"text/event-stream")
         request.setHeader(b"cache-control", b"no-cache")
         request.setHeader(b"x-accel-buffering", b"no")
@@ -128,10 +129,10 @@ class FakeLlama(Resource):
             if state["gone"]:
                 return
             i = state["i"]
-            if i < self.events:
+            if i < events:
                 request.write(sse_event(i))
                 state["i"] = i + 1
-                state["call"] = reactor.callLater(self.event_delay, tick)  # type: ignore[attr-defined]
+                state["call"] = reactor.callLater(delay, tick)  # type: ignore[attr-defined]
             else:
                 request.write(b"data: [DONE]\n\n")
                 request.finish()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import sys
 from typing import Any, Callable, Sequence
 
@@ -202,48 +201,6 @@ async def start_twistd(
 
         await wait_for(is_ready, 30, "readyz 200")
     return proc
-
-
-def signum(name: str) -> int:
-    return int(getattr(signal, "SIG" + name))
-
-
-def paced_stream(request: Any, body: bytes) -> Any:
-    """A :attr:`FakeLlama.handlers` entry for ``/v1/chat/completions``: streams
-    ``n`` SSE events ``delay`` seconds apart (both from the JSON body), then
-    ``data: [DONE]``; stops when the client goes away."""
-    import json
-
-    from twisted.web.server import NOT_DONE_YET
-
-    from tests.harness import sse_event
-
-    doc = json.loads(body or b"{}")
-    n, delay = int(doc.get("n", 5)), float(doc.get("delay", 0.1))
-    request.setHeader(b"content-type", b"text/event-stream")
-    state: dict[str, Any] = {"i": 0, "call": None, "gone": False}
-
-    def gone(_: object) -> None:
-        state["gone"] = True
-        if state["call"] is not None and state["call"].active():
-            state["call"].cancel()
-
-    request.notifyFinish().addBoth(gone)
-
-    def tick() -> None:
-        state["call"] = None
-        if state["gone"]:
-            return
-        if state["i"] < n:
-            request.write(sse_event(state["i"]))
-            state["i"] += 1
-            state["call"] = reactor.callLater(delay, tick)  # type: ignore[attr-defined]
-        else:
-            request.write(b"data: [DONE]\n\n")
-            request.finish()
-
-    tick()
-    return NOT_DONE_YET
 
 
 class ClientStream:

@@ -22,7 +22,7 @@ from twisted.trial.unittest import TestCase
 
 from crossbar.config import DrainSettings
 from tests.harness import FakeLlama, http_client, listen, port_of, start_routes
-from tests.process import ClientStream, paced_stream, start_twistd
+from tests.process import ClientStream, start_twistd
 from tests.raw import parse_responses, raw_exchange, request_bytes
 
 DELAY = 2.0
@@ -47,7 +47,6 @@ class DrainTests(TestCase):
     def test_sigterm_drains(self) -> object:
         async def go() -> None:
             upstream = FakeLlama()
-            upstream.handlers[b"/v1/chat/completions"] = paced_stream
             url = await listen(self, upstream)
             proc = await start_twistd(self, _config(url))
             http = http_client(self)
@@ -131,7 +130,6 @@ class RollingRestartTests(TestCase):
     def test_stream_survives_sigterm(self) -> object:
         async def go() -> None:
             upstream = FakeLlama()
-            upstream.handlers[b"/v1/chat/completions"] = paced_stream
             url = await listen(self, upstream)
             proc = await start_twistd(self, _config(url, delay=1.0, grace=10.0))
             stream = ClientStream(http_client(self), proc.base + "/r/v1/chat/completions", n=25, delay=0.1)

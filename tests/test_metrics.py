@@ -12,7 +12,7 @@ from twisted.trial.unittest import TestCase
 from twisted.web.server import Site
 
 from tests.harness import FakeLlama, http_client, listen, start_crossbar
-from tests.process import ClientStream, paced_stream
+from tests.process import ClientStream
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -27,7 +27,6 @@ class MetricsTests(TestCase):
     def test_names_labels_and_values_after_traffic(self) -> object:
         async def go() -> None:
             good = FakeLlama(models=["tiny-a", "tiny-b"])
-            good.handlers[b"/v1/chat/completions"] = paced_stream
             url_a = await listen(self, good)
             doomed_site = Site(FakeLlama())
             doomed_site.noisy = False

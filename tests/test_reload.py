@@ -17,7 +17,7 @@ from crossbar.poller import HealthPoller
 from crossbar.reload import SIGHUPReload, plan_reload
 from crossbar.testing import FakeProbe
 from tests.harness import FakeLlama, http_client, listen, wait_for
-from tests.process import ClientStream, paced_stream, start_twistd
+from tests.process import ClientStream, start_twistd
 
 
 def _cfg(hosts: str, listen: str = "tcp:7777") -> str:
@@ -123,7 +123,6 @@ class TwistdReloadTests(TestCase):
     def test_sighup_reload_with_stream_in_flight(self) -> object:
         async def go() -> None:
             up_a, up_b = FakeLlama(), FakeLlama(models=["tiny-b"])
-            up_a.handlers[b"/v1/chat/completions"] = paced_stream
             url_a, url_b = await listen(self, up_a), await listen(self, up_b)
             proc = await start_twistd(self, _twistd_config(url_a, None, "t1"))
             http = http_client(self)
