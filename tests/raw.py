@@ -183,7 +183,6 @@ class RawClient(Protocol):
         ``"half-close"`` (the peer closed its side; not an end with ``wait_close``) or
         ``"close"``.
     :ivar closed: fires (with None) once the connection is gone.
-    :ivar reason: why it closed (a ``Failure``), once it has.
 
     ``rcvbuf``, when given, is set as the socket's ``SO_RCVBUF`` (bytes) on connect.
     Unless ``wait_close``, the client closes its side too once the peer has closed.
@@ -207,7 +206,6 @@ class RawClient(Protocol):
         self.received = 0
         self.ended: Deferred[str] = Deferred()
         self.closed: Deferred[None] = Deferred()
-        self.reason: Failure | None = None
         self._waiters: list[tuple[bytes, Deferred[None]]] = []
         self._buffer = bytearray()
 
@@ -246,7 +244,6 @@ class RawClient(Protocol):
         pass
 
     def connectionLost(self, reason: Failure = None) -> None:  # type: ignore[assignment]
-        self.reason = reason
         self._end("close")
         self.closed.callback(None)
         for _, d in self._waiters:
