@@ -530,6 +530,23 @@ async def profile(bench: Bench, outdir: Path) -> None:
     await under("profile-b-100", lambda: bench.scenario_b("crossbar", 100))
 
 
+SUSPECTS = [
+    ("form-body parsing of every POST (twisted.web.http)", "_parseContentType"),
+    ("request body producer (FileBodyProducer + Cooperator)", "_writeToBodyProducerContentLength"),
+    ("Agent per request (UpstreamPools.agent)", "UpstreamPools.agent"),
+    ("HostnameEndpoint built per request", "HostnameEndpoint.__init__"),
+    ("Agent.request (URI parsing, pool, request write)", "Agent.request"),
+    ("one log line per request (Logger.emit and observers)", "Logger.emit"),
+    ("idle timer reset per body chunk", "DelayedCall.reset"),
+    ("prometheus metrics", "prometheus_client/"),
+    ("upstream header copy (upstream_headers)", "upstream_headers"),
+    ("chunked decoding of the upstream body", "_ChunkedTransferDecoder.dataReceived"),
+    ("socket send() (Connection.writeSomeData)", "Connection.writeSomeData"),
+    ("socket reads and all they trigger (Connection.doRead)", "Connection.doRead"),
+    ("all crossbar code, inclusive", "crossbar/"),
+]
+
+
 def summarize(raw: str, top: int = 30) -> str:
     """Self and inclusive shares per function from py-spy's collapsed stacks."""
     self_n: dict[str, int] = defaultdict(int)
@@ -545,7 +562,11 @@ def summarize(raw: str, top: int = 30) -> str:
         self_n[frames[-1]] += n
         for f in set(frames):
             incl_n[f] += n
-    out = [f"samples: {total}", "", f"top {top} by self time (% of samples):"]
+    out = [f"samples: {total}", "", "named suspects, inclusive (% of samples):"]
+    for name, frame in SUSPECTS:
+        n = sum(int(c) for st, _, c in (l.rpartition(" ") for l in raw.splitlines()) if st and frame in st)
+        out.append(f"{100 * n / total:6.1f}  {name} [{frame}]")
+    out += ["", f"top {top} by self time (% of samples):"]
     out += [f"{100 * n / total:6.1f}  {f}" for f, n in sorted(self_n.items(), key=lambda x: -x[1])[:top]]
     out += ["", f"top {top} by inclusive time (% of samples):"]
     out += [f"{100 * n / total:6.1f}  {f}" for f, n in sorted(incl_n.items(), key=lambda x: -x[1])[:top]]
