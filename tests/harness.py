@@ -11,6 +11,7 @@ common two-host set-up. :func:`wait_for` polls a condition."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -21,7 +22,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.internet.interfaces import IListeningPort
 from twisted.internet.task import deferLater
-from twisted.trial.unittest import TestCase
+from twisted.trial.unittest import SkipTest, SynchronousTestCase, TestCase
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
@@ -30,9 +31,11 @@ from twisted.web.client import Agent, HTTPConnectionPool
 
 from crossbar.config import parse_config
 from crossbar.service import CrossbarService, make_service
+from tools.llama_server import skip_reason
 
 __all__ = [
-    "FakeLlama", "Seen", "TwoHosts", "http_client", "listen", "port_of", "sse_event", "start_crossbar",
+    "FakeLlama", "Seen", "TwoHosts", "http_client", "listen", "port_of", "require_llama_server", "sse_event",
+    "start_crossbar",
     "start_routes", "two_hosts", "upstream_requests", "wait_for",
 ]
 
@@ -112,13 +115,13 @@ class FakeLlama(Resource):
         request.setHeader(b"x-accel-buffering", b"no")
         closed: Deferred[None] = Deferred()
         self.streams_closed.append(closed)
-        state = {"i": 0, "call": None, "gone": False}
+        state: dict[str, Any] = {"i": 0, "call": None, "gone": False}
 
         def gone(_: object) -> None:
             state["gone"] = True
             call = state["call"]
-            if call is not None and call.active():  # type: ignore[attr-defined]
-                call.cancel()  # type: ignore[attr-defined]
+            if call is not None and call.active():
+                call.cancel()
             if not closed.called:
                 closed.callback(None)
 
@@ -132,7 +135,7 @@ class FakeLlama(Resource):
             if i < events:
                 request.write(sse_event(i))
                 state["i"] = i + 1
-                state["call"] = reactor.callLater(delay, tick)  # type: ignore[attr-defined]
+                state["call"] = reactor.callLater(delay, tick)
             else:
                 request.write(b"data: [DONE]\n\n")
                 request.finish()
@@ -268,3 +271,17 @@ async def wait_for(check: Callable[[], Any], timeout: float = 5.0, what: str = "
         if reactor.seconds() > deadline:
             raise AssertionError(f"{what} not met within {timeout}s")
         await deferLater(reactor, step)
+
+
+def require_llama_server(case: SynchronousTestCase) -> None:
+    """Skip ``case`` when no real llama-server can be had; fail it instead when the
+    environment has ``CI=true``.
+
+    :raises SkipTest: no llama-server, not under CI.
+    """
+    reason = skip_reason()
+    if reason is None:
+        return
+    if os.environ.get("CI", "").lower() == "true":
+        case.fail(f"CI=true requires a real llama-server: {reason}")
+    raise SkipTest(reason)

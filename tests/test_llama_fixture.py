@@ -9,14 +9,14 @@ requests to a local process); no reactor work is involved.
 from __future__ import annotations
 
 import json
-import os
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from twisted.trial import unittest
 
-from tools.llama_server import LlamaServer, skip_reason
+from tests.harness import require_llama_server
+from tools.llama_server import LlamaServer
 
 FIXTURES = Path(__file__).parent / "fixtures"
 
@@ -32,16 +32,6 @@ def _post(url: str, body: dict[str, Any], timeout: float = 30.0) -> tuple[int, A
     )
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return resp.status, json.loads(resp.read())
-
-
-def require_llama_server(test: unittest.TestCase) -> None:
-    """Skip `test` when no llama-server can be had; fail instead when CI=true."""
-    reason = skip_reason()
-    if reason is None:
-        return
-    if os.environ.get("CI", "").lower() == "true":
-        test.fail(f"CI=true requires a real llama-server: {reason}")
-    raise unittest.SkipTest(reason)
 
 
 def _statuses(models: Any) -> dict[str, str]:

@@ -8,7 +8,6 @@ keeps serving. Skipped when no llama-server can be had, except under CI (env
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
@@ -16,20 +15,11 @@ from twisted.internet.defer import ensureDeferred
 from twisted.internet.threads import deferToThread
 from twisted.trial import unittest
 
-from tests.harness import start_routes, wait_for
+from tests.harness import require_llama_server, start_routes, wait_for
 from tests.upstreams import host_status
-from tools.llama_server import LlamaServer, skip_reason
+from tools.llama_server import LlamaServer
 
 _MESSAGES = [{"role": "user", "content": "Say hello."}]
-
-
-def _require_llama_server(case: unittest.TestCase) -> None:
-    reason = skip_reason()
-    if reason is None:
-        return
-    if os.environ.get("CI", "").lower() == "true":
-        case.fail(f"CI=true requires a real llama-server: {reason}")
-    raise unittest.SkipTest(reason)
 
 
 def _client(base: str) -> Any:
@@ -75,7 +65,7 @@ class OpenAIClientTests(unittest.TestCase):
     timeout = 180
 
     def setUp(self) -> None:
-        _require_llama_server(self)
+        require_llama_server(self)
 
     def test_openai_client_through_crossbar(self) -> object:
         """Streaming: tokens arrive and ``X-Crossbar-Host`` names the host; a plain

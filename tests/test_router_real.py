@@ -10,28 +10,23 @@ except under CI (env ``CI=true``), where that is a failure.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import treq
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred, ensureDeferred
 from twisted.internet.task import deferLater
-from twisted.trial.unittest import SkipTest, TestCase
+from twisted.trial.unittest import TestCase
 
-from tests.harness import http_client, start_crossbar
-from tools.llama_server import LlamaServer, skip_reason
+from tests.harness import http_client, require_llama_server, start_crossbar
+from tools.llama_server import LlamaServer
 
 
 class RouterModeTests(TestCase):
     timeout = 180
 
     def setUp(self) -> None:
-        reason = skip_reason()
-        if reason is not None:
-            if os.environ.get("CI", "").lower() == "true":
-                self.fail(f"CI=true requires a real llama-server: {reason}")
-            raise SkipTest(reason)
+        require_llama_server(self)
         self.server = LlamaServer("router")
         self.addCleanup(self.server.stop)
         self.server.start(timeout=90)  # blocking, before any reactor work of the test
