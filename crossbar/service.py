@@ -197,7 +197,11 @@ class CrossbarService(MultiService):
             first_round_done=self.first_round_done,
             metrics=self.metrics,
         )
-        self.site = _Site(_Root(self.ops.resource(), self.proxy), requestFactory=_Request)
+        # A proxy never parses form bodies (Twisted would, for every POST: costly, and
+        # a malformed multipart upload must still be forwarded as it is).
+        self.site = _Site(
+            _Root(self.ops.resource(), self.proxy), requestFactory=_Request, parsePOSTFormSubmission=False
+        )
         try:
             endpoint = serverFromString(reactor, config.listen)
         except (ValueError, KeyError, TypeError, ImportError, IndexError) as e:
