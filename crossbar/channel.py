@@ -20,6 +20,8 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.http import HTTPChannel
 
+from crossbar.tcp import no_delay
+
 __all__ = ["HEAD_DEADLINE", "HeadDeadlineChannel"]
 
 HEAD_DEADLINE = 60.0
@@ -37,6 +39,7 @@ class HeadDeadlineChannel(HTTPChannel):
 
     def connectionMade(self) -> None:
         super().connectionMade()
+        no_delay(self.transport)
         self._arm_head_deadline()
 
     def allHeadersReceived(self) -> None:

@@ -22,6 +22,8 @@ from twisted.web._newclient import HEADER, STATUS, HTTP11ClientProtocol, ParseEr
 from twisted.web.iweb import IAgent, IAgentEndpointFactory
 from zope.interface import implementer
 
+from crossbar.tcp import no_delay
+
 __all__ = ["MAX_RESPONSE_HEAD", "ConnectTracker", "ResponseHeadTooLarge", "UpstreamPools", "quiet_pool"]
 
 MAX_RESPONSE_HEAD = 64 * 1024
@@ -104,6 +106,10 @@ class _ClientProtocol(HTTP11ClientProtocol):
     as an interim answer and parse the new protocol's bytes as HTTP)."""
 
     _head_bytes = 0
+
+    def connectionMade(self) -> None:
+        super().connectionMade()
+        no_delay(self.transport)
 
     def request(self, request: Any) -> Deferred[Any]:
         d = super().request(request)

@@ -3,8 +3,10 @@ long answers are not."""
 
 from __future__ import annotations
 
+from twisted.internet.error import ConnectionDone
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
+from twisted.python.failure import Failure
 from twisted.trial.unittest import TestCase
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
@@ -88,3 +90,41 @@ class HeadDeadlineTests(TestCase):
         clock.advance(HEAD_DEADLINE * 3)
         self.assertFalse(transport.disconnecting)
         slow.pending[1].finish()
+
+
+class _NoDelayTransport(StringTransport):
+    """A StringTransport that records TCP_NODELAY, as a TCP transport would take it."""
+
+    no_delay: bool | None = None
+
+    def setTcpNoDelay(self, enabled: bool) -> None:
+        self.no_delay = enabled
+
+
+class NoDelayTests(TestCase):
+    """Nagle's algorithm is off on both sides of the proxy: otherwise a small write
+    waits for the peer's delayed ACK (up to 40 ms), stalling requests and coalescing
+    stream events (crossbar/tcp.py)."""
+
+    def test_client_connections(self) -> None:
+        site = Site(_Slow(), reactor=Clock())
+        site.protocol = HeadDeadlineChannel  # type: ignore[assignment]
+        channel = site.buildProtocol(None)
+        transport = _NoDelayTransport()
+        channel.makeConnection(transport)
+        self.assertIs(transport.no_delay, True)
+        channel.connectionLost(Failure(ConnectionDone()))
+
+    def test_upstream_connections(self) -> None:
+        from crossbar.upstream import quiet_pool
+
+        pool = quiet_pool(Clock(), persistent=True)
+        protocol = pool._factory(lambda p: None, "upstream").buildProtocol(None)
+        transport = _NoDelayTransport()
+        protocol.makeConnection(transport)
+        self.assertIs(transport.no_delay, True)
+
+    def test_other_transports_are_left_alone(self) -> None:
+        from crossbar.tcp import no_delay
+
+        no_delay(StringTransport())  # no setTcpNoDelay: nothing to do, no error
