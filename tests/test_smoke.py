@@ -41,3 +41,16 @@ routes:
             self.assertEqual(status["hosts"]["a"]["loaded"], ["tiny-a"])
 
         return ensureDeferred(go())
+
+    def test_start_freezes_the_startup_heap(self) -> object:
+        """Full GC collections never rescan what start-up loaded (gc.freeze): without it
+        they stalled requests for tens of ms (bench/README.md)."""
+        import gc
+
+        async def go() -> None:
+            gc.unfreeze()
+            self.assertEqual(gc.get_freeze_count(), 0)
+            await start_crossbar(self, "hosts:\n  a: http://127.0.0.1:9\nroutes:\n  r:\n    hosts: [a]\n")
+            self.assertGreater(gc.get_freeze_count(), 0)
+
+        return ensureDeferred(go())
