@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from twisted.internet.endpoints import HostnameEndpoint, TCP4ClientEndpoint, TCP6ClientEndpoint
-from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
 from twisted.web.client import URI, BrowserLikePolicyForHTTPS
 
@@ -16,7 +15,9 @@ class EndpointChoiceTests(TestCase):
     HostnameEndpoint."""
 
     def endpoint(self, url: bytes) -> object:
-        tracker = ConnectTracker(Clock(), 5.0, BrowserLikePolicyForHTTPS())
+        from twisted.internet import reactor  # built, never connected
+
+        tracker = ConnectTracker(reactor, 5.0, BrowserLikePolicyForHTTPS())
         return tracker.endpointForURI(URI.fromBytes(url))._wrapped  # type: ignore[attr-defined]
 
     def test_ipv4_literal(self) -> None:
