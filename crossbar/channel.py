@@ -20,6 +20,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.http import HTTPChannel
 
+from crossbar.request import json_error_bytes
 from crossbar.tcp import no_delay
 
 __all__ = ["HEAD_DEADLINE", "HeadDeadlineChannel"]
@@ -36,11 +37,20 @@ class HeadDeadlineChannel(HTTPChannel):
 
     head_deadline = HEAD_DEADLINE
     _head_timer: IDelayedCall | None = None
+    _awaiting_request_line = True
+    _method = b""
 
     def connectionMade(self) -> None:
         super().connectionMade()
         no_delay(self.transport)
         self._arm_head_deadline()
+
+    def lineReceived(self, line: bytes) -> None:
+        if self._awaiting_request_line and line:
+            # The method, even of a request line Twisted then refuses (for the 400).
+            self._method = line.split(b" ", 1)[0]
+            self._awaiting_request_line = False
+        super().lineReceived(line)
 
     def allHeadersReceived(self) -> None:
         self._disarm_head_deadline()
@@ -50,6 +60,7 @@ class HeadDeadlineChannel(HTTPChannel):
         # Armed first: a pipelined request already buffered is parsed inside
         # super().requestDone, and its allHeadersReceived disarms the deadline again.
         self._arm_head_deadline()
+        self._awaiting_request_line = True
         super().requestDone(request)
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
@@ -64,6 +75,20 @@ class HeadDeadlineChannel(HTTPChannel):
         timer, self._head_timer = self._head_timer, None
         if timer is not None and timer.active():
             timer.cancel()
+
+    def _respondToBadRequestAndDisconnect(self) -> None:
+        """Twisted's answer to a request it cannot parse (bad request line, header,
+        framing or size) is a bare ``400``; crossbar's error answers are JSON
+        (DESIGN.md §The proxy, rule 9). Overrides a private HTTPChannel hook; the
+        tests in tests/test_channel.py pin it."""
+        body = json_error_bytes("bad request")
+        head = self._method == b"HEAD"  # a HEAD answer carries no body
+        self.transport.write(  # type: ignore[union-attr]
+            b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode("ascii") + b"\r\n"
+            b"Connection: close\r\n\r\n" + (b"" if head else body)
+        )
+        self.loseConnection()
 
     def _head_deadline_passed(self) -> None:
         self._head_timer = None

@@ -3,6 +3,8 @@ long answers are not."""
 
 from __future__ import annotations
 
+import json
+
 from twisted.internet.error import ConnectionDone
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
@@ -128,3 +130,39 @@ class NoDelayTests(TestCase):
         from crossbar.tcp import no_delay
 
         no_delay(StringTransport())  # no setTcpNoDelay: nothing to do, no error
+
+
+class BadRequestTests(TestCase):
+    """What Twisted cannot parse is answered ``400 {"error": "bad request"}`` in JSON
+    (DESIGN.md §The proxy, rule 9), and the connection closed."""
+
+    def answer(self, data: bytes) -> bytes:
+        channel, transport, _ = _channel(_Slow())
+        channel.dataReceived(data)
+        self.assertTrue(transport.disconnecting)
+        return transport.value()
+
+    def assertJSON400(self, raw: bytes) -> None:
+        head, _, body = raw.partition(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        self.assertEqual(lines[0], b"HTTP/1.1 400 Bad Request")
+        self.assertIn(b"Content-Type: application/json", lines)
+        self.assertIn(b"Content-Length: %d" % len(body), lines)
+        self.assertEqual(json.loads(body), {"error": "bad request"})
+
+    def test_bad_request_line(self) -> None:
+        self.assertJSON400(self.answer(b"NOT-HTTP\r\n\r\n"))
+
+    def test_bad_header(self) -> None:
+        self.assertJSON400(self.answer(b"GET /r/v1/models HTTP/1.1\r\nno colon here\r\n\r\n"))
+
+    def test_conflicting_framing(self) -> None:
+        self.assertJSON400(self.answer(
+            b"POST /r/v1/x HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabc"
+        ))
+
+    def test_head_gets_no_body(self) -> None:
+        raw = self.answer(b"HEAD /r/v1/\x00 HTTP/1.1\r\nHost: x\r\n\r\n")
+        head, _, body = raw.partition(b"\r\n\r\n")
+        self.assertTrue(head.startswith(b"HTTP/1.1 400 Bad Request"))
+        self.assertEqual(body, b"")
