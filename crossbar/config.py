@@ -269,6 +269,7 @@ def _join(key: str, sub: str) -> str:
 _ROUTE_CHARS = "letters, digits and -._~!$&'()*+,;=:@ only"
 _ROUTE_NAME = re.compile(r"[A-Za-z0-9\-._~!$&'()*+,;=:@]+\Z")  # RFC 3986 pchar, no %-escapes
 _TOP_KEYS = ("listen", "health", "timeouts", "drain", "ops", "hosts", "routes")
+_PRINTABLE_ASCII = re.compile(r"[\x21-\x7e]+\Z")  # what an HTTP request target may hold
 _URL = re.compile(r"(?P<scheme>https?)://(?P<authority>[^/?#\s]+)(?P<path>/[^?#\s]*)?\Z")
 
 
@@ -377,6 +378,10 @@ def _hosts(c: _Checker, raw: Any) -> dict[str, Host]:
 
 def _url(c: _Checker, key: str, raw: Any) -> str:
     url = c.string(key, raw).strip()
+    if not _PRINTABLE_ASCII.match(url):
+        raise c.fail(
+            key, f"must be printable ASCII (percent-encode the path, IDNA-encode the host name), not {url!r}"
+        )
     m = _URL.match(url)
     if m is None:
         raise c.fail(key, f"must be an absolute http:// or https:// URL without query, not {url!r}")

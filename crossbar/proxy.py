@@ -129,7 +129,11 @@ class ProxyResource(Resource):
         clients reconnect elsewhere instead of sending more requests here)."""
 
     def render(self, request: Request) -> Any:
-        _Exchange(self, request).start()
+        exchange = _Exchange(self, request)
+        try:
+            exchange.start()
+        except Exception:
+            exchange.on_bug(Failure())
         return NOT_DONE_YET
 
     def abort_all(self) -> None:
@@ -535,11 +539,17 @@ class _Exchange:
     def on_bug(self, failure: Failure) -> None:
         """Last resort: a bug in crossbar must not leave the client hanging."""
         _log.failure("proxying failed", failure=failure)
-        if not self.ended:
-            if self.request.startedWriting:
-                self.abort_client()
-            else:
-                self.answer_error(500, "internal error")
+        if self.ended:
+            return
+        upstream, self.upstream = self.upstream, None
+        if self.request.startedWriting:
+            self.abort_client()
+        else:
+            self.answer_error(500, "internal error")
+        if upstream is not None:
+            upstream.cancel()
+        if self.stream is not None:
+            self.stream.close_upstream()
 
 
 class _Discard(Protocol):

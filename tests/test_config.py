@@ -269,6 +269,22 @@ class HostURLTests(_Case):
     def test_no_host(self) -> None:
         self.rejected_url("http://", "must be an absolute http:// or https:// URL without query, not 'http://'")
 
+    def test_non_ascii_path(self) -> None:
+        """Twisted's client sends only printable ASCII request targets: a URL it would
+        refuse for every proxied request is refused at start-up instead."""
+        self.rejected_url(
+            "http://h:8080/\u00e9",
+            "must be printable ASCII (percent-encode the path, IDNA-encode the host name), "
+            "not 'http://h:8080/\u00e9'",
+        )
+
+    def test_non_ascii_host(self) -> None:
+        self.rejected_url(
+            "http://gp\u00fc:8080",
+            "must be printable ASCII (percent-encode the path, IDNA-encode the host name), "
+            "not 'http://gp\u00fc:8080'",
+        )
+
     def test_port_without_host(self) -> None:
         self.rejected_url("http://:8080", "missing host name in 'http://:8080'")
 

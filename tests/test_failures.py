@@ -338,3 +338,35 @@ class HostFailureTests(TestCase):
             self.assertEqual(status["inflight"], 0)
 
         return ensureDeferred(go())
+
+
+class CrossbarBugTests(TestCase):
+    """A bug in crossbar itself (here: the upstream agent raising synchronously) still
+    gets the client a JSON 500, one log line, and leaves no request counted in flight
+    (DESIGN.md §The proxy, rules 8-9)."""
+
+    def test_synchronous_error_in_forwarding(self) -> object:
+        async def go() -> None:
+            log = LogCapture(self)
+            service, base = await start_routes(self, {"a": await listen(self, FakeLlama())})
+
+            class Broken:
+                def request(self, *args: Any, **kwargs: Any) -> Any:
+                    raise ValueError("boom")
+
+            real_agent = service.pools.agent
+            service.pools.agent = lambda fresh=False: (Broken(), real_agent(fresh)[1])  # type: ignore[method-assign]
+            response = await http_client(self).post(base + "/r/v1/chat/completions", json=_PLAIN)
+            self.assertEqual(response.code, 500)
+            self.assertEqual(response.headers.getRawHeaders(b"content-type"), [b"application/json"])
+            self.assertEqual(await treq.json_content(response), {"error": "internal error"})
+            self.assertEqual(service.proxy.active, set())
+            self.assertEqual(service.proxy.inflight.get("a"), 0)
+            self.assertEqual([e["status"] for e in log.proxied()], [500])
+            self.flushLoggedErrors(ValueError)
+            service.pools.agent = real_agent  # type: ignore[method-assign]
+            ok = await http_client(self).post(base + "/r/v1/chat/completions", json=_PLAIN)
+            self.assertEqual(ok.code, 200)
+            await ok.content()
+
+        return ensureDeferred(go())
