@@ -378,13 +378,13 @@ def _hosts(c: _Checker, raw: Any) -> dict[str, Host]:
 
 def _url(c: _Checker, key: str, raw: Any) -> str:
     url = c.string(key, raw).strip()
+    m = _URL.match(url)
+    if m is None:
+        raise c.fail(key, f"must be an absolute http:// or https:// URL without query, not {url!r}")
     if not _PRINTABLE_ASCII.match(url):
         raise c.fail(
             key, f"must be printable ASCII (percent-encode the path, IDNA-encode the host name), not {url!r}"
         )
-    m = _URL.match(url)
-    if m is None:
-        raise c.fail(key, f"must be an absolute http:// or https:// URL without query, not {url!r}")
     authority = m.group("authority")
     if "@" in authority:
         raise c.fail(key, "must not carry credentials (user@host)")
