@@ -526,9 +526,18 @@ class _Exchange:
         self.proxy.metrics.inflight.labels(self.route.name, host).dec()
 
     def mark_down(self, kind: str, reason: str) -> None:
-        assert self.host is not None
-        self.proxy.table.mark_down(self.host, reason)
-        self.proxy.metrics.mark_downs.labels(self.host, kind).inc()
+        """Take the host this request went to out of rotation (rule 7), unless a reload
+        changed that host's URL since the request started: the failure was the old
+        host's, and says nothing of the new one."""
+        host = self.host
+        assert host is not None
+        current = self.proxy.config.hosts.get(host)
+        if current is None or current.url != self.config.hosts[host].url:
+            _log.info("not marking {host} down: its URL changed since the request started ({reason})",
+                      host=host, reason=reason)
+            return
+        self.proxy.table.mark_down(host, reason)
+        self.proxy.metrics.mark_downs.labels(host, kind).inc()
 
     def cancel_timer(self, name: str) -> None:
         timer = getattr(self, name)

@@ -314,6 +314,37 @@ class HostFailureTests(TestCase):
 
         return ensureDeferred(go())
 
+    def test_failure_of_a_host_url_replaced_by_reload_marks_nothing(self) -> object:
+        """A reload points host ``a`` at a new URL while a stream to the old one is in
+        flight; the old host then dies: that says nothing of the new ``a``, which stays
+        healthy (the client's answer is still cut)."""
+
+        async def go() -> None:
+            from dataclasses import replace
+            from types import MappingProxyType
+
+            from crossbar.config import Host
+
+            old = FakeLlama()
+            old.handlers[b"/v1/chat/completions"] = Die(events=3, delay=0.3)
+            service, base = await start_routes(self, {"a": await listen(self, old)})
+            client = await connect_raw(self, base, post_bytes(b"/r/v1/chat/completions", _STREAM))
+            await client.wait_for(b'"i": 2')
+            new_url = await listen(self, FakeLlama())
+            config = service.proxy.config
+            service.config = service.proxy.config = replace(
+                config, hosts=MappingProxyType({"a": Host(name="a", url=new_url)})
+            )
+            await _within(client.closed, 5.0)
+            response = client.response()
+            assert response is not None
+            self.assertFalse(response.complete)
+            status = (await host_status(self, base))["a"]
+            self.assertTrue(status["healthy"], status)
+            self.assertEqual(status["inflight"], 0)
+
+        return ensureDeferred(go())
+
     def test_idle_silence_mid_answer(self) -> object:
         """The host goes silent for ``timeouts.idle`` mid-answer: marked down, the client's
         connection cut (no terminating chunk), the upstream connection closed."""
