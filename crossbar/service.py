@@ -14,6 +14,7 @@ from typing import Any, Mapping
 from twisted.application.service import MultiService, Service
 from twisted.internet.defer import Deferred, DeferredList, ensureDeferred, gatherResults
 from twisted.internet.endpoints import serverFromString
+from twisted.internet.error import CannotListenError
 from twisted.internet.interfaces import IListeningPort, IProtocolFactory, IStreamServerEndpoint
 from twisted.python.failure import Failure
 from twisted.internet.task import deferLater
@@ -88,14 +89,20 @@ class ListenService(Service):
             self._listen()
 
     def _listen(self) -> None:
-        d = self.endpoint.listen(self.factory)
+        try:
+            d = self.endpoint.listen(self.factory)
+        except Exception as e:  # e.g. OverflowError for a port over 65535
+            raise CannotListenError(None, None, e) from None
         self._listening = d
         d.addCallback(self._listened)
         if d.called:  # TCP, UNIX, systemd: listening (or not) at once
             failures: list[Failure] = []
             d.addErrback(failures.append)
             if failures:
-                failures[0].raiseException()
+                error = failures[0].value
+                if isinstance(error, CannotListenError):
+                    raise error
+                raise CannotListenError(None, None, error)  # e.g. a unix socket's lock file
         else:
             d.addErrback(self._listen_failed)
 
@@ -205,8 +212,16 @@ class CrossbarService(MultiService):
         )
         try:
             endpoint = serverFromString(reactor, config.listen)
-        except (ValueError, KeyError, TypeError, ImportError, IndexError) as e:
-            raise ConfigError(config.source, "listen", f"not a valid Twisted endpoint: {e}") from None
+        except IndexError:
+            if config.listen.startswith("systemd:"):
+                raise ConfigError(
+                    config.source, "listen",
+                    "systemd passed no such socket (start crossbar through its .socket unit)",
+                ) from None
+            raise ConfigError(config.source, "listen", "not a valid Twisted endpoint") from None
+        except Exception as e:  # parsing may also load files (ssl: keys) or plugins
+            why = getattr(e, "strerror", None) or str(e) or type(e).__name__
+            raise ConfigError(config.source, "listen", f"not a valid Twisted endpoint: {why}") from None
         self.web = ListenService(endpoint, self.site)
         self.web.setServiceParent(self)
         self.systemd: SystemdNotifier | None = None

@@ -36,7 +36,9 @@ def as_config_error(error: ConfigError | CannotListenError, source: str) -> Conf
     if isinstance(error, ConfigError):
         return error
     reason = error.socketError
-    why = getattr(reason, "strerror", None) or str(reason)
+    why = getattr(reason, "strerror", None) or str(reason) or type(reason).__name__
+    if error.port is None:  # raised by ListenService for errors other than bind's
+        return ConfigError(source, "listen", f"cannot listen: {why}")
     where = f"{error.interface or '*'}:{error.port}"
     return ConfigError(source, "listen", f"cannot listen on {where}: {why}")
 

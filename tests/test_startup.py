@@ -150,6 +150,35 @@ class BadConfigTests(_TwistdCase):
         path = self.write("bad.yaml", "listen: \"tcp:notaport\"\n" + text.split("\n", 1)[1])
         self.assertStartupFails(path, prefix=f"crossbar: {path}: listen: not a valid Twisted endpoint: ")
 
+    def test_listen_port_out_of_range(self) -> None:
+        """bind() raises OverflowError, not a socket error: still one line."""
+        text = self.good_text()
+        path = self.write("bad.yaml", "listen: \"tcp:99999:interface=127.0.0.1\"\n" + text.split("\n", 1)[1])
+        self.assertStartupFails(path, prefix=f"crossbar: {path}: listen: cannot listen: ")
+
+    def test_listen_ssl_key_missing(self) -> None:
+        """Parsing an ssl: endpoint reads its key file: a missing one is one line."""
+        text = self.good_text()
+        key = os.path.join(self.dir, "missing.pem")
+        path = self.write("bad.yaml", f"listen: \"ssl:8443:privateKey={key}\"\n" + text.split("\n", 1)[1])
+        self.assertStartupFails(
+            path, f"crossbar: {path}: listen: not a valid Twisted endpoint: No such file or directory"
+        )
+
+    def test_listen_unix_socket_in_missing_directory(self) -> None:
+        text = self.good_text()
+        sock = os.path.join(self.dir, "nowhere", "crossbar.sock")
+        path = self.write("bad.yaml", f"listen: \"unix:{sock}\"\n" + text.split("\n", 1)[1])
+        self.assertStartupFails(path, prefix=f"crossbar: {path}: listen: cannot listen")
+
+    def test_listen_systemd_without_socket(self) -> None:
+        text = self.good_text()
+        path = self.write("bad.yaml", "listen: \"systemd:domain=INET:index=0\"\n" + text.split("\n", 1)[1])
+        self.assertStartupFails(
+            path,
+            f"crossbar: {path}: listen: systemd passed no such socket (start crossbar through its .socket unit)",
+        )
+
     def test_listen_port_in_use(self) -> None:
         """A port someone else holds stops start-up; crossbar never runs deaf."""
         port = self.hold_port()
