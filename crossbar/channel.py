@@ -44,6 +44,20 @@ class HeadDeadlineChannel(HTTPChannel):
         super().connectionMade()
         no_delay(self.transport)
         self._arm_head_deadline()
+        open_channels = getattr(getattr(self, "site", None), "open_channels", None)
+        if open_channels is not None:
+            open_channels.add(self)
+
+    def close_when_idle(self) -> bool:
+        """Stop keep-alive (a drain): close the connection now if no request is on it,
+        else right after the answer in progress. Returns whether it closed now."""
+        if self.transport is None:
+            return False
+        if self.requests:
+            self.persistent = False  # HTTPChannel closes after this answer
+            return False
+        self.transport.loseConnection()
+        return True
 
     def lineReceived(self, line: bytes) -> None:
         if self._awaiting_request_line and line:
@@ -65,6 +79,9 @@ class HeadDeadlineChannel(HTTPChannel):
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         self._disarm_head_deadline()
+        open_channels = getattr(getattr(self, "site", None), "open_channels", None)
+        if open_channels is not None:
+            open_channels.discard(self)
         super().connectionLost(reason)
 
     def _arm_head_deadline(self) -> None:

@@ -59,8 +59,18 @@ class _Site(Site):
     noisy = False
     protocol = HeadDeadlineChannel  # type: ignore[assignment]  # HTTP/1.1 only: no HTTP/2
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.open_channels: set[HeadDeadlineChannel] = set()
+        """Client connections now open (each channel adds and removes itself)."""
+
     def log(self, request: Any) -> None:
         pass
+
+    def stop_keep_alive(self) -> int:
+        """Close every client connection with no request on it, and every other one
+        right after its answer; returns how many were closed at once."""
+        return sum(1 for channel in list(self.open_channels) if channel.close_when_idle())
 
 
 class ListenService(Service):
@@ -327,7 +337,11 @@ class CrossbarService(MultiService):
             stopped = self.web.stopService()
             if stopped is not None:
                 await stopped
-        self._log.info("stopped accepting; requests in flight: {count}", count=len(self.proxy.active))
+        idle = self.site.stop_keep_alive()  # keep-alive clients reconnect elsewhere
+        self._log.info(
+            "stopped accepting, closed {idle} idle connections; requests in flight: {count}",
+            idle=idle, count=len(self.proxy.active),
+        )
         deadline = self.reactor.seconds() + grace
         while self.proxy.active and self.reactor.seconds() < deadline:
             await deferLater(self.reactor, min(0.05, max(0.0, deadline - self.reactor.seconds())))

@@ -171,3 +171,38 @@ class DrainClosesKeepAliveTests(TestCase):
             await draining
 
         return ensureDeferred(go())
+
+    def test_idle_keep_alive_connections_are_closed_when_accepting_stops(self) -> object:
+        """After ``drain.delay`` crossbar stops accepting; a keep-alive connection that
+        sits idle would otherwise bring a new request during the grace. It is closed;
+        one with a request in flight is left to finish (and closes after its answer)."""
+
+        async def go() -> None:
+            from tests.harness import start_routes
+            from tests.raw import connect_raw, request_bytes
+
+            upstream = FakeLlama()
+            upstream.event_delay = 0.1
+            upstream.events = 8  # ~0.8 s: still running when accepting stops
+            service, base = await start_routes(self, {"a": await listen(self, upstream)})
+            idle = await connect_raw(self, base, request_bytes(b"GET", b"/r/v1/models", close=False))
+            await idle.wait_for(b"tiny-a")
+            busy = await connect_raw(
+                self, base,
+                request_bytes(b"POST", b"/r/v1/chat/completions", [(b"Content-Type", b"application/json"),
+                              (b"Content-Length", b"16")], b'{"stream": true}', close=False),
+            )
+            await busy.wait_for(b"tok0")
+            service.proxy.config = replace(service.proxy.config, drain=DrainSettings(delay=0.2, grace=5))
+            service.config = service.proxy.config
+            draining = service.drain()
+            started = reactor.seconds()
+            await idle.closed  # closed by crossbar once accepting stopped
+            self.assertLess(reactor.seconds() - started, 2.0)
+            self.assertFalse(busy.closed.called)
+            await busy.closed  # its answer ends, then crossbar closes the connection
+            self.assertLess(reactor.seconds() - started, 4.0)
+            self.assertIn(b"[DONE]", busy.data)
+            await draining
+
+        return ensureDeferred(go())
