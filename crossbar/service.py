@@ -33,7 +33,7 @@ from crossbar.proxy import ProxyResource
 from crossbar.reload import SIGHUPReload, plan_reload
 from crossbar.request import CappedRequest
 from crossbar.systemd import Notifier, SystemdNotifier, watchdog_interval
-from crossbar.upstream import UpstreamPools, quiet_pool
+from crossbar.upstream import UpstreamEndpoints, UpstreamPools, quiet_pool
 
 __all__ = ["CrossbarService", "ListenService", "make_service"]
 
@@ -193,7 +193,7 @@ class CrossbarService(MultiService):
         poll_pool = quiet_pool(reactor, persistent=True)
         poll_pool.maxPersistentPerHost = 1
         self._poll_pool = poll_pool
-        probe = HTTPProbe(Agent(reactor, pool=poll_pool, connectTimeout=health.timeout))
+        probe = self._probe(health.timeout)
         self.poller = HealthPoller(
             self.table,
             {name: h.url for name, h in config.hosts.items()},
@@ -251,6 +251,11 @@ class CrossbarService(MultiService):
         self._drain: Deferred[None] | None = None
         self._drained = False
         self._drain_waiters: list[Deferred[None]] = []
+
+    def _probe(self, timeout: float) -> HTTPProbe:
+        """The poller's probe: ``timeout`` bounds opening a connection to a host."""
+        endpoints = UpstreamEndpoints(self.reactor, timeout)
+        return HTTPProbe(Agent.usingEndpointFactory(self.reactor, endpoints, pool=self._poll_pool))
 
     def first_round_done(self) -> bool:
         """Every host's first poll has finished; once true it stays true (a reload that
@@ -386,7 +391,7 @@ class CrossbarService(MultiService):
                     gauge.remove(name)
                 except KeyError:
                     pass
-        self.poller.probe = HTTPProbe(Agent(self.reactor, pool=self._poll_pool, connectTimeout=health.timeout))
+        self.poller.probe = self._probe(health.timeout)
         self.pools.connect_timeout = new.timeouts.connect
         self.config = new
         self.proxy.config = new

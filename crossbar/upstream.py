@@ -24,7 +24,9 @@ from zope.interface import implementer
 
 from crossbar.tcp import no_delay
 
-__all__ = ["MAX_RESPONSE_HEAD", "ConnectTracker", "ResponseHeadTooLarge", "UpstreamPools", "quiet_pool"]
+__all__ = [
+    "MAX_RESPONSE_HEAD", "ConnectTracker", "ResponseHeadTooLarge", "UpstreamEndpoints", "UpstreamPools", "quiet_pool",
+]
 
 MAX_RESPONSE_HEAD = 64 * 1024
 """The most bytes of an upstream answer's head (status lines and headers, interim
@@ -59,26 +61,29 @@ class _TrackedEndpoint:
 
 
 @implementer(IAgentEndpointFactory)
-class ConnectTracker:
-    """An endpoint factory for one proxied request that records its connection attempts.
+class UpstreamEndpoints:
+    """How crossbar connects to a host URL (the proxy's and the poller's agents).
 
-    :ivar connects: new connections opened (0 means a pooled connection was reused).
-    :ivar connect_failure: the failure of the last connection attempt, if it failed.
+    An IP literal gets a plain TCP endpoint: no name resolution (which Twisted does with
+    ``getaddrinfo`` on its thread pool) and a refused connection is known at once. A
+    name goes through ``HostnameEndpoint``. ``https`` wraps either in TLS.
+
+    :param reactor: the reactor.
+    :param connect_timeout: seconds to open a connection.
+    :param tls: the TLS policy for ``https`` hosts.
     """
 
-    def __init__(self, reactor: Any, connect_timeout: float, tls: BrowserLikePolicyForHTTPS) -> None:
+    def __init__(self, reactor: Any, connect_timeout: float, tls: BrowserLikePolicyForHTTPS | None = None) -> None:
         self._reactor = reactor
         self._timeout = connect_timeout
-        self._tls = tls
-        self.connects = 0
-        self.connect_failure: Failure | None = None
+        self._tls = tls if tls is not None else BrowserLikePolicyForHTTPS()
 
     def endpointForURI(self, uri: URI) -> IStreamClientEndpoint:
         host = uri.host.decode("ascii")
         if host.startswith("[") and host.endswith("]"):
             host = host[1:-1]
         endpoint: IStreamClientEndpoint
-        if isIPAddress(host):  # no resolution, and a refusal is known at once
+        if isIPAddress(host):
             endpoint = TCP4ClientEndpoint(self._reactor, host, uri.port, timeout=self._timeout)
         elif isIPv6Address(host):
             endpoint = TCP6ClientEndpoint(self._reactor, host, uri.port, timeout=self._timeout)
@@ -90,7 +95,24 @@ class ConnectTracker:
             )
         if uri.scheme == b"https":
             endpoint = wrapClientTLS(self._tls.creatorForNetloc(uri.host, uri.port), endpoint)
-        return _TrackedEndpoint(endpoint, self)
+        return endpoint
+
+
+@implementer(IAgentEndpointFactory)
+class ConnectTracker:
+    """An endpoint factory for one proxied request that records its connection attempts.
+
+    :ivar connects: new connections opened (0 means a pooled connection was reused).
+    :ivar connect_failure: the failure of the last connection attempt, if it failed.
+    """
+
+    def __init__(self, endpoints: UpstreamEndpoints) -> None:
+        self._endpoints = endpoints
+        self.connects = 0
+        self.connect_failure: Failure | None = None
+
+    def endpointForURI(self, uri: URI) -> IStreamClientEndpoint:
+        return _TrackedEndpoint(self._endpoints.endpointForURI(uri), self)
 
 
 class _ClientProtocol(HTTP11ClientProtocol):
@@ -189,7 +211,7 @@ class UpstreamPools:
 
         ``fresh=True`` never reuses a pooled connection (the retry after a stale one).
         """
-        tracker = ConnectTracker(self._reactor, self.connect_timeout, self._tls)
+        tracker = ConnectTracker(UpstreamEndpoints(self._reactor, self.connect_timeout, self._tls))
         pool = self._fresh_pool if fresh else self.pool
         return Agent.usingEndpointFactory(self._reactor, tracker, pool=pool), tracker
 

@@ -6,7 +6,7 @@ from twisted.internet.endpoints import HostnameEndpoint, TCP4ClientEndpoint, TCP
 from twisted.trial.unittest import TestCase
 from twisted.web.client import URI, BrowserLikePolicyForHTTPS
 
-from crossbar.upstream import ConnectTracker
+from crossbar.upstream import ConnectTracker, UpstreamEndpoints
 
 
 class EndpointChoiceTests(TestCase):
@@ -17,7 +17,7 @@ class EndpointChoiceTests(TestCase):
     def endpoint(self, url: bytes) -> object:
         from twisted.internet import reactor  # built, never connected
 
-        tracker = ConnectTracker(reactor, 5.0, BrowserLikePolicyForHTTPS())
+        tracker = ConnectTracker(UpstreamEndpoints(reactor, 5.0, BrowserLikePolicyForHTTPS()))
         return tracker.endpointForURI(URI.fromBytes(url))._wrapped  # type: ignore[attr-defined]
 
     def test_ipv4_literal(self) -> None:
