@@ -435,6 +435,7 @@ def _routes(c: _Checker, raw: Any, hosts: Mapping[str, Host]) -> dict[str, Route
             hkey = f"{key}.hosts[{i}]"
             if not isinstance(h, str):
                 raise c.fail(hkey, f"must be a host name, not {_kind(h)}")
+            h = c.expand(hkey, h)
             if h not in hosts:
                 raise c.fail(hkey, f"unknown host {h!r}")
             if h in seen:

@@ -149,12 +149,6 @@ class HealthTable:
             name: old[name] if name in old and name not in fresh else HostStatus() for name in names
         }
 
-    def mark_polled(self, name: str) -> None:
-        """Note that the first poll of ``name`` ended without a result (for readiness)."""
-        old = self._hosts.get(name)
-        if old is not None and not old.polled:
-            self._hosts[name] = replace(old, polled=True)
-
     def _set(self, name: str, old: HostStatus, new: HostStatus) -> None:
         self._hosts[name] = new
         if not old.polled and new.polled and not new.healthy and not old.healthy:

@@ -86,9 +86,11 @@ class OpsApp:
         token = self._token()
         if token is None:
             return True
-        got = request.getHeader(b"authorization") or b""
-        expected = b"Bearer " + token.encode("utf-8")
-        return hmac.compare_digest(got, expected)
+        scheme, _, credentials = (request.getHeader(b"authorization") or b"").partition(b" ")
+        # The scheme is case-insensitive (RFC 9110 §11.1); the token is compared in
+        # constant time.
+        ok = hmac.compare_digest(credentials.strip(), token.encode("utf-8"))
+        return scheme.lower() == b"bearer" and ok
 
     @app.route("/status", methods=["GET"])
     def status(self, request: IRequest) -> bytes:

@@ -235,7 +235,6 @@ class HealthPoller(Service):
         self._on_poll = on_poll
         self._inflight: dict[str, Deferred[Any]] = {}
         self._loop: LoopingCall | None = None
-        self._loop_done: Deferred[Any] | None = None
         self._stopping = False
         self._first_round: list[Deferred[None]] = []
 
@@ -245,7 +244,7 @@ class HealthPoller(Service):
         loop = LoopingCall(self.poll_round)
         loop.clock = self.clock
         self._loop = loop
-        self._loop_done = loop.start(self.interval, now=True)
+        loop.start(self.interval, now=True)
 
     def stopService(self) -> Deferred[Any]:
         super().stopService()

@@ -208,7 +208,6 @@ class _Exchange:
         self.entered: str | None = None
         self.tried: list[str] = []
         self.ended = False
-        self.gone = False
         self.status = 0
         self.bytes = 0
         self.ttfb: float | None = None
@@ -429,7 +428,6 @@ class _Exchange:
         """The client's connection closed before the answer ended: cancel upstream."""
         if self.ended:
             return
-        self.gone = True
         self.status = 499  # nginx's "client closed request", for the log line only
         self.end()
         if self.upstream is not None:

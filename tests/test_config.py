@@ -602,6 +602,11 @@ class EnvironmentTests(_Case):
         c = parse(doc(hosts={"a": "http://${GPU_A}:8080/"}), {"GPU_A": "10.0.0.5"})
         self.assertEqual(c.hosts["a"].url, "http://10.0.0.5:8080")
 
+    def test_variable_in_route_host_list(self) -> None:
+        """``${NAME}`` works in every string value, route host lists included."""
+        c = parse(doc(routes={"r": {"hosts": ["${PRIMARY}"]}}), {"PRIMARY": "a"})
+        self.assertEqual(c.routes["r"].hosts, ("a",))
+
     def test_unset_variable_in_url(self) -> None:
         self.assertRejected(
             doc(hosts={"a": {"url": "http://${GPU_A}:8080"}}), "x.yaml: hosts.a.url: environment variable GPU_A is not set"

@@ -109,9 +109,10 @@ class TokenTests(TestCase):
                     self.assertEqual(response.code, 401, (path, headers))
                     self.assertEqual(response.headers.getRawHeaders(b"content-type"), [b"application/json"])
                     self.assertEqual(await treq.json_content(response), {"error": "unauthorized"})
-                response = await http.get(base + path, headers={"Authorization": f"Bearer {TOKEN}"})
-                self.assertEqual(response.code, 200, path)
-                await treq.content(response)
+                for good in (f"Bearer {TOKEN}", f"bearer {TOKEN}", f"BEARER {TOKEN}"):  # RFC 9110 §11.1
+                    response = await http.get(base + path, headers={"Authorization": good})
+                    self.assertEqual(response.code, 200, (path, good))
+                    await treq.content(response)
             for path in ("/_crossbar/livez", "/_crossbar/readyz", "/_crossbar/healthz"):
                 response = await http.get(base + path)
                 self.assertEqual(response.code, 200, path)
