@@ -26,6 +26,7 @@ from zope.interface import Interface, implementer
 
 from treq.client import HTTPClient
 
+from crossbar.failures import describe_failure
 from crossbar.health import HealthTable
 from crossbar.models import ModelsError, resident_models
 
@@ -143,16 +144,6 @@ def _cancelled(failure: Failure) -> bool:
     return any(isinstance(r, Failure) and _cancelled(r) for r in getattr(failure.value, "reasons", None) or ())
 
 
-def _describe(failure: Failure) -> str:
-    """A short, single-line reason for a failed request."""
-    value = failure.value
-    reasons = getattr(value, "reasons", None)
-    if reasons:  # ResponseNeverReceived and friends wrap a list of failures
-        return _describe(reasons[0])
-    text = str(value).strip() or type(value).__name__
-    return " ".join(text.split())
-
-
 @implementer(IHostProbe)
 class HTTPProbe:
     """The real probe: two bounded GETs on ``agent`` through treq (DESIGN.md §health, rule 2).
@@ -175,7 +166,7 @@ class HTTPProbe:
             failure = Failure()
             if _cancelled(failure):
                 raise PollCancelled(phase) from None
-            raise PollFailed(f"{phase}: {_describe(failure)}") from None
+            raise PollFailed(f"{phase}: {describe_failure(failure)}") from None
         problem: str | None = None
         body = b""
         try:
@@ -186,7 +177,7 @@ class HTTPProbe:
             failure = Failure()
             if _cancelled(failure):
                 raise PollCancelled(phase) from None
-            problem = f"{phase}: {_describe(failure)}"
+            problem = f"{phase}: {describe_failure(failure)}"
         if response.code != 200:  # the status says more than the body (read only to drain it)
             raise PollFailed(f"{phase}: HTTP {response.code}")
         if problem is not None:
@@ -351,7 +342,7 @@ class HealthPoller(Service):
             elif isinstance(result.value, PollFailed):
                 reason = result.value.reason
             else:
-                reason = f"health: {_describe(result)}"
+                reason = f"health: {describe_failure(result)}"
             self.table.record_failure(name, reason)
             ok = False
         else:

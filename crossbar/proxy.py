@@ -26,6 +26,7 @@ from twisted.web.server import NOT_DONE_YET, Request
 from twisted.web._newclient import RequestNotSent, RequestTransmissionFailed, ResponseNeverReceived
 from zope.interface import implementer
 
+from crossbar.failures import describe_failure
 from crossbar.config import Config, Route
 from crossbar.health import HealthTable
 from crossbar.metrics import Metrics
@@ -36,7 +37,7 @@ from crossbar.routing import (
 from crossbar.upstream import ConnectTracker, UpstreamPools
 
 __all__ = [
-    "HOST_HEADER", "HOP_BY_HOP", "STALE_WINDOW", "ProxyResource", "hop_by_hop_names", "describe_failure",
+    "HOST_HEADER", "HOP_BY_HOP", "STALE_WINDOW", "ProxyResource", "hop_by_hop_names",
     "relayable_phrase",
 ]
 
@@ -89,16 +90,6 @@ def relayable_phrase(phrase: bytes) -> bytes | None:
     if not phrase or any(c < 0x20 and c != 0x09 or c == 0x7F for c in phrase):
         return None
     return phrase
-
-
-def describe_failure(failure: Failure) -> str:
-    """A one-line reason for a failed upstream request (for logs and ``last_err``)."""
-    value = failure.value
-    reasons = getattr(value, "reasons", None)
-    if reasons:
-        return describe_failure(reasons[0])
-    text = " ".join(str(value).split()) or type(value).__name__
-    return text[:300]
 
 
 class ProxyResource(Resource):
