@@ -1,4 +1,4 @@
-"""The HTTP/1.1 server channel: Twisted's, with a deadline on each request head.
+"""The HTTP/1.1 server channel: Twisted's, with deadlines on each request head and body.
 
 Twisted's own ``timeOut`` (60 s) is an *idle* timeout: every byte restarts it, so a
 client trickling one header byte a minute (slowloris) would hold a connection for days.
@@ -6,8 +6,10 @@ client trickling one header byte a minute (slowloris) would hold a connection fo
 :data:`HEAD_DEADLINE` seconds, counted from when the connection is ready for a request
 (opened, or the previous answer finished). An idle keep-alive connection is closed after
 the same time. The deadline does not run while a request is being answered, so long
-streams are unaffected. (DESIGN.md §The proxy, rule 9: no request can leave crossbar
-serving less.)
+streams are unaffected. A request body then gets :data:`HEAD_DEADLINE` seconds plus one
+second per :data:`MIN_BODY_RATE` bytes of it (of the 16 MiB limit when it is chunked):
+a body trickled a byte a minute no longer holds a connection for days either.
+(DESIGN.md §The proxy, rule 9: no request can leave crossbar serving less.)
 """
 
 from __future__ import annotations
@@ -20,13 +22,21 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.http import HTTPChannel
 
-from crossbar.request import json_error_bytes
+from crossbar.request import MAX_BODY, json_error_bytes
 from crossbar.tcp import no_delay
 
-__all__ = ["HEAD_DEADLINE", "HeadDeadlineChannel"]
+__all__ = ["HEAD_DEADLINE", "MIN_BODY_RATE", "HeadDeadlineChannel", "body_deadline"]
 
 HEAD_DEADLINE = 60.0
 """Seconds a connection gets to deliver a complete request head once it is ready for one."""
+
+MIN_BODY_RATE = 64 * 1024
+"""Bytes per second a request body must average (on top of :data:`HEAD_DEADLINE`)."""
+
+
+def body_deadline(length: int | None) -> float:
+    """Seconds a request body of ``length`` bytes (None: chunked) may take to arrive."""
+    return HEAD_DEADLINE + (MAX_BODY if length is None else length) / MIN_BODY_RATE
 
 _log = Logger(namespace="crossbar.channel")
 
@@ -68,7 +78,14 @@ class HeadDeadlineChannel(HTTPChannel):
 
     def allHeadersReceived(self) -> None:
         self._disarm_head_deadline()
+        length = self.length  # Content-Length, None when chunked, 0 without a body
         super().allHeadersReceived()
+        if length != 0:  # disarmed again by allContentReceived
+            self._head_timer = self.callLater(body_deadline(length), self._head_deadline_passed)
+
+    def allContentReceived(self) -> None:
+        self._disarm_head_deadline()
+        super().allContentReceived()
 
     def requestDone(self, request: Any) -> None:
         # Armed first: a pipelined request already buffered is parsed inside
@@ -112,6 +129,5 @@ class HeadDeadlineChannel(HTTPChannel):
         if self.transport is None:
             return
         peer = self.transport.getPeer()
-        _log.debug("closing {peer}: no complete request head within {deadline}s",
-                   peer=str(peer), deadline=self.head_deadline)
+        _log.debug("closing {peer}: request head or body too slow", peer=str(peer))
         self.transport.abortConnection()  # type: ignore[attr-defined]

@@ -166,3 +166,45 @@ class BadRequestTests(TestCase):
         head, _, body = raw.partition(b"\r\n\r\n")
         self.assertTrue(head.startswith(b"HTTP/1.1 400 Bad Request"))
         self.assertEqual(body, b"")
+
+
+class BodyDeadlineTests(TestCase):
+    """A request body must average MIN_BODY_RATE after a HEAD_DEADLINE head start."""
+
+    def test_trickled_body_is_cut(self) -> None:
+        from crossbar.channel import body_deadline
+
+        slow = _Slow()
+        channel, transport, clock = _channel(slow)
+        channel.dataReceived(b"POST /r/v1/x HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
+        deadline = body_deadline(1000)
+        waited = 0.0
+        while waited + 10 < deadline:
+            clock.advance(10)
+            waited += 10
+            channel.dataReceived(b"x")  # one byte every 10 s: Twisted's idle timeout never fires
+            self.assertFalse(transport.disconnecting)
+        clock.advance(deadline - waited)
+        self.assertTrue(transport.disconnecting)
+        self.assertEqual(slow.pending, [])  # never reached a resource
+
+    def test_body_in_time_then_long_answer(self) -> None:
+        slow = _Slow()
+        channel, transport, clock = _channel(slow)
+        channel.dataReceived(b"POST /r/v1/x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        clock.advance(HEAD_DEADLINE / 2)  # over HEAD_DEADLINE in all: the 16 MiB allowance
+        channel.dataReceived(b"3\r\nabc\r\n")  # applies to a chunked body
+        clock.advance(HEAD_DEADLINE / 2 + 10)
+        channel.dataReceived(b"0\r\n\r\n")
+        self.assertEqual(len(slow.pending), 1)
+        clock.advance(HEAD_DEADLINE * 10)  # the answer takes long: no deadline runs
+        self.assertFalse(transport.disconnecting)
+        slow.pending[0].finish()
+
+    def test_deadline_grows_with_the_body(self) -> None:
+        from crossbar.channel import MIN_BODY_RATE, body_deadline
+        from crossbar.request import MAX_BODY
+
+        self.assertEqual(body_deadline(0), HEAD_DEADLINE)
+        self.assertEqual(body_deadline(MIN_BODY_RATE * 10), HEAD_DEADLINE + 10)
+        self.assertEqual(body_deadline(None), body_deadline(MAX_BODY))
