@@ -115,6 +115,7 @@ class ProxyResource(Resource):
         self.metrics = metrics
         self.inflight: dict[str, int] = {}
         self.active: set[_Exchange] = set()
+        self._idle_waiters: list[Deferred[None]] = []
         self.draining = False
         """Set when a drain starts: answers then close their connection (keep-alive
         clients reconnect elsewhere instead of sending more requests here)."""
@@ -126,6 +127,21 @@ class ProxyResource(Resource):
         except Exception:
             exchange.on_bug(Failure())
         return NOT_DONE_YET
+
+    def when_idle(self) -> Deferred[None]:
+        """Fires once no request is in flight (at once if none is); cancellable."""
+        if not self.active:
+            return succeed(None)
+        d: Deferred[None] = Deferred(self._idle_waiters.remove)
+        self._idle_waiters.append(d)
+        return d
+
+    def _exchange_ended(self, exchange: _Exchange) -> None:
+        self.active.discard(exchange)
+        if not self.active and self._idle_waiters:
+            waiters, self._idle_waiters = self._idle_waiters, []
+            for d in waiters:
+                d.callback(None)
 
     def abort_all(self) -> None:
         """Abort every request still in flight (the end of a drain's grace)."""
@@ -483,7 +499,7 @@ class _Exchange:
         self.ended = True
         self.cancel_timer("first_byte_timer")
         self.cancel_timer("idle_timer")
-        self.proxy.active.discard(self)
+        self.proxy._exchange_ended(self)
         self.leave_host()
         now = self.clock.seconds()
         route = self.route.name if self.route is not None else ""

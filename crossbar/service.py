@@ -14,6 +14,7 @@ from typing import Any, Mapping
 from twisted.application.service import MultiService, Service
 from twisted.internet.defer import Deferred, DeferredList, ensureDeferred, gatherResults
 from twisted.internet.endpoints import serverFromString
+from twisted.internet.defer import TimeoutError
 from twisted.internet.error import CannotListenError
 from twisted.internet.interfaces import IListeningPort, IProtocolFactory, IStreamServerEndpoint
 from twisted.python.failure import Failure
@@ -347,9 +348,12 @@ class CrossbarService(MultiService):
             "stopped accepting, closed {idle} idle connections; requests in flight: {count}",
             idle=idle, count=len(self.proxy.active),
         )
-        deadline = self.reactor.seconds() + grace
-        while self.proxy.active and self.reactor.seconds() < deadline:
-            await deferLater(self.reactor, min(0.05, max(0.0, deadline - self.reactor.seconds())))
+        finished = self.proxy.when_idle()
+        finished.addTimeout(grace, self.reactor)
+        try:
+            await finished
+        except TimeoutError:
+            pass  # the grace is over
         if self.proxy.active:
             self._log.warn(
                 "drain grace over: aborting requests still in flight: {count}", count=len(self.proxy.active)
