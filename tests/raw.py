@@ -31,10 +31,12 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import TestCase
 from zope.interface import implementer
 
-from tests.harness import port_of
+from tests.harness import TwoHosts, port_of, wait_for
+from tests.logs import LogCapture
 
 __all__ = [
     "BadResponse", "RawClient", "RawResponse", "complete", "connect_raw", "parse_responses", "post_bytes",
+    "still_serving",
     "raw_exchange", "request_bytes",
 ]
 
@@ -332,3 +334,19 @@ async def raw_exchange(
     received = client.data
     assert how != "timeout", f"no end within {timeout}s; got {received[:300]!r}"
     return received, how
+
+
+async def still_serving(case: TestCase, hosts: TwoHosts, watch: LogCapture) -> None:
+    """After an attack: a normal request to route ``r`` is answered 200 by host ``a``,
+    both hosts are still healthy (nothing was marked down), nothing was logged as an
+    error, and no request is left in flight."""
+    body = b'{"model": "model-a", "messages": []}'
+    data, _ = await raw_exchange(hosts.port, post_bytes(b"/r/v1/chat/completions", body))
+    [answer] = parse_responses(data)
+    case.assertEqual((answer.status, answer.one(b"x-crossbar-host")), (200, b"a"))
+    for name in ("a", "b"):
+        status = hosts.service.table.get(name)
+        assert status is not None
+        case.assertTrue(status.healthy, (name, status.last_err))
+    case.assertEqual(watch.errors(), [])
+    await wait_for(lambda: not hosts.service.proxy.active, 2.0)

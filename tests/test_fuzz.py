@@ -24,7 +24,7 @@ from twisted.trial.unittest import TestCase
 from crossbar.request import MAX_BODY
 from tests.harness import two_hosts
 from tests.logs import LogCapture
-from tests.raw import BadResponse, complete, parse_responses, raw_exchange, request_bytes
+from tests.raw import BadResponse, complete, parse_responses, raw_exchange, request_bytes, still_serving
 
 SECRET = b"fuzz-secret-7d2e"
 _TOKEN = re.compile(rb"^[!#$%&'*+\-.^_`|~0-9A-Za-z]+$")
@@ -159,17 +159,8 @@ class FuzzTests(TestCase):
             await deferToThread(prop)
             self.assertGreater(len(seen), 50)
             # crossbar still serves, nothing was marked down, nothing secret was logged.
-            body = b'{"model": "model-a"}'
-            data, _ = await raw_exchange(port, request_bytes(
-                b"POST", b"/r/v1/chat/completions", [(b"Content-Length", b"%d" % len(body))], body))
-            [response] = parse_responses(data)
-            self.assertEqual((response.status, response.one(b"x-crossbar-host")), (200, b"a"))
-            for name in ("a", "b"):
-                status = hosts.service.table.get(name)
-                assert status is not None
-                self.assertTrue(status.healthy, (name, status.last_err))
+            await still_serving(self, hosts, log)  # also: no crash logged
             self.assertTrue(log.proxied())
-            self.assertEqual([e for e in log.events if "log_failure" in e], [])  # no crash logged
             log.assert_never_contains(self, SECRET)
 
         return ensureDeferred(go())

@@ -25,7 +25,7 @@ from twisted.trial.unittest import TestCase
 
 from tests.harness import TwoHosts, two_hosts, upstream_requests, wait_for
 from tests.logs import LogCapture
-from tests.raw import complete, parse_responses, post_bytes, raw_exchange, request_bytes
+from tests.raw import complete, parse_responses, post_bytes, raw_exchange, request_bytes, still_serving
 
 _PLAIN = b'{"model": "model-a", "messages": []}'
 _STREAM = b'{"model": "model-a", "stream": true, "messages": []}'
@@ -34,19 +34,6 @@ _PATH = b"/r/v1/chat/completions"
 
 def _post(body: bytes, close: bool = True, extra: list[tuple[bytes, bytes]] | None = None) -> bytes:
     return post_bytes(_PATH, body, extra or (), close)
-
-
-async def _still_serving(case: TestCase, hosts: TwoHosts, watch: LogCapture) -> None:
-    """A normal request succeeds, both hosts are healthy, nothing logged as an error."""
-    data, _ = await raw_exchange(hosts.port, _post(_PLAIN))
-    [answer] = parse_responses(data)
-    case.assertEqual((answer.status, answer.one(b"x-crossbar-host")), (200, b"a"))
-    for name in ("a", "b"):
-        status = hosts.service.table.get(name)
-        assert status is not None
-        case.assertTrue(status.healthy, (name, status.last_err))
-    case.assertEqual(watch.errors(), [])
-    await wait_for(lambda: not hosts.service.proxy.active, 2.0)
 
 
 class _Conn(Protocol):
@@ -98,7 +85,7 @@ class PipeliningTests(TestCase):
             self.assertIn(json.loads(answers[2].body)["data"][0]["id"], ("model-a", "model-b"))
             self.assertEqual([s.uri for s in upstream_requests(hosts.a)], [b"/v1/chat/completions"] * 2)
             self.assertEqual(len(upstream_requests(hosts.a) + upstream_requests(hosts.b)), 3)
-            await _still_serving(self, hosts, watch)
+            await still_serving(self, hosts, watch)
 
         return ensureDeferred(go())
 
@@ -115,7 +102,7 @@ class SmugglingTests(TestCase):
             answers = parse_responses(data)
             self.assertEqual([a.status for a in answers], [400], answers)
         self.assertEqual(upstream_requests(hosts.a) + upstream_requests(hosts.b), [])
-        await _still_serving(self, hosts, watch)
+        await still_serving(self, hosts, watch)
 
     _SMUGGLED = b"GET /r/v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
 
@@ -181,7 +168,7 @@ class SmugglingTests(TestCase):
             self.assertEqual(seen[0].body, _PLAIN)
             self.assertEqual(seen[0].headers.getRawHeaders(b"content-length"), [b"%d" % len(_PLAIN)])
             self.assertIsNone(seen[0].headers.getRawHeaders(b"transfer-encoding"))
-            await _still_serving(self, hosts, watch)
+            await still_serving(self, hosts, watch)
 
         return ensureDeferred(go())
 
@@ -202,7 +189,7 @@ class FramingTests(TestCase):
             self.assertNotIn(b"transfer-encoding", head.lower())
             self.assertTrue(body.startswith(b"data: {"), body[:50])
             self.assertTrue(body.endswith(b"data: [DONE]\n\n"), body[-50:])
-            await _still_serving(self, hosts, watch)
+            await still_serving(self, hosts, watch)
 
         return ensureDeferred(go())
 
@@ -221,7 +208,7 @@ class FramingTests(TestCase):
             for answer in answers:
                 self.assertEqual(answer.status, 200)
                 self.assertEqual(json.loads(answer.body)["object"], "chat.completion")
-            await _still_serving(self, hosts, watch)
+            await still_serving(self, hosts, watch)
 
         return ensureDeferred(go())
 
@@ -241,7 +228,7 @@ class FramingTests(TestCase):
                 status = hosts.service.table.get(name)
                 assert status is not None
                 self.assertTrue(status.healthy)
-            await _still_serving(self, hosts, watch)
+            await still_serving(self, hosts, watch)
 
         return ensureDeferred(go())
 
@@ -260,7 +247,7 @@ class FramingTests(TestCase):
                 [answer] = parse_responses(data, at_eof=False)
                 self.assertTrue(200 <= answer.status <= 599, answer)
             self.assertNotIn(b"CONNECT", [s.method for s in upstream_requests(hosts.a) + upstream_requests(hosts.b)])
-            await _still_serving(self, hosts, watch)
+            await still_serving(self, hosts, watch)
 
         return ensureDeferred(go())
 
@@ -279,7 +266,7 @@ class FramingTests(TestCase):
                 self.assertEqual([a.status for a in final], [200])
             for seen in upstream_requests(hosts.a):
                 self.assertIsNone(seen.headers.getRawHeaders(b"expect"))
-            await _still_serving(self, hosts, watch)
+            await still_serving(self, hosts, watch)
 
         return ensureDeferred(go())
 
@@ -295,7 +282,7 @@ class FramingTests(TestCase):
                 if data:
                     self.assertEqual([a.status for a in parse_responses(data)], [400])
             self.assertEqual(upstream_requests(hosts.a), [])
-            await _still_serving(self, hosts, watch)
+            await still_serving(self, hosts, watch)
 
         return ensureDeferred(go())
 
@@ -319,7 +306,7 @@ class SlowAndGoneTests(TestCase):
                 await conn.closed
             await deferLater(reactor, 0.2)
             self.assertEqual(upstream_requests(hosts.a) + upstream_requests(hosts.b), [])
-            await _still_serving(self, hosts, watch)
+            await still_serving(self, hosts, watch)
 
         return ensureDeferred(go())
 
@@ -340,7 +327,7 @@ class SlowAndGoneTests(TestCase):
             [answer] = parse_responses(conn.received)
             self.assertEqual(answer.status, 200)
             self.assertEqual([s.body for s in upstream_requests(hosts.a)], [_PLAIN])
-            await _still_serving(self, hosts, watch)
+            await still_serving(self, hosts, watch)
 
         return ensureDeferred(go())
 
@@ -376,13 +363,13 @@ class SlowAndGoneTests(TestCase):
                 for conn in trickling:
                     conn.transport.write(b"a")  # type: ignore[union-attr]
                 start = time.monotonic()
-                await _still_serving(self, hosts, watch)
+                await still_serving(self, hosts, watch)
                 self.assertLess(time.monotonic() - start, 5.0)
             for conn in opened:
                 self.assertFalse(conn.closed.called)
                 self.assertEqual(conn.received, b"")
                 conn.transport.abortConnection()  # type: ignore[union-attr]
             await DeferredList([c.closed for c in opened])
-            await _still_serving(self, hosts, watch)
+            await still_serving(self, hosts, watch)
 
         return ensureDeferred(go())
