@@ -24,6 +24,7 @@ from twisted.web.http import HTTPChannel
 
 from crossbar.request import MAX_BODY, json_error_bytes
 from crossbar.tcp import no_delay
+from crossbar.twisted_private import BadRequestHook
 
 __all__ = ["HEAD_DEADLINE", "MIN_BODY_RATE", "HeadDeadlineChannel", "body_deadline"]
 
@@ -41,7 +42,7 @@ def body_deadline(length: int | None) -> float:
 _log = Logger(namespace="crossbar.channel")
 
 
-class HeadDeadlineChannel(HTTPChannel):
+class HeadDeadlineChannel(BadRequestHook, HTTPChannel):
     """An ``HTTPChannel`` that closes connections whose request head takes longer than
     ``head_deadline`` seconds (default :data:`HEAD_DEADLINE`)."""
 
@@ -110,11 +111,12 @@ class HeadDeadlineChannel(HTTPChannel):
         if timer is not None and timer.active():
             timer.cancel()
 
-    def _respondToBadRequestAndDisconnect(self) -> None:
+    def respond_to_bad_request(self) -> None:
         """Twisted's answer to a request it cannot parse (bad request line, header,
         framing or size) is a bare ``400``; crossbar's error answers are JSON
-        (DESIGN.md §The proxy, rule 9). Overrides a private HTTPChannel hook; the
-        tests in tests/test_channel.py pin it."""
+        (DESIGN.md §The proxy, rule 9) and recorded like any other answer (rule 8).
+        Called through :class:`~crossbar.twisted_private.BadRequestHook`; the tests in
+        tests/test_channel.py pin it."""
         body = json_error_bytes("bad request")
         head = self._method == b"HEAD"  # a HEAD answer carries no body
         self.transport.write(  # type: ignore[union-attr]
@@ -123,6 +125,9 @@ class HeadDeadlineChannel(HTTPChannel):
             b"Connection: close\r\n\r\n" + (b"" if head else body)
         )
         self.loseConnection()
+        record = getattr(getattr(self, "site", None), "record_early_answer", None)
+        if record is not None:
+            record(self._method, b"", 400, 0 if head else len(body))
 
     def _head_deadline_passed(self) -> None:
         self._head_timer = None

@@ -64,10 +64,6 @@ class HealthTable:
         self.failure_threshold = failure_threshold
         self._now = now
 
-    def names(self) -> tuple[str, ...]:
-        """The tracked host names, in configuration order."""
-        return tuple(self._hosts)
-
     def get(self, name: str) -> HostStatus | None:
         """The status of ``name``, or None for a host the table does not track."""
         return self._hosts.get(name)
@@ -77,6 +73,7 @@ class HealthTable:
         return dict(self._hosts)
 
     def is_healthy(self, name: str) -> bool:
+        """Whether ``name`` is tracked and healthy."""
         status = self._hosts.get(name)
         return status is not None and status.healthy
 

@@ -1,17 +1,61 @@
 """Prometheus metrics (DESIGN.md §Operations), on a registry of crossbar's own.
 
 Every crossbar service owns one :class:`Metrics`; nothing is registered globally, so
-several crossbars (tests) can live in one process.
+several crossbars (tests) can live in one process. Counters and histograms are updated
+as things happen (by :class:`~crossbar.record.RequestLog`, the poller, mark-downs);
+live values -- requests in flight, host health, models loaded -- are read at scrape
+time by :class:`LiveCollector` from the same objects status and choosing read, so no
+gauge is ever set by hand and none can drift.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from typing import Callable, Iterable, Mapping
 
-__all__ = ["CONTENT_TYPE_LATEST", "Metrics"]
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
+
+from crossbar.health import HostStatus
+
+__all__ = ["CONTENT_TYPE_LATEST", "LiveCollector", "Metrics"]
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class LiveCollector(Collector):
+    """Gauges read at scrape time.
+
+    :param inflight: returns (route, host) -> requests in flight.
+    :param hosts: returns host name -> its current :class:`HostStatus`.
+    """
+
+    def __init__(
+        self,
+        inflight: Callable[[], Mapping[tuple[str, str], int]],
+        hosts: Callable[[], Mapping[str, HostStatus]],
+    ) -> None:
+        self._inflight = inflight
+        self._hosts = hosts
+
+    def collect(self) -> Iterable[Metric]:
+        inflight = GaugeMetricFamily(
+            "crossbar_inflight_requests", "Requests in flight to a host.", labels=("route", "host")
+        )
+        for (route, host), count in sorted(self._inflight().items()):
+            inflight.add_metric((route, host), count)
+        healthy = GaugeMetricFamily("crossbar_host_healthy", "1 when the host is in rotation, else 0.", labels=("host",))
+        loaded = GaugeMetricFamily(
+            "crossbar_host_models_loaded", "Models resident on the host at its last good poll.", labels=("host",)
+        )
+        for name, status in self._hosts().items():
+            healthy.add_metric((name,), 1 if status.healthy else 0)
+            loaded.add_metric((name,), len(status.loaded))
+        return [inflight, healthy, loaded]
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # dynamic: described by collect() at scrape time only
 
 
 class Metrics:
@@ -22,7 +66,7 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
-            "crossbar_requests", "Proxied requests by route, host and status code.",
+            "crossbar_requests", "Answered requests by route, host and status code.",
             ("route", "host", "code"), registry=r,
         )
         self.duration = Histogram(
@@ -33,16 +77,6 @@ class Metrics:
             "crossbar_time_to_first_byte_seconds", "Time from request sent upstream to response headers.",
             ("route", "host"), buckets=_LATENCY_BUCKETS, registry=r,
         )
-        self.inflight = Gauge(
-            "crossbar_inflight_requests", "Requests in flight to a host.", ("route", "host"), registry=r,
-        )
-        self.host_healthy = Gauge(
-            "crossbar_host_healthy", "1 when the host is in rotation, else 0.", ("host",), registry=r,
-        )
-        self.models_loaded = Gauge(
-            "crossbar_host_models_loaded", "Models resident on the host at its last good poll.",
-            ("host",), registry=r,
-        )
         self.poll_duration = Histogram(
             "crossbar_poll_duration_seconds", "Duration of one health poll of one host.",
             ("host", "result"), buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30), registry=r,
@@ -51,6 +85,10 @@ class Metrics:
             "crossbar_mark_downs", "Hosts taken out of rotation by a failed request.",
             ("host", "reason"), registry=r,
         )
+
+    def watch(self, collector: LiveCollector) -> None:
+        """Read ``collector``'s live gauges at every scrape."""
+        self.registry.register(collector)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every collector."""

@@ -10,15 +10,15 @@ from __future__ import annotations
 import hmac
 import json
 from datetime import datetime, timezone
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from klein import Klein
 from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource
 
-from crossbar.health import HealthTable
 from crossbar.metrics import CONTENT_TYPE_LATEST, Metrics
 from crossbar.request import json_error_bytes
+from crossbar.runtime import Runtime
 
 __all__ = ["OpsApp", "rfc3339"]
 
@@ -32,44 +32,22 @@ def rfc3339(seconds: float | None) -> str | None:
 
 
 class OpsApp:
-    """``/_crossbar/...``: status, metrics and probes.
+    """``/_crossbar/...``: status, metrics and probes, read from ``runtime`` (so a
+    reload, a drain and every request are seen at once).
 
-    :param table: the health table.
-    :param urls: host name -> base URL (a callable, so a reload is seen at once).
-    :param inflight: host name -> requests in flight to it.
-    :param token: the ops bearer token, or None for open access (a callable, for reload).
-    :param first_round_done: whether every host's first poll has finished.
+    :param runtime: the shared state (config, health table, in-flight counts, draining).
     :param metrics: the Prometheus collectors.
     """
 
     app = Klein()
 
-    def __init__(
-        self,
-        table: Callable[[], HealthTable],
-        urls: Callable[[], Mapping[str, str]],
-        inflight: Mapping[str, int],
-        token: Callable[[], str | None],
-        first_round_done: Callable[[], bool],
-        metrics: Metrics,
-    ) -> None:
-        self._table = table
-        self._urls = urls
-        self._inflight = inflight
-        self._token = token
-        self._first_round_done = first_round_done
+    def __init__(self, runtime: Runtime, metrics: Metrics) -> None:
+        self._runtime = runtime
         self._metrics = metrics
-        self.draining = False
 
     def resource(self) -> IResource:
+        """The Klein resource to mount at ``/_crossbar``."""
         return self.app.resource()
-
-    @property
-    def ready(self) -> bool:
-        """Ready: every host's first poll is done, some host is healthy, not draining."""
-        if self.draining or not self._first_round_done():
-            return False
-        return any(s.healthy for s in self._table().all().values())
 
     def _json(self, request: IRequest, code: int, doc: Any) -> bytes:
         request.setResponseCode(code)
@@ -83,7 +61,7 @@ class OpsApp:
         return json_error_bytes(message)
 
     def _authorized(self, request: IRequest) -> bool:
-        token = self._token()
+        token = self._runtime.config.ops.token
         if token is None:
             return True
         scheme, _, credentials = (request.getHeader(b"authorization") or b"").partition(b" ")
@@ -97,18 +75,20 @@ class OpsApp:
         if not self._authorized(request):
             request.setHeader(b"WWW-Authenticate", b'Bearer realm="crossbar"')
             return self._error(request, 401, "unauthorized")
-        urls = self._urls()
+        runtime = self._runtime
+        config = runtime.config
         hosts = {}
-        for name, s in self._table().all().items():
+        for name, s in runtime.table.all().items():
+            host = config.hosts.get(name)
             hosts[name] = {
-                "url": urls.get(name),
+                "url": host.url if host is not None else None,
                 "healthy": s.healthy,
                 "loaded": list(s.loaded),
                 "last_ok": rfc3339(s.last_ok),
                 "last_err": s.last_err,
                 "consecutive": s.consecutive,
                 "failures": s.failures,
-                "inflight": self._inflight.get(name, 0),
+                "inflight": runtime.inflight.host(name),
             }
         return self._json(request, 200, {"hosts": hosts})
 
@@ -117,10 +97,6 @@ class OpsApp:
         if not self._authorized(request):
             request.setHeader(b"WWW-Authenticate", b'Bearer realm="crossbar"')
             return self._error(request, 401, "unauthorized")
-        table = self._table()
-        for name, s in table.all().items():
-            self._metrics.host_healthy.labels(name).set(1 if s.healthy else 0)
-            self._metrics.models_loaded.labels(name).set(len(s.loaded))
         request.setHeader(b"Content-Type", CONTENT_TYPE_LATEST.encode("ascii"))
         return self._metrics.render()
 
@@ -131,7 +107,7 @@ class OpsApp:
     @app.route("/readyz", methods=["GET", "HEAD"])
     @app.route("/healthz", methods=["GET", "HEAD"])
     def readyz(self, request: IRequest) -> bytes:
-        if self.ready:
+        if self._runtime.ready:
             return self._json(request, 200, {"status": "ready"})
         return self._json(request, 503, {"status": "not ready"})
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, cast
 
 from twisted.application.service import Service
-from twisted.internet.defer import CancelledError, Deferred, DeferredList, ensureDeferred, fail, succeed
-from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
+from twisted.internet.defer import CancelledError, Deferred, DeferredList, ensureDeferred, fail
+from twisted.internet.interfaces import IPushProducer, IReactorTime
 from twisted.internet.protocol import Protocol, connectionDone
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
@@ -29,6 +29,7 @@ from treq.client import HTTPClient
 from crossbar.failures import describe_failure
 from crossbar.health import HealthTable
 from crossbar.models import ModelsError, resident_models
+from crossbar.waiting import Condition
 
 __all__ = ["MAX_POLL_BODY", "HTTPProbe", "HealthPoller", "IHostProbe", "PollCancelled", "PollFailed"]
 
@@ -227,7 +228,7 @@ class HealthPoller(Service):
         self._inflight: dict[str, Deferred[Any]] = {}
         self._loop: LoopingCall | None = None
         self._stopping = False
-        self._first_round: list[Deferred[None]] = []
+        self._first_round = Condition(lambda: self.first_round_done)
 
     def startService(self) -> None:
         super().startService()
@@ -255,11 +256,7 @@ class HealthPoller(Service):
 
     def when_first_round_done(self) -> Deferred[None]:
         """A Deferred that fires once :attr:`first_round_done` is true."""
-        if self.first_round_done:
-            return succeed(None)
-        d: Deferred[None] = Deferred()
-        self._first_round.append(d)
-        return d
+        return self._first_round.wait()
 
     def set_hosts(self, hosts: Mapping[str, str]) -> None:
         """Poll ``hosts`` (name -> base URL) from now on (a config reload).
@@ -277,6 +274,7 @@ class HealthPoller(Service):
             for name, url in self.hosts.items():
                 if old.get(name) != url and name not in self._inflight:
                     self._start(name, url)
+        self._first_round.check()
 
     def set_timing(self, interval: float, timeout: float) -> None:
         """Use ``interval`` seconds between rounds (from the next round on) and
@@ -302,44 +300,37 @@ class HealthPoller(Service):
 
     def _start(self, name: str, url: str) -> None:
         started = self.clock.seconds()
-        timed_out = False
-
-        def on_timeout() -> None:
-            nonlocal timed_out
-            timed_out = True
-            d.cancel()
-
         try:
             d = self.probe.poll(url)
         except Exception:
-            d = Deferred()
-            d.errback(Failure())
-        timer: IDelayedCall = self.clock.callLater(self.timeout, on_timeout)
+            d = fail(Failure())
         self._inflight[name] = d
+        d.addTimeout(self.timeout, self.clock, onTimeoutCancel=self._timed_out)
 
         def done(result: object) -> None:
-            if timer.active():
-                timer.cancel()
             if self._inflight.get(name) is d:
                 del self._inflight[name]
             try:
-                self._record(name, result, timed_out, self.clock.seconds() - started)
+                self._record(name, result, self.clock.seconds() - started)
             except Exception:
                 self._log.failure("recording a poll of {host} failed", host=name)
 
         d.addBoth(done)  # may run at once if the probe answered synchronously
 
-    def _record(self, name: str, result: object, timed_out: bool, took: float) -> None:
+    @staticmethod
+    def _timed_out(result: object, timeout: float) -> Failure:
+        """A poll over ``health.timeout`` fails, naming the phase it was in (rule 7)."""
+        value = result.value if isinstance(result, Failure) else None
+        phase = value.phase if isinstance(value, PollCancelled) else "health"
+        return Failure(PollFailed(f"{phase}: timed out after {timeout:g}s"))
+
+    def _record(self, name: str, result: object, took: float) -> None:
         if self._stopping:
             return  # cancelled because crossbar is stopping: says nothing (rule 6)
         if isinstance(result, Failure):
-            if result.check(CancelledError) and not timed_out:
+            if result.check(CancelledError):
                 return  # cancelled by someone else than the timeout: no verdict on the host
-            if isinstance(result.value, PollCancelled):
-                reason = f"{result.value.phase}: timed out after {self.timeout:g}s"
-            elif result.check(CancelledError):
-                reason = f"health: timed out after {self.timeout:g}s"
-            elif isinstance(result.value, PollFailed):
+            if isinstance(result.value, PollFailed):
                 reason = result.value.reason
             else:
                 reason = f"health: {describe_failure(result)}"
@@ -350,7 +341,4 @@ class HealthPoller(Service):
             ok = True
         if self._on_poll is not None:
             self._on_poll(name, took, ok)
-        if self._first_round and self.first_round_done:
-            waiting, self._first_round = self._first_round, []
-            for w in waiting:
-                w.callback(None)
+        self._first_round.check()

@@ -1,43 +1,45 @@
 """The proxy resource: route, choose a host, forward, stream back (DESIGN.md §The proxy).
 
-Each request is one :class:`_Exchange`. The upstream answer's body is a producer and the
-client's connection its consumer: every chunk is written to the client as it arrives,
-and when the client cannot take more the upstream read pauses (so a slow client never
-makes crossbar hold a whole answer). A client that goes away cancels the upstream
-request at once. Nothing here reads, logs or keeps a body beyond forwarding it.
+Each request is one :class:`Exchange`, in one :class:`Phase` at a time. Where each rule
+lives: rules 1-4 :meth:`Exchange.start` (with the pure checks of
+:mod:`crossbar.routing`) and :meth:`Exchange.read_body`; rule 5 :meth:`Exchange.forward`;
+rule 6 :meth:`Exchange.upstream_headers`, :meth:`Exchange.on_answer`,
+:meth:`Exchange.copy_response_headers` and :class:`~crossbar.relay.Relay`; rule 7
+:meth:`Exchange.on_attempt_failed` (before the head, with :class:`~crossbar.attempt.Attempt`
+classifying failures), :meth:`Exchange.on_relay_end` (mid-answer) and
+:meth:`Exchange.on_client_gone`; rule 8 :meth:`Exchange.end` and
+:mod:`crossbar.record`; rule 9 :meth:`Exchange.answer_error` and :meth:`Exchange.on_bug`.
+Nothing here reads, logs or keeps a body beyond forwarding it.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from enum import Enum
+from typing import Any, Iterable
 
-from twisted.internet.defer import Deferred, succeed
-from twisted.internet.error import ConnectionLost
-from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
-from twisted.internet.protocol import Protocol
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.client import ResponseDone
-from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
-from twisted.web.iweb import IBodyProducer, IResponse
+from twisted.web.iweb import IResponse
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
-from twisted.web._newclient import RequestNotSent, RequestTransmissionFailed, ResponseNeverReceived
-from zope.interface import implementer
 
-from crossbar.failures import describe_failure
+from crossbar.attempt import STALE_WINDOW, Answer, Attempt, FailureKind, UpstreamFailed
 from crossbar.config import Config, Route
-from crossbar.health import HealthTable
-from crossbar.metrics import Metrics
+from crossbar.inflight import Lease
+from crossbar.record import NO_ROUTE, RequestLog, RequestRecord
+from crossbar.relay import Relay, RelayEnd
 from crossbar.request import json_error_bytes
 from crossbar.routing import (
     choose, has_dot_segment, is_allowed, is_forwardable, peek_model, split_route, split_target,
 )
-from crossbar.upstream import ConnectTracker, UpstreamPools
+from crossbar.runtime import Runtime
+from crossbar.upstream import UpstreamPools
 
 __all__ = [
-    "HOST_HEADER", "HOP_BY_HOP", "STALE_WINDOW", "ProxyResource", "hop_by_hop_names",
+    "HOST_HEADER", "HOP_BY_HOP", "STALE_WINDOW", "Exchange", "Phase", "ProxyResource", "hop_by_hop_names",
     "relayable_phrase",
 ]
 
@@ -58,13 +60,8 @@ _REPLACED_UPSTREAM = frozenset(
     {b"host", b"content-length", b"expect", b"x-forwarded-for", b"x-forwarded-host",
      b"x-forwarded-proto", b"forwarded"}
 )
-_NO_BODY_METHODS = (b"GET", b"HEAD")
+_NO_PEEK_METHODS = (b"GET", b"HEAD")
 
-STALE_WINDOW = 1.0
-"""Seconds after sending within which a reused pooled connection that dies before any
-answer counts as stale (closed by the host while idle) and is retried once on a fresh
-connection (DESIGN.md rule 7). Later, the host had the request long enough to have
-started the work: that is a host failure (mark_down, 502, no retry)."""
 _NO_BODY_CODES = (204, 304)
 
 
@@ -95,33 +92,24 @@ def relayable_phrase(phrase: bytes) -> bytes | None:
 class ProxyResource(Resource):
     """The leaf resource that proxies every request outside ``/_crossbar``.
 
-    :param config: the running configuration; assign :attr:`config` to swap it (reload).
-    :param table: the health table choices are made from and mark-downs go to.
+    :param runtime: the shared state: current config, health table, in-flight counts,
+        active requests, draining.
     :param pools: upstream connections.
     :param clock: the reactor (timeouts are measured on it).
-    :param metrics: where request metrics go.
+    :param requests: where each answered request's record goes (log line, metrics).
     """
 
     isLeaf = True
 
-    def __init__(
-        self, config: Config, table: HealthTable, pools: UpstreamPools, clock: IReactorTime, metrics: Metrics
-    ) -> None:
+    def __init__(self, runtime: Runtime, pools: UpstreamPools, clock: IReactorTime, requests: RequestLog) -> None:
         super().__init__()
-        self.config = config
-        self.table = table
+        self.runtime = runtime
         self.pools = pools
         self.clock = clock
-        self.metrics = metrics
-        self.inflight: dict[str, int] = {}
-        self.active: set[_Exchange] = set()
-        self._idle_waiters: list[Deferred[None]] = []
-        self.draining = False
-        """Set when a drain starts: answers then close their connection (keep-alive
-        clients reconnect elsewhere instead of sending more requests here)."""
+        self.requests = requests
 
     def render(self, request: Request) -> Any:
-        exchange = _Exchange(self, request)
+        exchange = Exchange(self, request)
         try:
             exchange.start()
         except Exception:
@@ -129,107 +117,74 @@ class ProxyResource(Resource):
         return NOT_DONE_YET
 
     def when_idle(self) -> Deferred[None]:
-        """Fires once no request is in flight (at once if none is); cancellable."""
-        if not self.active:
-            return succeed(None)
-        d: Deferred[None] = Deferred(self._idle_waiters.remove)
-        self._idle_waiters.append(d)
-        return d
+        """Fires once no request is being handled (at once if none is); cancellable."""
+        return self.runtime.idle.wait()
 
-    def _exchange_ended(self, exchange: _Exchange) -> None:
-        self.active.discard(exchange)
-        if not self.active and self._idle_waiters:
-            waiters, self._idle_waiters = self._idle_waiters, []
-            for d in waiters:
-                d.callback(None)
+    def abort_all(self, why: str = "crossbar is shutting down") -> None:
+        """Abort every request still being handled (the end of a drain's grace)."""
+        for exchange in list(self.runtime.active):
+            exchange.abort(why)
 
-    def abort_all(self) -> None:
-        """Abort every request still in flight (the end of a drain's grace)."""
-        for exchange in list(self.active):
-            exchange.abort("crossbar is shutting down")
-
-
-@implementer(IPushProducer)
-class _StreamBody(Protocol):
-    """Receives the upstream body (an ``IProtocol`` for ``deliverBody``) and is the
-    producer the client's connection pauses and resumes."""
-
-    def __init__(self, exchange: _Exchange) -> None:
-        self.exchange = exchange
-        self.paused = False
-        self.transport: Any = None
-
-    def makeConnection(self, transport: Any) -> None:
-        self.transport = transport
-        if self.paused:
-            transport.pauseProducing()
-
-    def dataReceived(self, data: bytes) -> None:
-        self.exchange.on_body(data)
-
-    def connectionLost(self, reason: Failure = Failure(ConnectionLost())) -> None:
-        self.exchange.on_body_end(reason)
-
-    def pauseProducing(self) -> None:
-        self.paused = True
-        self.exchange.stop_idle_timer()
-        if self.transport is not None:
-            self.transport.pauseProducing()
-
-    def hold_pause(self) -> None:
-        """Re-apply a pause: ``Response.deliverBody`` resumes the upstream transport
-        unconditionally once it has handed over, even when a write during the hand-over
-        made the client's connection pause us."""
-        if self.paused and self.transport is not None:
-            self.transport.pauseProducing()
-
-    def resumeProducing(self) -> None:
-        self.paused = False
-        if self.transport is not None:
-            self.transport.resumeProducing()
-        self.exchange.start_idle_timer()
-
-    def stopProducing(self) -> None:
-        self.exchange.on_client_gone(None)
-
-    def close_upstream(self) -> None:
-        if self.transport is not None:
-            self.transport.stopProducing()
+    def mark_down(self, host: str, kind: str, reason: str, started_with: Config) -> None:
+        """Take ``host`` out of rotation after a request to it really failed (rule 7),
+        unless a reload changed that host's URL since the request started under
+        ``started_with``: the failure was the old host's, and says nothing of the new one."""
+        current = self.runtime.config.hosts.get(host)
+        old = started_with.hosts.get(host)
+        if current is None or old is None or current.url != old.url:
+            _log.info("not marking {host} down: its URL changed since the request started ({reason})",
+                      host=host, reason=reason)
+            return
+        self.runtime.table.mark_down(host, reason)
+        self.requests.metrics.mark_downs.labels(host, kind).inc()
 
 
-class _Exchange:
-    """One proxied request, from ``render`` to its log line."""
+class Phase(Enum):
+    """Where an exchange is; each phase has its own handlers."""
+
+    ROUTING = "routing"
+    """Rules 1-4: route, path, body and model."""
+    FORWARDING = "forwarding"
+    """Rules 5-7: a host is being chosen, connected to, or its response head awaited."""
+    RELAYING = "relaying"
+    """Rule 6: the answer's head went out; its body streams."""
+    ENDED = "ended"
+    """Answered, failed or abandoned; the record was written."""
+
+
+class Exchange:
+    """One proxied request, from ``render`` to its record (DESIGN.md §The proxy).
+
+    The request is served under the config that was current when it arrived.
+    """
 
     def __init__(self, proxy: ProxyResource, request: Request) -> None:
         self.proxy = proxy
         self.request = request
-        self.config = proxy.config
+        self.runtime = proxy.runtime
+        self.config = proxy.runtime.config
         self.clock = proxy.clock
-        self.started = self.clock.seconds()
+        self.received = self.clock.seconds()
+        self.phase = Phase.ROUTING
         self.route: Route | None = None
         self.rest = b""
         self.query = b""
         self.model: str | None = None
         self.body: bytes | None = None
         self.host: str | None = None
-        self.entered: str | None = None
         self.tried: list[str] = []
-        self.ended = False
+        self.lease: Lease | None = None
+        self.attempt: Deferred[Answer] | None = None
+        self.relay: Relay | None = None
         self.status = 0
         self.bytes = 0
         self.ttfb: float | None = None
-        self.sent_at = 0.0
-        self.upstream: Deferred[IResponse] | None = None
-        self.stream: _StreamBody | None = None
-        self.first_byte_timer: IDelayedCall | None = None
-        self.first_byte_timed_out = False
-        self.idle_timer: IDelayedCall | None = None
-        self.last_body_at = 0.0
-        self.idle_timed_out = False
+        self.why = ""
 
-    # -- rules 1-5 ----------------------------------------------------------------
+    # -- rules 1-4 ----------------------------------------------------------------
 
     def start(self) -> None:
+        """Route the request (rules 1-4), then forward it."""
         request = self.request
         request.notifyFinish().addErrback(self.on_client_gone)
         path, self.query = split_target(request.uri)
@@ -245,18 +200,28 @@ class _Exchange:
             return self.answer_error(400, "bad path")
         if not is_allowed(self.rest):
             return self.answer_error(404, "not found")
-        content = request.content.getvalue() if request.content is not None else b""
-        if request.method not in _NO_BODY_METHODS:
-            self.body = content
-            self.model = peek_model(content)
+        self.body, self.model = self.read_body()
         if self.model is None:
             self.model = route.default_model
-        self.proxy.active.add(self)
-        self.attempt()
+        self.runtime.begin(self)
+        self.phase = Phase.FORWARDING
+        self.forward()
 
-    def attempt(self) -> None:
+    def read_body(self) -> tuple[bytes | None, str | None]:
+        """The body to forward and the model it names (rule 4). GET and HEAD bodies are
+        forwarded when a client sends one (rule 6) but never peeked."""
+        request = self.request
+        content = request.content.getvalue() if request.content is not None else b""
+        if request.method in _NO_PEEK_METHODS:
+            return (content or None), None
+        return content, peek_model(content)
+
+    # -- rule 5: choose; rule 7: fail over -----------------------------------------
+
+    def forward(self) -> None:
+        """Choose a host among those not tried yet (rule 5) and send the request to it."""
         assert self.route is not None
-        table = self.proxy.table
+        table = self.runtime.table
 
         def loaded(name: str) -> tuple[str, ...]:
             status = table.get(name)
@@ -267,14 +232,40 @@ class _Exchange:
             if self.tried:
                 return self.answer_error(502, "upstream failed", host=self.tried[-1])
             return self.answer_error(503, "no healthy host")
-        self.host = self.entered = host
-        self.proxy.inflight[host] = self.proxy.inflight.get(host, 0) + 1
-        self.proxy.metrics.inflight.labels(self.route.name, host).inc()
-        self.send(fresh=False)
+        self.host = host
+        self.lease = self.runtime.inflight.enter(self.route.name, host)
+        base = self.config.hosts[host].url.encode("utf-8")
+        attempt = Attempt(
+            self.proxy.pools, self.clock, self.request.method, base + self.rest + self.query,
+            self.upstream_headers(), self.body, self.config.timeouts.first_byte,
+        )
+        self.attempt = attempt.start()
+        self.attempt.addCallbacks(self.on_answer, self.on_attempt_failed)
+        self.attempt.addErrback(self.on_bug)
 
-    # -- rule 6: forward ----------------------------------------------------------
+    def on_attempt_failed(self, failure: Failure) -> None:
+        """Rule 7 before the head: a connect failure fails over to another host; a
+        failure after sending is a 502; no head in time is a 504."""
+        self.attempt = None
+        if self.phase is Phase.ENDED or failure.check(CancelledError):
+            return  # we cancelled it (the client left, a drain): says nothing about the host
+        failure.trap(UpstreamFailed)
+        failed = failure.value
+        assert isinstance(failed, UpstreamFailed) and self.host is not None
+        self.mark_down(failed.kind.value, failed.reason)
+        if failed.kind is FailureKind.CONNECT:
+            self.release_host()
+            self.tried.append(self.host)
+            return self.forward()
+        if failed.kind is FailureKind.FIRST_BYTE_TIMEOUT:
+            return self.answer_error(504, "upstream timed out")
+        return self.answer_error(502, "upstream failed", host=self.host)
+
+    # -- rule 6: relay the answer ---------------------------------------------------
 
     def upstream_headers(self) -> Headers:
+        """The headers sent upstream (rule 6): the client's, hop-by-hop ones removed,
+        ``Host`` the upstream's, fresh ``X-Forwarded-*``."""
         src = self.request.requestHeaders
         drop = hop_by_hop_names(src) | _REPLACED_UPSTREAM
         out = Headers()
@@ -290,80 +281,26 @@ class _Exchange:
         out.setRawHeaders(b"X-Forwarded-Proto", [b"https" if self.request.isSecure() else b"http"])
         return out
 
-    def send(self, fresh: bool) -> None:
-        assert self.host is not None
-        base = self.config.hosts[self.host].url.encode("utf-8")
-        agent, tracker = self.proxy.pools.agent(fresh=fresh)
-        producer = None if self.body is None else _BytesProducer(self.body)
-        self.sent_at = self.clock.seconds()
-        d = agent.request(self.request.method, base + self.rest + self.query, self.upstream_headers(), producer)
-        self.upstream = d
-        self.first_byte_timed_out = False
-        self.first_byte_timer = self.clock.callLater(
-            self.config.timeouts.first_byte, self.on_first_byte_timeout
-        )
-        d.addCallbacks(self.on_response, self.on_request_failed, errbackArgs=(tracker, fresh))
-        d.addErrback(self.on_bug)
-
-    def on_first_byte_timeout(self) -> None:
-        self.first_byte_timed_out = True
-        if self.upstream is not None:
-            self.upstream.cancel()
-
-    def on_request_failed(self, failure: Failure, tracker: ConnectTracker, fresh: bool) -> None:
-        self.cancel_timer("first_byte_timer")
-        self.upstream = None
-        if self.ended:
-            return  # the client left and we cancelled it: says nothing about the host
-        host = self.host
-        assert host is not None
-        if self.first_byte_timed_out:
-            timeout = self.config.timeouts.first_byte
-            self.mark_down("first_byte_timeout", f"no response headers within {timeout:g}s")
-            return self.answer_error(504, "upstream timed out")
-        if tracker.connect_failure is not None:
-            self.mark_down("connect", f"connect: {describe_failure(tracker.connect_failure)}")
-            self.leave_host()
-            self.tried.append(host)
-            return self.attempt()
-        if (
-            not fresh
-            and tracker.connects == 0
-            and self.clock.seconds() - self.sent_at < STALE_WINDOW
-            and failure.check(RequestNotSent, RequestTransmissionFailed, ResponseNeverReceived)
-        ):
-            # A reused pooled connection was dead before any answer: once more, fresh.
-            _log.debug("retrying {host} on a fresh connection", host=host)
-            return self.send(fresh=True)
-        self.mark_down("request", f"request failed: {describe_failure(failure)}")
-        return self.answer_error(502, "upstream failed", host=host)
-
-    def on_response(self, response: IResponse) -> None:
-        self.cancel_timer("first_byte_timer")
-        self.upstream = None
-        if self.ended:
-            response.deliverBody(_Discard())
-            return
-        self.ttfb = self.clock.seconds() - self.sent_at
+    def on_answer(self, answer: Answer) -> None:
+        """The host's head arrived: send it to the client at once (before any body
+        byte, DESIGN.md §Quality bar), then relay the body."""
+        self.attempt = None
+        response = answer.response
+        self.ttfb = self.clock.seconds() - answer.sent_at
+        self.phase = Phase.RELAYING
         request = self.request
         self.status = response.code
         request.setResponseCode(response.code, relayable_phrase(response.phrase))
-        out = request.responseHeaders
-        out.removeHeader(b"server")
+        request.responseHeaders.removeHeader(b"server")
         self.copy_response_headers(response)
         self.close_if_draining()
         assert self.host is not None
-        out.setRawHeaders(HOST_HEADER, [self.host.encode("utf-8")])
-        stream = self.stream = _StreamBody(self)
-        request.registerProducer(stream, True)
-        if getattr(request.channel, "_waitingForTransport", False):
-            # The client's connection is already full (e.g. a pipelined answer before
-            # this one): HTTPChannel only tells producers of later pauses.
-            stream.pauseProducing()
-        self.start_idle_timer()
-        response.deliverBody(stream)
-        if not self.ended:
-            stream.hold_pause()
+        request.responseHeaders.setRawHeaders(HOST_HEADER, [self.host.encode("utf-8")])
+        request.write(b"")  # the head goes out now, not with the first body chunk
+        relay = self.relay = Relay(request, self.clock, self.config.timeouts.idle)
+        relay.ended.addCallback(self.on_relay_end)
+        relay.ended.addErrback(self.on_bug)
+        relay.start(response)
 
     def copy_response_headers(self, response: IResponse) -> None:
         """The upstream answer's headers onto the client's answer (rule 6): hop-by-hop
@@ -384,83 +321,54 @@ class _Exchange:
         ):
             out.setRawHeaders(b"Content-Length", [str(length).encode("ascii")])
 
-    # -- streaming ------------------------------------------------------------------
-
-    def on_body(self, data: bytes) -> None:
-        if self.ended:
+    def on_relay_end(self, how: RelayEnd) -> None:
+        """Rule 7 mid-answer: a clean end finishes the answer; a host that died or went
+        silent is marked down and the client's connection cut (a truncated answer,
+        never a clean end)."""
+        assert self.relay is not None
+        self.bytes = self.relay.bytes
+        if self.phase is Phase.ENDED or how is RelayEnd.STOPPED:
             return
-        self.bytes += len(data)
-        self.request.write(data)
-        self.last_body_at = self.clock.seconds()
-
-    def on_body_end(self, reason: Failure) -> None:
-        self.cancel_timer("idle_timer")
-        if self.ended:
-            return
-        if reason.check(ResponseDone, PotentialDataLoss):
+        if how is RelayEnd.COMPLETE:
             self.request.unregisterProducer()
             self.request.finish()
             return self.end()
-        if self.idle_timed_out:
-            return
-        self.mark_down("mid_answer", f"failed mid-answer: {describe_failure(reason)}")
-        self.abort_client()
-
-    def start_idle_timer(self) -> None:
-        if self.ended or self.stream is None or self.stream.paused:
-            return
-        self.last_body_at = self.clock.seconds()
-        if self.idle_timer is None or not self.idle_timer.active():
-            self.idle_timer = self.clock.callLater(self.config.timeouts.idle, self.on_idle_timeout)
-
-    def stop_idle_timer(self) -> None:
-        self.cancel_timer("idle_timer")
-
-    def on_idle_timeout(self) -> None:
-        if self.ended:
-            return
-        left = self.last_body_at + self.config.timeouts.idle - self.clock.seconds()
-        if left > 0:
-            self.idle_timer = self.clock.callLater(left, self.on_idle_timeout)
-            return
-        self.idle_timed_out = True
-        self.mark_down("idle_timeout", f"no body byte within {self.config.timeouts.idle:g}s")
-        if self.stream is not None:
-            self.stream.close_upstream()
+        self.mark_down(how.value, self.relay.reason)
         self.abort_client()
 
     # -- endings ----------------------------------------------------------------------
 
     def on_client_gone(self, reason: Failure | None) -> None:
         """The client's connection closed before the answer ended: cancel upstream."""
-        if self.ended:
+        if self.phase is Phase.ENDED:
             return
         self.status = 499  # nginx's "client closed request", for the log line only
+        self.stop_upstream()
         self.end()
-        if self.upstream is not None:
-            upstream, self.upstream = self.upstream, None
-            upstream.cancel()
-        if self.stream is not None:
-            self.stream.close_upstream()
 
     def abort(self, why: str) -> None:
         """Abort this exchange from outside (the end of a drain's grace)."""
-        if self.ended:
+        if self.phase is Phase.ENDED:
             return
         _log.info("aborting {method} /{route}{path}: {why}", method=self.request.method.decode("latin-1"),
-                             route=self.route.name if self.route else "", path=self.rest.decode("latin-1"), why=why)
-        upstream, self.upstream = self.upstream, None
+                  route=self.route.name if self.route else "", path=self.rest.decode("latin-1"), why=why)
+        self.stop_upstream()
         self.abort_client()
-        if upstream is not None:
-            upstream.cancel()
-        if self.stream is not None:
-            self.stream.close_upstream()
+
+    def stop_upstream(self) -> None:
+        """Cancel the upstream request or stop relaying its body, whichever is under way."""
+        attempt, self.attempt = self.attempt, None
+        if attempt is not None:
+            attempt.cancel()
+        if self.relay is not None:
+            self.relay.stop()
+            self.bytes = self.relay.bytes
 
     def abort_client(self) -> None:
         """End the client's connection so it sees a truncated answer, never a clean end."""
-        if self.ended:
+        if self.phase is Phase.ENDED:
             return
-        if self.stream is not None:
+        if self.relay is not None:
             self.request.unregisterProducer()
         self.end()
         transport: Any = self.request.channel.transport if self.request.channel is not None else None
@@ -469,7 +377,7 @@ class _Exchange:
 
     def answer_error(self, code: int, message: str, **extra: str) -> None:
         """Answer with crossbar's own JSON error (DESIGN.md rule 9) and end."""
-        if self.ended:
+        if self.phase is Phase.ENDED:
             return
         body = json_error_bytes(message, **extra)
         request = self.request
@@ -480,12 +388,13 @@ class _Exchange:
         request.setHeader(b"Content-Length", str(len(body)).encode("ascii"))
         self.close_if_draining()
         request.write(body)
+        self.bytes = 0 if request.method == b"HEAD" else len(body)
         request.finish()
         self.end()
 
     def close_if_draining(self) -> None:
         """During a drain, answer with ``Connection: close`` and close after it."""
-        if not self.proxy.draining:
+        if not self.runtime.draining:
             return
         self.request.responseHeaders.setRawHeaders(b"Connection", [b"close"])
         channel = self.request.channel
@@ -493,103 +402,43 @@ class _Exchange:
             channel.persistent = False
 
     def end(self) -> None:
-        """Once per exchange: release the host, count, and write the log line (rule 8)."""
-        if self.ended:
+        """Once per exchange: release the host and write the record (rule 8)."""
+        if self.phase is Phase.ENDED:
             return
-        self.ended = True
-        self.cancel_timer("first_byte_timer")
-        self.cancel_timer("idle_timer")
-        self.proxy._exchange_ended(self)
-        self.leave_host()
-        now = self.clock.seconds()
-        route = self.route.name if self.route is not None else ""
-        host = self.host or ""
-        ms = round((now - self.started) * 1000, 1)
-        ttfb_ms = round(self.ttfb * 1000, 1) if self.ttfb is not None else None
-        if self.route is not None:
-            m = self.proxy.metrics
-            m.requests.labels(route, host, str(self.status)).inc()
-            m.duration.labels(route, host).observe(now - self.started)
-            if self.ttfb is not None:
-                m.ttfb.labels(route, host).observe(self.ttfb)
-        _log.info(
-            "{method} {target} -> {host} {status} {bytes}B ttfb={ttfb_text} {ms}ms",
-            route=route, host=host or "-", method=self.request.method.decode("latin-1"),
-            path=self.rest.decode("latin-1"), status=self.status, bytes=self.bytes,
-            ttfb_ms=ttfb_ms, ttfb_text="-" if ttfb_ms is None else f"{ttfb_ms}ms", ms=ms,
+        self.phase = Phase.ENDED
+        self.release_host()
+        self.runtime.end(self)
+        self.proxy.requests.write(RequestRecord(
+            route=self.route.name if self.route is not None else NO_ROUTE,
+            host=self.host or "",
+            method=self.request.method.decode("latin-1"),
+            path=self.rest.decode("latin-1"),
             target=split_target(self.request.uri)[0].decode("latin-1"),
-        )
+            status=self.status,
+            bytes=self.bytes,
+            duration=self.clock.seconds() - self.received,
+            ttfb=self.ttfb,
+            why=self.why,
+        ))
 
-    def leave_host(self) -> None:
-        """Stop counting this exchange as in flight to the host it entered."""
-        host, self.entered = self.entered, None
-        if host is None or self.route is None:
-            return
-        count = self.proxy.inflight.get(host, 0)
-        if count > 0:
-            self.proxy.inflight[host] = count - 1
-        self.proxy.metrics.inflight.labels(self.route.name, host).dec()
+    def release_host(self) -> None:
+        """Stop counting this request as in flight to its host."""
+        lease, self.lease = self.lease, None
+        if lease is not None:
+            lease.release()
 
     def mark_down(self, kind: str, reason: str) -> None:
-        """Take the host this request went to out of rotation (rule 7), unless a reload
-        changed that host's URL since the request started: the failure was the old
-        host's, and says nothing of the new one."""
-        host = self.host
-        assert host is not None
-        current = self.proxy.config.hosts.get(host)
-        if current is None or current.url != self.config.hosts[host].url:
-            _log.info("not marking {host} down: its URL changed since the request started ({reason})",
-                      host=host, reason=reason)
-            return
-        self.proxy.table.mark_down(host, reason)
-        self.proxy.metrics.mark_downs.labels(host, kind).inc()
-
-    def cancel_timer(self, name: str) -> None:
-        timer = getattr(self, name)
-        if timer is not None and timer.active():
-            timer.cancel()
-        setattr(self, name, None)
+        """Take the host this request went to out of rotation (rule 7)."""
+        assert self.host is not None
+        self.proxy.mark_down(self.host, kind, reason, self.config)
 
     def on_bug(self, failure: Failure) -> None:
         """Last resort: a bug in crossbar must not leave the client hanging."""
         _log.failure("proxying failed", failure=failure)
-        if self.ended:
+        if self.phase is Phase.ENDED:
             return
-        upstream, self.upstream = self.upstream, None
+        self.stop_upstream()
         if self.request.startedWriting:
             self.abort_client()
         else:
             self.answer_error(500, "internal error")
-        if upstream is not None:
-            upstream.cancel()
-        if self.stream is not None:
-            self.stream.close_upstream()
-
-
-class _Discard(Protocol):
-    """Drops an upstream body nobody wants and closes its connection."""
-
-    def makeConnection(self, transport: Any) -> None:
-        transport.stopProducing()
-
-
-@implementer(IBodyProducer)
-class _BytesProducer:
-    """The request body, written at once (no Cooperator tick as with FileBodyProducer)."""
-
-    def __init__(self, body: bytes) -> None:
-        self.body = body
-        self.length = len(body)
-
-    def startProducing(self, consumer: Any) -> Deferred[None]:
-        consumer.write(self.body)
-        return succeed(None)
-
-    def pauseProducing(self) -> None:
-        pass
-
-    def resumeProducing(self) -> None:
-        pass
-
-    def stopProducing(self) -> None:
-        pass

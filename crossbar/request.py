@@ -13,7 +13,6 @@ import json
 from io import BytesIO
 from typing import Any
 
-from twisted.logger import Logger
 from twisted.web.server import Request
 
 __all__ = ["MAX_BODY", "CappedRequest", "json_error_bytes"]
@@ -41,7 +40,6 @@ class CappedRequest(Request):
 
     max_body = MAX_BODY
     defaultContentType = None  # never invent a Content-Type for an upstream answer
-    _log = Logger()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -84,16 +82,17 @@ class CappedRequest(Request):
             b"Connection: close\r\n\r\n" + body
         )
         self.channel.persistent = False
-        self._log.info(
-            "refused a request body over {limit} bytes from {peer}",
-            limit=self.max_body, peer=str(self.getClientAddress()),
-        )
+        self.refused_answer(len(body))
         half_close = getattr(transport, "loseWriteConnection", None)
         if half_close is None:
             transport.loseConnection()
             return
         half_close()
         self._linger = self.channel.callLater(_LINGER_SECONDS, transport.abortConnection)
+
+    def refused_answer(self, body_bytes: int) -> None:
+        """Called once the 413 answer (with ``body_bytes`` of body) was written: a
+        subclass records it (DESIGN.md §The proxy, rule 8). This one does nothing."""
 
     def connectionLost(self, reason: Any) -> None:
         if self._linger is not None and self._linger.active():

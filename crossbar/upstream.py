@@ -16,27 +16,15 @@ from twisted.internet.abstract import isIPAddress, isIPv6Address
 from twisted.internet.endpoints import HostnameEndpoint, TCP4ClientEndpoint, TCP6ClientEndpoint, wrapClientTLS
 from twisted.internet.interfaces import IProtocolFactory, IReactorTime, IStreamClientEndpoint
 from twisted.python.failure import Failure
-from twisted.web.client import Agent, BrowserLikePolicyForHTTPS, HTTPConnectionPool, URI
-from twisted.web.client import _HTTP11ClientFactory
-from twisted.web._newclient import HEADER, STATUS, HTTP11ClientProtocol, ParseError
+from twisted.web.client import Agent, BrowserLikePolicyForHTTPS, URI
 from twisted.web.iweb import IAgent, IAgentEndpointFactory
 from zope.interface import implementer
 
-from crossbar.tcp import no_delay
+from crossbar.twisted_private import MAX_RESPONSE_HEAD, ResponseHeadTooLarge, quiet_pool
 
 __all__ = [
     "MAX_RESPONSE_HEAD", "ConnectTracker", "ResponseHeadTooLarge", "UpstreamEndpoints", "UpstreamPools", "quiet_pool",
 ]
-
-MAX_RESPONSE_HEAD = 64 * 1024
-"""The most bytes of an upstream answer's head (status lines and headers, interim
-``1xx`` answers included) crossbar reads before giving up on it (DESIGN.md §The proxy,
-rule 9): Twisted's HTTP client bounds each line but not how many there are."""
-
-
-class ResponseHeadTooLarge(Exception):
-    """An upstream answer's head went over :data:`MAX_RESPONSE_HEAD` bytes."""
-
 
 _ATTEMPT_DELAY = 0.05
 """Seconds between connection attempts to a name's successive addresses."""
@@ -49,14 +37,20 @@ class _TrackedEndpoint:
         self._tracker = tracker
 
     def connect(self, protocolFactory: IProtocolFactory) -> Deferred[Any]:
-        self._tracker.connects += 1
+        tracker = self._tracker
+        tracker.connects += 1
         d = self._wrapped.connect(protocolFactory)
 
+        def connected(protocol: Any) -> Any:
+            if tracker.clock is not None:
+                tracker.connected_at = tracker.clock.seconds()
+            return protocol
+
         def failed(f: Failure) -> Failure:
-            self._tracker.connect_failure = f
+            tracker.connect_failure = f
             return f
 
-        d.addErrback(failed)
+        d.addCallbacks(connected, failed)
         return d
 
 
@@ -104,84 +98,19 @@ class ConnectTracker:
 
     :ivar connects: new connections opened (0 means a pooled connection was reused).
     :ivar connect_failure: the failure of the last connection attempt, if it failed.
+    :ivar connected_at: reactor seconds when a new connection was opened (the request
+        is written on it at once), or None (none opened, or no ``clock`` given).
     """
 
-    def __init__(self, endpoints: UpstreamEndpoints) -> None:
+    def __init__(self, endpoints: UpstreamEndpoints, clock: IReactorTime | None = None) -> None:
         self._endpoints = endpoints
+        self.clock = clock
         self.connects = 0
         self.connect_failure: Failure | None = None
+        self.connected_at: float | None = None
 
     def endpointForURI(self, uri: URI) -> IStreamClientEndpoint:
         return _TrackedEndpoint(self._endpoints.endpointForURI(uri), self)
-
-
-class _ClientProtocol(HTTP11ClientProtocol):
-    """Twisted's client protocol, also telling the proxy the answer's ``Connection``
-    header: Twisted keeps it out of ``IResponse.headers``, yet the proxy must drop the
-    headers it names (DESIGN.md §The proxy, rule 6). Each response gets the attribute
-    ``upstream_connection``: the raw ``Connection`` values (a tuple of bytes).
-
-    It also refuses answers crossbar cannot relay as a failed request (rule 7, so the
-    proxy marks the host down and answers 502): a head over :data:`MAX_RESPONSE_HEAD`
-    bytes, a status code outside 100-599 (Twisted takes any integer), and ``101
-    Switching Protocols`` (crossbar never forwards ``Upgrade``; Twisted would skip it
-    as an interim answer and parse the new protocol's bytes as HTTP)."""
-
-    _head_bytes = 0
-
-    def connectionMade(self) -> None:
-        super().connectionMade()
-        no_delay(self.transport)
-
-    def request(self, request: Any) -> Deferred[Any]:
-        d = super().request(request)
-        parser = self._parser
-        self._head_bytes = 0
-        if parser is not None:
-            parse_status = parser.statusReceived
-
-            def status_received(line: bytes) -> None:
-                parse_status(line)
-                code = parser.response.code
-                if code == 101 or not 100 <= code <= 599:
-                    raise ParseError("status code crossbar cannot relay", line[:100])
-
-            parser.statusReceived = status_received  # type: ignore[method-assign]
-
-        def keep(response: Any) -> Any:
-            values = parser.connHeaders.getRawHeaders(b"connection", ()) if parser is not None else ()
-            response.upstream_connection = tuple(values)
-            return response
-
-        d.addCallback(keep)
-        return d
-
-    def dataReceived(self, bytes: bytes) -> None:
-        parser = self._parser
-        if parser is None or parser.state not in (STATUS, HEADER):
-            super().dataReceived(bytes)
-            return
-        self._head_bytes += len(bytes)
-        super().dataReceived(bytes)
-        # Still in the head after all of it: every byte counted was head.
-        if self._parser is parser and parser.state in (STATUS, HEADER) and self._head_bytes > MAX_RESPONSE_HEAD:
-            self._giveUp(Failure(ResponseHeadTooLarge(f"response head over {MAX_RESPONSE_HEAD} bytes")))
-            transport: Any = self.transport  # an ITCPTransport
-            transport.abortConnection()  # never wait to flush to a host we gave up on
-
-
-class _QuietFactory(_HTTP11ClientFactory):
-    noisy = False  # no "Starting factory" line per upstream connection
-
-    def buildProtocol(self, addr: Any) -> HTTP11ClientProtocol:
-        return _ClientProtocol(self._quiescentCallback)
-
-
-def quiet_pool(reactor: IReactorTime, persistent: bool) -> HTTPConnectionPool:
-    """An ``HTTPConnectionPool`` that does not log every connection it opens."""
-    pool = HTTPConnectionPool(reactor, persistent=persistent)
-    pool._factory = _QuietFactory
-    return pool
 
 
 class UpstreamPools:
@@ -211,7 +140,7 @@ class UpstreamPools:
 
         ``fresh=True`` never reuses a pooled connection (the retry after a stale one).
         """
-        tracker = ConnectTracker(UpstreamEndpoints(self._reactor, self.connect_timeout, self._tls))
+        tracker = ConnectTracker(UpstreamEndpoints(self._reactor, self.connect_timeout, self._tls), self._reactor)
         pool = self._fresh_pool if fresh else self.pool
         return Agent.usingEndpointFactory(self._reactor, tracker, pool=pool), tracker
 

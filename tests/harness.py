@@ -178,9 +178,11 @@ def port_of(base_url: str) -> int:
 async def start_crossbar(case: TestCase, config_yaml: str) -> tuple[CrossbarService, str]:
     """Run crossbar for ``config_yaml`` (its ``listen`` is replaced by a free loopback
     port) until the test ends; returns the service and crossbar's base URL."""
-    text = "listen: \"tcp:0:interface=127.0.0.1\"\n" + "\n".join(
-        line for line in config_yaml.splitlines() if not line.startswith("listen:")
-    )
+    lines = [line for line in config_yaml.splitlines() if not line.startswith("listen:")]
+    if not any(line.startswith("drain:") for line in lines):
+        # Stopping the service drains it: no delay or grace for a test's clean-up.
+        lines.insert(0, "drain: {delay: 0.001, grace: 0.001}")
+    text = "listen: \"tcp:0:interface=127.0.0.1\"\n" + "\n".join(lines)
     service = make_service(parse_config(text, "test.yaml"))
     service.startService()
     case.addCleanup(service.stopService)

@@ -349,4 +349,4 @@ async def still_serving(case: TestCase, hosts: TwoHosts, watch: LogCapture) -> N
         assert status is not None
         case.assertTrue(status.healthy, (name, status.last_err))
     case.assertEqual(watch.errors(), [])
-    await wait_for(lambda: not hosts.service.proxy.active, 2.0)
+    await wait_for(lambda: not hosts.service.runtime.active, 2.0)

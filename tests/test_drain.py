@@ -160,8 +160,7 @@ class DrainClosesKeepAliveTests(TestCase):
             self.assertEqual(how, "until")  # served, and the connection stays open
             self.assertEqual(parse_responses(before, at_eof=False)[0].get(b"connection"), [])
 
-            service.proxy.config = replace(service.proxy.config, drain=DrainSettings(delay=0.3, grace=0.3))
-            service.config = service.proxy.config
+            service.runtime.config = replace(service.runtime.config, drain=DrainSettings(delay=0.3, grace=0.3))
             draining = service.drain()
             for target in (b"/r/v1/models", b"/nope/v1/models"):  # proxied, and crossbar's own error
                 during, how = await raw_exchange(port, request_bytes(b"GET", target, close=False), timeout=5)
@@ -193,8 +192,7 @@ class DrainClosesKeepAliveTests(TestCase):
                               (b"Content-Length", b"16")], b'{"stream": true}', close=False),
             )
             await busy.wait_for(b"tok0")
-            service.proxy.config = replace(service.proxy.config, drain=DrainSettings(delay=0.2, grace=5))
-            service.config = service.proxy.config
+            service.runtime.config = replace(service.runtime.config, drain=DrainSettings(delay=0.2, grace=5))
             draining = service.drain()
             started = reactor.seconds()
             await idle.closed  # closed by crossbar once accepting stopped

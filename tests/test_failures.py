@@ -74,7 +74,7 @@ class ClientGoneTests(TestCase):
         else:
             client.transport.loseConnection()  # type: ignore[union-attr]
         await _within(upstream.streams_closed[0], 1.0)
-        await wait_for(lambda: not service.proxy.active, 1.0)
+        await wait_for(lambda: not service.runtime.active, 1.0)
         status = (await host_status(self, base))["a"]
         self.assertTrue(status["healthy"])
         self.assertEqual(status["last_err"], "")
@@ -106,7 +106,7 @@ class ClientGoneTests(TestCase):
             self.assertEqual((await host_status(self, base))["a"]["inflight"], 1)
             client.transport.loseConnection()  # type: ignore[union-attr]
             await _within(hang.closed, 1.0)
-            await wait_for(lambda: not service.proxy.active, 1.0)
+            await wait_for(lambda: not service.runtime.active, 1.0)
             status = (await host_status(self, base))["a"]
             self.assertTrue(status["healthy"])
             self.assertEqual(status["last_err"], "")
@@ -331,8 +331,8 @@ class HostFailureTests(TestCase):
             client = await connect_raw(self, base, post_bytes(b"/r/v1/chat/completions", _STREAM))
             await client.wait_for(b'"i": 2')
             new_url = await listen(self, FakeLlama())
-            config = service.proxy.config
-            service.config = service.proxy.config = replace(
+            config = service.runtime.config
+            service.runtime.config = replace(
                 config, hosts=MappingProxyType({"a": Host(name="a", url=new_url)})
             )
             await _within(client.closed, 5.0)
@@ -391,8 +391,8 @@ class CrossbarBugTests(TestCase):
             self.assertEqual(response.code, 500)
             self.assertEqual(response.headers.getRawHeaders(b"content-type"), [b"application/json"])
             self.assertEqual(await treq.json_content(response), {"error": "internal error"})
-            self.assertEqual(service.proxy.active, set())
-            self.assertEqual(service.proxy.inflight.get("a"), 0)
+            self.assertEqual(service.runtime.active, set())
+            self.assertEqual(service.runtime.inflight.host("a"), 0)
             self.assertEqual([e["status"] for e in log.proxied()], [500])
             self.flushLoggedErrors(ValueError)
             service.pools.agent = real_agent  # type: ignore[method-assign]

@@ -32,7 +32,7 @@ class InitialStateTests(TestCase):
     def test_every_host_starts_unhealthy_and_empty(self) -> None:
         """Rule 1: unhealthy, nothing loaded, counters 0, no last_ok, no error."""
         t, _ = table()
-        self.assertEqual(t.names(), ("a", "b"))
+        self.assertEqual(tuple(t.all()), ("a", "b"))
         for name in ("a", "b"):
             s = status(t, name)
             self.assertEqual(

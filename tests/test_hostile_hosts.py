@@ -83,8 +83,8 @@ async def _still_serving(case: TestCase, setup: _Setup) -> None:
     case.assertEqual((answer.status, answer.one(b"x-crossbar-host")), (200, b"good"))
     case.assertEqual(json.loads(answer.body)["object"], "chat.completion")
     case.assertEqual(setup.watch.errors(), [])
-    case.assertEqual(setup.service.proxy.inflight.get("evil", 0), 0)
-    case.assertEqual(setup.service.proxy.active, set())
+    case.assertEqual(setup.service.runtime.inflight.host("evil"), 0)
+    case.assertEqual(setup.service.runtime.active, set())
 
 
 def _assert_502(case: TestCase, setup: _Setup, answer: RawResponse, reason: str = "") -> None:

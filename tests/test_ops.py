@@ -71,10 +71,10 @@ class ProbeTests(TestCase):
             service.table.record_success("gpu-a", ["m"])
             self.assertEqual((await get("/_crossbar/readyz"))[0], 200)
             # Draining: not ready, still alive.
-            service.ops.draining = True
+            service.runtime.draining = True
             self.assertEqual((await get("/_crossbar/readyz"))[0], 503)
             self.assertEqual((await get("/_crossbar/livez"))[0], 200)
-            service.ops.draining = False
+            service.runtime.draining = False
 
         return ensureDeferred(go())
 

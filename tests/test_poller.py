@@ -24,7 +24,7 @@ from twisted.web.server import NOT_DONE_YET, Request
 
 from crossbar.health import HealthTable, HostStatus
 from crossbar.poller import MAX_POLL_BODY, HealthPoller, HTTPProbe, PollCancelled, PollFailed
-from crossbar.testing import FakeProbe
+from tests.fakes import FakeProbe
 from crossbar.upstream import quiet_pool
 from tests.harness import FakeLlama, listen
 from tests.logs import LogCapture

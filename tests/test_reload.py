@@ -15,7 +15,7 @@ from crossbar.config import parse_config
 from crossbar.health import HealthTable
 from crossbar.poller import HealthPoller
 from crossbar.reload import SIGHUPReload, plan_reload
-from crossbar.testing import FakeProbe
+from tests.fakes import FakeProbe
 from tests.harness import FakeLlama, http_client, listen, wait_for
 from tests.process import ClientStream, start_twistd
 
@@ -42,7 +42,7 @@ class TableAndPollerTests(TestCase):
         for name in ("a", "b", "c"):
             table.record_success(name, ["m"])
         table.set_hosts(["b", "a", "d"], reset=["b"])
-        self.assertEqual(table.names(), ("b", "a", "d"))
+        self.assertEqual(tuple(table.all()), ("b", "a", "d"))
         a = table.get("a")
         assert a is not None
         self.assertTrue(a.healthy)

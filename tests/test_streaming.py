@@ -15,6 +15,7 @@ from twisted.internet.defer import ensureDeferred
 from twisted.internet.task import LoopingCall, deferLater
 from twisted.trial.unittest import TestCase
 
+from crossbar.relay import RelayState
 from tests.harness import FakeLlama, listen, start_routes, wait_for
 from tests.raw import RawClient, connect_raw, post_bytes, request_bytes
 from tests.upstreams import Firehose, RawFirehose, host_status, serve_raw
@@ -121,16 +122,16 @@ class StreamingTests(TestCase):
             upstream = FakeLlama()
             upstream.handlers[b"/v1/big"] = firehose
             service, base = await start_routes(self, {"a": await listen(self, upstream)}, timeouts="{idle: 0.5}")
-            proxy = service.proxy
+            runtime = service.runtime
             samples = {"held": 0, "ahead": 0, "stream_paused": 0}
 
             def sample() -> None:
-                for exchange in list(proxy.active):
+                for exchange in list(runtime.active):
                     channel = exchange.request.channel
                     if channel is None or channel.transport is None:
                         continue
                     samples["held"] = max(samples["held"], _userland_buffer(channel.transport))
-                    if exchange.stream is not None and exchange.stream.paused:
+                    if exchange.relay is not None and exchange.relay.state is RelayState.PAUSED:
                         samples["stream_paused"] += 1
                 samples["ahead"] = max(samples["ahead"], firehose.written - client.received)
 
@@ -159,7 +160,7 @@ class StreamingTests(TestCase):
             before = client.received
             await deferLater(reactor, 1.5)  # 3x timeouts.idle without reading a byte
             self.assertEqual(client.received, before)
-            self.assertEqual(len(proxy.active), 1, "the stream ended while the client was paused")
+            self.assertEqual(len(runtime.active), 1, "the stream ended while the client was paused")
             self.assertLess(client.received, total // 2)
             client.transport.resumeProducing()  # type: ignore[union-attr]
             await client.closed
@@ -197,12 +198,12 @@ class StreamingTests(TestCase):
             client.transport.pauseProducing()  # type: ignore[union-attr]
             await wait_for(lambda: firehose.started)
             await deferLater(reactor, 1.0)
-            held = [_userland_buffer(e.request.channel.transport) for e in service.proxy.active]
+            held = [_userland_buffer(e.request.channel.transport) for e in service.runtime.active]
             self.assertEqual(len(held), 1)
             self.assertLess(held[0], 1024 * 1024, f"crossbar held {held[0]} bytes for a client that reads nothing")
             self.assertLess(firehose.written, 32 * 1024 * 1024)
             client.transport.abortConnection()  # type: ignore[union-attr]
             await firehose.closed
-            await wait_for(lambda: not service.proxy.active, 1.0)
+            await wait_for(lambda: not service.runtime.active, 1.0)
 
         return ensureDeferred(go())

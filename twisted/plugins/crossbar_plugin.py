@@ -27,7 +27,7 @@ class CrossbarServiceMaker:
         from crossbar.startup import StartupGuard, report_and_exit
 
         try:
-            service = make_service(load_config(options["config"]), handle_sighup=True)
+            service = make_service(load_config(options["config"]), handle_signals=True)
             return StartupGuard(service, options["config"], twistd=getattr(options, "parent", None))
         except ConfigError as e:
             report_and_exit(e, sys.stderr, log=False)

@@ -1,0 +1,197 @@
+"""One upstream request to one chosen host (DESIGN.md §The proxy, rules 6-7).
+
+An :class:`Attempt` sends the request, retries once on a fresh connection when a reused
+pooled connection turns out dead before any answer, and bounds the wait for the
+response head by ``timeouts.first_byte``. Its Deferred fires with an :class:`Answer`
+(the response head and when the request was sent) or fails with
+:class:`UpstreamFailed`, classified by :class:`FailureKind`, so the exchange's policy
+(mark down, fail over, 502, 504) is one decision on one value. Cancelling the Deferred
+cancels the upstream request (the client left).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.protocol import Protocol
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.client import RequestNotSent, RequestTransmissionFailed, ResponseNeverReceived  # type: ignore[attr-defined]  # re-exported by twisted.web.client
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import IBodyProducer, IResponse
+from zope.interface import implementer
+
+from crossbar.failures import describe_failure
+from crossbar.upstream import ConnectTracker, UpstreamPools
+
+__all__ = ["STALE_WINDOW", "Answer", "Attempt", "FailureKind", "UpstreamFailed"]
+
+_log = Logger(namespace="crossbar.proxy")
+
+STALE_WINDOW = 1.0
+"""Seconds after sending within which a reused pooled connection that dies before any
+answer counts as stale (closed by the host while idle) and is retried once on a fresh
+connection (DESIGN.md rule 7). Later, the host had the request long enough to have
+started the work: that is a host failure (mark_down, 502, no retry)."""
+
+
+class FailureKind(Enum):
+    """How an attempt failed; each kind has one rule-7 answer."""
+
+    CONNECT = "connect"
+    """No connection could be opened: mark down, choose another host."""
+    REQUEST = "request"
+    """The host failed after the request was sent, before the head: mark down, 502."""
+    FIRST_BYTE_TIMEOUT = "first_byte_timeout"
+    """No head within ``timeouts.first_byte``: mark down, 504."""
+
+
+class UpstreamFailed(Exception):
+    """An attempt failed: ``kind`` says how, ``reason`` is a one-line description
+    (for ``last_err`` and the log)."""
+
+    def __init__(self, kind: FailureKind, reason: str) -> None:
+        super().__init__(f"{kind.value}: {reason}")
+        self.kind = kind
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The host's response head.
+
+    :ivar response: the response (its body not read yet).
+    :ivar sent_at: reactor seconds when the request (body included) was handed to the
+        connection: time to first byte counts from here (DESIGN.md §Configuration).
+    """
+
+    response: IResponse
+    sent_at: float
+
+
+@implementer(IBodyProducer)
+class BytesProducer:
+    """A request body written at once (no Cooperator tick as with FileBodyProducer).
+
+    :param body: the whole body.
+    """
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+        self.length = len(body)
+
+    def startProducing(self, consumer: Any) -> Deferred[None]:
+        consumer.write(self.body)
+        return succeed(None)
+
+    def pauseProducing(self) -> None:
+        pass
+
+    def resumeProducing(self) -> None:
+        pass
+
+    def stopProducing(self) -> None:
+        pass
+
+
+class Attempt:
+    """Send ``method url`` with ``headers`` and ``body`` to one host.
+
+    :param pools: where connections come from.
+    :param clock: the reactor (timeouts run on it).
+    :param method: the request method.
+    :param url: the absolute upstream URL (bytes).
+    :param headers: the headers to send.
+    :param body: the body, or None for none.
+    :param first_byte_timeout: seconds to wait for the response head after sending.
+    """
+
+    def __init__(
+        self,
+        pools: UpstreamPools,
+        clock: IReactorTime,
+        method: bytes,
+        url: bytes,
+        headers: Headers,
+        body: bytes | None,
+        first_byte_timeout: float,
+    ) -> None:
+        self._pools = pools
+        self._clock = clock
+        self._method = method
+        self._url = url
+        self._headers = headers
+        self._body = body
+        self._timeout = first_byte_timeout
+        self._current: Deferred[IResponse] | None = None
+        self._cancelled = False
+        self.result: Deferred[Answer] = Deferred(self._cancel)
+
+    def start(self) -> Deferred[Answer]:
+        """Send the request; returns :attr:`result`."""
+        self._send(fresh=False)
+        return self.result
+
+    def _send(self, fresh: bool) -> None:
+        agent, tracker = self._pools.agent(fresh=fresh)
+        producer = None if self._body is None else BytesProducer(self._body)
+        requested = self._clock.seconds()
+        d = agent.request(self._method, self._url, self._headers, producer)
+        self._current = d
+        d.addTimeout(self._timeout, self._clock, onTimeoutCancel=self._timed_out)
+        d.addCallbacks(self._answered, self._failed, callbackArgs=(tracker, requested),
+                       errbackArgs=(tracker, requested, fresh))
+
+    def _timed_out(self, result: object, timeout: float) -> Failure:
+        return Failure(UpstreamFailed(FailureKind.FIRST_BYTE_TIMEOUT, f"no response headers within {timeout:g}s"))
+
+    def _answered(self, response: IResponse, tracker: ConnectTracker, requested: float) -> None:
+        self._current = None
+        if self._cancelled:  # nobody wants the body
+            response.deliverBody(_Discard())
+            return
+        sent_at = tracker.connected_at if tracker.connected_at is not None else requested
+        self.result.callback(Answer(response, sent_at))
+
+    def _failed(self, failure: Failure, tracker: ConnectTracker, requested: float, fresh: bool) -> None:
+        self._current = None
+        if self._cancelled:
+            return  # cancelled by the exchange: says nothing about the host
+        if failure.check(UpstreamFailed):
+            self.result.errback(failure)
+        elif tracker.connect_failure is not None:
+            reason = f"connect: {describe_failure(tracker.connect_failure)}"
+            self.result.errback(UpstreamFailed(FailureKind.CONNECT, reason))
+        elif self._is_stale(failure, tracker, requested, fresh):
+            _log.debug("retrying {url} on a fresh connection", url=self._url.decode("latin-1"))
+            self._send(fresh=True)
+        else:
+            reason = f"request failed: {describe_failure(failure)}"
+            self.result.errback(UpstreamFailed(FailureKind.REQUEST, reason))
+
+    def _is_stale(self, failure: Failure, tracker: ConnectTracker, requested: float, fresh: bool) -> bool:
+        """Rule 7: a reused pooled connection (no new connection was opened) that died
+        within :data:`STALE_WINDOW` of sending, before any answer, on the first try."""
+        return (
+            not fresh
+            and tracker.connects == 0
+            and self._clock.seconds() - requested < STALE_WINDOW
+            and failure.check(RequestNotSent, RequestTransmissionFailed, ResponseNeverReceived) is not None
+        )
+
+    def _cancel(self, d: Deferred[Answer]) -> None:
+        self._cancelled = True  # result then fails with CancelledError
+        current, self._current = self._current, None
+        if current is not None:
+            current.cancel()
+
+
+class _Discard(Protocol):
+    """Drops an upstream body nobody wants and closes its connection."""
+
+    def makeConnection(self, transport: Any) -> None:
+        transport.stopProducing()

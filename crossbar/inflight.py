@@ -1,0 +1,73 @@
+"""In-flight requests per host: the one count that status, metrics and choosing read
+(DESIGN.md §Choosing a host, rule 2).
+
+A request counts against its host from the moment the host is chosen (connecting
+included) until its answer ends (streams included) or fails; a failover moves it.
+:class:`Inflight` keeps the counts per (route, host) (for the metrics' labels) and per
+host (for room and least-busy), never below zero; a :class:`Lease` is one request's
+claim and is released exactly once, however the request ends.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Callable
+
+__all__ = ["Inflight", "Lease"]
+
+
+class Inflight:
+    """Requests in flight, by host and by (route, host).
+
+    :param on_release: called (no arguments) whenever a lease is released or moved
+        away from a host: a slot freed (the queue of issue #10 listens here).
+    """
+
+    def __init__(self, on_release: Callable[[], None] | None = None) -> None:
+        self._by_host: Counter[str] = Counter()
+        self._by_route_host: Counter[tuple[str, str]] = Counter()
+        self.on_release = on_release
+
+    def host(self, host: str) -> int:
+        """Requests in flight to ``host`` over every route (0 for an unknown host)."""
+        return self._by_host.get(host, 0)
+
+    def by_host(self) -> dict[str, int]:
+        """host -> requests in flight to it (hosts with none may be absent)."""
+        return {h: n for h, n in self._by_host.items() if n}
+
+    def by_route_host(self) -> dict[tuple[str, str], int]:
+        """(route, host) -> requests in flight, including pairs that went back to 0
+        (so a metric once seen reads 0 rather than vanishing)."""
+        return dict(self._by_route_host)
+
+    def enter(self, route: str, host: str) -> Lease:
+        """Count one request of ``route`` against ``host``; returns its lease."""
+        self._by_host[host] += 1
+        self._by_route_host[(route, host)] += 1
+        return Lease(self, route, host)
+
+    def _leave(self, route: str, host: str) -> None:
+        if self._by_host.get(host, 0) > 0:
+            self._by_host[host] -= 1
+            if not self._by_host[host]:
+                del self._by_host[host]
+        if self._by_route_host.get((route, host), 0) > 0:
+            self._by_route_host[(route, host)] -= 1
+        if self.on_release is not None:
+            self.on_release()
+
+
+class Lease:
+    """One request's claim on a host; :meth:`release` is idempotent."""
+
+    def __init__(self, inflight: Inflight, route: str, host: str) -> None:
+        self._inflight = inflight
+        self.route = route
+        self.host: str | None = host
+
+    def release(self) -> None:
+        """Stop counting this request (its answer ended, or it failed)."""
+        host, self.host = self.host, None
+        if host is not None:
+            self._inflight._leave(self.route, host)

@@ -1,0 +1,85 @@
+"""One immutable record per answered request, and the one place it becomes a log line
+and metrics (DESIGN.md §The proxy, rule 8).
+
+Whatever crossbar answers -- a proxied answer, one of its own JSON errors, a 413 for a
+body over the limit, a 400 for a request Twisted cannot parse -- ends in exactly one
+:class:`RequestRecord` handed to :meth:`RequestLog.write`, which logs it once and counts
+it once. Label values come only from the config and fixed sets (:data:`NO_ROUTE`),
+never from a request.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from twisted.logger import Logger
+
+from crossbar.metrics import Metrics
+
+__all__ = ["NO_ROUTE", "RequestLog", "RequestRecord"]
+
+NO_ROUTE = "-"
+"""The route (and host) label of an answer no configured route applies to: a request
+Twisted cannot parse, a missing or unknown route."""
+
+_log = Logger(namespace="crossbar.proxy")
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """What one answered request did.
+
+    :ivar route: the configured route, or :data:`NO_ROUTE`.
+    :ivar host: the host that answered (or last failed), or "" for none.
+    :ivar key: the name of the client key used ("" where none applies).
+    :ivar method: the request method, as sent (latin-1).
+    :ivar path: the upstream path (the rest after the route), never the query string.
+    :ivar target: the request path as received (route included), never the query.
+    :ivar status: the status sent to the client (499: the client left first).
+    :ivar bytes: body bytes sent to the client.
+    :ivar queued: seconds spent waiting for a host with room.
+    :ivar ttfb: seconds from the request sent to the host to its response head, or
+        None when no head arrived.
+    :ivar duration: seconds from the request received to the answer ended.
+    :ivar why: why the host was chosen (DESIGN.md §Choosing a host, rule 5), or "".
+    """
+
+    route: str
+    host: str
+    method: str
+    path: str
+    target: str
+    status: int
+    bytes: int
+    duration: float
+    ttfb: float | None = None
+    queued: float = 0.0
+    key: str = ""
+    why: str = ""
+
+
+class RequestLog:
+    """Writes each :class:`RequestRecord` as one log event and into ``metrics``."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def write(self, record: RequestRecord) -> None:
+        """Log ``record`` (namespace ``crossbar.proxy``) and count it in the request
+        metrics; never raises for a well-formed record."""
+        m = self.metrics
+        host = record.host or NO_ROUTE
+        m.requests.labels(record.route, host, str(record.status)).inc()
+        m.duration.labels(record.route, host).observe(record.duration)
+        if record.ttfb is not None:
+            m.ttfb.labels(record.route, host).observe(record.ttfb)
+        ms = round(record.duration * 1000, 1)
+        ttfb_ms = round(record.ttfb * 1000, 1) if record.ttfb is not None else None
+        _log.info(
+            "{method} {target} -> {host} {status} {bytes}B ttfb={ttfb_text} {ms}ms{why_text}",
+            route=record.route, host=record.host or "-", method=record.method, path=record.path,
+            target=record.target, status=record.status, bytes=record.bytes, ttfb_ms=ttfb_ms,
+            ttfb_text="-" if ttfb_ms is None else f"{ttfb_ms}ms", ms=ms,
+            queued_ms=round(record.queued * 1000, 1), key=record.key, why=record.why,
+            why_text=f" ({record.why})" if record.why else "",
+        )
