@@ -127,13 +127,13 @@ class HAProxyDrainTests(TestCase):
         """Run ``haproxy -db -f CONFIG`` (foreground) until the test ends."""
         proc = Twistd()  # a ProcessProtocol that collects output lines
         env = {**twistd_env(), **env}
-        reactor.spawnProcess(  # type: ignore[attr-defined]
+        reactor.spawnProcess(
             proc, executable, [executable, "-db", "-f", CONFIG], env=env, path=ROOT,
         )
 
         async def stop() -> None:
             if proc.exit is None:
-                proc.signal("KILL")
+                proc.signal(signal.SIGKILL)
                 await proc.ended
 
         self.addCleanup(stop)
@@ -196,7 +196,7 @@ class HAProxyDrainTests(TestCase):
 
             down: Deferred[str] = lb.line(lambda line: "crossbar1 is DOWN" in line, timeout=DRAIN_DELAY + 5)
             stopped: Deferred[str] = cb1.line(lambda line: "stopped accepting" in line, timeout=DRAIN_DELAY + 5)
-            cb1.signal("TERM")
+            cb1.signal(signal.SIGTERM)
             moments["term"] = reactor.seconds()
             down.addCallback(mark("down"))
             stopped.addCallback(mark("stopped"))
