@@ -49,7 +49,7 @@ CLIENTS = 6
 EVENT_DELAY = 0.1           # s between events: 10 events/s per stream
 MAX_STREAMS_PER_CLIENT = 12  # bounds the load in count...
 MAX_LOAD_SECONDS = 60.0      # ...and in time
-AFTER_EXIT = 2.0             # s of load after crossbar1 has exited
+AFTER_EXIT = 3.0             # s of load after crossbar1 has exited (> the shortest stream)
 
 # httplog: "... llm crossbar/crossbar2 0/0/0/1/2003 200 1234 - - ---- ..."
 _HTTPLOG = re.compile(r" llm crossbar/(\S+) \S+ (-?\d+) ")
