@@ -29,6 +29,7 @@ from zope.interface import implementer
 from crossbar.failures import describe_failure
 from crossbar.config import Config, Route
 from crossbar.health import HealthTable
+from crossbar.hosturl import host_url
 from crossbar.metrics import Metrics
 from crossbar.request import json_error_bytes
 from crossbar.routing import (
@@ -292,11 +293,11 @@ class _Exchange:
 
     def send(self, fresh: bool) -> None:
         assert self.host is not None
-        base = self.config.hosts[self.host].url.encode("utf-8")
+        target = host_url(self.config.hosts[self.host].url).target(self.rest + self.query)
         agent, tracker = self.proxy.pools.agent(fresh=fresh)
         producer = None if self.body is None else _BytesProducer(self.body)
         self.sent_at = self.clock.seconds()
-        d = agent.request(self.request.method, base + self.rest + self.query, self.upstream_headers(), producer)
+        d = agent.request(self.request.method, target, self.upstream_headers(), producer)
         self.upstream = d
         self.first_byte_timed_out = False
         self.first_byte_timer = self.clock.callLater(
