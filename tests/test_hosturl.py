@@ -16,6 +16,7 @@ import errno
 import json
 import os
 import socket
+import tempfile
 from typing import Any
 
 from twisted.internet import reactor
@@ -134,7 +135,9 @@ def _tls_options(case: TestCase, interface: str) -> tuple[Any, str]:
 
     ca = trustme.CA()
     cert = ca.issue_cert("localhost", "127.0.0.1", "::1", *([interface] if interface else []))
-    path = case.mktemp()
+    fd, path = tempfile.mkstemp(suffix="-ca.pem")
+    os.close(fd)
+    case.addCleanup(os.remove, path)
     ca.cert_pem.write_to_path(path)
     return PrivateCertificate.loadPEM(cert.private_key_and_cert_chain_pem.bytes()).options(), path
 
