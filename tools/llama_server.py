@@ -790,7 +790,8 @@ def _cmd_stop(port: int) -> int:
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line parser of this tool (``main`` uses it; the README test too)."""
     ap = argparse.ArgumentParser(prog="tools/llama_server.py", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("provision", help="install llama-server and the tiny models (idempotent)")
@@ -806,7 +807,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("out")
     p.add_argument("name")
     p.add_argument("seed", type=int)
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
 
     if a.cmd == "provision":
         t0 = time.monotonic()
