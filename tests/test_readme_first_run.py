@@ -60,3 +60,11 @@ class FirstRunTests(SynchronousTestCase):
 
     def test_gibberish_explained(self) -> None:
         self.assertRegex(self.readme, r"gibberish on purpose: `tiny-a` and `tiny-b` are ~1 MB\s+random-weight")
+
+
+class CIRunTests(SynchronousTestCase):
+    def test_ci_run_shows_skip_reasons(self) -> None:
+        """.ci/run's pytest call reports why each skipped test skipped (``-rs``)."""
+        [call] = [line for line in _read(".ci", "run").splitlines() if "-m pytest" in line]
+        argv = shlex.split(call)
+        self.assertTrue(any(a.startswith("-r") and "s" in a[2:] for a in argv), call)
