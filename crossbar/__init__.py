@@ -7,3 +7,4 @@ the section each rule comes from.
 __all__ = ["__version__"]
 
 __version__ = "0.1.0"
+"""crossbar's version, written only here (pyproject.toml reads it: ``dynamic``)."""

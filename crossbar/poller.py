@@ -1,7 +1,8 @@
 """The health poller: polls every host and records the result (DESIGN.md §The health table).
 
 One poll of one host is ``GET <base>/health`` (must be 200), then ``GET <base>/v1/models``
-(must be 200 and list models); see :class:`HTTPProbe`. :class:`HealthPoller` runs a
+(must be 200 and list models); see :class:`HTTPProbe`. Both URLs are built by
+:meth:`crossbar.hosturl.HostURL.target`, exactly as the proxy builds a request's. :class:`HealthPoller` runs a
 ``LoopingCall`` that every ``health.interval`` starts a poll of each host that has none
 in flight (rule 7), bounds each by ``health.timeout``, and records every result in the
 :class:`~crossbar.health.HealthTable` as it arrives. It never requests ``/slots`` nor
@@ -24,10 +25,11 @@ from twisted.web.http import PotentialDataLoss
 from twisted.web.iweb import UNKNOWN_LENGTH, IAgent, IResponse
 from zope.interface import Interface, implementer
 
-from treq.client import HTTPClient
+from twisted.web.http_headers import Headers
 
 from crossbar.failures import describe_failure
 from crossbar.health import HealthTable
+from crossbar.hosturl import HostURL, host_url
 from crossbar.models import ModelsError, resident_models
 from crossbar.waiting import Condition
 
@@ -57,7 +59,8 @@ class IHostProbe(Interface):
     """Polls one host once."""
 
     def poll(url: str) -> Deferred[tuple[str, ...]]:
-        """Poll the host whose base URL is ``url`` (no trailing slash).
+        """Poll the host whose configured base URL is ``url`` (a ``str``; a
+        :class:`~crossbar.hosturl.HostURL` is accepted too).
 
         Fires with the sorted resident model ids; errbacks with :class:`PollFailed` for
         a host that failed the poll, or :class:`PollCancelled` when cancelled.
@@ -147,7 +150,12 @@ def _cancelled(failure: Failure) -> bool:
 
 @implementer(IHostProbe)
 class HTTPProbe:
-    """The real probe: two bounded GETs on ``agent`` through treq (DESIGN.md §health, rule 2).
+    """The real probe: two bounded GETs on ``agent`` (DESIGN.md §health, rule 2).
+
+    The URLs are :meth:`HostURL.target` bytes handed to ``agent.request`` as they are:
+    not through treq, whose URL handling (hyperlink) refuses IPv6 literals and
+    re-encodes some path characters, so a poll would not reach what a request reaches.
+    A URL crossbar cannot parse fails the poll (``health: ...``).
 
     Redirects are not followed (a 3xx is not 200). Bodies are read only up to
     :data:`MAX_POLL_BODY` bytes: a longer one fails the poll and its connection is
@@ -155,14 +163,14 @@ class HTTPProbe:
     """
 
     def __init__(self, agent: IAgent) -> None:
-        self._client = HTTPClient(agent)
+        self._agent = agent
 
-    def poll(self, url: str) -> Deferred[tuple[str, ...]]:
+    def poll(self, url: str | HostURL) -> Deferred[tuple[str, ...]]:
         return ensureDeferred(self._poll(url))
 
-    async def _get(self, phase: str, url: str) -> bytes:
+    async def _get(self, phase: str, url: bytes) -> bytes:
         try:
-            response: IResponse = await self._client.get(url, allow_redirects=False, unbuffered=True)
+            response: IResponse = await self._agent.request(b"GET", url, Headers(), None)
         except Exception:
             failure = Failure()
             if _cancelled(failure):
@@ -185,9 +193,13 @@ class HTTPProbe:
             raise PollFailed(problem)
         return body
 
-    async def _poll(self, url: str) -> tuple[str, ...]:
-        await self._get("health", url + "/health")
-        body = await self._get("models", url + "/v1/models")
+    async def _poll(self, url: str | HostURL) -> tuple[str, ...]:
+        try:
+            parsed = url if isinstance(url, HostURL) else host_url(url)
+        except ValueError as e:
+            raise PollFailed(f"health: bad host URL: {e}") from None
+        await self._get("health", parsed.target(b"/health"))
+        body = await self._get("models", parsed.target(b"/v1/models"))
         try:
             return resident_models(body)
         except ModelsError as e:

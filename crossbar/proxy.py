@@ -28,6 +28,7 @@ from twisted.web.server import NOT_DONE_YET, Request
 
 from crossbar.attempt import STALE_WINDOW, Answer, Attempt, FailureKind, UpstreamFailed
 from crossbar.config import Config, Route
+from crossbar.hosturl import host_url
 from crossbar.inflight import Lease
 from crossbar.record import NO_ROUTE, RequestLog, RequestRecord
 from crossbar.relay import Relay, RelayEnd
@@ -234,9 +235,9 @@ class Exchange:
             return self.answer_error(503, "no healthy host")
         self.host = host
         self.lease = self.runtime.inflight.enter(self.route.name, host)
-        base = self.config.hosts[host].url.encode("utf-8")
+        target = host_url(self.config.hosts[host].url).target(self.rest + self.query)
         attempt = Attempt(
-            self.proxy.pools, self.clock, self.request.method, base + self.rest + self.query,
+            self.proxy.pools, self.clock, self.request.method, target,
             self.upstream_headers(), self.body, self.config.timeouts.first_byte,
         )
         self.attempt = attempt.start()

@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import sys
 from functools import partial
-from typing import Any, Callable, MutableMapping, NoReturn, TextIO
+from typing import Any, Callable, Mapping, MutableMapping, NoReturn, TextIO
 
 from twisted.application.service import IService, MultiService
 from twisted.internet.error import CannotListenError
@@ -22,7 +22,7 @@ from twisted.logger import Logger
 
 from crossbar.config import ConfigError
 
-__all__ = ["StartupGuard", "as_config_error", "report_and_exit"]
+__all__ = ["StartupGuard", "as_config_error", "log_is_terminal", "report_and_exit"]
 
 _log = Logger(namespace="crossbar")
 
@@ -41,6 +41,29 @@ def as_config_error(error: ConfigError | CannotListenError, source: str) -> Conf
         return ConfigError(source, "listen", f"cannot listen: {why}")
     where = f"{error.interface or '*'}:{error.port}"
     return ConfigError(source, "listen", f"cannot listen on {where}: {why}")
+
+
+def log_is_terminal(twistd: Mapping[str, Any] | None) -> bool:
+    """Whether twistd's log goes to this process's standard output, where the one line
+    :func:`report_and_exit` writes to stderr already tells the reader (a critical log
+    event as well would print the error twice).
+
+    ``twistd`` is twistd's option mapping (``ServerOptions``) or None (not under twistd:
+    False). True for ``-n`` without ``--logfile`` (or ``--logfile=-``) and for
+    ``--logger=crossbar.jsonlog.observer`` (JSON lines on stdout); False for a log file
+    (``--logfile``, or a daemon's ``twistd.log``), ``--syslog`` and any other
+    ``--logger``, whose destination crossbar cannot know.
+    """
+    if twistd is None or twistd.get("syslog"):
+        return False
+    logger = twistd.get("logger")
+    if logger:
+        from crossbar import jsonlog
+
+        return logger is jsonlog.observer
+    if not twistd.get("nodaemon"):
+        return False
+    return twistd.get("logfile") in (None, "", "-")
 
 
 def report_and_exit(
@@ -102,8 +125,10 @@ class StartupGuard(MultiService):
     Catches :class:`ConfigError` and :class:`CannotListenError` from
     ``privilegedStartService`` and ``startService`` (``source`` is the configuration
     file named in the message) and hands them, as :class:`ConfigError`, to ``report``
-    (default :func:`report_and_exit` told about ``twistd``, twistd's option mapping);
-    any other exception is a bug and propagates.
+    (default :func:`report_and_exit` told about ``twistd``, twistd's option mapping,
+    logging the line too only when the log does not go to the terminal, see
+    :func:`log_is_terminal`: one line either way); any other exception is a bug and
+    propagates.
     """
 
     def __init__(
@@ -115,7 +140,9 @@ class StartupGuard(MultiService):
     ) -> None:
         super().__init__()
         self.source = source
-        self._report = report if report is not None else partial(report_and_exit, twistd=twistd)
+        self._report = report if report is not None else partial(
+            report_and_exit, twistd=twistd, log=not log_is_terminal(twistd)
+        )
         service.setServiceParent(self)
 
     def privilegedStartService(self) -> None:

@@ -27,7 +27,7 @@ from twisted.internet.error import CannotListenError
 from twisted.trial.unittest import SynchronousTestCase
 
 from crossbar.config import ConfigError
-from crossbar.startup import StartupGuard, as_config_error, report_and_exit
+from crossbar.startup import StartupGuard, as_config_error, log_is_terminal, report_and_exit
 from tests.process import twistd_argv, twistd_env
 
 START_TIMEOUT = 30.0  # s: a loaded 2-core machine may take several seconds to import
@@ -112,6 +112,8 @@ class _TwistdCase(SynchronousTestCase):
             self.assertEqual(lines[0], line)
         if prefix is not None:
             self.assertTrue(lines[0].startswith(prefix), f"{lines[0]!r} does not start with {prefix!r}")
+        problem = lines[0].removeprefix("crossbar: ")
+        self.assertEqual((out + err).count(problem), 1, f"the problem must be told once\nstdout:\n{out}\nstderr:\n{err}")
         self.assertLess(seconds, START_TIMEOUT)
         return lines[0]
 
@@ -194,6 +196,27 @@ class BadConfigTests(_TwistdCase):
         blocker.bind(("127.0.0.1", 0))
         blocker.listen(1)
         return int(blocker.getsockname()[1])
+
+    def test_port_in_use_json_log_one_line(self) -> None:
+        """The JSON log goes to stdout too: the problem is still told once (stderr)."""
+        port = self.hold_port()
+        path = self.write("inuse.yaml", GOOD.format(port=port, upstream=free_port()))
+        self.assertStartupFails(
+            path, f"crossbar: {path}: listen: cannot listen on 127.0.0.1:{port}: Address already in use",
+            twistd_options=("-n", "--pidfile=", "--logger=crossbar.jsonlog.observer"),
+        )
+
+    def test_port_in_use_with_log_file_logs_it_there(self) -> None:
+        """-n with --logfile: one line on the terminal, and the log file says it too."""
+        port = self.hold_port()
+        path = self.write("inuse.yaml", GOOD.format(port=port, upstream=free_port()))
+        logfile = os.path.join(self.dir, "crossbar.log")
+        self.assertStartupFails(
+            path, f"crossbar: {path}: listen: cannot listen on 127.0.0.1:{port}: Address already in use",
+            twistd_options=("-n", "--pidfile=", f"--logfile={logfile}"),
+        )
+        with open(logfile, encoding="utf-8") as f:
+            self.assertIn(f"start-up failed: {path}: listen: cannot listen on 127.0.0.1:{port}", f.read())
 
     def test_port_in_use_removes_own_pidfile(self) -> None:
         """twistd -n with a pidfile: the failed start leaves no stale pidfile behind."""
@@ -298,6 +321,24 @@ class _Failing(Service):
 
 class _Reported(Exception):
     pass
+
+
+class LogIsTerminalTests(SynchronousTestCase):
+    def test_where_the_log_goes(self) -> None:
+        from crossbar import jsonlog
+
+        cases: list[tuple[dict[str, object] | None, bool]] = [
+            (None, False),
+            ({"nodaemon": True, "logfile": None}, True),
+            ({"nodaemon": True, "logfile": "-"}, True),
+            ({"nodaemon": True, "logfile": "/var/log/crossbar.log"}, False),
+            ({"nodaemon": False, "logfile": None}, False),  # a daemon logs to twistd.log
+            ({"nodaemon": True, "syslog": True}, False),
+            ({"nodaemon": True, "logger": jsonlog.observer}, True),
+            ({"nodaemon": True, "logger": lambda: None}, False),
+        ]
+        for options, expected in cases:
+            self.assertEqual(log_is_terminal(options), expected, options)
 
 
 class StartupGuardTests(SynchronousTestCase):

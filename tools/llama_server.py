@@ -27,6 +27,12 @@ CLI (run from the repository root)::
     python tools/llama_server.py provision            # idempotent; last line: binary path
     python tools/llama_server.py start PORT [--mode single|router]
     python tools/llama_server.py stop PORT
+    python tools/llama_server.py status               # skip reason, or OK and the binary path
+    python tools/llama_server.py write-model OUT NAME SEED   # one tiny GGUF (needs gguf)
+
+A server's log is ``<cache>/run/llama-PORT.log`` while it runs; stopping it (``stop``,
+:meth:`LlamaServer.stop`) removes the log, and logs left by servers that died
+unstopped are removed after a day (:func:`prune_run_logs`, run at every start).
 
 Library (tests)::
 
@@ -112,6 +118,33 @@ def model_path(name: str = "tiny-a") -> Path:
 
 def _run_dir() -> Path:
     return home() / "run"
+
+
+RUN_LOG_MAX_AGE = 24 * 3600.0
+"""Seconds after its last write that a left-over ``llama-PORT.log`` is removed."""
+
+
+def prune_run_logs(directory: Path | None = None, max_age: float = RUN_LOG_MAX_AGE,
+                   now: float | None = None) -> list[Path]:
+    """Remove the ``llama-*.log`` files in ``directory`` (default the run directory)
+    not written for ``max_age`` seconds whose port has no live pid file (servers that
+    died without being stopped); return the paths removed. Never raises for a file
+    that vanished meanwhile."""
+    directory = directory if directory is not None else _run_dir()
+    now = time.time() if now is None else now
+    removed: list[Path] = []
+    for log in sorted(directory.glob("llama-*.log")):
+        pidfile = log.with_suffix(".pid")
+        try:
+            if now - log.stat().st_mtime < max_age:
+                continue
+            if pidfile.exists() and _pid_alive(int(pidfile.read_text().split()[0])):
+                continue
+            log.unlink()
+        except (OSError, ValueError, IndexError):
+            continue
+        removed.append(log)
+    return removed
 
 
 def _log(msg: str) -> None:
@@ -532,7 +565,7 @@ def _ensure_models() -> None:
     py = _tool_python()
     for name, seed in missing:
         tmp = models_dir() / f".{name}.gguf.partial"
-        subprocess.run([py, os.path.abspath(__file__), "_write-model", str(tmp), name, str(seed)], check=True)
+        subprocess.run([py, os.path.abspath(__file__), "write-model", str(tmp), name, str(seed)], check=True)
         tmp.rename(model_path(name))
         _log(f"wrote {model_path(name)} ({model_path(name).stat().st_size} bytes)")
 
@@ -621,6 +654,7 @@ class LlamaServer:
         if _http_status(self.url + "/health", timeout=0.5) is not None:
             raise RuntimeError(f"port {self.port} already answers HTTP; not starting llama-server")
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        prune_run_logs(self.log_path.parent)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 server_command(binary, self.mode, self.port, self.extra_args),
@@ -640,7 +674,7 @@ class LlamaServer:
             if _http_status(self.url + "/health", timeout=1.0) == 200:
                 return
             if time.monotonic() > deadline:
-                self.stop()
+                self.stop(keep_log=True)  # the message names the log
                 raise RuntimeError(
                     f"llama-server ({self.mode}, port {self.port}) not healthy after {timeout:.0f}s; "
                     f"log {self.log_path}:\n{self.log_tail()}"
@@ -652,8 +686,9 @@ class LlamaServer:
         self.spawn()
         self.wait_ready(timeout)
 
-    def stop(self) -> None:
-        """SIGTERM the process group, SIGKILL after 10 s; idempotent."""
+    def stop(self, keep_log: bool = False) -> None:
+        """SIGTERM the process group, SIGKILL after 10 s, then remove the log (unless
+        ``keep_log``); idempotent."""
         proc, self.proc = self.proc, None
         if proc is None:
             return
@@ -661,7 +696,9 @@ class LlamaServer:
         try:
             proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
-            pass
+            return  # still running: its log may still be needed
+        if not keep_log:
+            self.log_path.unlink(missing_ok=True)
 
     def __enter__(self) -> "LlamaServer":
         self.start()
@@ -744,14 +781,17 @@ def _cmd_stop(port: int) -> int:
         return 1
     pidfile.unlink(missing_ok=True)
     if not _pid_alive(pid):
-        _log(f"pid {pid} (port {port}) was not running")
+        _log(f"pid {pid} (port {port}) was not running (its log, kept: {_run_dir() / f'llama-{port}.log'})")
         return 0
     _kill_group(pid, lambda: not _pid_alive(pid))
+    if not _pid_alive(pid):
+        (_run_dir() / f"llama-{port}.log").unlink(missing_ok=True)
     print(f"STOPPED port={port} pid={pid}", flush=True)
     return 0
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command-line parser of this tool (``main`` uses it; the README test too)."""
     ap = argparse.ArgumentParser(prog="tools/llama_server.py", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("provision", help="install llama-server and the tiny models (idempotent)")
@@ -762,11 +802,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = sub.add_parser("stop", help="stop the llama-server started on PORT")
     p.add_argument("port", type=int)
     sub.add_parser("status", help="print the skip reason, or OK and the binary path")
-    p = sub.add_parser("_write-model")  # internal: runs in an interpreter that has gguf
+    p = sub.add_parser("write-model", help="write one tiny random-weight model GGUF to OUT "
+                       "(provision runs it; needs the gguf package)")
     p.add_argument("out")
     p.add_argument("name")
     p.add_argument("seed", type=int)
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
 
     if a.cmd == "provision":
         t0 = time.monotonic()
@@ -790,7 +835,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         reason = skip_reason()
         print(reason if reason else f"OK {find_llama_server()}")
         return 1 if reason else 0
-    if a.cmd == "_write-model":
+    if a.cmd == "write-model":
         _write_model(a.out, a.name, a.seed)
         return 0
     return 2

@@ -14,6 +14,15 @@ from zope.interface import implementer
 class Options(usage.Options):
     optParameters = [["config", "c", "crossbar.yaml", "Path to the crossbar YAML configuration."]]
 
+    def opt_version(self) -> None:
+        """Print crossbar's version (and Twisted's) and exit."""
+        import twisted
+
+        from crossbar import __version__
+
+        print(f"crossbar {__version__} (Twisted {twisted.__version__})")
+        sys.exit(0)
+
 
 @implementer(IServiceMaker, IPlugin)
 class CrossbarServiceMaker:
