@@ -7,10 +7,13 @@ frozen :class:`HostStatus` records, so nothing a caller does changes the table (
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Callable, Iterable, Mapping
 
 from twisted.logger import Logger
+
+from crossbar.models import ModelList
 
 __all__ = ["HealthTable", "HostStatus"]
 
@@ -21,6 +24,10 @@ class HostStatus:
 
     :ivar healthy: whether the proxy may send requests to the host.
     :ivar loaded: sorted unique ids of the models resident at the last good poll.
+    :ivar loading: sorted ids the host was loading at the last good poll (router mode).
+    :ivar available: sorted ids the host lists and can load on demand (router mode).
+    :ivar entries: id -> the host's ``/v1/models`` entry as JSON text, for the route
+        model list (DESIGN.md §The proxy, rule 10).
     :ivar last_ok: POSIX time (seconds) of the last good poll, or None.
     :ivar last_err: why the last poll or request failed; "" after a good poll.
     :ivar consecutive: good polls in a row.
@@ -33,6 +40,9 @@ class HostStatus:
 
     healthy: bool = False
     loaded: tuple[str, ...] = ()
+    loading: tuple[str, ...] = ()
+    available: tuple[str, ...] = ()
+    entries: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     last_ok: float | None = None
     last_err: str = ""
     consecutive: int = 0
@@ -77,14 +87,15 @@ class HealthTable:
         status = self._hosts.get(name)
         return status is not None and status.healthy
 
-    def record_success(self, name: str, models: Iterable[str]) -> None:
-        """A good poll of ``name`` that found ``models`` resident (rule 3).
-
-        Empty ids and duplicates are dropped and the rest sorted.
+    def record_success(self, name: str, models: ModelList | Iterable[str]) -> None:
+        """A good poll of ``name`` that listed ``models`` (rule 3): a
+        :class:`~crossbar.models.ModelList`, or ids that are all loaded (empty ids and
+        duplicates are dropped and the rest sorted).
         """
         old = self._hosts.get(name)
         if old is None:
             return
+        listed = models if isinstance(models, ModelList) else ModelList.of_loaded(models)
         consecutive = old.consecutive + 1
         healthy = (not old.has_failed) or consecutive >= self.recovery_polls
         new = replace(
@@ -93,7 +104,10 @@ class HealthTable:
             failures=0,
             last_ok=self._now(),
             last_err="",
-            loaded=tuple(sorted({m for m in models if m})),
+            loaded=listed.loaded,
+            loading=listed.loading,
+            available=listed.available,
+            entries=listed.entries,
             healthy=healthy,
             # once trusted again it is judged like a host that never failed: a failed
             # poll below failure_threshold followed by a good one keeps it healthy

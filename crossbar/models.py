@@ -1,38 +1,71 @@
-"""Read the resident models out of a ``GET /v1/models`` answer (DESIGN.md §health, rule 2).
+"""Read a host's ``GET /v1/models`` answer (DESIGN.md §The health table, rule 2).
 
 llama-server in single-model mode (and other OpenAI-compatible servers) lists models
-without a ``status``; in router mode every model it *could* load is listed, each with
-``"status": {"value": "loaded" | "loading" | "unloaded" | ...}``. Only entries without a
-status, or whose ``status.value`` is ``"loaded"``, are resident.
+without a ``status``: each counts as loaded. In router mode every model it *could* load
+is listed, each with ``"status": {"value": "loaded" | "loading" | "unloaded" | ...}``:
+``loaded`` counts as loaded, ``loading`` as loading, any other value as available (the
+router loads it on demand). An entry that is not an object or has no string id is
+dropped; only a document that is not ``{"data": [...]}`` is an error.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
 
-__all__ = ["ModelsError", "resident_models"]
+__all__ = ["ModelList", "ModelsError", "parse_models", "resident_models"]
 
 
 class ModelsError(ValueError):
-    """The body is not a ``{"data": [{"id": ...}, ...]}`` document."""
+    """The body is not a ``{"data": [...]}`` document."""
 
 
-def _is_resident(entry: dict[str, Any]) -> bool:
+@dataclass(frozen=True)
+class ModelList:
+    """What a host lists, each id in exactly one of the three tuples (sorted, unique).
+
+    :ivar loaded: ids resident now.
+    :ivar loading: ids being loaded.
+    :ivar available: ids the host lists and can load on demand.
+    :ivar entries: id -> the host's entry for it, as compact JSON text (immutable; the
+        route model list of rule 10 is made of these).
+    """
+
+    loaded: tuple[str, ...] = ()
+    loading: tuple[str, ...] = ()
+    available: tuple[str, ...] = ()
+    entries: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+
+    @classmethod
+    def of_loaded(cls, ids: Any) -> ModelList:
+        """A list where every id of ``ids`` is loaded and has the entry ``{"id": id}``
+        (empty ids and duplicates dropped)."""
+        loaded = tuple(sorted({m for m in ids if m}))
+        entries = {m: json.dumps({"id": m}) for m in loaded}
+        return cls(loaded=loaded, entries=MappingProxyType(entries))
+
+
+def _state(entry: dict[str, Any]) -> str:
+    """``loaded``, ``loading`` or ``available`` for one entry."""
     if "status" not in entry:
-        return True
+        return "loaded"
     status = entry["status"]
-    if isinstance(status, dict):
-        return status.get("value") == "loaded" and status.get("failed") is not True
-    return status == "loaded"
+    value = status.get("value") if isinstance(status, dict) else status
+    if value == "loaded" and not (isinstance(status, dict) and status.get("failed") is True):
+        return "loaded"
+    if value == "loading":
+        return "loading"
+    return "available"
 
 
-def resident_models(body: bytes) -> tuple[str, ...]:
-    """The sorted unique ids of the resident models in ``body``.
+def parse_models(body: bytes) -> ModelList:
+    """The models listed in ``body`` (the raw ``/v1/models`` answer, UTF-8 JSON).
 
-    :param body: the raw ``/v1/models`` answer (UTF-8 JSON).
-    :raises ModelsError: when the body is not JSON or not of the expected shape; the
-        message says which, e.g. ``bad JSON: Expecting value`` or ``"data" is not a list``.
+    :raises ModelsError: when the body is not JSON or not of the shape
+        ``{"data": [...]}``; the message says which, e.g. ``bad JSON: Expecting value``
+        or ``"data" is not a list``.
     """
     try:
         doc = json.loads(body)
@@ -43,13 +76,27 @@ def resident_models(body: bytes) -> tuple[str, ...]:
     data = doc.get("data")
     if not isinstance(data, list):
         raise ModelsError('"data" is not a list')
-    ids: set[str] = set()
-    for i, entry in enumerate(data):
+    states: dict[str, str] = {}
+    entries: dict[str, str] = {}
+    for entry in data:
         if not isinstance(entry, dict):
-            raise ModelsError(f"data[{i}] is not an object")
+            continue
         model_id = entry.get("id")
-        if not isinstance(model_id, str):
-            raise ModelsError(f'data[{i}]."id" is not a string')
-        if model_id and _is_resident(entry):
-            ids.add(model_id)
-    return tuple(sorted(ids))
+        if not isinstance(model_id, str) or not model_id or model_id in states:
+            continue
+        states[model_id] = _state(entry)
+        entries[model_id] = json.dumps(entry, separators=(",", ":"))
+    return ModelList(
+        loaded=tuple(sorted(m for m, s in states.items() if s == "loaded")),
+        loading=tuple(sorted(m for m, s in states.items() if s == "loading")),
+        available=tuple(sorted(m for m, s in states.items() if s == "available")),
+        entries=MappingProxyType(entries),
+    )
+
+
+def resident_models(body: bytes) -> tuple[str, ...]:
+    """The sorted unique ids of the models loaded according to ``body``.
+
+    :raises ModelsError: as :func:`parse_models`.
+    """
+    return parse_models(body).loaded

@@ -30,7 +30,7 @@ from twisted.web.http_headers import Headers
 from crossbar.failures import describe_failure
 from crossbar.health import HealthTable
 from crossbar.hosturl import HostURL, host_url
-from crossbar.models import ModelsError, resident_models
+from crossbar.models import ModelList, ModelsError, parse_models
 from crossbar.waiting import Condition
 
 __all__ = ["MAX_POLL_BODY", "HTTPProbe", "HealthPoller", "IHostProbe", "PollCancelled", "PollFailed"]
@@ -58,11 +58,12 @@ class PollCancelled(CancelledError):
 class IHostProbe(Interface):
     """Polls one host once."""
 
-    def poll(url: str) -> Deferred[tuple[str, ...]]:
+    def poll(url: str) -> Deferred[ModelList | tuple[str, ...]]:
         """Poll the host whose configured base URL is ``url`` (a ``str``; a
         :class:`~crossbar.hosturl.HostURL` is accepted too).
 
-        Fires with the sorted resident model ids; errbacks with :class:`PollFailed` for
+        Fires with the :class:`~crossbar.models.ModelList` the host listed (or, from a
+        fake, the loaded ids); errbacks with :class:`PollFailed` for
         a host that failed the poll, or :class:`PollCancelled` when cancelled.
         """
 
@@ -165,7 +166,7 @@ class HTTPProbe:
     def __init__(self, agent: IAgent) -> None:
         self._agent = agent
 
-    def poll(self, url: str | HostURL) -> Deferred[tuple[str, ...]]:
+    def poll(self, url: str | HostURL) -> Deferred[ModelList | tuple[str, ...]]:
         return ensureDeferred(self._poll(url))
 
     async def _get(self, phase: str, url: bytes) -> bytes:
@@ -193,7 +194,7 @@ class HTTPProbe:
             raise PollFailed(problem)
         return body
 
-    async def _poll(self, url: str | HostURL) -> tuple[str, ...]:
+    async def _poll(self, url: str | HostURL) -> ModelList:
         try:
             parsed = url if isinstance(url, HostURL) else host_url(url)
         except ValueError as e:
@@ -201,7 +202,7 @@ class HTTPProbe:
         await self._get("health", parsed.target(b"/health"))
         body = await self._get("models", parsed.target(b"/v1/models"))
         try:
-            return resident_models(body)
+            return parse_models(body)
         except ModelsError as e:
             raise PollFailed(f"models: {e}") from None
 

@@ -95,12 +95,12 @@ class BadBodyTests(TestCase):
         self.assertModelsError(b'{"models": []}', '"data" is not a list')
         self.assertModelsError(b'{"data": {"id": "a"}}', '"data" is not a list')
 
-    def test_entry_not_an_object(self) -> None:
-        self.assertModelsError(doc({"id": "a"}, "b"), "data[1] is not an object")
+    def test_entry_not_an_object_is_dropped(self) -> None:
+        """DESIGN.md §health rule 2: a malformed entry is dropped, not a failed poll."""
+        self.assertEqual(resident_models(doc({"id": "a"}, "b", None, 7)), ("a",))
 
-    def test_id_not_a_string(self) -> None:
-        self.assertModelsError(doc({"id": 7}), 'data[0]."id" is not a string')
-        self.assertModelsError(doc({"name": "a"}), 'data[0]."id" is not a string')
+    def test_id_not_a_string_is_dropped(self) -> None:
+        self.assertEqual(resident_models(doc({"id": 7}, {"name": "a"}, {"id": "b"})), ("b",))
 
     def test_deep_nesting(self) -> None:
         self.assertModelsError(b"[" * 100_000 + b"]" * 100_000, "bad JSON")

@@ -328,7 +328,7 @@ class HTTPProbeTests(TestCase):
         async def go() -> None:
             upstream = FakeLlama(["b", "a", "a", ""])
             url = await listen(self, upstream)
-            self.assertEqual(await self.probe().poll(url), ("a", "b"))
+            self.assertEqual((await self.probe().poll(url)).loaded, ("a", "b"))  # type: ignore[union-attr]
             self.assertEqual([s.uri for s in upstream.seen], [b"/health", b"/v1/models"])
             self.assertEqual({s.method for s in upstream.seen}, {b"GET"})
 
@@ -414,7 +414,7 @@ class HTTPProbeTests(TestCase):
             body = prefix + b"x" * (MAX_POLL_BODY - len(prefix) - 2) + b'"}'
             self.assertEqual(len(body), MAX_POLL_BODY)
             url = await listen(self, _Handler(_ok_health(lambda r: body)))
-            self.assertEqual(await self.probe().poll(url), ("big",))
+            self.assertEqual((await self.probe().poll(url)).loaded, ("big",))  # type: ignore[union-attr]
 
         return ensureDeferred(go())
 
