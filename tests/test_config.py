@@ -182,7 +182,7 @@ class StructureTests(_Case):
     def test_unknown_top_level_key(self) -> None:
         self.assertRejected(
             MINIMAL + "lissen: tcp:1\n",
-            "x.yaml: lissen: unknown key (expected one of: listen, health, timeouts, drain, ops, hosts, routes)",
+            "x.yaml: lissen: unknown key (expected one of: listen, health, timeouts, drain, ops, workers, hosts, routes)",
         )
 
     def test_unknown_key_in_health(self) -> None:
@@ -205,14 +205,15 @@ class StructureTests(_Case):
 
     def test_unknown_key_in_host(self) -> None:
         self.assertRejected(
-            doc(hosts={"a": {"url": "http://h", "weight": 2}}),
-            "x.yaml: hosts.a.weight: unknown key (expected one of: url)",
+            doc(hosts={"a": {"url": "http://h", "wieght": 2}}),
+            "x.yaml: hosts.a.wieght: unknown key (expected one of: url, weight, max_inflight, api_key, tls)",
         )
 
     def test_unknown_key_in_route(self) -> None:
         self.assertRejected(
             doc(routes={"r": {"hosts": ["a"], "model": "m"}}),
-            "x.yaml: routes.r.model: unknown key (expected one of: hosts, default_model)",
+            "x.yaml: routes.r.model: unknown key "
+            "(expected one of: hosts, default_model, primary, queue, affinity, keys)",
         )
 
     def test_missing_listen(self) -> None:
@@ -491,8 +492,10 @@ class NumberTests(_Case):
         self.assertEqual((c.health.interval, c.health.recovery_polls), (0.5, 3))
 
     def test_bad_number_from_environment(self) -> None:
+        """A value from the environment is quoted as written, never expanded: it may be
+        a secret put in the wrong place."""
         self.assertRejected(
-            MINIMAL + "timeouts:\n  idle: ${IDLE}\n", "x.yaml: timeouts.idle: must be a number of seconds, not 'forever'",
+            MINIMAL + "timeouts:\n  idle: ${IDLE}\n", "x.yaml: timeouts.idle: must be a number of seconds, not '${IDLE}'",
             {"IDLE": "forever"},
         )
 
@@ -577,7 +580,7 @@ class YAMLTests(_Case):
     def test_control_characters_in_keys_stay_on_one_line(self) -> None:
         self.assertRejected(
             MINIMAL + '"a\\nb": 1\n',
-            "x.yaml: a\\nb: unknown key (expected one of: listen, health, timeouts, drain, ops, hosts, routes)",
+            "x.yaml: a\\nb: unknown key (expected one of: listen, health, timeouts, drain, ops, workers, hosts, routes)",
         )
 
 
@@ -615,7 +618,7 @@ class EnvironmentTests(_Case):
     def test_expanded_url_is_validated(self) -> None:
         self.assertRejected(
             doc(hosts={"a": "${URL}"}),
-            "x.yaml: hosts.a: must be an absolute http:// or https:// URL without query, not 'ftp://h'",
+            "x.yaml: hosts.a: must be an absolute http:// or https:// URL without query, not '${URL}'",
             {"URL": "ftp://h"},
         )
 
