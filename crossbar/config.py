@@ -260,19 +260,23 @@ def _load_yaml(c: _Checker, text: str) -> Any:
 
     :raises ConfigError: for a syntax error (with line and column) or a duplicate key.
     """
-    loader = yaml.SafeLoader(_mask_references(text))
+    masked = _mask_references(text)
+    loader = yaml.SafeLoader(masked)
     try:
         node = loader.get_single_node()
         if node is None:
             return None
-        _unmask_nodes(node, set())
+        if masked is not text:
+            _unmask_nodes(node, set())
         _refuse_duplicates(c, loader, node, "", set())
         return loader.construct_document(node)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
-        raise c.fail("", f"invalid YAML{where}: {_unmask(problem)}") from None
+        if masked is not text:
+            problem = _unmask(problem)
+        raise c.fail("", f"invalid YAML{where}: {problem}") from None
     except RecursionError:
         raise c.fail("", "invalid YAML: nested too deeply") from None
     finally:
@@ -291,7 +295,7 @@ _UNMASK = str.maketrans({_OPEN: "{", _CLOSE: "}"})
 
 
 def _mask_references(text: str) -> str:
-    if _OPEN in text or _CLOSE in text:
+    if _OPEN in text or _CLOSE in text or "${" not in text:
         return text
     return _MASKABLE_REF.sub(lambda m: "$" + _OPEN + m.group(0)[2:-1] + _CLOSE, text)
 
@@ -394,10 +398,11 @@ class _Checker:
                 raise self.fail(key, f"keys must be strings, not {_kind(k)} {k!r}")
         return value
 
-    def section(self, key: str, top: dict[str, Any]) -> dict[str, Any]:
-        """The optional mapping ``key`` of ``top``; absent or null means all defaults."""
+    def section(self, key: str, top: dict[str, Any], within: str = "") -> dict[str, Any]:
+        """The optional mapping ``key`` of ``top`` (itself at key path ``within``);
+        absent or null means all defaults."""
         value = top.get(key)
-        return {} if value is None else self.mapping(key, value)
+        return {} if value is None else self.mapping(_join(within, key), value)
 
     def known_keys(self, key: str, value: dict[str, Any], allowed: tuple[str, ...]) -> None:
         for k in value:
@@ -837,14 +842,14 @@ def _routes(c: _Checker, raw: Any, hosts: Mapping[str, Host]) -> dict[str, Route
                     f"{key}.primary",
                     f"{c.show(primary_raw, primary)} is not one of the route's hosts ({', '.join(seen)})",
                 )
-        q_raw = c.section("queue", body)
+        q_raw = c.section("queue", body, key)
         c.known_keys(f"{key}.queue", q_raw, ("max", "timeout"))
         dq = QueueSettings()
         queue = QueueSettings(
             max=c.count(f"{key}.queue.max", q_raw.get("max", dq.max), minimum=0),
             timeout=c.positive(f"{key}.queue.timeout", q_raw.get("timeout", dq.timeout)),
         )
-        affinity = _affinity(c, f"{key}.affinity", c.section("affinity", body))
+        affinity = _affinity(c, f"{key}.affinity", c.section("affinity", body, key))
         keys = _keys(c, f"{key}.keys", body.get("keys"), secrets)
         routes[name] = Route(
             name=name, hosts=tuple(seen), default_model=model, primary=primary, queue=queue, affinity=affinity,
