@@ -348,12 +348,18 @@ class HandshakeFirstEndpoint:
 
             timer = self._clock.callLater(self._timeout, too_slow)
 
-            def settled(outcome: Any) -> Any:
+            def settled(outcome: Any) -> None:
                 if timer.active():
                     timer.cancel()
-                return outcome
+                if not result.called:
+                    if isinstance(outcome, Failure):
+                        result.errback(outcome)
+                    else:
+                        result.callback(outcome)
+                elif not isinstance(outcome, Failure):
+                    tls_protocol.abortConnection()  # cancelled just as the handshake ended
 
-            handshake.addBoth(settled).chainDeferred(result)
+            handshake.addBoth(settled)
 
         def failed(f: Failure) -> None:
             if not result.called:

@@ -243,6 +243,26 @@ class HandshakeTimeoutTests(TestCase):
         else:
             self.fail("connected")
 
+    async def test_cancel_during_the_handshake_closes_the_connection(self) -> None:
+        closed: Deferred[None] = Deferred()
+
+        class Watch(Protocol):
+            def connectionLost(self, reason: Failure = Failure(Exception())) -> None:
+                closed.callback(None)
+
+        port: IListeningPort = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(Factory.forProtocol(Watch))
+        self.addCleanup(port.stopListening)
+        clock = Clock()
+        tcp = TCP4ClientEndpoint(reactor, "127.0.0.1", port.getHost().port)  # type: ignore[attr-defined]
+        d = HandshakeFirstEndpoint(client_creator("localhost", None), tcp, clock, 3.0).connect(Factory.forProtocol(Protocol))
+        while not clock.getDelayedCalls():
+            await _turn()
+        d.cancel()
+        with self.assertRaises(Exception):
+            await d
+        await closed  # the host saw the connection go
+        self.assertEqual(clock.getDelayedCalls(), [])  # and the handshake timer is gone
+
     async def test_refused_tcp_is_not_a_tls_failure(self) -> None:
         port: IListeningPort = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(Factory.forProtocol(_Silent))
         number = port.getHost().port  # type: ignore[attr-defined]
