@@ -14,7 +14,6 @@ from types import MappingProxyType
 from typing import Any, Literal, Mapping
 
 import yaml
-from twisted.logger import Logger
 
 __all__ = [
     "AffinitySettings",
@@ -531,9 +530,6 @@ _ROUTE_KEYS = ("hosts", "default_model", "primary", "queue", "affinity", "keys")
 _PRINTABLE_ASCII = re.compile(r"[\x21-\x7e]+\Z")  # what an HTTP request target may hold
 _URL = re.compile(r"(?P<scheme>https?)://(?P<authority>[^/?#\s]+)(?P<path>/[^?#\s]*)?\Z")
 
-_log = Logger(namespace="crossbar")
-
-
 def load_config(path: str, environ: Mapping[str, str] | None = None) -> Config:
     """Read, parse and validate the YAML file at ``path``; log its warnings.
 
@@ -551,8 +547,12 @@ def load_config(path: str, environ: Mapping[str, str] | None = None) -> Config:
     except OSError as e:
         raise ConfigError(path, "", f"cannot read: {e.strerror or e}") from None
     config = parse_config(text, path, environ)
-    for line in config.warnings:
-        _log.warn("{warning}", warning=line)
+    if config.warnings:
+        from twisted.logger import Logger  # here: config itself stays light to import
+
+        log = Logger(namespace="crossbar")
+        for line in config.warnings:
+            log.warn("{warning}", warning=line)
     return config
 
 
@@ -756,7 +756,7 @@ def _check_client_pair(c: _Checker, key: str, cert_pem: bytes, key_pem: bytes) -
         private = serialization.load_pem_private_key(key_pem, password=None)
     except TypeError:
         raise c.fail(f"{key}.client_key", "is encrypted (crossbar needs an unencrypted key file)") from None
-    except (ValueError, Exception):
+    except Exception:  # ValueError, UnsupportedAlgorithm: never quote the file's bytes
         raise c.fail(f"{key}.client_key", "holds no PEM private key crossbar can use") from None
     public = serialization.PublicFormat.SubjectPublicKeyInfo
     encoding = serialization.Encoding.PEM

@@ -11,16 +11,16 @@
   only once the handshake has succeeded, so a certificate or handshake failure is a
   *connect* failure (mark the host down, fail over: rule 7) that says what failed:
   :class:`TLSHandshakeError` with a short reason.
-- :func:`tls_failure_reason` finds that reason in any failure (also Twisted's
+- :func:`tls_failure_reason` finds that reason in any failure (also inside Twisted's
   wrappers: ``ResponseNeverReceived``, ``RequestTransmissionFailed``,
-  ``_WrappingFailure``...), for ``last_err`` and log lines.
+  ``ResponseFailed``, anything with a ``reasons`` list), for ``last_err`` and log lines.
 """
 
 from __future__ import annotations
 
 import re
 import weakref
-from typing import Any, Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Iterable, Mapping
 
 from OpenSSL import SSL
 from service_identity import VerificationError
@@ -50,7 +50,8 @@ from twisted.web.client import URI
 from twisted.web.iweb import IPolicyForHTTPS
 from zope.interface import implementer
 
-from crossbar.config import Config, HostTLSSettings
+if TYPE_CHECKING:  # only types: importing the config (and YAML) is the daemon's business
+    from crossbar.config import Config, HostTLSSettings
 
 __all__ = [
     "HandshakeFirstEndpoint",
@@ -410,9 +411,10 @@ def _causes(value: Any) -> Iterable[Any]:
 def tls_failure_reason(failure: Failure | BaseException) -> str | None:
     """The short TLS reason inside ``failure``, or None when it is not a TLS failure.
 
-    Looks through Twisted's wrappers (a ``Failure``'s value, ``reasons`` lists of
+    Looks through Twisted's wrappers (a ``Failure``'s value, the ``reasons`` lists of
     ``ResponseNeverReceived``, ``RequestTransmissionFailed``, ``ResponseFailed`` and
-    ``_WrappingFailure``, ``ConnectError``'s ``osError``, exception causes) for a
+    any other exception carrying one, ``ConnectError``'s ``osError``, exception
+    causes) for a
     :class:`TLSHandshakeError` (its reason), service_identity's ``VerificationError``
     (``wrong name``) or OpenSSL's ``SSL.Error`` (``certificate verify failed``, a
     refused client certificate, else ``handshake failed: <OpenSSL's reason>``).
