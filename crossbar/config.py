@@ -6,25 +6,31 @@ the problem, e.g. ``crossbar.yaml: routes.a.hosts[1]: unknown host 'gpu-z'``.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Literal, Mapping
 
 import yaml
 
 __all__ = [
+    "AffinitySettings",
+    "ClientKey",
     "Config",
     "ConfigError",
     "DrainSettings",
     "HealthSettings",
     "Host",
+    "HostTLSSettings",
     "OpsSettings",
+    "QueueSettings",
     "Route",
     "Timeouts",
     "load_config",
     "parse_config",
+    "usable_cpus",
 ]
 
 
@@ -79,31 +85,144 @@ class DrainSettings:
 
 @dataclass(frozen=True)
 class OpsSettings:
-    """``ops:`` — ``token`` guards ``/_crossbar/status`` and ``metrics`` when not None."""
+    """``ops:`` — ``token`` guards ``/_crossbar/status`` and ``metrics`` when not None.
 
-    token: str | None = None
+    The token is a secret: it is left out of ``repr()``.
+    """
+
+    token: str | None = field(default=None, repr=False)
+
+
+@dataclass(frozen=True)
+class HostTLSSettings:
+    """``hosts.<h>.tls:`` for an ``https://`` host (DESIGN.md §Access, §Configuration).
+
+    The files are read (and checked to hold PEM certificates / an unencrypted private
+    key) when the config is loaded, so a reload picks up rotated files and a host whose
+    files changed counts as changed (it starts over, DESIGN.md §Operations).
+
+    :ivar ca: path of the PEM CA bundle to trust, or None for the system trust store.
+    :ivar verify: False turns off every check of the host's certificate (an explicit
+        escape hatch, logged as a warning at load).
+    :ivar client_cert: path of the PEM client certificate for mutual TLS, or None.
+    :ivar client_key: path of its PEM private key (given exactly when ``client_cert`` is).
+    :ivar ca_pem: the bytes read from ``ca`` (empty without ``ca``).
+    :ivar client_pem: the client certificate's bytes followed by its key's (empty
+        without mutual TLS); secret, so left out of ``repr()``.
+    """
+
+    ca: str | None = None
+    verify: bool = True
+    client_cert: str | None = None
+    client_key: str | None = None
+    ca_pem: bytes = field(default=b"", repr=False)
+    client_pem: bytes = field(default=b"", repr=False)
 
 
 @dataclass(frozen=True)
 class Host:
-    """One upstream host: its configured name and base URL (no trailing slash)."""
+    """One upstream host (DESIGN.md §Configuration, §Choosing a host, §Access).
+
+    :ivar name: its configured name.
+    :ivar url: its base URL (no trailing slash).
+    :ivar weight: its share among equally fit hosts (> 0, default 1).
+    :ivar max_inflight: requests in flight to it at once, or None for no limit.
+    :ivar api_key: sent upstream as ``Authorization: Bearer`` on every request and poll
+        instead of the client's, or None; secret, so left out of ``repr()``.
+    :ivar tls: TLS settings (``https://`` hosts only), or None for the defaults
+        (verified against the system trust store).
+    """
 
     name: str
     url: str
+    weight: float = 1.0
+    max_inflight: int | None = None
+    api_key: str | None = field(default=None, repr=False)
+    tls: HostTLSSettings | None = None
+
+    def connection_settings(self) -> tuple[object, ...]:
+        """What a connection to the host depends on: URL, ``tls`` and ``api_key``.
+
+        A reload that changes any of them makes the host start over (DESIGN.md
+        §Operations).
+        """
+        return (self.url, self.tls, self.api_key)
+
+
+@dataclass(frozen=True)
+class QueueSettings:
+    """``routes.<r>.queue:`` (DESIGN.md §Choosing a host, rule 4).
+
+    :ivar max: requests that may wait for a free host (0: never wait).
+    :ivar timeout: seconds one request may wait.
+    """
+
+    max: int = 100
+    timeout: float = 30.0
+
+
+@dataclass(frozen=True)
+class AffinitySettings:
+    """``routes.<r>.affinity:`` (DESIGN.md §Cache affinity).
+
+    :ivar key: ``"prefix"`` (keep a conversation on one host) or ``"none"`` (off).
+    :ivar balance: a host takes its share up to this factor (>= 1) of the tier's mean load.
+    """
+
+    key: Literal["prefix", "none"] = "prefix"
+    balance: float = 1.25
+
+
+@dataclass(frozen=True)
+class ClientKey:
+    """One client key of a route (DESIGN.md §Access).
+
+    :ivar name: the key's name (goes into log lines and the ``key`` metric label).
+    :ivar secret: what clients send as ``Authorization: Bearer <secret>``; left out of
+        ``repr()``.
+    :ivar max_inflight: this key's requests in flight or waiting at once, or None.
+    :ivar digest: SHA-256 of the UTF-8 secret (what :func:`crossbar.access.authorize`
+        compares, so the comparison's time does not depend on the secret's length).
+    """
+
+    name: str
+    secret: str = field(repr=False)
+    max_inflight: int | None = None
+    digest: bytes = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "digest", hashlib.sha256(self.secret.encode("utf-8")).digest())
+
+
+_NO_KEYS: Mapping[str, ClientKey] = MappingProxyType({})
 
 
 @dataclass(frozen=True)
 class Route:
-    """One route: the first path segment clients use, its hosts in preference order."""
+    """One route: the first path segment clients use, its hosts in preference order.
+
+    :ivar primary: the host that takes every request it has room for, or None.
+    :ivar keys: key name -> :class:`ClientKey`; empty when the route is open.
+    """
 
     name: str
     hosts: tuple[str, ...]
     default_model: str | None = None
+    primary: str | None = None
+    queue: QueueSettings = field(default_factory=QueueSettings)
+    affinity: AffinitySettings = field(default_factory=AffinitySettings)
+    keys: Mapping[str, ClientKey] = field(default_factory=lambda: _NO_KEYS)
 
 
 @dataclass(frozen=True)
 class Config:
-    """A whole validated configuration. ``hosts`` and ``routes`` keep file order."""
+    """A whole validated configuration. ``hosts`` and ``routes`` keep file order.
+
+    :ivar workers: processes sharing the listener (``auto`` already resolved to the
+        usable CPUs, DESIGN.md §Workers).
+    :ivar warnings: one line each for settings that load but are probably mistakes (a
+        host URL ending in ``/v1``, ``tls.verify: false``); :func:`load_config` logs them.
+    """
 
     listen: str
     hosts: Mapping[str, Host]
@@ -113,6 +232,20 @@ class Config:
     drain: DrainSettings = field(default_factory=DrainSettings)
     ops: OpsSettings = field(default_factory=OpsSettings)
     source: str = "<config>"
+    workers: int = 1
+    warnings: tuple[str, ...] = field(default=(), compare=False)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (``os.sched_getaffinity`` where the platform
+    has it, else ``os.cpu_count()``), at least 1: what ``workers: auto`` means."""
+    getaffinity = getattr(os, "sched_getaffinity", None)
+    if getaffinity is not None:
+        try:
+            return max(1, len(getaffinity(0)))
+        except OSError:
+            pass
+    return max(1, os.cpu_count() or 1)
 
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
@@ -126,22 +259,64 @@ def _load_yaml(c: _Checker, text: str) -> Any:
 
     :raises ConfigError: for a syntax error (with line and column) or a duplicate key.
     """
-    loader = yaml.SafeLoader(text)
+    masked = _mask_references(text)
+    loader = yaml.SafeLoader(masked)
     try:
         node = loader.get_single_node()
         if node is None:
             return None
+        if masked is not text:
+            _unmask_nodes(node, set())
         _refuse_duplicates(c, loader, node, "", set())
         return loader.construct_document(node)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        if masked is not text:
+            problem = _unmask(problem)
         raise c.fail("", f"invalid YAML{where}: {problem}") from None
     except RecursionError:
         raise c.fail("", "invalid YAML: nested too deeply") from None
     finally:
         loader.dispose()
+
+
+# ``${NAME}`` is expanded after parsing, in the validated values (so an environment
+# value can never change the YAML structure, and YAML errors never show one). Its braces
+# would end a YAML flow mapping (``{url: ${X}}``): before parsing they are swapped for
+# two private-use characters (one character each, so error columns stay right) and
+# swapped back in every scalar of the node tree. A file that itself holds those
+# characters is parsed as written.
+_MASKABLE_REF = re.compile(r"\$\{[^{}\s\ue000\ue001]*\}")
+_OPEN, _CLOSE = "\ue000", "\ue001"
+_UNMASK = str.maketrans({_OPEN: "{", _CLOSE: "}"})
+
+
+def _mask_references(text: str) -> str:
+    if _OPEN in text or _CLOSE in text or "${" not in text:
+        return text
+    return _MASKABLE_REF.sub(lambda m: "$" + _OPEN + m.group(0)[2:-1] + _CLOSE, text)
+
+
+def _unmask(text: str) -> str:
+    return text.translate(_UNMASK)
+
+
+def _unmask_nodes(node: yaml.Node, seen: set[int]) -> None:
+    if id(node) in seen:
+        return
+    seen.add(id(node))
+    if isinstance(node, yaml.ScalarNode):
+        if isinstance(node.value, str):
+            node.value = _unmask(node.value)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _unmask_nodes(item, seen)
+    elif isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            _unmask_nodes(key_node, seen)
+            _unmask_nodes(value_node, seen)
 
 
 def _refuse_duplicates(c: _Checker, loader: yaml.SafeLoader, node: yaml.Node, key: str, seen_nodes: set[int]) -> None:
@@ -180,14 +355,23 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
 
 
 class _Checker:
-    """Validation helpers that know the file name, so every error names it."""
+    """Validation helpers that know the file name, so every error names it.
+
+    A value that came (wholly or partly) from ``${NAME}`` is never quoted back in an
+    error: the message shows it as written in the file, references unexpanded, so a
+    secret put in the wrong place cannot end up in a log (DESIGN.md §Access).
+    """
 
     def __init__(self, path: str, environ: Mapping[str, str]) -> None:
         self.path = path
         self.environ = environ
+        self.warnings: list[str] = []
 
     def fail(self, key: str, problem: str) -> ConfigError:
         return ConfigError(self.path, key, problem)
+
+    def warn(self, key: str, problem: str) -> None:
+        self.warnings.append(str(ConfigError(self.path, key, problem)))
 
     def expand(self, key: str, value: str) -> str:
         def sub(match: re.Match[str]) -> str:
@@ -200,6 +384,11 @@ class _Checker:
 
         return _ENV_REF.sub(sub, value)
 
+    @staticmethod
+    def show(raw: str, expanded: object) -> str:
+        """How an error quotes a value: as written when it holds ``${...}``."""
+        return repr(raw) if _ENV_REF.search(raw) else repr(expanded)
+
     def mapping(self, key: str, value: Any) -> dict[str, Any]:
         if not isinstance(value, dict):
             raise self.fail(key, f"must be a mapping, not {_kind(value)}")
@@ -208,10 +397,11 @@ class _Checker:
                 raise self.fail(key, f"keys must be strings, not {_kind(k)} {k!r}")
         return value
 
-    def section(self, key: str, top: dict[str, Any]) -> dict[str, Any]:
-        """The optional top-level mapping ``key``; absent or null means all defaults."""
+    def section(self, key: str, top: dict[str, Any], within: str = "") -> dict[str, Any]:
+        """The optional mapping ``key`` of ``top`` (itself at key path ``within``);
+        absent or null means all defaults."""
         value = top.get(key)
-        return {} if value is None else self.mapping(key, value)
+        return {} if value is None else self.mapping(_join(within, key), value)
 
     def known_keys(self, key: str, value: dict[str, Any], allowed: tuple[str, ...]) -> None:
         for k in value:
@@ -226,33 +416,98 @@ class _Checker:
             raise self.fail(key, "must not be empty")
         return text
 
-    def positive(self, key: str, value: Any) -> float:
+    def number(self, key: str, value: Any, what: str) -> tuple[float, str]:
+        """A finite int or float (or a string of one, after ``${...}``) and how to quote it."""
+        shown = repr(value)
         if isinstance(value, str):
-            value = self.expand(key, value)
+            raw = value
+            text = self.expand(key, value)
+            shown = self.show(raw, text)
             try:
-                value = float(value)
+                value = float(text)
             except ValueError:
-                raise self.fail(key, f"must be a number of seconds, not {value!r}") from None
+                raise self.fail(key, f"must be {what}, not {shown}") from None
+            if not _ENV_REF.search(raw):
+                shown = repr(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise self.fail(key, f"must be a number of seconds, not {_kind(value)}")
-        if not value > 0 or value != value or value == float("inf"):
-            raise self.fail(key, f"must be a positive number of seconds, not {value!r}")
-        return float(value)
+            raise self.fail(key, f"must be {what}, not {_kind(value)}")
+        return float(value), shown
 
-    def count(self, key: str, value: Any) -> int:
+    def positive(self, key: str, value: Any) -> float:
+        """A finite positive number of seconds."""
+        number, shown = self.number(key, value, "a number of seconds")
+        if not 0 < number < float("inf"):
+            raise self.fail(key, f"must be a positive number of seconds, not {shown}")
+        return number
+
+    def at_least(self, key: str, value: Any, minimum: float) -> float:
+        """A finite number (not necessarily whole) of at least ``minimum``; ``> 0`` when
+        ``minimum`` is 0."""
+        number, shown = self.number(key, value, "a number")
+        if minimum == 0 and not 0 < number < float("inf"):
+            raise self.fail(key, f"must be a positive number, not {shown}")
+        if not minimum <= number < float("inf"):
+            raise self.fail(key, f"must be a number of at least {minimum:g}, not {shown}")
+        return number
+
+    def count(self, key: str, value: Any, minimum: int = 1) -> int:
+        """A whole number of at least ``minimum``."""
+        shown = repr(value)
         if isinstance(value, str):
-            value = self.expand(key, value)
+            raw = value
+            text = self.expand(key, value)
+            shown = self.show(raw, text)
             try:
-                value = int(value)
+                value = int(text)
             except ValueError:
-                raise self.fail(key, f"must be a whole number, not {value!r}") from None
+                raise self.fail(key, f"must be a whole number, not {shown}") from None
+            if not _ENV_REF.search(raw):
+                shown = str(value)
+        else:
+            shown = str(value) if isinstance(value, int) and not isinstance(value, bool) else repr(value)
         if isinstance(value, float):
-            raise self.fail(key, f"must be a whole number, not {value!r}")
+            raise self.fail(key, f"must be a whole number, not {shown}")
         if isinstance(value, bool) or not isinstance(value, int):
             raise self.fail(key, f"must be a whole number, not {_kind(value)}")
-        if value < 1:
-            raise self.fail(key, f"must be at least 1, not {value}")
+        if value < minimum:
+            raise self.fail(key, f"must be at least {minimum}, not {shown}")
         return value
+
+    def boolean(self, key: str, value: Any) -> bool:
+        """``true``/``false`` (or a ``${...}`` string that expands to one of them)."""
+        if isinstance(value, str):
+            raw = value
+            text = self.expand(key, value).strip().lower()
+            if text in ("true", "false"):
+                return text == "true"
+            raise self.fail(key, f"must be true or false, not {self.show(raw, text)}")
+        if not isinstance(value, bool):
+            raise self.fail(key, f"must be true or false, not {_kind(value)}")
+        return value
+
+    def header_secret(self, key: str, value: Any) -> str:
+        """A non-empty secret that can travel in an HTTP header. Never quoted back."""
+        secret = self.string(key, value)
+        if not _PRINTABLE_ASCII.match(secret):
+            raise self.fail(key, "must be printable ASCII without spaces (it travels in an HTTP header)")
+        return secret
+
+    def pem_file(self, key: str, value: Any) -> tuple[str, bytes]:
+        """A readable file named by a path (relative to the config file's directory)."""
+        raw = value
+        path = self.string(key, value)
+        if not os.path.isabs(path):
+            path = os.path.join(os.path.dirname(self.path), path)
+        shown = self.show(raw, path) if isinstance(raw, str) else repr(path)
+        try:
+            with open(path, "rb") as f:
+                return path, f.read(_MAX_PEM)
+        except OSError as e:
+            raise self.fail(key, f"cannot read {shown}: {e.strerror or type(e).__name__}") from None
+
+
+_MAX_PEM = 1024 * 1024
+"""The most bytes read from one CA, certificate or key file."""
 
 
 def _kind(value: Any) -> str:
@@ -268,15 +523,18 @@ def _join(key: str, sub: str) -> str:
 
 _ROUTE_CHARS = "letters, digits and -._~!$&'()*+,;=:@ only"
 _ROUTE_NAME = re.compile(r"[A-Za-z0-9\-._~!$&'()*+,;=:@]+\Z")  # RFC 3986 pchar, no %-escapes
-_TOP_KEYS = ("listen", "health", "timeouts", "drain", "ops", "hosts", "routes")
+_TOP_KEYS = ("listen", "health", "timeouts", "drain", "ops", "workers", "hosts", "routes")
+_HOST_KEYS = ("url", "weight", "max_inflight", "api_key", "tls")
+_TLS_KEYS = ("ca", "verify", "client_cert", "client_key")
+_ROUTE_KEYS = ("hosts", "default_model", "primary", "queue", "affinity", "keys")
 _PRINTABLE_ASCII = re.compile(r"[\x21-\x7e]+\Z")  # what an HTTP request target may hold
 _URL = re.compile(r"(?P<scheme>https?)://(?P<authority>[^/?#\s]+)(?P<path>/[^?#\s]*)?\Z")
 
-
 def load_config(path: str, environ: Mapping[str, str] | None = None) -> Config:
-    """Read, parse and validate the YAML file at ``path``.
+    """Read, parse and validate the YAML file at ``path``; log its warnings.
 
-    ``environ`` (default ``os.environ``) supplies ``${NAME}`` references.
+    ``environ`` (default ``os.environ``) supplies ``${NAME}`` references. Each line of
+    :attr:`Config.warnings` is logged once as a warning (namespace ``crossbar``).
 
     :raises ConfigError: for an unreadable file, bad YAML, or any rule of DESIGN.md
         §Configuration broken; its message is one line naming file, key and problem.
@@ -288,11 +546,22 @@ def load_config(path: str, environ: Mapping[str, str] | None = None) -> Config:
         raise ConfigError(path, "", f"cannot read: not UTF-8 (byte {e.object[e.start]:#04x} at offset {e.start})") from None
     except OSError as e:
         raise ConfigError(path, "", f"cannot read: {e.strerror or e}") from None
-    return parse_config(text, path, environ)
+    config = parse_config(text, path, environ)
+    if config.warnings:
+        from twisted.logger import Logger  # here: config itself stays light to import
+
+        log = Logger(namespace="crossbar")
+        for line in config.warnings:
+            log.warn("{warning}", warning=line)
+    return config
 
 
 def parse_config(text: str, path: str = "<config>", environ: Mapping[str, str] | None = None) -> Config:
-    """Parse and validate configuration ``text``; ``path`` is used in messages only.
+    """Parse and validate configuration ``text``; ``path`` is used in messages and to
+    resolve relative ``tls`` file paths (against its directory).
+
+    Warnings (settings that load but are probably mistakes) are returned in
+    :attr:`Config.warnings`, not logged.
 
     :raises ConfigError: see :func:`load_config`.
     """
@@ -342,6 +611,7 @@ def parse_config(text: str, path: str = "<config>", environ: Mapping[str, str] |
     token_raw = ops_raw.get("token")
     ops = OpsSettings(token=None if token_raw is None else c.string("ops.token", token_raw))
 
+    workers = _workers(c, top.get("workers", 1))
     hosts = _hosts(c, top["hosts"])
     routes = _routes(c, top["routes"], hosts)
     return Config(
@@ -353,7 +623,24 @@ def parse_config(text: str, path: str = "<config>", environ: Mapping[str, str] |
         drain=drain,
         ops=ops,
         source=path,
+        workers=workers,
+        warnings=tuple(c.warnings),
     )
+
+
+def _workers(c: _Checker, raw: Any) -> int:
+    """``workers: N | auto`` (DESIGN.md §Workers); ``auto`` -> :func:`usable_cpus`."""
+    if isinstance(raw, str) and c.expand("workers", raw).strip().lower() == "auto":
+        return usable_cpus()
+    if raw is None or isinstance(raw, (bool, list, dict)):
+        raise c.fail("workers", f"must be a whole number or auto, not {_kind(raw)}")
+    if isinstance(raw, str):
+        text = c.expand("workers", raw)
+        try:
+            int(text)
+        except ValueError:
+            raise c.fail("workers", f"must be a whole number or auto, not {c.show(raw, text)}") from None
+    return c.count("workers", raw)
 
 
 def _hosts(c: _Checker, raw: Any) -> dict[str, Host]:
@@ -361,29 +648,131 @@ def _hosts(c: _Checker, raw: Any) -> dict[str, Host]:
     if not hosts_raw:
         raise c.fail("hosts", "must name at least one host")
     hosts: dict[str, Host] = {}
+    tls_by_address: dict[tuple[str, int], tuple[str, HostTLSSettings | None]] = {}
     for name, value in hosts_raw.items():
         key = f"hosts.{name}"
         if not name or "/" in name or not all(ch.isprintable() and not ch.isspace() for ch in name):
             raise c.fail(key, "a host name must be non-empty, without '/', spaces or control characters")
+        body: dict[str, Any] = {}
         if isinstance(value, dict):
-            c.known_keys(key, c.mapping(key, value), ("url",))
-            if "url" not in value:
+            body = c.mapping(key, value)
+            c.known_keys(key, body, _HOST_KEYS)
+            if "url" not in body:
                 raise c.fail(f"{key}.url", "is required")
-            url_key, url_raw = f"{key}.url", value["url"]
+            url_key, url_raw = f"{key}.url", body["url"]
         else:
             url_key, url_raw = key, value
-        hosts[name] = Host(name=name, url=_url(c, url_key, url_raw))
+        url = _url(c, url_key, url_raw)
+        scheme, address, path = _split_url(url)
+        if path.rstrip("/").lower().endswith("/v1"):
+            c.warn(
+                url_key,
+                f"host {name!r}: the URL ends in /v1, but crossbar adds /v1 itself (requests and polls would "
+                "go to .../v1/v1/...): give the host's base URL without /v1",
+            )
+        weight = 1.0 if body.get("weight") is None else c.at_least(f"{key}.weight", body["weight"], 0)
+        max_raw = body.get("max_inflight")
+        max_inflight = None if max_raw is None else c.count(f"{key}.max_inflight", max_raw)
+        key_raw = body.get("api_key")
+        api_key = None if key_raw is None else c.header_secret(f"{key}.api_key", key_raw)
+        tls = None
+        if body.get("tls") is not None:
+            if scheme != "https":
+                raise c.fail(f"{key}.tls", "is only for https:// hosts")
+            tls = _tls(c, f"{key}.tls", body["tls"])
+            if not tls.verify:
+                c.warn(
+                    f"{key}.tls.verify",
+                    f"host {name!r}: false: its certificate is not checked at all (anyone on the path can "
+                    "impersonate it)",
+                )
+        if scheme == "https":
+            earlier = tls_by_address.setdefault(address, (name, tls))
+            if earlier[1] != tls:
+                raise c.fail(
+                    f"{key}.tls",
+                    f"differs from host {earlier[0]!r} at the same address (one TLS setting per host and port)",
+                )
+        hosts[name] = Host(name=name, url=url, weight=weight, max_inflight=max_inflight, api_key=api_key, tls=tls)
     return hosts
+
+
+def _split_url(url: str) -> tuple[str, tuple[str, int], str]:
+    """``(scheme, (host, port), path)`` of a URL :func:`_url` accepted."""
+    m = _URL.match(url)
+    assert m is not None
+    scheme, authority = m.group("scheme"), m.group("authority")
+    if authority.startswith("["):
+        end = authority.index("]")
+        host, port_text = authority[: end + 1], authority[end + 2:]
+    else:
+        host, _, port_text = authority.partition(":")
+    port = int(port_text) if port_text else (443 if scheme == "https" else 80)
+    return scheme, (host.lower(), port), m.group("path") or ""
+
+
+def _tls(c: _Checker, key: str, raw: Any) -> HostTLSSettings:
+    body = c.mapping(key, raw)
+    c.known_keys(key, body, _TLS_KEYS)
+    verify = True if body.get("verify") is None else c.boolean(f"{key}.verify", body["verify"])
+    ca: str | None = None
+    ca_pem = b""
+    if body.get("ca") is not None:
+        ca, ca_pem = c.pem_file(f"{key}.ca", body["ca"])
+        _check_certificates(c, f"{key}.ca", ca_pem)
+    has_cert, has_key = body.get("client_cert") is not None, body.get("client_key") is not None
+    if has_cert != has_key:
+        missing, given = ("client_key", "client_cert") if has_cert else ("client_cert", "client_key")
+        raise c.fail(f"{key}.{missing}", f"is required with {given} (mutual TLS needs both)")
+    cert: str | None = None
+    private: str | None = None
+    client_pem = b""
+    if has_cert:
+        cert, cert_pem = c.pem_file(f"{key}.client_cert", body["client_cert"])
+        private, key_pem = c.pem_file(f"{key}.client_key", body["client_key"])
+        _check_client_pair(c, key, cert_pem, key_pem)
+        client_pem = cert_pem.rstrip(b"\n") + b"\n" + key_pem
+    return HostTLSSettings(
+        ca=ca, verify=verify, client_cert=cert, client_key=private, ca_pem=ca_pem, client_pem=client_pem
+    )
+
+
+def _check_certificates(c: _Checker, key: str, pem: bytes) -> list[Any]:
+    """The PEM certificates in ``pem`` (at least one). cryptography is imported only
+    when a config has ``tls`` files (it is heavy, DESIGN.md §Workers memory)."""
+    from cryptography import x509
+
+    try:
+        return x509.load_pem_x509_certificates(pem)
+    except ValueError:
+        raise c.fail(key, "holds no PEM certificate") from None
+
+
+def _check_client_pair(c: _Checker, key: str, cert_pem: bytes, key_pem: bytes) -> None:
+    from cryptography.hazmat.primitives import serialization
+
+    cert = _check_certificates(c, f"{key}.client_cert", cert_pem)[0]
+    try:
+        private = serialization.load_pem_private_key(key_pem, password=None)
+    except TypeError:
+        raise c.fail(f"{key}.client_key", "is encrypted (crossbar needs an unencrypted key file)") from None
+    except Exception:  # ValueError, UnsupportedAlgorithm: never quote the file's bytes
+        raise c.fail(f"{key}.client_key", "holds no PEM private key crossbar can use") from None
+    public = serialization.PublicFormat.SubjectPublicKeyInfo
+    encoding = serialization.Encoding.PEM
+    if cert.public_key().public_bytes(encoding, public) != private.public_key().public_bytes(encoding, public):
+        raise c.fail(f"{key}.client_key", "does not match client_cert")
 
 
 def _url(c: _Checker, key: str, raw: Any) -> str:
     url = c.string(key, raw).strip()
+    shown = c.show(raw, url)
     m = _URL.match(url)
     if m is None:
-        raise c.fail(key, f"must be an absolute http:// or https:// URL without query, not {url!r}")
+        raise c.fail(key, f"must be an absolute http:// or https:// URL without query, not {shown}")
     if not _PRINTABLE_ASCII.match(url):
         raise c.fail(
-            key, f"must be printable ASCII (percent-encode the path, IDNA-encode the host name), not {url!r}"
+            key, f"must be printable ASCII (percent-encode the path, IDNA-encode the host name), not {shown}"
         )
     authority = m.group("authority")
     if "@" in authority:
@@ -392,15 +781,15 @@ def _url(c: _Checker, key: str, raw: Any) -> str:
     if hostport.startswith("["):
         end = hostport.find("]")
         if end < 0:
-            raise c.fail(key, f"bad IPv6 address in {url!r}")
+            raise c.fail(key, f"bad IPv6 address in {shown}")
         port = hostport[end + 1:]
     else:
         port = hostport[hostport.find(":"):] if ":" in hostport else ""
         if not hostport.split(":")[0]:
-            raise c.fail(key, f"missing host name in {url!r}")
+            raise c.fail(key, f"missing host name in {shown}")
     if port:
         if not port.startswith(":") or not port[1:].isdigit() or not 0 < int(port[1:]) < 65536:
-            raise c.fail(key, f"bad port in {url!r}")
+            raise c.fail(key, f"bad port in {shown}")
     return url.rstrip("/")
 
 
@@ -409,6 +798,7 @@ def _routes(c: _Checker, raw: Any, hosts: Mapping[str, Host]) -> dict[str, Route
     if not routes_raw:
         raise c.fail("routes", "must name at least one route")
     routes: dict[str, Route] = {}
+    secrets: dict[bytes, tuple[str, str]] = {}  # secret's digest -> (key path, key name)
     for name, value in routes_raw.items():
         key = f"routes.{name}"
         if not name:
@@ -422,7 +812,7 @@ def _routes(c: _Checker, raw: Any, hosts: Mapping[str, Host]) -> dict[str, Route
             # sent: such a route could never be reached.
             raise c.fail(key, f"a route name must be a plain URL path segment ({_ROUTE_CHARS}; not '.' or '..')")
         body = c.mapping(key, value)
-        c.known_keys(key, body, ("hosts", "default_model"))
+        c.known_keys(key, body, _ROUTE_KEYS)
         if "hosts" not in body:
             raise c.fail(f"{key}.hosts", "is required")
         names = body["hosts"]
@@ -431,17 +821,91 @@ def _routes(c: _Checker, raw: Any, hosts: Mapping[str, Host]) -> dict[str, Route
         if not names:
             raise c.fail(f"{key}.hosts", "must name at least one host")
         seen: list[str] = []
-        for i, h in enumerate(names):
+        for i, h_raw in enumerate(names):
             hkey = f"{key}.hosts[{i}]"
-            if not isinstance(h, str):
-                raise c.fail(hkey, f"must be a host name, not {_kind(h)}")
-            h = c.expand(hkey, h)
+            if not isinstance(h_raw, str):
+                raise c.fail(hkey, f"must be a host name, not {_kind(h_raw)}")
+            h = c.expand(hkey, h_raw)
             if h not in hosts:
-                raise c.fail(hkey, f"unknown host {h!r}")
+                raise c.fail(hkey, f"unknown host {c.show(h_raw, h)}")
             if h in seen:
-                raise c.fail(hkey, f"host {h!r} is listed twice")
+                raise c.fail(hkey, f"host {c.show(h_raw, h)} is listed twice")
             seen.append(h)
         model_raw = body.get("default_model")
         model = None if model_raw is None else c.string(f"{key}.default_model", model_raw)
-        routes[name] = Route(name=name, hosts=tuple(seen), default_model=model)
+        primary: str | None = None
+        if body.get("primary") is not None:
+            primary_raw = body["primary"]
+            primary = c.string(f"{key}.primary", primary_raw)
+            if primary not in seen:
+                raise c.fail(
+                    f"{key}.primary",
+                    f"{c.show(primary_raw, primary)} is not one of the route's hosts ({', '.join(seen)})",
+                )
+        q_raw = c.section("queue", body, key)
+        c.known_keys(f"{key}.queue", q_raw, ("max", "timeout"))
+        dq = QueueSettings()
+        queue = QueueSettings(
+            max=c.count(f"{key}.queue.max", q_raw.get("max", dq.max), minimum=0),
+            timeout=c.positive(f"{key}.queue.timeout", q_raw.get("timeout", dq.timeout)),
+        )
+        affinity = _affinity(c, f"{key}.affinity", c.section("affinity", body, key))
+        keys = _keys(c, f"{key}.keys", body.get("keys"), secrets)
+        routes[name] = Route(
+            name=name, hosts=tuple(seen), default_model=model, primary=primary, queue=queue, affinity=affinity,
+            keys=keys,
+        )
     return routes
+
+
+def _affinity(c: _Checker, key: str, body: dict[str, Any]) -> AffinitySettings:
+    c.known_keys(key, body, ("key", "balance"))
+    da = AffinitySettings()
+    mode: Literal["prefix", "none"] = da.key
+    if body.get("key") is not None:
+        mode_raw = body["key"]
+        text = c.string(f"{key}.key", mode_raw).strip()
+        if text == "prefix":
+            mode = "prefix"
+        elif text == "none":
+            mode = "none"
+        else:
+            raise c.fail(f"{key}.key", f"must be prefix or none, not {c.show(mode_raw, text)}")
+    balance = da.balance if body.get("balance") is None else c.at_least(f"{key}.balance", body["balance"], 1)
+    return AffinitySettings(key=mode, balance=balance)
+
+
+def _keys(
+    c: _Checker, key: str, raw: Any, secrets: dict[bytes, tuple[str, str]]
+) -> Mapping[str, ClientKey]:
+    """``routes.<r>.keys`` (DESIGN.md §Access). ``secrets`` collects every secret seen
+    so far in the config (by digest), so the same secret under two names is refused."""
+    if raw is None:
+        return _NO_KEYS
+    body = c.mapping(key, raw)
+    if not body:
+        raise c.fail(key, "must name at least one key (leave keys out for a route open to every client)")
+    keys: dict[str, ClientKey] = {}
+    for name, value in body.items():
+        kkey = _join(key, name)
+        if not name or not all(ch.isprintable() and not ch.isspace() for ch in name):
+            raise c.fail(kkey, "a key name must be non-empty, without spaces or control characters")
+        max_inflight: int | None = None
+        if isinstance(value, dict):
+            entry = c.mapping(kkey, value)
+            c.known_keys(kkey, entry, ("secret", "max_inflight"))
+            if entry.get("secret") is None:
+                raise c.fail(f"{kkey}.secret", "is required")
+            secret = c.header_secret(f"{kkey}.secret", entry["secret"])
+            if entry.get("max_inflight") is not None:
+                max_inflight = c.count(f"{kkey}.max_inflight", entry["max_inflight"])
+        elif isinstance(value, str):
+            secret = c.header_secret(kkey, value)
+        else:
+            raise c.fail(kkey, f"must be a secret (a string) or a mapping with secret and max_inflight, not {_kind(value)}")
+        client_key = ClientKey(name=name, secret=secret, max_inflight=max_inflight)
+        earlier = secrets.setdefault(client_key.digest, (kkey, name))
+        if earlier[1] != name:
+            raise c.fail(kkey, f"has the same secret as {earlier[0]} (a secret names one key in the whole config)")
+        keys[name] = client_key
+    return MappingProxyType(keys)

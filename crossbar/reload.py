@@ -26,27 +26,33 @@ __all__ = ["ReloadPlan", "SIGHUPReload", "plan_reload"]
 
 @dataclass(frozen=True)
 class ReloadPlan:
-    """What a reload from one config to another does.
+    """What a reload from one config to another does. Hosts in neither tuple keep
+    their health.
 
-    :ivar kept: hosts whose URL did not change: their health is kept.
-    :ivar fresh: hosts that are new or whose URL changed: they start unhealthy and are
-        polled at once.
+    :ivar fresh: hosts that are new or whose connection settings (URL, ``tls``,
+        ``api_key``: :meth:`~crossbar.config.Host.connection_settings`) changed: they
+        start over (unhealthy, polled at once), DESIGN.md §Operations.
     :ivar removed: hosts no longer configured.
     :ivar listen_changed: ``listen`` differs; it cannot change without a restart.
     """
 
-    kept: tuple[str, ...]
     fresh: tuple[str, ...]
     removed: tuple[str, ...]
     listen_changed: bool
 
 
 def plan_reload(old: Config, new: Config) -> ReloadPlan:
-    """Compare the running config ``old`` with ``new`` (both already validated)."""
-    kept = tuple(n for n, h in new.hosts.items() if n in old.hosts and old.hosts[n].url == h.url)
-    fresh = tuple(n for n in new.hosts if n not in kept)
+    """Compare the running config ``old`` with ``new`` (both already validated).
+
+    A change of weight, ``max_inflight``, routes or keys does not make a host fresh:
+    those apply to the next request without touching its health.
+    """
+    fresh = tuple(
+        n for n, h in new.hosts.items()
+        if n not in old.hosts or old.hosts[n].connection_settings() != h.connection_settings()
+    )
     removed = tuple(n for n in old.hosts if n not in new.hosts)
-    return ReloadPlan(kept=kept, fresh=fresh, removed=removed, listen_changed=old.listen != new.listen)
+    return ReloadPlan(fresh=fresh, removed=removed, listen_changed=old.listen != new.listen)
 
 
 class SIGHUPReload(Service):

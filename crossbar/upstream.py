@@ -13,13 +13,14 @@ from typing import Any
 
 from twisted.internet.defer import Deferred
 from twisted.internet.abstract import isIPAddress, isIPv6Address
-from twisted.internet.endpoints import HostnameEndpoint, TCP4ClientEndpoint, TCP6ClientEndpoint, wrapClientTLS
+from twisted.internet.endpoints import HostnameEndpoint, TCP4ClientEndpoint, TCP6ClientEndpoint
 from twisted.internet.interfaces import IProtocolFactory, IReactorTime, IStreamClientEndpoint
 from twisted.python.failure import Failure
-from twisted.web.client import Agent, BrowserLikePolicyForHTTPS, URI
-from twisted.web.iweb import IAgent, IAgentEndpointFactory
+from twisted.web.client import Agent, URI
+from twisted.web.iweb import IAgent, IAgentEndpointFactory, IPolicyForHTTPS
 from zope.interface import implementer
 
+from crossbar.tls import HandshakeFirstEndpoint, HostTLS
 from crossbar.twisted_private import MAX_RESPONSE_HEAD, ResponseHeadTooLarge, quiet_pool
 
 __all__ = [
@@ -60,17 +61,23 @@ class UpstreamEndpoints:
 
     An IP literal gets a plain TCP endpoint: no name resolution (which Twisted does with
     ``getaddrinfo`` on its thread pool) and a refused connection is known at once. A
-    name goes through ``HostnameEndpoint``. ``https`` wraps either in TLS.
+    name goes through ``HostnameEndpoint``. ``https`` wraps either in TLS that
+    completes its handshake before the connection counts as open
+    (:class:`crossbar.tls.HandshakeFirstEndpoint`, within ``connect_timeout`` more
+    seconds): a refused certificate is a connect failure with a short reason
+    (:func:`crossbar.tls.tls_failure_reason`), DESIGN.md §Access and rule 7.
 
     :param reactor: the reactor.
-    :param connect_timeout: seconds to open a connection.
-    :param tls: the TLS policy for ``https`` hosts.
+    :param connect_timeout: seconds to open a connection (and again for the handshake).
+    :param tls: the TLS policy per host for ``https`` hosts, e.g.
+        ``crossbar.tls.HostTLS.from_config(config)``; default: ``HostTLS({})``
+        (every host verified against the system trust store, name checked).
     """
 
-    def __init__(self, reactor: Any, connect_timeout: float, tls: BrowserLikePolicyForHTTPS | None = None) -> None:
+    def __init__(self, reactor: Any, connect_timeout: float, tls: IPolicyForHTTPS | None = None) -> None:
         self._reactor = reactor
         self._timeout = connect_timeout
-        self._tls = tls if tls is not None else BrowserLikePolicyForHTTPS()
+        self._tls: IPolicyForHTTPS = tls if tls is not None else HostTLS({})
 
     def endpointForURI(self, uri: URI) -> IStreamClientEndpoint:
         host = uri.host.decode("ascii")
@@ -88,7 +95,8 @@ class UpstreamEndpoints:
                 self._reactor, host, uri.port, timeout=self._timeout, attemptDelay=_ATTEMPT_DELAY
             )
         if uri.scheme == b"https":
-            endpoint = wrapClientTLS(self._tls.creatorForNetloc(uri.host, uri.port), endpoint)
+            creator = self._tls.creatorForNetloc(uri.host, uri.port)
+            endpoint = HandshakeFirstEndpoint(creator, endpoint, self._reactor, self._timeout)
         return endpoint
 
 
@@ -120,14 +128,18 @@ class UpstreamPools:
     :param connect_timeout: seconds to open a connection (``timeouts.connect``).
     :param max_per_host: idle persistent connections kept per host.
     :param idle_seconds: how long an idle pooled connection is kept.
+    :param tls: the TLS policy per host (see :class:`UpstreamEndpoints`).
+    :ivar tls: that policy; assign a new one on reload (the next connection uses it;
+        close the pooled connections of hosts whose ``tls`` changed).
     """
 
     def __init__(
-        self, reactor: IReactorTime, connect_timeout: float, max_per_host: int = 64, idle_seconds: float = 60.0
+        self, reactor: IReactorTime, connect_timeout: float, max_per_host: int = 64, idle_seconds: float = 60.0,
+        tls: IPolicyForHTTPS | None = None,
     ) -> None:
         self._reactor = reactor
         self.connect_timeout = connect_timeout
-        self._tls = BrowserLikePolicyForHTTPS()
+        self.tls: IPolicyForHTTPS = tls if tls is not None else HostTLS({})
         self.pool = quiet_pool(reactor, persistent=True)
         self.pool.maxPersistentPerHost = max_per_host
         self.pool.cachedConnectionTimeout = idle_seconds  # type: ignore[assignment]  # Twisted says int; seconds
@@ -140,7 +152,7 @@ class UpstreamPools:
 
         ``fresh=True`` never reuses a pooled connection (the retry after a stale one).
         """
-        tracker = ConnectTracker(UpstreamEndpoints(self._reactor, self.connect_timeout, self._tls), self._reactor)
+        tracker = ConnectTracker(UpstreamEndpoints(self._reactor, self.connect_timeout, self.tls), self._reactor)
         pool = self._fresh_pool if fresh else self.pool
         return Agent.usingEndpointFactory(self._reactor, tracker, pool=pool), tracker
 

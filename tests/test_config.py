@@ -6,6 +6,7 @@ a change of key path or wording is a visible decision, not an accident.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import stat
@@ -17,16 +18,21 @@ import yaml
 from twisted.trial.unittest import SynchronousTestCase
 
 from crossbar.config import (
+    AffinitySettings,
+    ClientKey,
     Config,
     ConfigError,
     DrainSettings,
     HealthSettings,
     Host,
+    HostTLSSettings,
     OpsSettings,
+    QueueSettings,
     Route,
     Timeouts,
     load_config,
     parse_config,
+    usable_cpus,
 )
 
 MINIMAL = """\
@@ -182,7 +188,7 @@ class StructureTests(_Case):
     def test_unknown_top_level_key(self) -> None:
         self.assertRejected(
             MINIMAL + "lissen: tcp:1\n",
-            "x.yaml: lissen: unknown key (expected one of: listen, health, timeouts, drain, ops, hosts, routes)",
+            "x.yaml: lissen: unknown key (expected one of: listen, health, timeouts, drain, ops, workers, hosts, routes)",
         )
 
     def test_unknown_key_in_health(self) -> None:
@@ -205,14 +211,15 @@ class StructureTests(_Case):
 
     def test_unknown_key_in_host(self) -> None:
         self.assertRejected(
-            doc(hosts={"a": {"url": "http://h", "weight": 2}}),
-            "x.yaml: hosts.a.weight: unknown key (expected one of: url)",
+            doc(hosts={"a": {"url": "http://h", "wieght": 2}}),
+            "x.yaml: hosts.a.wieght: unknown key (expected one of: url, weight, max_inflight, api_key, tls)",
         )
 
     def test_unknown_key_in_route(self) -> None:
         self.assertRejected(
             doc(routes={"r": {"hosts": ["a"], "model": "m"}}),
-            "x.yaml: routes.r.model: unknown key (expected one of: hosts, default_model)",
+            "x.yaml: routes.r.model: unknown key "
+            "(expected one of: hosts, default_model, primary, queue, affinity, keys)",
         )
 
     def test_missing_listen(self) -> None:
@@ -491,8 +498,10 @@ class NumberTests(_Case):
         self.assertEqual((c.health.interval, c.health.recovery_polls), (0.5, 3))
 
     def test_bad_number_from_environment(self) -> None:
+        """A value from the environment is quoted as written, never expanded: it may be
+        a secret put in the wrong place."""
         self.assertRejected(
-            MINIMAL + "timeouts:\n  idle: ${IDLE}\n", "x.yaml: timeouts.idle: must be a number of seconds, not 'forever'",
+            MINIMAL + "timeouts:\n  idle: ${IDLE}\n", "x.yaml: timeouts.idle: must be a number of seconds, not '${IDLE}'",
             {"IDLE": "forever"},
         )
 
@@ -577,7 +586,7 @@ class YAMLTests(_Case):
     def test_control_characters_in_keys_stay_on_one_line(self) -> None:
         self.assertRejected(
             MINIMAL + '"a\\nb": 1\n',
-            "x.yaml: a\\nb: unknown key (expected one of: listen, health, timeouts, drain, ops, hosts, routes)",
+            "x.yaml: a\\nb: unknown key (expected one of: listen, health, timeouts, drain, ops, workers, hosts, routes)",
         )
 
 
@@ -615,7 +624,7 @@ class EnvironmentTests(_Case):
     def test_expanded_url_is_validated(self) -> None:
         self.assertRejected(
             doc(hosts={"a": "${URL}"}),
-            "x.yaml: hosts.a: must be an absolute http:// or https:// URL without query, not 'ftp://h'",
+            "x.yaml: hosts.a: must be an absolute http:// or https:// URL without query, not '${URL}'",
             {"URL": "ftp://h"},
         )
 
@@ -693,3 +702,465 @@ class LoadConfigTests(_Case):
     def test_non_ascii_text(self) -> None:
         path = self.write((MINIMAL + "    default_model: modèle-ß\n").encode())
         self.assertEqual(load_config(path, environ={}).routes["r"].default_model, "modèle-ß")
+
+
+class _FilesCase(_Case):
+    """Cases that need PEM files: a private CA and a client certificate from trustme."""
+
+    def setUp(self) -> None:
+        import trustme
+
+        self.dir = tempfile.mkdtemp(prefix="crossbar-config-tls-")
+        self.addCleanup(shutil.rmtree, self.dir, True)
+        self.ca = trustme.CA()
+        client = self.ca.issue_cert("crossbar-client")
+        self.ca_path = self.file("ca.pem", self.ca.cert_pem.bytes())
+        self.cert_path = self.file("client.pem", client.cert_chain_pems[0].bytes())
+        self.key_path = self.file("client.key", client.private_key_pem.bytes())
+        self.key_pem = client.private_key_pem.bytes()
+
+    def file(self, name: str, data: bytes) -> str:
+        path = os.path.join(self.dir, name)
+        with open(path, "wb") as f:
+            f.write(data)
+        return path
+
+    def https(self, **tls: object) -> Config:
+        return parse(doc(hosts={"a": {"url": "https://gpu-b:8443", "tls": tls}}))
+
+    def rejected_tls(self, tls: dict[str, object], key: str, problem: str) -> None:
+        self.assertRejected(doc(hosts={"a": {"url": "https://gpu-b:8443", "tls": tls}}), f"x.yaml: hosts.a.tls{key}: {problem}")
+
+
+FULL_EXAMPLE = """\
+listen: "tcp:7777:interface=127.0.0.1"
+workers: 1
+hosts:
+  gpu-a: http://10.0.0.5:8080
+  gpu-b:
+    url: https://10.0.0.6:8443
+    weight: 2
+    max_inflight: 4
+    api_key: ${GPU_B_KEY}
+    tls:
+      ca: CA
+      verify: true
+      client_cert: CERT
+      client_key: KEY
+routes:
+  opencode-a:
+    hosts: [gpu-a, gpu-b]
+    default_model: qwen2.5-coder-7b
+    primary: gpu-a
+    queue:
+      max: 100
+      timeout: 30
+    affinity:
+      key: prefix
+      balance: 1.25
+    keys:
+      alice: ${ALICE_KEY}
+      ci:
+        secret: ${CI_KEY}
+        max_inflight: 8
+"""
+SECRETS = {"GPU_B_KEY": "gpu-b-s3cret-Q9", "ALICE_KEY": "alice-s3cret-Z7", "CI_KEY": "ci-s3cret-W4"}
+
+
+class NewKeyDefaultsTests(_FilesCase):
+    """DESIGN.md §Configuration: the keys of balancing, affinity, access and workers."""
+
+    def test_defaults(self) -> None:
+        c = parse(MINIMAL)
+        self.assertEqual(c.hosts["a"], Host("a", "http://127.0.0.1:8080", weight=1.0, max_inflight=None, api_key=None, tls=None))
+        r = c.routes["r"]
+        self.assertEqual((r.primary, r.queue, r.affinity, dict(r.keys)), (None, QueueSettings(100, 30.0), AffinitySettings("prefix", 1.25), {}))
+        self.assertEqual(c.workers, 1)
+        self.assertEqual(c.warnings, ())
+
+    def test_record_defaults_match_design(self) -> None:
+        self.assertEqual(
+            (QueueSettings(), AffinitySettings(), HostTLSSettings(), Host("h", "http://h")),
+            (QueueSettings(100, 30.0), AffinitySettings("prefix", 1.25), HostTLSSettings(None, True, None, None),
+             Host("h", "http://h", 1.0, None, None, None)),
+        )
+
+    def test_full_design_example(self) -> None:
+        text = FULL_EXAMPLE.replace("CA", self.ca_path).replace("CERT", self.cert_path).replace("KEY\n", self.key_path + "\n")
+        c = parse(text, SECRETS)
+        b = c.hosts["gpu-b"]
+        self.assertEqual((b.weight, b.max_inflight, b.api_key), (2.0, 4, "gpu-b-s3cret-Q9"))
+        assert b.tls is not None
+        self.assertEqual((b.tls.ca, b.tls.verify, b.tls.client_cert, b.tls.client_key), (self.ca_path, True, self.cert_path, self.key_path))
+        self.assertEqual(b.tls.ca_pem, self.ca.cert_pem.bytes())
+        self.assertTrue(b.tls.client_pem.endswith(self.key_pem))
+        r = c.routes["opencode-a"]
+        self.assertEqual((r.primary, r.queue, r.affinity), ("gpu-a", QueueSettings(100, 30.0), AffinitySettings("prefix", 1.25)))
+        self.assertEqual(
+            dict(r.keys),
+            {"alice": ClientKey("alice", "alice-s3cret-Z7"), "ci": ClientKey("ci", "ci-s3cret-W4", max_inflight=8)},
+        )
+        self.assertEqual(r.keys["ci"].digest, hashlib.sha256(b"ci-s3cret-W4").digest())
+        self.assertEqual(c.warnings, ())
+
+    def test_reprs_show_no_secret(self) -> None:
+        text = FULL_EXAMPLE.replace("CA", self.ca_path).replace("CERT", self.cert_path).replace("KEY\n", self.key_path + "\n")
+        c = parse(text + "ops:\n  token: ${OPS}\n", {**SECRETS, "OPS": "ops-s3cret-X1"})
+        shown = repr(c) + str(c) + repr(dict(c.routes["opencode-a"].keys)) + repr(c.hosts["gpu-b"])
+        for secret in [*SECRETS.values(), "ops-s3cret-X1"]:
+            self.assertNotIn(secret, shown)
+        key_body = self.key_pem.decode().splitlines()[1]
+        self.assertNotIn(key_body, shown)
+        self.assertNotIn(key_body[:20], shown)
+        self.assertIn("alice", shown)  # names are not secret
+
+
+class HostBalancingKeyTests(_Case):
+    def host(self, **body: object) -> Host:
+        return parse(doc(hosts={"a": {"url": "http://h", **body}})).hosts["a"]
+
+    def rejected(self, key: str, value: object, problem: str) -> None:
+        self.assertRejected(doc(hosts={"a": {"url": "http://h", key: value}}), f"x.yaml: hosts.a.{key}: {problem}")
+
+    def test_weight(self) -> None:
+        self.assertEqual([self.host(weight=w).weight for w in (2, 1.5, 0.25)], [2.0, 1.5, 0.25])
+
+    def test_weight_refused(self) -> None:
+        self.rejected("weight", 0, "must be a positive number, not 0")
+        self.rejected("weight", -2, "must be a positive number, not -2")
+        self.rejected("weight", "heavy", "must be a number, not 'heavy'")
+        self.rejected("weight", True, "must be a number, not a boolean")
+        self.rejected("weight", float("inf"), "must be a positive number, not inf")
+        self.rejected("weight", [1], "must be a number, not a list")
+
+    def test_max_inflight(self) -> None:
+        self.assertEqual((self.host(max_inflight=4).max_inflight, self.host().max_inflight), (4, None))
+
+    def test_max_inflight_refused(self) -> None:
+        self.rejected("max_inflight", 0, "must be at least 1, not 0")
+        self.rejected("max_inflight", 2.5, "must be a whole number, not 2.5")
+        self.rejected("max_inflight", "many", "must be a whole number, not 'many'")
+
+    def test_api_key(self) -> None:
+        c = parse(doc(hosts={"a": {"url": "http://h", "api_key": "${K}"}}), {"K": "sk-1"})
+        self.assertEqual(c.hosts["a"].api_key, "sk-1")
+
+    def test_api_key_refused(self) -> None:
+        self.rejected("api_key", 12345, "must be a string, not a number")
+        self.assertRejected(doc(hosts={"a": {"url": "http://h", "api_key": "${K}"}}), "x.yaml: hosts.a.api_key: must not be empty", {"K": ""})
+        self.assertRejected(
+            doc(hosts={"a": {"url": "http://h", "api_key": "${K}"}}),
+            "x.yaml: hosts.a.api_key: must be printable ASCII without spaces (it travels in an HTTP header)",
+            {"K": "two words\r\nX-Injected: 1"},
+        )
+
+    def test_tls_on_http_host(self) -> None:
+        self.rejected("tls", {"verify": True}, "is only for https:// hosts")
+
+    def test_url_ending_in_v1_warns_naming_the_host(self) -> None:
+        c = parse(doc(hosts={"ok": "http://h:1/llama", "gpu-a": "http://h:8080/v1/", "b": {"url": "https://h:2/x/V1"}},
+                      routes={"r": {"hosts": ["ok"]}}))
+        self.assertEqual(c.hosts["gpu-a"].url, "http://h:8080/v1")  # it still loads
+        self.assertEqual(
+            c.warnings,
+            (
+                "x.yaml: hosts.gpu-a: host 'gpu-a': the URL ends in /v1, but crossbar adds /v1 itself (requests and "
+                "polls would go to .../v1/v1/...): give the host's base URL without /v1",
+                "x.yaml: hosts.b.url: host 'b': the URL ends in /v1, but crossbar adds /v1 itself (requests and "
+                "polls would go to .../v1/v1/...): give the host's base URL without /v1",
+            ),
+        )
+
+    def test_load_config_logs_each_warning_once(self) -> None:
+        from twisted.logger import formatEvent
+
+        from tests.logs import LogCapture
+
+        events = LogCapture(self).events  # type: ignore[arg-type]  # needs only addCleanup
+        d = tempfile.mkdtemp(prefix="crossbar-config-")
+        self.addCleanup(shutil.rmtree, d, True)
+        path = os.path.join(d, "c.yaml")
+        with open(path, "w") as f:
+            f.write(doc(hosts={"gpu-a": "http://h:8080/v1"}, routes={"r": {"hosts": ["gpu-a"]}}))
+        load_config(path, environ={})
+        lines = [formatEvent(e) for e in events if "/v1" in formatEvent(e)]
+        self.assertEqual(len(lines), 1)
+        self.assertIn("host 'gpu-a'", lines[0])
+        self.assertNotIn("\n", lines[0])
+        self.assertEqual(events[-1]["log_level"].name, "warn")
+
+
+class HostTLSTests(_FilesCase):
+    def test_ca_and_mutual_tls(self) -> None:
+        tls = self.https(ca=self.ca_path, client_cert=self.cert_path, client_key=self.key_path).hosts["a"].tls
+        self.assertEqual(tls, HostTLSSettings(self.ca_path, True, self.cert_path, self.key_path,
+                                              ca_pem=self.ca.cert_pem.bytes(), client_pem=tls.client_pem if tls else b""))
+
+    def test_empty_tls_means_defaults(self) -> None:
+        self.assertEqual(self.https().hosts["a"].tls, HostTLSSettings())
+
+    def test_unreadable_ca(self) -> None:
+        missing = os.path.join(self.dir, "nope.pem")
+        self.rejected_tls({"ca": missing}, ".ca", f"cannot read {missing!r}: No such file or directory")
+
+    def test_ca_directory(self) -> None:
+        self.rejected_tls({"ca": self.dir}, ".ca", f"cannot read {self.dir!r}: Is a directory")
+
+    def test_ca_not_pem(self) -> None:
+        self.rejected_tls({"ca": self.file("junk.pem", b"hello\n")}, ".ca", "holds no PEM certificate")
+
+    def test_ca_is_a_key(self) -> None:
+        self.rejected_tls({"ca": self.key_path}, ".ca", "holds no PEM certificate")
+
+    def test_cert_without_key(self) -> None:
+        self.rejected_tls({"client_cert": self.cert_path}, ".client_key", "is required with client_cert (mutual TLS needs both)")
+
+    def test_key_without_cert(self) -> None:
+        self.rejected_tls({"client_key": self.key_path}, ".client_cert", "is required with client_key (mutual TLS needs both)")
+
+    def test_unreadable_key(self) -> None:
+        missing = os.path.join(self.dir, "no.key")
+        self.rejected_tls({"client_cert": self.cert_path, "client_key": missing}, ".client_key",
+                          f"cannot read {missing!r}: No such file or directory")
+
+    def test_key_not_a_key(self) -> None:
+        self.rejected_tls({"client_cert": self.cert_path, "client_key": self.cert_path}, ".client_key",
+                          "holds no PEM private key crossbar can use")
+
+    def test_key_of_another_certificate(self) -> None:
+        other = self.ca.issue_cert("other").private_key_pem.bytes()
+        self.rejected_tls({"client_cert": self.cert_path, "client_key": self.file("other.key", other)}, ".client_key",
+                          "does not match client_cert")
+
+    def test_encrypted_key(self) -> None:
+        from cryptography.hazmat.primitives import serialization
+
+        key = serialization.load_pem_private_key(self.key_pem, None)
+        encrypted = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                      serialization.BestAvailableEncryption(b"pw"))
+        self.rejected_tls({"client_cert": self.cert_path, "client_key": self.file("enc.key", encrypted)}, ".client_key",
+                          "is encrypted (crossbar needs an unencrypted key file)")
+
+    def test_key_file_content_never_in_an_error(self) -> None:
+        e = self.assertRaises(ConfigError, parse, doc(hosts={"a": {"url": "https://h", "tls": {"client_cert": self.key_path, "client_key": self.key_path}}}))
+        for line in self.key_pem.decode().splitlines()[1:-1]:
+            self.assertNotIn(line[:16], str(e))
+
+    def test_verify(self) -> None:
+        self.assertFalse(self.https(verify=False).hosts["a"].tls.verify)  # type: ignore[union-attr]
+        self.rejected_tls({"verify": "yes"}, ".verify", "must be true or false, not 'yes'")
+        self.rejected_tls({"verify": 0}, ".verify", "must be true or false, not a number")
+
+    def test_verify_false_warns_naming_the_host(self) -> None:
+        c = self.https(verify=False)
+        self.assertEqual(c.warnings, (
+            "x.yaml: hosts.a.tls.verify: host 'a': false: its certificate is not checked at all "
+            "(anyone on the path can impersonate it)",
+        ))
+
+    def test_unknown_tls_key(self) -> None:
+        self.rejected_tls({"cafile": "x"}, ".cafile", "unknown key (expected one of: ca, verify, client_cert, client_key)")
+
+    def test_relative_paths_are_relative_to_the_config_file(self) -> None:
+        path = self.file("c.yaml", doc(hosts={"a": {"url": "https://h", "tls": {"ca": "ca.pem"}}}).encode())
+        tls = load_config(path, environ={}).hosts["a"].tls
+        assert tls is not None
+        self.assertEqual(tls.ca, os.path.join(self.dir, "ca.pem"))
+
+    def test_same_address_needs_the_same_tls(self) -> None:
+        self.assertRejected(
+            doc(hosts={"a": {"url": "https://gpu:8443/x", "tls": {"ca": self.ca_path}}, "b": "https://GPU:8443/y"},
+                routes={"r": {"hosts": ["a", "b"]}}),
+            "x.yaml: hosts.b.tls: differs from host 'a' at the same address (one TLS setting per host and port)",
+        )
+
+    def test_same_address_same_tls_is_fine(self) -> None:
+        c = parse(doc(hosts={"a": {"url": "https://gpu/x", "tls": {"ca": self.ca_path}},
+                             "b": {"url": "https://gpu:443/y", "tls": {"ca": self.ca_path}}},
+                      routes={"r": {"hosts": ["a", "b"]}}))
+        self.assertEqual(c.hosts["a"].tls, c.hosts["b"].tls)
+
+
+class RouteBalancingKeyTests(_Case):
+    def route(self, **body: object) -> Route:
+        return parse(doc(hosts={"a": "http://a", "b": "http://b"}, routes={"r": {"hosts": ["a", "b"], **body}})).routes["r"]
+
+    def rejected(self, body: dict[str, object], key: str, problem: str) -> None:
+        self.assertRejected(
+            doc(hosts={"a": "http://a", "b": "http://b"}, routes={"r": {"hosts": ["a", "b"], **body}}), f"x.yaml: routes.r.{key}: {problem}"
+        )
+
+    def test_primary(self) -> None:
+        self.assertEqual(self.route(primary="b").primary, "b")
+
+    def test_primary_not_in_route(self) -> None:
+        self.assertRejected(
+            doc(hosts={"a": "http://a", "b": "http://b"}, routes={"r": {"hosts": ["a"], "primary": "b"}}),
+            "x.yaml: routes.r.primary: 'b' is not one of the route's hosts (a)",
+        )
+        self.rejected({"primary": ["a"]}, "primary", "must be a string, not a list")
+
+    def test_queue(self) -> None:
+        self.assertEqual(self.route(queue={"max": 0, "timeout": 2.5}).queue, QueueSettings(0, 2.5))
+        self.assertEqual(self.route(queue={"timeout": 1}).queue, QueueSettings(100, 1.0))
+
+    def test_queue_refused(self) -> None:
+        self.rejected({"queue": {"max": -1}}, "queue.max", "must be at least 0, not -1")
+        self.rejected({"queue": {"max": 1.5}}, "queue.max", "must be a whole number, not 1.5")
+        self.rejected({"queue": {"timeout": 0}}, "queue.timeout", "must be a positive number of seconds, not 0")
+        self.rejected({"queue": {"size": 3}}, "queue.size", "unknown key (expected one of: max, timeout)")
+        self.rejected({"queue": 5}, "queue", "must be a mapping, not a number")
+
+    def test_affinity(self) -> None:
+        self.assertEqual(self.route(affinity={"key": "none"}).affinity, AffinitySettings("none", 1.25))
+        self.assertEqual(self.route(affinity={"balance": 1}).affinity, AffinitySettings("prefix", 1.0))
+        self.assertEqual(self.route(affinity={"balance": 2.5}).affinity.balance, 2.5)
+
+    def test_affinity_refused(self) -> None:
+        self.rejected({"affinity": {"key": "lru"}}, "affinity.key", "must be prefix or none, not 'lru'")
+        self.rejected({"affinity": {"key": False}}, "affinity.key", "must be a string, not a boolean")
+        self.rejected({"affinity": {"balance": 0.99}}, "affinity.balance", "must be a number of at least 1, not 0.99")
+        self.rejected({"affinity": {"balance": "x"}}, "affinity.balance", "must be a number, not 'x'")
+        self.rejected({"affinity": {"on": True}}, "affinity.on", "unknown key (expected one of: key, balance)")
+
+
+class ClientKeyTests(_Case):
+    def keys(self, keys: object, environ: Mapping[str, str] | None = None) -> Mapping[str, ClientKey]:
+        return parse(doc(routes={"r": {"hosts": ["a"], "keys": keys}}), environ).routes["r"].keys
+
+    def rejected(self, keys: object, key: str, problem: str, environ: Mapping[str, str] | None = None) -> ConfigError:
+        return self.assertRejected(doc(routes={"r": {"hosts": ["a"], "keys": keys}}), f"x.yaml: routes.r.keys{key}: {problem}", environ)
+
+    def test_both_forms(self) -> None:
+        keys = self.keys({"alice": "${A}", "ci": {"secret": "ci-1", "max_inflight": 8}}, {"A": "alice-1"})
+        self.assertEqual(list(keys), ["alice", "ci"])
+        self.assertEqual((keys["alice"].secret, keys["alice"].max_inflight), ("alice-1", None))
+        self.assertEqual((keys["ci"].secret, keys["ci"].max_inflight), ("ci-1", 8))
+
+    def test_null_keys_mean_an_open_route(self) -> None:
+        self.assertEqual(dict(self.keys(None)), {})
+
+    def test_empty_keys_refused(self) -> None:
+        self.rejected({}, "", "must name at least one key (leave keys out for a route open to every client)")
+
+    def test_empty_secret(self) -> None:
+        self.rejected({"alice": "${A}"}, ".alice", "must not be empty", {"A": ""})
+        self.rejected({"alice": {"secret": " "}}, ".alice.secret", "must not be empty")
+
+    def test_missing_secret(self) -> None:
+        self.rejected({"alice": {"max_inflight": 2}}, ".alice.secret", "is required")
+
+    def test_key_name_refused(self) -> None:
+        self.rejected({"": "s-1"}, ".", "a key name must be non-empty, without spaces or control characters")
+        self.rejected({"al ice": "s-1"}, ".al ice", "a key name must be non-empty, without spaces or control characters")
+
+    def test_type_errors(self) -> None:
+        self.rejected({"alice": 1234}, ".alice", "must be a secret (a string) or a mapping with secret and max_inflight, not a number")
+        self.rejected({"alice": {"secret": 1234}}, ".alice.secret", "must be a string, not a number")
+        self.rejected({"alice": {"secret": "s", "max_inflight": 0}}, ".alice.max_inflight", "must be at least 1, not 0")
+        self.rejected({"alice": {"secret": "s", "limit": 1}}, ".alice.limit", "unknown key (expected one of: secret, max_inflight)")
+        self.rejected(["alice"], "", "must be a mapping, not a list")
+
+    def test_same_secret_under_two_names(self) -> None:
+        e = self.rejected({"alice": "${A}", "bob": "${B}"}, ".bob",
+                          "has the same secret as routes.r.keys.alice (a secret names one key in the whole config)",
+                          {"A": "shared-s3cret", "B": "shared-s3cret"})
+        self.assertNotIn("shared-s3cret", str(e))
+
+    def test_same_secret_under_two_names_on_two_routes(self) -> None:
+        self.assertRejected(
+            doc(routes={"r": {"hosts": ["a"], "keys": {"alice": "k-1"}}, "s": {"hosts": ["a"], "keys": {"bob": "k-1"}}}),
+            "x.yaml: routes.s.keys.bob: has the same secret as routes.r.keys.alice (a secret names one key in the whole config)",
+        )
+
+    def test_one_key_on_two_routes_is_fine(self) -> None:
+        c = parse(doc(routes={"r": {"hosts": ["a"], "keys": {"alice": "k-1"}}, "s": {"hosts": ["a"], "keys": {"alice": "k-1"}}}))
+        self.assertEqual(c.routes["r"].keys["alice"], c.routes["s"].keys["alice"])
+
+
+class WorkersTests(_Case):
+    def test_default_and_number(self) -> None:
+        self.assertEqual((parse(MINIMAL).workers, parse(doc(workers=3)).workers), (1, 3))
+
+    def test_auto_is_the_usable_cpus(self) -> None:
+        self.patch(os, "sched_getaffinity", lambda pid: {0, 2, 5})
+        self.assertEqual(parse(doc(workers="auto")).workers, 3)
+        self.assertEqual(parse(MINIMAL + "workers: ${W}\n", {"W": "auto"}).workers, 3)
+
+    def test_usable_cpus_without_sched_getaffinity(self) -> None:
+        self.patch(os, "sched_getaffinity", None)
+        self.patch(os, "cpu_count", lambda: 6)
+        self.assertEqual(usable_cpus(), 6)
+
+    def test_refused(self) -> None:
+        self.assertRejected(doc(workers=0), "x.yaml: workers: must be at least 1, not 0")
+        self.assertRejected(doc(workers="many"), "x.yaml: workers: must be a whole number or auto, not 'many'")
+        self.assertRejected(doc(workers=1.5), "x.yaml: workers: must be a whole number, not 1.5")
+        self.assertRejected(doc(workers=True), "x.yaml: workers: must be a whole number or auto, not a boolean")
+
+
+class FlowMappingReferenceTests(_Case):
+    """``${NAME}`` inside a YAML flow mapping or sequence is accepted: references are
+    expanded after parsing, so an environment value never changes the structure."""
+
+    def test_in_flow_mapping_and_sequence(self) -> None:
+        c = parse("listen: tcp:1\nhosts: {a: {url: ${X}, api_key: ${K}}, b: ${Y}}\nroutes: {r: {hosts: [${A}, b], default_model: ${M}}}\n",
+                  {"X": "http://x:1", "Y": "http://y:2/", "K": "k-1", "A": "a", "M": "m"})
+        self.assertEqual((c.hosts["a"].url, c.hosts["a"].api_key, c.hosts["b"].url), ("http://x:1", "k-1", "http://y:2"))
+        self.assertEqual((c.routes["r"].hosts, c.routes["r"].default_model), (("a", "b"), "m"))
+
+    def test_value_with_yaml_syntax_stays_verbatim(self) -> None:
+        value = "x, y: {z} # not a comment ]"
+        for text in (MINIMAL.replace("hosts: [a]", "{hosts: [a], default_model: ${M}}").replace("r:\n    {", "r: {"),
+                     MINIMAL + "    default_model: ${M}\n", MINIMAL + '    default_model: "${M}"\n'):
+            self.assertEqual(parse(text, {"M": value}).routes["r"].default_model, value)
+
+    def test_unset_variable_in_flow_mapping_names_the_key(self) -> None:
+        self.assertRejected("listen: tcp:1\nhosts: {a: {url: ${X}}}\nroutes: {r: {hosts: [a]}}\n",
+                            "x.yaml: hosts.a.url: environment variable X is not set")
+
+    def test_yaml_error_after_a_reference_keeps_its_column_and_text(self) -> None:
+        self.assertRejected("listen: tcp:1\nhosts: {a: ${X} ]\n",
+                            "x.yaml: invalid YAML at line 2, column 17: expected ',' or '}', but got ']'")
+
+    def test_private_use_characters_in_the_file_are_kept(self) -> None:
+        c = parse(MINIMAL + "    default_model: \"m\ue000\ue001\"\n")
+        self.assertEqual(c.routes["r"].default_model, "m\ue000\ue001")
+
+
+_SECRET = "s3cret-value-Zq81"
+
+
+class SecretsNeverInErrorsTests(_FilesCase):
+    """A secret from ``${NAME}`` put anywhere, right or wrong, never shows in an error."""
+
+    cases: list[tuple[str, str]] = [
+        ("weight", 'hosts: {a: {url: "http://h", weight: "${S}"}}'),
+        ("max_inflight", 'hosts: {a: {url: "http://h", max_inflight: "${S}"}}'),
+        ("url", 'hosts: {a: "${S}"}'),
+        ("url_in_mapping", 'hosts: {a: {url: "http://${S}:x"}}'),
+        ("verify", 'hosts: {a: {url: "https://h", tls: {verify: "${S}"}}}'),
+        ("ca", 'hosts: {a: {url: "https://h", tls: {ca: "/nonexistent/${S}"}}}'),
+        ("health", 'health: {interval: "${S}"}\nhosts: {a: "http://h"}'),
+        ("workers", 'workers: "${S}"\nhosts: {a: "http://h"}'),
+    ]
+    route_cases: list[tuple[str, str]] = [
+        ("route_host", 'hosts: ["${S}"]'),
+        ("primary", 'hosts: [a], primary: "${S}"'),
+        ("affinity_key", 'hosts: [a], affinity: {key: "${S}"}'),
+        ("balance", 'hosts: [a], affinity: {balance: "${S}"}'),
+        ("queue_max", 'hosts: [a], queue: {max: "${S}"}'),
+        ("key_max_inflight", 'hosts: [a], keys: {alice: {secret: x-1, max_inflight: "${S}"}}'),
+        ("duplicate_secret", 'hosts: [a], keys: {alice: "${S}", bob: "${S}"}'),
+        ("secret_with_space", 'hosts: [a], keys: {alice: "${S} x"}'),
+    ]
+
+    def test_no_error_shows_the_secret(self) -> None:
+        texts = [f"listen: tcp:1\n{body}\nroutes: {{r: {{hosts: [a]}}}}\n" for _, body in self.cases]
+        texts += [f'listen: tcp:1\nhosts: {{a: "http://h"}}\nroutes: {{r: {{{body}}}}}\n' for _, body in self.route_cases]
+        texts += ["listen: tcp:1\nhosts: {a: {url: http://h, api_key: ${S}}}\nroutes: {r: {hosts: [a], keys: {a: ${S}, b: ${S}}}}\n"]
+        for text in texts:
+            e = self.assertRaises(ConfigError, parse, text, {"S": _SECRET})
+            self.assertNotIn(_SECRET, str(e), text)
+            self.assertNotIn(_SECRET, repr(e.args), text)
+            self.assertNotIn(_SECRET[:8], str(e), text)

@@ -3,9 +3,11 @@ real ``twistd`` process reloaded with a stream in flight."""
 
 from __future__ import annotations
 
+import os
 import signal
 
 import treq
+import trustme
 from twisted.internet import reactor
 from twisted.internet.defer import ensureDeferred
 from twisted.internet.task import Clock
@@ -14,7 +16,7 @@ from twisted.trial.unittest import TestCase
 from crossbar.config import parse_config
 from crossbar.health import HealthTable
 from crossbar.poller import HealthPoller
-from crossbar.reload import SIGHUPReload, plan_reload
+from crossbar.reload import ReloadPlan, SIGHUPReload, plan_reload
 from tests.fakes import FakeProbe
 from tests.harness import FakeLlama, http_client, listen, wait_for
 from tests.process import ClientStream, start_twistd
@@ -25,15 +27,45 @@ def _cfg(hosts: str, listen: str = "tcp:7777") -> str:
 
 
 class PlanTests(TestCase):
-    def test_kept_fresh_removed(self) -> None:
+    def test_fresh_removed(self) -> None:
         old = parse_config(_cfg("  a: http://h:1\n  b: http://h:2\n  c: http://h:3"))
         new = parse_config(_cfg("  a: http://h:1\n  b: http://h:9\n  d: http://h:4", listen="tcp:8888"))
         plan = plan_reload(old, new)
-        self.assertEqual(plan.kept, ("a",))
-        self.assertEqual(plan.fresh, ("b", "d"))
+        self.assertEqual(plan.fresh, ("b", "d"))  # a, unchanged, is in neither: it keeps its health
         self.assertEqual(plan.removed, ("c",))
         self.assertTrue(plan.listen_changed)
         self.assertFalse(plan_reload(old, old).listen_changed)
+        self.assertEqual(plan_reload(old, old), ReloadPlan(fresh=(), removed=(), listen_changed=False))
+
+    def test_changed_connection_settings_start_over(self) -> None:
+        """DESIGN.md §Operations: a host whose URL, ``tls`` or ``api_key`` changed starts over."""
+        ca_dir = self.mktemp()
+        os.makedirs(ca_dir)
+        ca = trustme.CA()
+        ca_path = os.path.join(ca_dir, "ca.pem")
+        ca.cert_pem.write_to_path(ca_path)
+        env = {"K1": "key-one", "K2": "key-two"}
+        old = parse_config(_cfg(
+            "  a: {url: https://h:1, api_key: ${K1}}\n  b: {url: https://h:2}\n  c: {url: https://h:3, tls: {verify: true}}"
+            "\n  d: {url: http://h:4, weight: 1}"
+        ), environ=env)
+        new = parse_config(_cfg(
+            "  a: {url: https://h:1, api_key: ${K2}}\n  b: {url: https://h:2, tls: {ca: " + ca_path + "}}"
+            "\n  c: {url: https://h:3, tls: {verify: false}}\n  d: {url: http://h:4, weight: 3, max_inflight: 2}"
+        ), environ=env)
+        self.assertEqual(plan_reload(old, new).fresh, ("a", "b", "c"))  # d: only its balancing changed
+
+    def test_rotated_ca_file_starts_over(self) -> None:
+        """The CA's bytes are part of ``tls``: a reload after the file was replaced reconnects."""
+        ca_dir = self.mktemp()
+        os.makedirs(ca_dir)
+        ca_path = os.path.join(ca_dir, "ca.pem")
+        text = _cfg("  a: {url: https://h:1, tls: {ca: " + ca_path + "}}")
+        trustme.CA().cert_pem.write_to_path(ca_path)
+        old = parse_config(text)
+        self.assertEqual(plan_reload(old, parse_config(text)).fresh, ())
+        trustme.CA().cert_pem.write_to_path(ca_path)
+        self.assertEqual(plan_reload(old, parse_config(text)).fresh, ("a",))
 
 
 class TableAndPollerTests(TestCase):

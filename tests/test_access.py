@@ -1,0 +1,90 @@
+"""Client keys (crossbar/access.py, DESIGN.md §Access): the one rule of which key a
+request's ``Authorization`` header presents."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from typing import Any
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from crossbar import access
+from crossbar.access import authorize
+from crossbar.config import ClientKey, parse_config
+
+_CONFIG = """\
+listen: tcp:1
+hosts: {a: http://h}
+routes:
+  r:
+    hosts: [a]
+    keys:
+      alice: alice-s3cret
+      ci: {secret: ci-s3cret-longer-than-alice, max_inflight: 2}
+  s:
+    hosts: [a]
+    keys: {bob: bob-s3cret}
+  open: {hosts: [a]}
+"""
+
+
+class AuthorizeTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.config = parse_config(_CONFIG, "x.yaml", environ={})
+        self.keys = self.config.routes["r"].keys
+
+    def test_missing(self) -> None:
+        self.assertIsNone(authorize(self.keys, None))
+
+    def test_right(self) -> None:
+        self.assertEqual(authorize(self.keys, b"Bearer alice-s3cret"), "alice")
+        self.assertEqual(authorize(self.keys, b"Bearer ci-s3cret-longer-than-alice"), "ci")
+
+    def test_wrong(self) -> None:
+        for value in (b"Bearer alice-s3creT", b"Bearer alice-s3cret2", b"Bearer alice", b"Bearer x", b"Bearer alice-s3cret x"):
+            self.assertIsNone(authorize(self.keys, value), value)
+
+    def test_key_of_another_route(self) -> None:
+        self.assertIsNone(authorize(self.keys, b"Bearer bob-s3cret"))
+        self.assertEqual(authorize(self.config.routes["s"].keys, b"Bearer bob-s3cret"), "bob")
+
+    def test_scheme_in_any_case_and_whitespace(self) -> None:
+        for value in (b"bearer alice-s3cret", b"BEARER alice-s3cret", b"BeArEr alice-s3cret",
+                      b"  Bearer   alice-s3cret  ", b"Bearer\talice-s3cret"):
+            self.assertEqual(authorize(self.keys, value), "alice", value)
+
+    def test_other_schemes(self) -> None:
+        for value in (b"Basic alice-s3cret", b"Basic YWxpY2U6YWxpY2UtczNjcmV0", b"Token alice-s3cret", b"alice-s3cret",
+                      b"Bearer-alice-s3cret", b"Bearealice-s3cret"):
+            self.assertIsNone(authorize(self.keys, value), value)
+
+    def test_empty(self) -> None:
+        for value in (b"", b"   ", b"Bearer", b"Bearer ", b"Bearer    "):
+            self.assertIsNone(authorize(self.keys, value), value)
+
+    def test_route_without_keys(self) -> None:
+        self.assertIsNone(authorize(self.config.routes["open"].keys, b"Bearer alice-s3cret"))
+
+    def test_non_ascii_bytes(self) -> None:
+        self.assertIsNone(authorize(self.keys, b"Bearer \xff\xfe"))
+
+    def test_compares_fixed_length_digests_against_every_key(self) -> None:
+        """No early exit: one ``compare_digest`` per key, on 32-byte digests, whichever
+        key matches (the first, the last, or none)."""
+        calls: list[tuple[int, int]] = []
+        compare = hmac.compare_digest
+
+        def recording(a: Any, b: Any) -> bool:
+            calls.append((len(a), len(b)))
+            return compare(a, b)
+
+        self.patch(access.hmac, "compare_digest", recording)
+        keys = {f"k{i}": ClientKey(f"k{i}", f"secret-{i}" * (i + 1)) for i in range(5)}
+        for value, expected in ((b"Bearer secret-0", "k0"), (b"Bearer " + b"secret-4" * 5, "k4"), (b"Bearer nope", None)):
+            calls.clear()
+            self.assertEqual(authorize(keys, value), expected)
+            self.assertEqual(calls, [(32, 32)] * 5)
+
+    def test_digest_is_sha256_of_the_secret(self) -> None:
+        self.assertEqual(self.keys["alice"].digest, hashlib.sha256(b"alice-s3cret").digest())
