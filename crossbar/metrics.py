@@ -77,6 +77,10 @@ class Metrics:
             "crossbar_time_to_first_byte_seconds", "Time from request sent upstream to response headers.",
             ("route", "host"), buckets=_LATENCY_BUCKETS, registry=r,
         )
+        self.queue_wait = Histogram(
+            "crossbar_queue_wait_seconds", "Time a request waited in its route's queue for a host with room.",
+            ("route",), buckets=_LATENCY_BUCKETS, registry=r,
+        )
         self.poll_duration = Histogram(
             "crossbar_poll_duration_seconds", "Duration of one health poll of one host.",
             ("host", "result"), buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30), registry=r,

@@ -14,11 +14,12 @@ Nothing here reads, logs or keeps a body beyond forwarding it.
 
 from __future__ import annotations
 
+import json
 from enum import Enum
 from typing import Any, Iterable
 
 from twisted.internet.defer import CancelledError, Deferred
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
@@ -27,14 +28,16 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
 from crossbar.attempt import STALE_WINDOW, Answer, Attempt, FailureKind, UpstreamFailed
+from crossbar.balance import Chosen, Verdict, choose
 from crossbar.config import Config, Route
 from crossbar.hosturl import host_url
 from crossbar.inflight import Lease
 from crossbar.record import NO_ROUTE, RequestLog, RequestRecord
 from crossbar.relay import Relay, RelayEnd
 from crossbar.request import json_error_bytes
+from crossbar.modellist import route_models
 from crossbar.routing import (
-    choose, has_dot_segment, is_allowed, is_forwardable, peek_model, split_route, split_target,
+    has_dot_segment, is_allowed, is_forwardable, peek_model, split_route, split_target,
 )
 from crossbar.runtime import Runtime
 from crossbar.upstream import UpstreamPools
@@ -62,6 +65,8 @@ _REPLACED_UPSTREAM = frozenset(
      b"x-forwarded-proto", b"forwarded"}
 )
 _NO_PEEK_METHODS = (b"GET", b"HEAD")
+MODELS_PATH = b"/v1/models"
+"""Answered by crossbar from the health table (DESIGN.md §The proxy, rule 10)."""
 
 _NO_BODY_CODES = (204, 304)
 
@@ -145,8 +150,10 @@ class Phase(Enum):
 
     ROUTING = "routing"
     """Rules 1-4: route, path, body and model."""
+    QUEUED = "queued"
+    """Rule 5 / §Choosing a host rule 4: waiting in the route's queue for room."""
     FORWARDING = "forwarding"
-    """Rules 5-7: a host is being chosen, connected to, or its response head awaited."""
+    """Rules 5-7: a host is being connected to, or its response head awaited."""
     RELAYING = "relaying"
     """Rule 6: the answer's head went out; its body streams."""
     ENDED = "ended"
@@ -171,6 +178,7 @@ class Exchange:
         self.rest = b""
         self.query = b""
         self.model: str | None = None
+        self.affinity_key: str | None = None
         self.body: bytes | None = None
         self.host: str | None = None
         self.tried: list[str] = []
@@ -181,6 +189,14 @@ class Exchange:
         self.bytes = 0
         self.ttfb: float | None = None
         self.why = ""
+        self.queued_at: float | None = None
+        self.queued = 0.0
+        self.queue_timer: IDelayedCall | None = None
+
+    @property
+    def route_name(self) -> str:
+        """The route's name (the queue's :class:`~crossbar.queue.Waiter` interface)."""
+        return self.route.name if self.route is not None else NO_ROUTE
 
     # -- rules 1-4 ----------------------------------------------------------------
 
@@ -201,6 +217,8 @@ class Exchange:
             return self.answer_error(400, "bad path")
         if not is_allowed(self.rest):
             return self.answer_error(404, "not found")
+        if self.rest == MODELS_PATH and request.method in _NO_PEEK_METHODS:
+            return self.answer_models()
         self.body, self.model = self.read_body()
         if self.model is None:
             self.model = route.default_model
@@ -219,21 +237,46 @@ class Exchange:
 
     # -- rule 5: choose; rule 7: fail over -----------------------------------------
 
-    def forward(self) -> None:
-        """Choose a host among those not tried yet (rule 5) and send the request to it."""
+    def choose(self) -> Chosen | Verdict:
+        """Rules 1-3 of §Choosing a host for this request, among the hosts not tried."""
         assert self.route is not None
-        table = self.runtime.table
+        runtime = self.runtime
+        return choose(
+            self.route, self.config.hosts, runtime.table.all(), runtime.inflight.host, self.model,
+            self.affinity_key, runtime.rotation, exclude=self.tried,
+        )
 
-        def loaded(name: str) -> tuple[str, ...]:
-            status = table.get(name)
-            return status.loaded if status is not None else ()
+    def forward(self) -> None:
+        """Choose a host (rule 5) and send the request to it, or wait for room, or
+        answer that no host is left (503, or 502 after failovers)."""
+        verdict = self.choose()
+        if isinstance(verdict, Chosen):
+            return self.dispatch(verdict)
+        if verdict is Verdict.NO_HOST:
+            return self.no_host()
+        return self.enqueue()
 
-        host = choose(self.route.hosts, self.model, table.is_healthy, loaded, exclude=self.tried)
-        if host is None:
-            if self.tried:
-                return self.answer_error(502, "upstream failed", host=self.tried[-1])
-            return self.answer_error(503, "no healthy host")
-        self.host = host
+    def no_host(self) -> None:
+        """No healthy host is left: 503, or 502 naming the last host tried (rule 7)."""
+        if self.tried:
+            return self.answer_error(502, "upstream failed", host=self.tried[-1])
+        return self.answer_error(503, "no healthy host")
+
+    def dispatch(self, chosen: Chosen) -> None:
+        """Count the request against ``chosen.host`` and send it there (rules 6-7)."""
+        assert self.route is not None
+        self.leave_queue()
+        self.phase = Phase.FORWARDING
+        host = self.host = chosen.host
+        why = [chosen.fit.value, chosen.pick]
+        if self.queued_at is not None:
+            why.append("queued")
+        if self.tried:
+            why.append("failover")
+        else:
+            self.runtime.affinity_counts[(self.route.name, chosen.affinity)] += 1
+        why.append(f"affinity={chosen.affinity}")
+        self.why = " ".join(why)
         self.lease = self.runtime.inflight.enter(self.route.name, host)
         target = host_url(self.config.hosts[host].url).target(self.rest + self.query)
         attempt = Attempt(
@@ -243,6 +286,55 @@ class Exchange:
         self.attempt = attempt.start()
         self.attempt.addCallbacks(self.on_answer, self.on_attempt_failed)
         self.attempt.addErrback(self.on_bug)
+
+    # -- §Choosing a host, rule 4: the queue ---------------------------------------
+
+    def enqueue(self) -> None:
+        """No host of the tier has room: wait in the route's queue, unless it is off
+        (``queue.max: 0``: 503 at once) or full (503 ``queue full``)."""
+        assert self.route is not None
+        settings = self.route.queue
+        if settings.max == 0:
+            return self.answer_error(503, "all hosts busy", retry_after=True)
+        if self.runtime.queues.queued(self.route.name) >= settings.max:
+            return self.answer_error(503, "queue full", retry_after=True)
+        self.phase = Phase.QUEUED
+        if self.queued_at is None:
+            self.queued_at = self.clock.seconds()
+        self.runtime.queues.add(self)
+        self.queue_timer = self.clock.callLater(settings.timeout, self.on_queue_timeout)
+
+    def retry(self) -> bool:
+        """The queue's call when room may have freed: True once this request left it."""
+        if self.phase is not Phase.QUEUED:
+            return True
+        verdict = self.choose()
+        if verdict is Verdict.BUSY:
+            return False
+        if isinstance(verdict, Chosen):
+            self.dispatch(verdict)
+        else:
+            self.leave_queue()
+            self.no_host()
+        return True
+
+    def on_queue_timeout(self) -> None:
+        """``queue.timeout`` passed without room: 503 with ``Retry-After``."""
+        self.queue_timer = None
+        if self.phase is Phase.QUEUED:
+            self.leave_queue()
+            self.answer_error(503, "all hosts busy", retry_after=True)
+
+    def leave_queue(self) -> None:
+        """Out of the queue (dispatched, answered or gone): stop its timer, count the wait."""
+        timer, self.queue_timer = self.queue_timer, None
+        if timer is not None and timer.active():
+            timer.cancel()
+        if self.runtime.queues.remove(self):
+            assert self.queued_at is not None and self.route is not None
+            waited = self.clock.seconds() - self.queued_at
+            self.queued += waited
+            self.proxy.requests.metrics.queue_wait.labels(self.route.name).observe(waited)
 
     def on_attempt_failed(self, failure: Failure) -> None:
         """Rule 7 before the head: a connect failure fails over to another host; a
@@ -344,6 +436,7 @@ class Exchange:
         if self.phase is Phase.ENDED:
             return
         self.status = 499  # nginx's "client closed request", for the log line only
+        self.leave_queue()
         self.stop_upstream()
         self.end()
 
@@ -353,6 +446,9 @@ class Exchange:
             return
         _log.info("aborting {method} /{route}{path}: {why}", method=self.request.method.decode("latin-1"),
                   route=self.route.name if self.route else "", path=self.rest.decode("latin-1"), why=why)
+        if self.phase is Phase.QUEUED:
+            self.leave_queue()
+            return self.answer_error(503, why)
         self.stop_upstream()
         self.abort_client()
 
@@ -376,15 +472,29 @@ class Exchange:
         if transport is not None:
             transport.abortConnection()
 
-    def answer_error(self, code: int, message: str, **extra: str) -> None:
-        """Answer with crossbar's own JSON error (DESIGN.md rule 9) and end."""
+    def answer_error(self, code: int, message: str, retry_after: bool = False, **extra: str) -> None:
+        """Answer with crossbar's own JSON error (DESIGN.md rule 9) and end;
+        ``retry_after`` adds ``Retry-After: 1`` (busy answers)."""
         if self.phase is Phase.ENDED:
             return
-        body = json_error_bytes(message, **extra)
+        self.answer_json(code, json_error_bytes(message, **extra), retry_after)
+
+    def answer_models(self) -> None:
+        """Rule 10: ``GET /{route}/v1/models`` from the health table, no upstream request."""
+        assert self.route is not None
+        doc = route_models(self.route, self.runtime.table.all())
+        if doc is None:
+            return self.answer_error(503, "no healthy host")
+        self.answer_json(200, json.dumps(doc).encode("utf-8"))
+
+    def answer_json(self, code: int, body: bytes, retry_after: bool = False) -> None:
+        """Answer ``code`` with the JSON ``body`` and end."""
         request = self.request
         self.status = code
         request.setResponseCode(code)
         request.responseHeaders.removeHeader(b"server")
+        if retry_after:
+            request.setHeader(b"Retry-After", b"1")
         request.setHeader(b"Content-Type", b"application/json")
         request.setHeader(b"Content-Length", str(len(body)).encode("ascii"))
         self.close_if_draining()
@@ -419,6 +529,7 @@ class Exchange:
             bytes=self.bytes,
             duration=self.clock.seconds() - self.received,
             ttfb=self.ttfb,
+            queued=self.queued,
             why=self.why,
         ))
 

@@ -12,11 +12,14 @@ Status, metrics, readiness, systemd and the proxy all read these; nothing copies
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, Callable
 
+from crossbar.balance import Rotation
 from crossbar.config import Config
 from crossbar.health import HealthTable
 from crossbar.inflight import Inflight
+from crossbar.queue import RouteQueues
 from crossbar.waiting import Condition
 
 __all__ = ["Runtime"]
@@ -29,7 +32,10 @@ class Runtime:
     :param now: POSIX seconds (``reactor.seconds``), for the health table.
     :ivar config: the current config; assign a new one to reload.
     :ivar table: the health table.
-    :ivar inflight: requests in flight per host.
+    :ivar inflight: requests in flight per host; a release wakes the queues.
+    :ivar queues: the requests waiting for a host with room, per route.
+    :ivar rotation: where round-robin among exact ties stands, per route.
+    :ivar affinity_counts: (route, ``home``/``spill``/``none``) -> requests dispatched.
     :ivar active: the requests being handled (proxy exchanges), until each ends.
     :ivar draining: a drain has started (DESIGN.md §Operations).
     :ivar idle: a :class:`Condition` that holds while no request is being handled.
@@ -39,7 +45,10 @@ class Runtime:
         self.config = config
         health = config.health
         self.table = HealthTable(config.hosts, health.recovery_polls, health.failure_threshold, now)
-        self.inflight = Inflight()
+        self.queues = RouteQueues(now)
+        self.inflight = Inflight(on_release=self.queues.wake)
+        self.rotation = Rotation()
+        self.affinity_counts: Counter[tuple[str, str]] = Counter()
         self.active: set[Any] = set()
         self.draining = False
         self.idle = Condition(lambda: not self.active)

@@ -33,6 +33,7 @@ from crossbar.proxy import ProxyResource
 from crossbar.record import RequestLog
 from crossbar.reload import SIGHUPReload, plan_reload
 from crossbar.runtime import Runtime
+from crossbar.tls import HostTLS
 from crossbar.systemd import Notifier, SystemdNotifier, watchdog_interval
 from crossbar.twisted_private import quiet_pool
 from crossbar.upstream import UpstreamEndpoints, UpstreamPools
@@ -93,6 +94,7 @@ class CrossbarService(MultiService):
         self.metrics = Metrics()
         self.metrics.watch(LiveCollector(self._inflight_series, runtime.table.all))
         self.requests = RequestLog(self.metrics)
+        self.pools = UpstreamPools(reactor, config.timeouts.connect, tls=HostTLS.from_config(config))
         self._poll_pool = quiet_pool(reactor, persistent=True)
         self._poll_pool.maxPersistentPerHost = 1
         health = config.health
@@ -101,7 +103,6 @@ class CrossbarService(MultiService):
             health.interval, health.timeout, reactor, on_poll=self._observe_poll,
         )
         self.poller.setServiceParent(self)
-        self.pools = UpstreamPools(reactor, config.timeouts.connect)
         self.proxy = ProxyResource(runtime, self.pools, reactor, self.requests)
         self.ops = OpsApp(runtime, self.metrics)
         self.site = CrossbarSite(Root(self.ops.resource(), self.proxy), runtime, self.requests)
@@ -143,7 +144,7 @@ class CrossbarService(MultiService):
 
     def _probe(self, timeout: float) -> HTTPProbe:
         """The poller's probe: ``timeout`` bounds opening a connection to a host."""
-        endpoints = UpstreamEndpoints(self.reactor, timeout)
+        endpoints = UpstreamEndpoints(self.reactor, timeout, self.pools.tls)
         return HTTPProbe(Agent.usingEndpointFactory(self.reactor, endpoints, pool=self._poll_pool))
 
     def _when_ready(self) -> Deferred[object]:
@@ -152,6 +153,7 @@ class CrossbarService(MultiService):
 
     def _observe_poll(self, host: str, seconds: float, ok: bool) -> None:
         self.metrics.poll_duration.labels(host, "ok" if ok else "failed").observe(seconds)
+        self.runtime.queues.wake()  # a host that came back, or a model now loaded
         if self.systemd is not None:
             self.systemd.health_changed()
 
@@ -285,6 +287,7 @@ class CrossbarService(MultiService):
         table.recovery_polls = health.recovery_polls
         table.failure_threshold = health.failure_threshold
         table.set_hosts(new.hosts, reset=plan.fresh)
+        self.pools.tls = HostTLS.from_config(new)
         self.poller.probe = self._probe(health.timeout)
         self.pools.connect_timeout = new.timeouts.connect
         self.runtime.config = new
@@ -292,6 +295,7 @@ class CrossbarService(MultiService):
         self.poller.set_hosts({name: h.url for name, h in new.hosts.items()})
         if self.systemd is not None:
             self.systemd.health_changed()
+        self.runtime.queues.wake()  # new hosts, weights or limits may make room
         self._log.info(
             "reloaded {path}: {routes} routes, {hosts} hosts ({fresh} new or changed, {removed} removed)",
             path=path, routes=len(new.routes), hosts=len(new.hosts), fresh=len(plan.fresh),

@@ -41,12 +41,19 @@ def bad_request_chunked(request: Request, body: bytes) -> Any:
     return NOT_DONE_YET
 
 
+def listing(request: Request, body: bytes) -> bytes:
+    """What FakeLlama answers on /v1/models, on another path the proxy forwards."""
+    request.setHeader(b"content-type", b"application/json")
+    return b'{"object": "list", "data": [{"id": "model-b"}]}'
+
+
 class AnswerTests(TestCase):
     def test_head_204_304_carry_no_body(self) -> object:
         async def go() -> None:
             hosts = await two_hosts(self)
-            hosts.b.handlers.update({b"/v1/nc": no_content, b"/v1/nm": not_modified})
-            data, _ = await raw_exchange(hosts.port, request_bytes(b"HEAD", b"/r/v1/models"))
+            hosts.b.handlers.update({b"/v1/nc": no_content, b"/v1/nm": not_modified, b"/v1/listing": listing})
+            # (GET/HEAD /r/v1/models is answered by crossbar itself: rule 10.)
+            data, _ = await raw_exchange(hosts.port, request_bytes(b"HEAD", b"/r/v1/listing"))
             # Strict parse: any byte after the head would be a second, broken response.
             [response] = parse_responses(data, head=True)
             self.assertEqual(response.status, 200)

@@ -75,15 +75,15 @@ class PipeliningTests(TestCase):
             data, _ = await raw_exchange(
                 hosts.port,
                 _post(_STREAM, close=False) + _post(_PLAIN, close=False)
-                + request_bytes(b"GET", b"/r/v1/models?p=1", close=True),
+                + request_bytes(b"GET", b"/r/v1/chat/completions?p=1", close=True),
             )
             answers = parse_responses(data)
             self.assertEqual([a.status for a in answers], [200, 200, 200])
             self.assertTrue(answers[0].body.endswith(b"data: [DONE]\n\n"), answers[0].body[-100:])
             self.assertEqual(answers[0].body.count(b"data: {"), hosts.a.events)
             self.assertEqual(json.loads(answers[1].body)["object"], "chat.completion")
-            self.assertIn(json.loads(answers[2].body)["data"][0]["id"], ("model-a", "model-b"))
-            self.assertEqual([s.uri for s in upstream_requests(hosts.a)], [b"/v1/chat/completions"] * 2)
+            self.assertEqual(json.loads(answers[2].body)["object"], "chat.completion")
+            self.assertEqual([s.uri for s in upstream_requests(hosts.a)][:2], [b"/v1/chat/completions"] * 2)
             self.assertEqual(len(upstream_requests(hosts.a) + upstream_requests(hosts.b)), 3)
             await still_serving(self, hosts, watch)
 
@@ -158,11 +158,11 @@ class SmugglingTests(TestCase):
             hosts = await two_hosts(self)
             wire = (b"POST " + _PATH + b" HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
                     b"%x\r\n%s\r\n0\r\n\r\n" % (len(_PLAIN), _PLAIN)
-                    + request_bytes(b"GET", b"/r/v1/models?p=1"))
+                    + request_bytes(b"GET", b"/r/v1/chat/completions?p=1"))
             data, _ = await raw_exchange(hosts.port, wire)
             self.assertEqual([a.status for a in parse_responses(data)], [200, 200])
             seen = upstream_requests(hosts.a) + upstream_requests(hosts.b)
-            self.assertEqual(sorted((s.method, s.uri) for s in seen), [(b"GET", b"/v1/models?p=1"),
+            self.assertEqual(sorted((s.method, s.uri) for s in seen), [(b"GET", b"/v1/chat/completions?p=1"),
                                                                         (b"POST", b"/v1/chat/completions")])
             seen = [s for s in seen if s.method == b"POST"]
             self.assertEqual(seen[0].body, _PLAIN)

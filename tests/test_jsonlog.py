@@ -93,7 +93,7 @@ class TwistdLogTests(TestCase):
             proc = await start_twistd(self, f"drain: {{delay: 0.2, grace: 1}}\nhosts:\n  a: {url}\nroutes:\n  r:\n    hosts: [a]\n")
             await self._traffic(proc.base)
             line = await proc.line(lambda line: "[crossbar.proxy" in line, 10)
-            self.assertRegex(line, r"^\d{4}-\d\d-\d\dT\S+ \[crossbar\.proxy\S*#info\] POST /r/v1/chat/completions -> a 200 \d+B ttfb=[\d.]+ms [\d.]+ms$")
+            self.assertRegex(line, r"^\d{4}-\d\d-\d\dT\S+ \[crossbar\.proxy\S*#info\] POST /r/v1/chat/completions -> a 200 \d+B ttfb=[\d.]+ms [\d.]+ms \(loaded least-busy affinity=none\)$")
             self.assertFalse(line.lstrip().startswith("{"))
             proc.signal("TERM")
             await proc.ended
