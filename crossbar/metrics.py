@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
@@ -29,15 +29,22 @@ class LiveCollector(Collector):
 
     :param inflight: returns (route, host) -> requests in flight.
     :param hosts: returns host name -> its current :class:`HostStatus`.
+    :param queued: returns route -> requests waiting in its queue.
+    :param affinity: returns (route, outcome) -> requests dispatched with that
+        affinity outcome (``home``, ``spill``, ``none``), a counter.
     """
 
     def __init__(
         self,
         inflight: Callable[[], Mapping[tuple[str, str], int]],
         hosts: Callable[[], Mapping[str, HostStatus]],
+        queued: Callable[[], Mapping[str, int]],
+        affinity: Callable[[], Mapping[tuple[str, str], int]],
     ) -> None:
         self._inflight = inflight
         self._hosts = hosts
+        self._queued = queued
+        self._affinity = affinity
 
     def collect(self) -> Iterable[Metric]:
         inflight = GaugeMetricFamily(
@@ -52,7 +59,17 @@ class LiveCollector(Collector):
         for name, status in self._hosts().items():
             healthy.add_metric((name,), 1 if status.healthy else 0)
             loaded.add_metric((name,), len(status.loaded))
-        return [inflight, healthy, loaded]
+        queued = GaugeMetricFamily(
+            "crossbar_queued_requests", "Requests waiting in a route's queue for a host with room.", labels=("route",)
+        )
+        for route, count in sorted(self._queued().items()):
+            queued.add_metric((route,), count)
+        affinity = CounterMetricFamily(
+            "crossbar_affinity", "Requests dispatched by cache-affinity outcome.", labels=("route", "outcome")
+        )
+        for (route, outcome), count in sorted(self._affinity().items()):
+            affinity.add_metric((route, outcome), count)
+        return [inflight, healthy, loaded, queued, affinity]
 
     def describe(self) -> Iterable[Metric]:
         return []  # dynamic: described by collect() at scrape time only

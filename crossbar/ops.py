@@ -84,13 +84,31 @@ class OpsApp:
                 "url": host.url if host is not None else None,
                 "healthy": s.healthy,
                 "loaded": list(s.loaded),
+                "loading": list(s.loading),
+                "available": list(s.available),
                 "last_ok": rfc3339(s.last_ok),
                 "last_err": s.last_err,
                 "consecutive": s.consecutive,
                 "failures": s.failures,
                 "inflight": runtime.inflight.host(name),
+                "weight": host.weight if host is not None else None,
+                "max_inflight": host.max_inflight if host is not None else None,
             }
-        return self._json(request, 200, {"hosts": hosts})
+        routes = {}
+        for name, route in config.routes.items():
+            oldest = runtime.queues.oldest_wait(name)
+            routes[name] = {
+                "hosts": list(route.hosts),
+                "primary": route.primary,
+                "queued": runtime.queues.queued(name),
+                "oldest_wait_s": None if oldest is None else round(oldest, 3),
+                "affinity": {
+                    "key": route.affinity.key,
+                    "balance": route.affinity.balance,
+                    **{outcome: runtime.affinity_counts[(name, outcome)] for outcome in ("home", "spill", "none")},
+                },
+            }
+        return self._json(request, 200, {"hosts": hosts, "routes": routes})
 
     @app.route("/metrics", methods=["GET"])
     def metrics(self, request: IRequest) -> bytes:

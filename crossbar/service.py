@@ -92,7 +92,11 @@ class CrossbarService(MultiService):
         self.reactor = reactor
         self.runtime = runtime = Runtime(config, reactor.seconds)
         self.metrics = Metrics()
-        self.metrics.watch(LiveCollector(self._inflight_series, runtime.table.all))
+        self.metrics.watch(LiveCollector(
+            self._inflight_series, runtime.table.all,
+            lambda: {name: runtime.queues.queued(name) for name in runtime.config.routes},
+            lambda: runtime.affinity_counts,
+        ))
         self.requests = RequestLog(self.metrics)
         self.pools = UpstreamPools(reactor, config.timeouts.connect, tls=HostTLS.from_config(config))
         self._poll_pool = quiet_pool(reactor, persistent=True)

@@ -16,7 +16,8 @@ from twisted.trial.unittest import TestCase
 
 from tests.harness import FakeLlama, http_client, listen, start_crossbar
 
-FIELDS = {"url", "healthy", "loaded", "last_ok", "last_err", "consecutive", "failures", "inflight"}
+FIELDS = {"url", "healthy", "loaded", "loading", "available", "last_ok", "last_err", "consecutive", "failures",
+          "inflight", "weight", "max_inflight"}
 
 
 def free_port() -> int:
@@ -78,7 +79,7 @@ routes:
             self.assertEqual(response.code, 200)
             self.assertEqual(response.headers.getRawHeaders(b"content-type"), [b"application/json"])
             doc: Any = await treq.json_content(response)
-            self.assertEqual(set(doc), {"hosts"})
+            self.assertEqual(set(doc), {"hosts", "routes"})
             hosts = doc["hosts"]
             self.assertEqual(set(hosts), {"good", "sick", "gone"})
             for name, entry in hosts.items():
