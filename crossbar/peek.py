@@ -42,7 +42,7 @@ import ijson
 from ijson.utils import sendable_list
 from twisted.logger import Logger
 
-__all__ = ["LONG_STRING", "MAX_DEPTH", "PROMPT_BYTES", "BodyPeek", "Peeked", "backend_name", "peek"]
+__all__ = ["LONG_STRING", "MAX_DEPTH", "NOTHING", "PROMPT_BYTES", "BodyPeek", "Peeked", "backend_name", "peek"]
 
 LONG_STRING: Final = 256 * 1024
 """Bytes of one JSON string held for yajl across chunks; a longer one is taken over."""
@@ -100,6 +100,7 @@ class Peeked:
 
 
 NOTHING: Final = Peeked(None, None)
+"""No model, no affinity key."""
 
 
 @dataclass(frozen=True)
