@@ -138,7 +138,7 @@ class PickTests(SynchronousTestCase):
     def test_bound_arithmetic(self) -> None:
         self.assertEqual(bound(1.25, 0, 1.0, 2.0), 1)
         self.assertEqual(bound(1.0, 3, 1.0, 1.0), 4)
-        self.assertEqual(bound(1.2, 4, 1.0, 1.0), 6)  # 1.2 * 5 is 6.000000000000001 in floats
+        self.assertEqual(bound(1.12, 24, 1.0, 1.0), 28)  # 1.12 * 25 is 28.000000000000004 in floats
         self.assertEqual(bound(1.5, 5, 2.0, 3.0), 6)
         self.assertEqual(bound(1.0, 0, 1.0, 3.0), math.ceil(1 / 3))
         with self.assertRaises(ValueError):
