@@ -33,6 +33,8 @@ import codecs
 import hashlib
 import json
 import re
+from itertools import accumulate, islice
+from operator import itemgetter
 from decimal import Decimal
 from dataclasses import dataclass
 from types import ModuleType
@@ -64,6 +66,10 @@ _PARTIAL_ESCAPE = re.compile(rb"\\(?:u[0-9a-fA-F]{0,3})?\Z")
 _HIGH_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}\Z")
 _NUMBER_HEAD = re.compile(rb"[-+.0-9eE]*")
 _NUMBER_TAIL = re.compile(rb"[-+.0-9eE]*\Z")
+
+_DELTA: Final = {"start_map": 1, "start_array": 1, "end_map": -1, "end_array": -1, "map_key": 0,
+                 "string": 0, "number": 0, "boolean": 0, "null": 0}
+_EVENT: Final = itemgetter(0)
 
 _log = Logger()
 
@@ -144,24 +150,30 @@ def _utf8(value: object) -> bytes:
 
 
 class _Keys:
-    """Turns ijson ``basic_parse`` events into the model and the affinity key's parts.
+    """Turns ijson ``basic_parse`` events into the model and the affinity key.
 
-    Only a depth counter and the few top levels the rules look at are tracked, so each
-    event costs a handful of comparisons.
+    Only the containers the rules look at are entered (the top-level object, ``messages``
+    up to its first ``user`` message, a message's ``content`` list and its parts, a
+    ``prompt`` list until PROMPT_BYTES are taken); any other container is skipped with C
+    loops over the events (a running nesting level, no Python per event), so a body of a
+    million small tokens costs about what yajl itself costs.
     """
 
     def __init__(self) -> None:
-        self.depth = 0
+        self.depth = 0  # containers entered
+        self.skip = 0  # levels still open in a skipped container
         self.last = ""
         self.k1: object = None  # current top-level key
         self.k3: object = None  # current key in a message
         self.k5: object = None  # current key in a content part
         self.top: dict[str, object] = {}  # last value (or None) of model, user, prompt_cache_key
-        # messages: None (absent / not a list) or the list of (role, texts) so far
-        self.messages: list[tuple[object, list[bytes]]] | None = None
+        # messages: a list value of "messages" (None: absent or not a list), hashed message by message
+        self.messages: Any = None
+        self.message_count = 0
         self.messages_done = False
         self.role: object = None
-        self.texts: list[bytes] = []
+        self.texts: Any = _hasher()  # the digests of the current message's texts, in order
+        self.text_count = 0
         self.part_type: object = None
         self.part_text: bytes | None = None
         # prompt: None (absent / unusable) or the bytes so far
@@ -171,6 +183,8 @@ class _Keys:
     def wants_long(self) -> bool:
         """Whether a string starting now may be the model or part of the affinity key."""
         d = self.depth
+        if self.skip:
+            return False
         if self.last == "map_key":
             return ((d == 1 and self.k1 in ("model", "user", "prompt_cache_key", "prompt"))
                     or (d == 3 and self.k1 == "messages" and self.k3 == "content")
@@ -178,9 +192,16 @@ class _Keys:
         return d in (2, 3) and self.k1 == "prompt"
 
     def take(self, events: list[tuple[str, Any]]) -> None:
-        """Process events in order. Raises ValueError on nesting over MAX_DEPTH."""
-        for event, value in events:
-            if self.long is not None and event in ("string", "map_key"):
+        """Process events in order. Raises ValueError on a body that is not an object
+        or nests deeper than MAX_DEPTH."""
+        i, n = 0, len(events)
+        while i < n:
+            if self.skip:
+                i = self._skip(events, i)
+                continue
+            event, value = events[i]
+            i += 1
+            if self.long is not None and (event == "string" or event == "map_key"):
                 value, self.long = self.long, None
             depth = self.depth
             if event == "map_key":
@@ -188,59 +209,98 @@ class _Keys:
                     self.k1 = value
                 elif depth == 3:
                     self.k3 = value
-                    if value == "content" and self._in_message():
-                        self.texts = []
+                    if value == "content":
+                        self._texts(None)
                 elif depth == 5:
                     self.k5 = value
             elif event == "start_map" or event == "start_array":
-                if depth >= MAX_DEPTH:
-                    raise ValueError("nesting too deep")
-                self.depth = depth + 1
-                if depth == 0:
-                    if event != "start_map":
-                        raise ValueError("not an object")
-                elif depth == 1:
-                    self._top_value(None if event == "start_map" else [])
-                elif depth == 2 and event == "start_map" and self._in_messages():
-                    self.role, self.texts, self.k3 = None, [], None
-                elif depth == 4 and event == "start_map" and self._in_content():
-                    self.part_type, self.part_text, self.k5 = None, None, None
+                if self._enter(depth, event == "start_map"):
+                    self.depth = depth + 1
+                else:
+                    self.skip = 1
             elif event == "end_map" or event == "end_array":
                 self.depth = depth - 1
-                if depth == 3 and event == "end_map" and self._in_messages():
-                    assert self.messages is not None
-                    self.messages.append((self.role, self.texts))
-                    if self.role == "user":
-                        self.messages_done = True
-                elif depth == 5 and event == "end_map" and self._in_content():
+                if self.k1 != "messages":
+                    pass
+                elif depth == 3:  # a message ends
+                    self._message_done()
+                elif depth == 5:  # a content part ends
                     if self.part_type == "text" and self.part_text is not None:
-                        self.texts.append(self.part_text)
+                        self.texts.update(self.part_text)
+                        self.text_count += 1
             else:  # a scalar
                 if depth == 1:
                     self._top_value(value)
-                elif self.k1 == "prompt" and self.prompt is not None and depth in (2, 3):
-                    self._prompt_item(value)
-                elif depth == 3 and self._in_message():
-                    if self.k3 == "role":
+                elif depth == 3:
+                    if self.k1 == "prompt":
+                        self._prompt_item(value)
+                    elif self.k3 == "role":
                         self.role = value
                     elif self.k3 == "content":
-                        text = _text(value)
-                        self.texts = [text] if text is not None else []
-                elif depth == 5 and self._in_content():
+                        self._texts(_text(value))
+                elif depth == 5:
                     if self.k5 == "type":
                         self.part_type = value
                     elif self.k5 == "text":
                         self.part_text = _text(value)
+                elif depth == 2 and self.k1 == "prompt":
+                    self._prompt_item(value)
             self.last = event
 
-    def _in_messages(self) -> bool:
-        return self.k1 == "messages" and self.messages is not None and not self.messages_done
+    def _enter(self, depth: int, is_map: bool) -> bool:
+        """Whether a container starting at ``depth`` is entered (else skipped)."""
+        if depth == 0:
+            if not is_map:
+                raise ValueError("not an object")
+            return True
+        k1 = self.k1
+        if depth == 1:
+            self._top_value(None if is_map else [])
+            return not is_map and (k1 == "messages" or k1 == "prompt")
+        if k1 == "messages":
+            if depth == 2 and is_map:  # a message starts
+                self.role, self.k3 = None, None
+                self._texts(None)
+                return True
+            if depth == 3 and not is_map and self.k3 == "content":
+                return True
+            if depth == 4 and is_map:  # a content part starts
+                self.part_type, self.part_text, self.k5 = None, None, None
+                return True
+            return False
+        return k1 == "prompt" and depth == 2 and not is_map
 
-    def _in_message(self) -> bool:
-        return self._in_messages()  # depth 3 inside an item of messages
+    def _skip(self, events: list[tuple[str, Any]], i: int) -> int:
+        """Skip events from ``i`` until the skipped container ends; return the next index."""
+        levels = list(accumulate(map(_DELTA.__getitem__, map(_EVENT, islice(events, i, None))),
+                                 initial=self.skip))
+        if self.depth + max(levels) > MAX_DEPTH:
+            raise ValueError("nesting too deep")
+        try:
+            j = levels.index(0, 1)  # levels[k]: the level after events[i + k - 1]
+        except ValueError:
+            self.skip = levels[-1]
+            return len(events)
+        self.skip = 0
+        self.last = events[i + j - 1][0]
+        self.long = None
+        return i + j
 
-    def _in_content(self) -> bool:
-        return self._in_messages() and self.k3 == "content"
+    def _message_done(self) -> None:
+        h = self.messages
+        h.update(len(_utf8(self.role)).to_bytes(8, "big") + _utf8(self.role))
+        h.update(self.text_count.to_bytes(8, "big") + self.texts.digest())
+        self.message_count += 1
+        if self.role == "user":  # the rest of messages plays no part: skip it
+            self.messages_done = True
+            self.skip, self.depth = 1, 1
+
+    def _texts(self, first: bytes | None) -> None:
+        """Start the current message's texts afresh (with ``first``, a text digest)."""
+        self.texts, self.text_count = _hasher(), 0
+        if first is not None:
+            self.texts.update(first)
+            self.text_count = 1
 
     def _top_value(self, value: object) -> None:
         key = self.k1
@@ -248,7 +308,8 @@ class _Keys:
             assert isinstance(key, str)
             self.top[key] = value
         elif key == "messages":  # duplicate keys: the last wins
-            self.messages = [] if value == [] else None
+            self.messages = _hasher() if value == [] else None
+            self.message_count = 0
             self.messages_done = False
         elif key == "prompt":
             if isinstance(value, (str, _Long)):
@@ -258,35 +319,33 @@ class _Keys:
                 self.prompt = bytearray() if value == [] else None
 
     def _prompt_item(self, value: object) -> None:
-        assert self.prompt is not None
-        if len(self.prompt) >= PROMPT_BYTES:
+        if self.prompt is None:
             return
         if isinstance(value, (str, _Long)):
             self.prompt += _utf8(value)[:PROMPT_BYTES]
         elif isinstance(value, (int, float, Decimal)) and not isinstance(value, bool):
             self.prompt += b"%s " % str(value).encode("ascii")
-        del self.prompt[PROMPT_BYTES:]
+        if len(self.prompt) >= PROMPT_BYTES:
+            del self.prompt[PROMPT_BYTES:]
+            if self.depth > 1:  # the rest of the prompt list plays no part: skip it
+                self.skip, self.depth = self.depth - 1, 1
 
     def result(self) -> Peeked:
         model = self.top.get("model")
         if isinstance(model, _Long):
             model = model.text
+        if not (isinstance(model, str) and model):
+            model = None
         for name, tag in (("prompt_cache_key", "k"), ("user", "u")):
             value = self.top.get(name)
             text = _text(value) if value != "" else None
             if text is not None:
-                return Peeked(model if isinstance(model, str) and model else None, tag + ":" + text.hex())
-        key: str | None = None
-        if self.messages:
-            parts: list[bytes] = []
-            for role, texts in self.messages:
-                parts.append(_utf8(role))
-                parts.append(b"%d" % len(texts))
-                parts.extend(texts)
-            key = "m:" + _digest(*parts)
-        elif self.prompt:
-            key = "p:" + _digest(bytes(self.prompt))
-        return Peeked(model if isinstance(model, str) and model else None, key)
+                return Peeked(model, tag + ":" + text.hex())
+        if self.message_count:
+            return Peeked(model, "m:" + self.messages.hexdigest())
+        if self.prompt:
+            return Peeked(model, "p:" + _digest(bytes(self.prompt)))
+        return Peeked(model, None)
 
 
 class BodyPeek:

@@ -329,3 +329,112 @@ class NeverRaisesTests(SynchronousTestCase):
 
     def test_module_constants(self) -> None:
         self.assertEqual(peek_module.PROMPT_BYTES, 4096)
+
+
+def canonical(doc: object) -> object:
+    """What the affinity key must depend on (DESIGN.md §"Cache affinity"), from the
+    parsed document: an independent statement of the rules, for the property below."""
+    if not isinstance(doc, dict):
+        return None
+    for name in ("prompt_cache_key", "user"):
+        value = doc.get(name)
+        if isinstance(value, str) and value:
+            return (name, value)
+    messages = doc.get("messages")
+    if isinstance(messages, list) and any(isinstance(m, dict) for m in messages):
+        prefix = []
+        for m in messages:
+            if not isinstance(m, dict):
+                continue
+            content = m.get("content")
+            texts: list[str] = []
+            if isinstance(content, str):
+                texts = [content]
+            elif isinstance(content, list):
+                texts = [p["text"] for p in content
+                         if isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)]
+            role = m.get("role")
+            prefix.append((role if isinstance(role, str) else "", tuple(texts)))
+            if role == "user":
+                break
+        return ("messages", tuple(prefix))
+    prompt = doc.get("prompt")
+    data = b""
+    if isinstance(prompt, str):
+        data = prompt.encode()
+    elif isinstance(prompt, list):
+        for item in prompt:
+            for leaf in (item if isinstance(item, list) else [item]):
+                if isinstance(leaf, str):
+                    data += leaf.encode()[:PROMPT_BYTES]
+                elif isinstance(leaf, int) and not isinstance(leaf, bool):
+                    data += b"%d " % leaf
+    return ("prompt", data[:PROMPT_BYTES]) if data else None
+
+
+_small_text = st.sampled_from(["a", "b", "", "\u00e9", "a b"])
+_part = st.one_of(
+    st.fixed_dictionaries({"type": st.just("text"), "text": _small_text}),
+    st.fixed_dictionaries({"type": st.just("image_url"), "image_url": st.fixed_dictionaries({"url": _small_text})}),
+    st.fixed_dictionaries({"text": _small_text}), st.fixed_dictionaries({"type": st.just("text"), "text": st.integers(0, 2)}),
+)
+_message = st.one_of(
+    st.fixed_dictionaries({"role": st.sampled_from(["system", "user", "assistant"]),
+                           "content": _small_text | st.lists(_part, max_size=3) | st.none()},
+                          optional={"name": _small_text}),
+    st.fixed_dictionaries({"role": st.integers(0, 1)}), st.integers(0, 1), st.just([]),
+)
+_chat_docs = st.fixed_dictionaries({}, optional={
+    "model": st.sampled_from(["m1", "m2", "", 3]),
+    "messages": st.lists(_message, max_size=5) | st.just({"role": "user"}),
+    "prompt": _small_text | st.lists(st.integers(0, 3) | _small_text | st.lists(st.integers(0, 3), max_size=2), max_size=4),
+    "user": _small_text | st.none(), "prompt_cache_key": _small_text | st.integers(0, 1),
+    "tools": st.lists(st.dictionaries(_small_text, st.integers()), max_size=2),
+})
+
+
+class KeyPropertyTests(SynchronousTestCase):
+    @settings(max_examples=400, deadline=None)
+    @given(_chat_docs, _chat_docs, st.lists(st.integers(1, 40), min_size=1, max_size=5))
+    def test_key_follows_the_rules(self, a: dict[str, Any], b: dict[str, Any], sizes: list[int]) -> None:
+        """Two bodies get the same key exactly when what the rules look at is the same;
+        no key exactly when the rules find nothing; chunking changes nothing."""
+        self.check(a, b, sizes)
+
+    def check(self, a: dict[str, Any], b: dict[str, Any], sizes: list[int]) -> None:
+        body_a, body_b = json.dumps(a).encode(), json.dumps(b).encode()
+        pa, pb = peek(body_a), fed(body_b, sizes)
+        self.assertEqual(pb, peek(body_b))
+        self.assertEqual(pa.model, peek_model(body_a))
+        self.assertEqual(pa.affinity_key is None, canonical(a) is None, (a, pa))
+        if canonical(a) is not None and canonical(b) is not None:
+            self.assertEqual(pa.affinity_key == pb.affinity_key, canonical(a) == canonical(b), (a, b))
+        self.assertEqual(peek(json.dumps(a, indent=2, ensure_ascii=False).encode()), pa)
+
+    @settings(max_examples=400, deadline=None)
+    @given(st.fixed_dictionaries({"messages": st.lists(_message, max_size=5)}, optional={"prompt": _small_text}),
+           st.fixed_dictionaries({"messages": st.lists(_message, max_size=5)}),
+           st.lists(st.integers(1, 40), min_size=1, max_size=5))
+    def test_messages_key_follows_the_rules(self, a: dict[str, Any], b: dict[str, Any], sizes: list[int]) -> None:
+        self.check(a, b, sizes)
+
+    @settings(max_examples=500, deadline=None)
+    @given(st.lists(_message, min_size=1, max_size=5), st.data())
+    def test_edited_conversation(self, messages: list[Any], data: st.DataObject) -> None:
+        """``b`` is ``a`` after an edit the rules may or may not see (a later turn, an
+        image, a part without a type, a changed text or role)."""
+        edited = json.loads(json.dumps(messages))
+        i = data.draw(st.integers(0, len(edited) - 1))
+        edit = data.draw(st.sampled_from(["append", "image", "untyped", "text", "role", "tool"]))
+        if edit == "append":
+            edited.append(data.draw(_message))
+        elif edit == "role" and isinstance(edited[i], dict):
+            edited[i]["role"] = data.draw(st.sampled_from(["system", "user", "assistant", "tool"]))
+        elif isinstance(edited[i], dict):
+            content = edited[i].get("content")
+            parts = content if isinstance(content, list) else [{"type": "text", "text": content or ""}]
+            where = data.draw(st.integers(0, len(parts)))
+            part = {"image": {"type": "image_url", "image_url": {"url": "data:x"}}, "untyped": {"text": "t"},
+                    "text": {"type": "text", "text": "changed"}, "tool": {"type": "text", "text": 3}}[edit]
+            edited[i]["content"] = parts[:where] + [part] + parts[where:]
+        self.check({"messages": messages}, {"messages": edited}, data.draw(st.lists(st.integers(1, 40), min_size=1)))
