@@ -5,6 +5,10 @@ one over :data:`MAX_BODY` as soon as it is known to be too big (DESIGN.md §The 
 rule 4): on ``Content-Length`` before any of the body is read (and before ``100 Continue``
 would be sent), or, for a chunked body, at the byte that crosses the limit. The body is
 held in memory (never a temporary file: no blocking disk I/O on the reactor thread).
+
+Each chunk is also fed to a :class:`crossbar.peek.BodyPeek` as it arrives, so the model
+and the affinity key are known when the body is complete (``request.peeked``) without
+ever parsing the whole body in one reactor turn (DESIGN.md §"Quality bar").
 """
 
 from __future__ import annotations
@@ -15,10 +19,15 @@ from typing import Any
 
 from twisted.web.server import Request
 
-__all__ = ["MAX_BODY", "CappedRequest", "json_error_bytes"]
+from crossbar.peek import NOTHING, BodyPeek, Peeked
+
+__all__ = ["MAX_BODY", "NO_BODY_METHODS", "CappedRequest", "json_error_bytes"]
 
 MAX_BODY = 16 * 1024 * 1024
 """The largest request body crossbar accepts, in bytes (DESIGN.md §The proxy, rule 4)."""
+
+NO_BODY_METHODS = frozenset({b"GET", b"HEAD"})
+"""Methods whose body (if any) is never peeked (DESIGN.md §The proxy, rule 4)."""
 
 _LINGER_SECONDS = 5.0
 
@@ -36,6 +45,10 @@ class CappedRequest(Request):
     and dropped for a few seconds (so the client can read the answer instead of getting
     a connection reset), then the connection is closed. Such a request never reaches a
     resource.
+
+    ``peeked`` (a :class:`crossbar.peek.Peeked`): the body's model and affinity key, set
+    once the whole body has arrived (before ``process``); ``Peeked(None, None)`` for
+    GET and HEAD, a body that is not a JSON object, and until the body is complete.
     """
 
     max_body = MAX_BODY
@@ -46,6 +59,8 @@ class CappedRequest(Request):
         self.refused = False
         self._received = 0
         self._linger: Any = None
+        self._peek: BodyPeek | None = BodyPeek()
+        self.peeked: Peeked = NOTHING
 
     def gotLength(self, length: int | None) -> None:
         self.content = BytesIO()
@@ -61,6 +76,14 @@ class CappedRequest(Request):
             return
         content: Any = self.content
         content.write(data)
+        if self._peek is not None:
+            self._peek.feed(data)
+
+    def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
+        peek, self._peek = self._peek, None
+        if peek is not None and not self.refused and command not in NO_BODY_METHODS:
+            self.peeked = peek.finish()
+        super().requestReceived(command, path, version)
 
     def process(self) -> None:
         if self.refused:
@@ -70,6 +93,7 @@ class CappedRequest(Request):
     def _refuse(self) -> None:
         self.refused = True
         self.content = BytesIO()
+        self._peek = None
         # No "100 Continue" for a body we will not read (HTTPChannel sends it after
         # gotLength returns when this header is present).
         self.requestHeaders.removeHeader(b"expect")

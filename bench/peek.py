@@ -1,0 +1,96 @@
+"""How long the body peek holds the reactor (DESIGN.md §"Quality bar"; issue 11 item 3).
+
+    python bench/peek.py [--mib 15] [--chunk 65536] [--rounds 5]
+
+Builds a chat request of about ``--mib`` MiB carrying one base64 image and feeds it to
+``crossbar.peek.BodyPeek`` in ``--chunk``-byte pieces (what ``handleContentChunk`` gets),
+timing every ``feed`` and the ``finish``; then times ``json.loads`` of the whole body (what
+the proxy did before, in one reactor turn) and both on a small 90-byte chat request (the
+per-request cost in bench (a)). Prints medians over rounds. A few seconds at most.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from crossbar.peek import BodyPeek, backend_name, peek  # noqa: E402
+
+
+def image_body(mib: float) -> bytes:
+    raw = os.urandom(int(mib * 1024 * 1024 * 3 / 4))
+    return json.dumps({
+        "model": "m1",
+        "messages": [
+            {"role": "system", "content": "You describe pictures."},
+            {"role": "user", "content": [
+                {"type": "text", "text": "What is in this picture?"},
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(raw).decode()}},
+            ]},
+        ],
+        "stream": True,
+    }).encode()
+
+
+def feed_times(body: bytes, chunk: int) -> tuple[float, float, float, int]:
+    """(longest feed s, finish s, total s, feeds) for one pass over ``body``."""
+    p = BodyPeek()
+    longest, total, feeds = 0.0, 0.0, 0
+    for i in range(0, len(body), chunk):
+        piece = body[i:i + chunk]
+        t = time.perf_counter()
+        p.feed(piece)
+        spent = time.perf_counter() - t
+        longest, total, feeds = max(longest, spent), total + spent, feeds + 1
+    t = time.perf_counter()
+    answer = p.finish()
+    done = time.perf_counter() - t
+    assert answer.model == "m1" and answer.affinity_key is not None, answer
+    return longest, done, total + done, feeds
+
+
+def per_call(fn: object, arg: bytes, n: int = 20000) -> float:
+    t = time.perf_counter()
+    for _ in range(n):
+        fn(arg)  # type: ignore[operator]
+    return (time.perf_counter() - t) / n
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mib", type=float, default=15.0)
+    ap.add_argument("--chunk", type=int, default=65536)
+    ap.add_argument("--rounds", type=int, default=5)
+    args = ap.parse_args()
+    body = image_body(args.mib)
+    runs = [feed_times(body, args.chunk) for _ in range(args.rounds)]
+    loads = []
+    for _ in range(args.rounds):
+        t = time.perf_counter()
+        json.loads(body)
+        loads.append(time.perf_counter() - t)
+    small = json.dumps({"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}).encode()
+
+    def ms(values: list[float]) -> str:
+        return f"{statistics.median(values) * 1e3:.2f} ms [{min(values) * 1e3:.2f}-{max(values) * 1e3:.2f}]"
+
+    print(f"ijson backend {backend_name()}; body {len(body) / 2**20:.1f} MiB in {runs[0][3]} chunks of "
+          f"{args.chunk} B; median [min-max] over {args.rounds} rounds")
+    print(f"  BodyPeek longest feed      {ms([r[0] for r in runs])}")
+    print(f"  BodyPeek finish            {ms([r[1] for r in runs])}")
+    print(f"  BodyPeek all feeds, total  {ms([r[2] for r in runs])}")
+    print(f"  json.loads(whole body)     {ms(loads)}  (one reactor turn)")
+    print(f"small {len(small)} B chat body: peek {per_call(peek, small) * 1e6:.1f} us, "
+          f"json.loads {per_call(json.loads, small) * 1e6:.1f} us per call")
+
+
+if __name__ == "__main__":
+    main()
