@@ -36,8 +36,9 @@ from crossbar.record import NO_ROUTE, RequestLog, RequestRecord
 from crossbar.relay import Relay, RelayEnd
 from crossbar.request import json_error_bytes
 from crossbar.modellist import route_models
+from crossbar.peek import Peeked, peek
 from crossbar.routing import (
-    has_dot_segment, is_allowed, is_forwardable, peek_model, split_route, split_target,
+    has_dot_segment, is_allowed, is_forwardable, split_route, split_target,
 )
 from crossbar.runtime import Runtime
 from crossbar.upstream import UpstreamPools
@@ -227,13 +228,19 @@ class Exchange:
         self.forward()
 
     def read_body(self) -> tuple[bytes | None, str | None]:
-        """The body to forward and the model it names (rule 4). GET and HEAD bodies are
-        forwarded when a client sends one (rule 6) but never peeked."""
+        """The body to forward and the model it names (rule 4), and the request's
+        affinity key (§Cache affinity), both found by the incremental peek while the
+        body arrived (:class:`~crossbar.request.CappedRequest`). GET and HEAD bodies
+        are forwarded when a client sends one (rule 6) but never peeked."""
         request = self.request
         content = request.content.getvalue() if request.content is not None else b""
         if request.method in _NO_PEEK_METHODS:
             return (content or None), None
-        return content, peek_model(content)
+        peeked = getattr(request, "peeked", None)
+        if not isinstance(peeked, Peeked):
+            peeked = peek(content)
+        self.affinity_key = peeked.affinity_key
+        return content, peeked.model
 
     # -- rule 5: choose; rule 7: fail over -----------------------------------------
 
