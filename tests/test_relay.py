@@ -20,6 +20,7 @@ from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
+from twisted.web._newclient import Request as ClientRequest
 from twisted.web._newclient import Response
 from twisted.web.client import ResponseDone, ResponseFailed
 from twisted.web.http import HTTPChannel, PotentialDataLoss
@@ -29,6 +30,7 @@ from twisted.web.server import NOT_DONE_YET, Request, Site
 
 from crossbar.channel import HeadDeadlineChannel
 from crossbar.relay import Relay, RelayEnd, RelayState
+from crossbar.twisted_private import ClientProtocol
 
 IDLE = 120.0
 
@@ -284,3 +286,66 @@ class RelayTests(SynchronousTestCase):
         self.assertEqual(self.ends, [RelayEnd.COMPLETE])
         self.assertEqual(relay.bytes, 9)
         self.assertEqual(self.body(), b"5\r\nearly\r\n4\r\nlate\r\n")
+
+
+class RealUpstreamTests(SynchronousTestCase):
+    """The upstream side is crossbar's real ``ClientProtocol`` (Twisted's HTTP/1.1
+    client) over a ``StringTransport``: what the relay does to the host's connection."""
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        resource = _Hold()
+        site = Site(resource, reactor=Clock())
+        site.protocol = HeadDeadlineChannel  # type: ignore[assignment]
+        self.channel = site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 5555))
+        self.channel.makeConnection(StringTransport())
+        self.channel.dataReceived(b"GET /r/v1/x HTTP/1.1\r\nHost: crossbar\r\n\r\n")
+        [self.request] = resource.requests
+        self.upstream = ClientProtocol()
+        self.wire = StringTransport()
+        self.upstream.makeConnection(self.wire)
+        self.ends: list[RelayEnd] = []
+
+    def tearDown(self) -> None:
+        self.channel.connectionLost(Failure(ConnectionDone()))
+
+    def relay(self, head: bytes) -> Relay:
+        d = self.upstream.request(ClientRequest(b"GET", b"/x", Headers({b"host": [b"h"]}), None, persistent=True))
+        self.upstream.dataReceived(head)
+        relay = Relay(self.request, self.clock, IDLE)
+        relay.ended.addCallback(self.ends.append)
+        relay.start(self.successResultOf(d))
+        return relay
+
+    def test_complete_then_stop_leaves_the_pooled_connection_alone(self) -> None:
+        """stop() after a clean end (e.g. the client leaves right after) must not stop
+        a connection that is back in the pool serving another request."""
+        relay = self.relay(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\n")
+        self.upstream.dataReceived(b"done")
+        self.assertEqual(self.ends, [RelayEnd.COMPLETE])
+        relay.stop()
+        self.assertEqual(self.ends, [RelayEnd.COMPLETE])
+        self.assertEqual(self.wire.producerState, "producing")
+        self.assertFalse(self.wire.disconnecting)
+
+    def test_idle_timeout_closes_the_host_connection(self) -> None:
+        relay = self.relay(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        self.upstream.dataReceived(b"2\r\nab\r\n")
+        self.clock.advance(IDLE)
+        self.assertEqual(self.ends, [RelayEnd.IDLE_TIMEOUT])
+        self.assertTrue(self.wire.disconnecting or self.wire.producerState == "stopped")
+        self.assertEqual(relay.bytes, 2)
+
+    def test_host_dying_mid_answer(self) -> None:
+        relay = self.relay(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n")
+        self.upstream.dataReceived(b"abc")
+        self.upstream.connectionLost(Failure(ConnectionDone()))
+        self.assertEqual(self.ends, [RelayEnd.MID_ANSWER])
+        self.assertTrue(relay.reason.startswith("failed mid-answer: "), relay.reason)
+
+    def test_client_pause_pauses_the_host_connection(self) -> None:
+        self.relay(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        self.channel.pauseProducing()
+        self.assertEqual(self.wire.producerState, "paused")
+        self.channel.resumeProducing()
+        self.assertEqual(self.wire.producerState, "producing")
