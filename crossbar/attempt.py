@@ -146,7 +146,9 @@ class Attempt:
         d.addCallbacks(self._answered, self._failed, callbackArgs=(tracker, requested),
                        errbackArgs=(tracker, requested, fresh))
 
-    def _timed_out(self, result: object, timeout: float) -> Failure:
+    def _timed_out(self, result: IResponse | Failure, timeout: float) -> Failure:
+        if not isinstance(result, Failure):  # the head won the race with the cancel
+            result.deliverBody(_Discard())  # nobody reads it: close its connection
         return Failure(UpstreamFailed(FailureKind.FIRST_BYTE_TIMEOUT, f"no response headers within {timeout:g}s"))
 
     def _answered(self, response: IResponse, tracker: ConnectTracker, requested: float) -> None:

@@ -40,7 +40,8 @@ class Condition:
         if self._waiters and self._predicate():
             waiters, self._waiters = self._waiters, []
             for d in waiters:
-                d.callback(None)
+                if not d.called:  # a waiter's callback may have cancelled a later one
+                    d.callback(None)
 
     def _forget(self, d: Deferred[None]) -> None:
         if d in self._waiters:
