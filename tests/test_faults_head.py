@@ -40,7 +40,7 @@ class _Script:
         proto.write(HEAD)
         self.head_sent = time.time()
         if not self.silent:
-            reactor.callLater(EVENT_DELAY, self._rest, proto)  # type: ignore[attr-defined]
+            reactor.callLater(EVENT_DELAY, self._rest, proto)
 
     def _rest(self, proto: RawHostProtocol) -> None:
         if proto.transport is not None and not proto.closed.called:
