@@ -34,22 +34,22 @@ routes:
 class SecondSignalTests(TestCase):
     timeout = 60
 
-    async def _twice(self, sig: str) -> None:
+    async def _twice(self, sig: signal.Signals) -> None:
         upstream = FakeLlama()
         proc = await start_twistd(self, _config(await listen(self, upstream)))
         stream = ClientStream(http_client(self), proc.base + "/r/v1/chat/completions", n=300, delay=0.2)  # ~60 s
         await stream.first
-        proc.signal(sig)
+        proc.signal(int(sig))
         await proc.line(lambda line: "draining" in line, timeout=5)
         await deferLater(reactor, 0.5)
         second = reactor.seconds()
-        proc.signal(sig)
+        proc.signal(int(sig))
 
         code, signum = await proc.ended
         took = (proc.ended_at or 0) - second
         self.assertLess(took, 2.5, "the second signal did not end the drain:\n" + proc.text())
         # twistd ends a signalled run by re-raising that signal (or exits 0).
-        self.assertTrue(code == 0 or signum == getattr(signal, "SIG" + sig), (code, signum, proc.text()))
+        self.assertTrue(code == 0 or signum == sig, (code, signum, proc.text()))
         how, body = await stream.done
         self.assertEqual(how, "cut", "the stream in flight was not aborted")
         self.assertFalse(body.endswith(b"data: [DONE]\n\n"))
@@ -59,7 +59,7 @@ class SecondSignalTests(TestCase):
         self.assertNotIn("Traceback", text)
 
     def test_second_sigterm_ends_the_drain(self) -> object:
-        return ensureDeferred(self._twice("TERM"))
+        return ensureDeferred(self._twice(signal.SIGTERM))
 
     def test_second_sigint_ends_the_drain(self) -> object:
-        return ensureDeferred(self._twice("INT"))
+        return ensureDeferred(self._twice(signal.SIGINT))
