@@ -50,6 +50,7 @@ class HeadDeadlineChannel(BadRequestHook, HTTPChannel):
     _head_timer: IDelayedCall | None = None
     _awaiting_request_line = True
     _method = b""
+    _target = b""
 
     def connectionMade(self) -> None:
         super().connectionMade()
@@ -70,10 +71,20 @@ class HeadDeadlineChannel(BadRequestHook, HTTPChannel):
         self.transport.loseConnection()
         return True
 
+    def request_line(self) -> tuple[bytes, bytes]:
+        """The method and target of the request line being read or answered, as sent
+        (``(b"", b"")`` before one arrived). Known from the line itself, before Twisted
+        sets ``request.method`` and ``request.uri`` (after the body): what an answer
+        made before a resource saw the request, such as the 413, is recorded with."""
+        return self._method, self._target
+
     def lineReceived(self, line: bytes) -> None:
         if self._awaiting_request_line and line:
-            # The method, even of a request line Twisted then refuses (for the 400).
-            self._method = line.split(b" ", 1)[0]
+            # The method, even of a request line Twisted then refuses (for the 400), and
+            # the target (Twisted sets request.uri only after the body: for the 413).
+            parts = line.split(b" ", 2)
+            self._method = parts[0]
+            self._target = parts[1] if len(parts) > 1 else b""
             self._awaiting_request_line = False
         super().lineReceived(line)
 

@@ -54,9 +54,12 @@ class CrossbarRequest(CappedRequest):
         super().render(resrc)
 
     def refused_answer(self, body_bytes: int) -> None:
-        site = getattr(self.channel, "site", None)
+        channel = self.channel
+        site = getattr(channel, "site", None)
         if isinstance(site, CrossbarSite):
-            site.record_early_answer(self.method, self.uri, 413, body_bytes)
+            # A 413 is made from the head, before Twisted sets self.method and self.uri.
+            method, target = channel.request_line() if isinstance(channel, HeadDeadlineChannel) else (b"", b"")
+            site.record_early_answer(method, target, 413, body_bytes)
 
 
 class CrossbarSite(Site):
