@@ -33,7 +33,7 @@ import codecs
 import hashlib
 import json
 import re
-from itertools import accumulate, islice
+from itertools import accumulate
 from operator import itemgetter
 from decimal import Decimal
 from dataclasses import dataclass
@@ -216,6 +216,9 @@ class _Keys:
             elif event == "start_map" or event == "start_array":
                 if self._enter(depth, event == "start_map"):
                     self.depth = depth + 1
+                elif i < n and events[i][0][:4] == "end_":  # an empty container
+                    event = events[i][0]
+                    i += 1
                 else:
                     self.skip = 1
             elif event == "end_map" or event == "end_array":
@@ -271,20 +274,39 @@ class _Keys:
         return k1 == "prompt" and depth == 2 and not is_map
 
     def _skip(self, events: list[tuple[str, Any]], i: int) -> int:
-        """Skip events from ``i`` until the skipped container ends; return the next index."""
-        levels = list(accumulate(map(_DELTA.__getitem__, map(_EVENT, islice(events, i, None))),
-                                 initial=self.skip))
-        if self.depth + max(levels) > MAX_DEPTH:
-            raise ValueError("nesting too deep")
-        try:
-            j = levels.index(0, 1)  # levels[k]: the level after events[i + k - 1]
-        except ValueError:
-            self.skip = levels[-1]
-            return len(events)
-        self.skip = 0
-        self.last = events[i + j - 1][0]
-        self.long = None
-        return i + j
+        """Skip events from ``i`` until the skipped container ends; return the next index.
+
+        Looks ahead in windows growing fourfold, so skipping many small containers in
+        one batch stays linear in the batch.
+        """
+        n, level = len(events), self.skip
+        for k in range(i, min(n, i + 16)):  # most skipped containers are small
+            level += _DELTA[events[k][0]]
+            if level == 0:
+                self.skip = 0
+                self.last = events[k][0]
+                self.long = None
+                return k + 1
+            if self.depth + level > MAX_DEPTH:
+                raise ValueError("nesting too deep")
+        i, window = min(n, i + 16), 64
+        while i < n:
+            stop = min(n, i + window)
+            levels = list(accumulate(map(_DELTA.__getitem__, map(_EVENT, events[i:stop])),
+                                     initial=level))
+            if self.depth + max(levels) > MAX_DEPTH:
+                raise ValueError("nesting too deep")
+            try:
+                j = levels.index(0, 1)  # levels[k]: the level after events[i + k - 1]
+            except ValueError:
+                level, i, window = levels[-1], stop, window * 4
+                continue
+            self.skip = 0
+            self.last = events[i + j - 1][0]
+            self.long = None
+            return i + j
+        self.skip = level
+        return n
 
     def _message_done(self) -> None:
         h = self.messages
