@@ -546,7 +546,8 @@ class BodyPeek:
             return stop + 1 if closed else end
         if self._long is None:  # this string turns long: take it over
             held, self._held = b"".join(self._held), []
-            self._long = _LongString(self._keys.wants_long(), self._keys.depth == 1 and self._keys.k1 == "model")
+            wanted = self._keys.wants_long()
+            self._long = _LongString(wanted, wanted and self._keys.depth == 1 and self._keys.k1 == "model")
             self._long.add(held[1:])
         self._long.add(content)
         if not closed:
