@@ -1,12 +1,14 @@
 """How long the body peek holds the reactor (DESIGN.md §"Quality bar"; issue 11 item 3).
 
-    python bench/peek.py [--mib 15] [--chunk 65536] [--rounds 5]
+    python bench/peek.py [--mib 15] [--chunk 65536] [--rounds 5] [--shapes]
 
 Builds a chat request of about ``--mib`` MiB carrying one base64 image and feeds it to
 ``crossbar.peek.BodyPeek`` in ``--chunk``-byte pieces (what ``handleContentChunk`` gets),
 timing every ``feed`` and the ``finish``; then times ``json.loads`` of the whole body (what
 the proxy did before, in one reactor turn) and both on a small 90-byte chat request (the
 per-request cost in bench (a)). Prints medians over rounds. A few seconds at most.
+``--shapes`` also times bodies made of many small tokens (what a hostile client can
+send: yajl's own work per token is the floor there), once each, about 15 s.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def image_body(mib: float) -> bytes:
     }).encode()
 
 
-def feed_times(body: bytes, chunk: int) -> tuple[float, float, float, int]:
+def feed_times(body: bytes, chunk: int, check: bool = True) -> tuple[float, float, float, int]:
     """(longest feed s, finish s, total s, feeds) for one pass over ``body``."""
     p = BodyPeek()
     longest, total, feeds = 0.0, 0.0, 0
@@ -53,8 +55,21 @@ def feed_times(body: bytes, chunk: int) -> tuple[float, float, float, int]:
     t = time.perf_counter()
     answer = p.finish()
     done = time.perf_counter() - t
-    assert answer.model == "m1" and answer.affinity_key is not None, answer
+    assert answer.model == "m1" and (answer.affinity_key is not None or not check), answer
     return longest, done, total + done, feeds
+
+
+def shapes(mib: float) -> dict[str, bytes]:
+    n = int(mib * 1024 * 1024)
+    return {
+        "ints [0,0,...]": b'{"model":"m1","x":[' + b"0," * (n // 2) + b"0]}",
+        "objects [{..},...]": b'{"model":"m1","x":[' + b'{"a":1},' * (n // 8) + b"{}]}",
+        "top-level keys": b'{"model":"m1",' + b'"a":{},' * (n // 7) + b'"z":1}',
+        "short strings": b'{"model":"m1","x":[' + b'"a",' * (n // 4) + b'"a"]}',
+        "text parts (all in the key)": json.dumps({"model": "m1", "messages": [
+            {"role": "system", "content": [{"type": "text", "text": "ab"}] * (n // 30)},
+            {"role": "user", "content": "x"}]}).encode(),
+    }
 
 
 def per_call(fn: object, arg: bytes, n: int = 20000) -> float:
@@ -69,6 +84,7 @@ def main() -> None:
     ap.add_argument("--mib", type=float, default=15.0)
     ap.add_argument("--chunk", type=int, default=65536)
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--shapes", action="store_true", help="also bodies of many small tokens")
     args = ap.parse_args()
     body = image_body(args.mib)
     runs = [feed_times(body, args.chunk) for _ in range(args.rounds)]
@@ -90,6 +106,15 @@ def main() -> None:
     print(f"  json.loads(whole body)     {ms(loads)}  (one reactor turn)")
     print(f"small {len(small)} B chat body: peek {per_call(peek, small) * 1e6:.1f} us, "
           f"json.loads {per_call(json.loads, small) * 1e6:.1f} us per call")
+    if args.shapes:
+        print("many small tokens (one pass each): longest feed / all feeds / json.loads at once")
+        for name, body in shapes(args.mib).items():
+            longest, _, total, _ = feed_times(body, args.chunk, check=False)
+            t = time.perf_counter()
+            json.loads(body)
+            loads = time.perf_counter() - t
+            print(f"  {name:28s} {len(body) / 2**20:4.1f} MiB  {longest * 1e3:6.2f} ms / {total * 1e3:7.1f} ms / "
+                  f"{loads * 1e3:6.1f} ms")
 
 
 if __name__ == "__main__":

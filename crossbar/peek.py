@@ -22,9 +22,9 @@ Answers are those of ``json.loads`` (``crossbar.routing.peek_model``) on every b
 except these, which give None here (no model, no key) and are not JSON anyway or are
 never sent by a client: ``NaN``/``Infinity`` literals, numbers yajl/Decimal refuse
 (exponents beyond ~10^999999999), a number token over 64 KiB cut by a chunk boundary,
-nesting deeper than :data:`MAX_DEPTH`, raw UTF-8-encoded surrogates; a model string
-longer than ``LONG_STRING`` bytes also gives no model; an escaped lone surrogate
-(``"\\ud800"``) in a string becomes ``"?"`` (yajl's choice).
+nesting deeper than :data:`MAX_DEPTH`, raw UTF-8-encoded surrogates. An escaped lone
+surrogate (``"\\ud800"``) in a string of at most ``LONG_STRING`` bytes becomes ``"?"``
+(yajl's choice).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import codecs
 import hashlib
 import json
 import re
-from itertools import accumulate, islice
+from itertools import accumulate
 from operator import itemgetter
 from decimal import Decimal
 from dataclasses import dataclass
@@ -64,8 +64,7 @@ _OUT = re.compile(rb'(?:[^"]++|"(?:[^"\\]++|\\.)*+")*+', re.DOTALL)
 _IN = re.compile(rb'(?:[^"\\\x00-\x1f]++|\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4}))*+')
 _PARTIAL_ESCAPE = re.compile(rb"\\(?:u[0-9a-fA-F]{0,3})?\Z")
 _HIGH_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}\Z")
-_NUMBER_HEAD = re.compile(rb"[-+.0-9eE]*")
-_NUMBER_TAIL = re.compile(rb"[-+.0-9eE]*\Z")
+_NUMBER_BYTES: Final = b"-+.0123456789eE"
 
 _DELTA: Final = {"start_map": 1, "start_array": 1, "end_map": -1, "end_array": -1, "map_key": 0,
                  "string": 0, "number": 0, "boolean": 0, "null": 0}
@@ -216,6 +215,9 @@ class _Keys:
             elif event == "start_map" or event == "start_array":
                 if self._enter(depth, event == "start_map"):
                     self.depth = depth + 1
+                elif i < n and events[i][0][:4] == "end_":  # an empty container
+                    event = events[i][0]
+                    i += 1
                 else:
                     self.skip = 1
             elif event == "end_map" or event == "end_array":
@@ -271,20 +273,39 @@ class _Keys:
         return k1 == "prompt" and depth == 2 and not is_map
 
     def _skip(self, events: list[tuple[str, Any]], i: int) -> int:
-        """Skip events from ``i`` until the skipped container ends; return the next index."""
-        levels = list(accumulate(map(_DELTA.__getitem__, map(_EVENT, islice(events, i, None))),
-                                 initial=self.skip))
-        if self.depth + max(levels) > MAX_DEPTH:
-            raise ValueError("nesting too deep")
-        try:
-            j = levels.index(0, 1)  # levels[k]: the level after events[i + k - 1]
-        except ValueError:
-            self.skip = levels[-1]
-            return len(events)
-        self.skip = 0
-        self.last = events[i + j - 1][0]
-        self.long = None
-        return i + j
+        """Skip events from ``i`` until the skipped container ends; return the next index.
+
+        Looks ahead in windows growing fourfold, so skipping many small containers in
+        one batch stays linear in the batch.
+        """
+        n, level = len(events), self.skip
+        for k in range(i, min(n, i + 16)):  # most skipped containers are small
+            level += _DELTA[events[k][0]]
+            if level == 0:
+                self.skip = 0
+                self.last = events[k][0]
+                self.long = None
+                return k + 1
+            if self.depth + level > MAX_DEPTH:
+                raise ValueError("nesting too deep")
+        i, window = min(n, i + 16), 64
+        while i < n:
+            stop = min(n, i + window)
+            levels = list(accumulate(map(_DELTA.__getitem__, map(_EVENT, events[i:stop])),
+                                     initial=level))
+            if self.depth + max(levels) > MAX_DEPTH:
+                raise ValueError("nesting too deep")
+            try:
+                j = levels.index(0, 1)  # levels[k]: the level after events[i + k - 1]
+            except ValueError:
+                level, i, window = levels[-1], stop, window * 4
+                continue
+            self.skip = 0
+            self.last = events[i + j - 1][0]
+            self.long = None
+            return i + j
+        self.skip = level
+        return n
 
     def _message_done(self) -> None:
         h = self.messages
@@ -481,23 +502,23 @@ class BodyPeek:
                 continue
             stop = _match_end(_OUT, chunk, pos)
             if stop > pos:
-                self._check_number_run(chunk, pos, stop)
-                self._send(chunk[pos:stop])
+                piece = chunk[pos:stop]
+                self._check_number_run(piece)
+                self._send(piece)
             if stop < end:  # an opening quote whose string does not end in this chunk
                 self._in_string = True
                 self._held, self._held_len = [b'"'], 1
                 stop += 1
             pos = stop
 
-    def _check_number_run(self, chunk: bytes, pos: int, stop: int) -> None:
+    def _check_number_run(self, piece: bytes) -> None:
         """Refuse a number token over 64 KiB cut by chunk boundaries (yajl re-lexes it)."""
-        head = _match_end(_NUMBER_HEAD, chunk, pos, stop)
-        run = self._number_run + head - pos
+        head = len(piece) - len(piece.lstrip(_NUMBER_BYTES))
+        run = self._number_run + head
         if run > _LONG_NUMBER:
             raise ValueError("number token too long")
-        if head < stop:
-            tail = _NUMBER_TAIL.search(chunk, pos, stop)
-            run = stop - (tail.start() if tail is not None else stop)
+        if head < len(piece):
+            run = len(piece) - len(piece.rstrip(_NUMBER_BYTES))
         self._number_run = run
 
     def _string_part(self, chunk: bytes, pos: int) -> int:
@@ -508,7 +529,7 @@ class BodyPeek:
         if not closed:
             if stop < end and _PARTIAL_ESCAPE.match(chunk, stop) is None:
                 raise ValueError("invalid string content")
-            split = _HIGH_SURROGATE.search(chunk, pos, stop)
+            split = _HIGH_SURROGATE.match(chunk, max(pos, stop - 6), stop)
             if split is not None and _escaped(chunk, pos, split.start()):
                 stop = split.start()  # keep a surrogate pair's halves together
             self._carry = chunk[stop:]  # an escape cut by the chunk boundary
@@ -525,7 +546,8 @@ class BodyPeek:
             return stop + 1 if closed else end
         if self._long is None:  # this string turns long: take it over
             held, self._held = b"".join(self._held), []
-            self._long = _LongString(self._keys.wants_long(), self._keys.depth == 1 and self._keys.k1 == "model")
+            wanted = self._keys.wants_long()
+            self._long = _LongString(wanted, wanted and self._keys.depth == 1 and self._keys.k1 == "model")
             self._long.add(held[1:])
         self._long.add(content)
         if not closed:

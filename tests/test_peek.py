@@ -438,3 +438,18 @@ class KeyPropertyTests(SynchronousTestCase):
                     "text": {"type": "text", "text": "changed"}, "tool": {"type": "text", "text": 3}}[edit]
             edited[i]["content"] = parts[:where] + [part] + parts[where:]
         self.check({"messages": messages}, {"messages": edited}, data.draw(st.lists(st.integers(1, 40), min_size=1)))
+
+
+class LongKeyTests(SynchronousTestCase):
+    def test_long_key_after_the_model_is_not_kept(self) -> None:
+        key = "k" * (2 * LONG_STRING)
+        body = json.dumps({"model": "m1", key: 1}).encode()
+        p = BodyPeek()
+        kept = []
+        for i in range(0, len(body), 65536):
+            p.feed(body[i:i + 65536])
+            if p._long is not None:
+                kept.append(p._long._kept)
+        self.assertEqual(p.finish().model, "m1")
+        self.assertTrue(kept)
+        self.assertEqual(set(map(type, kept)), {type(None)})
