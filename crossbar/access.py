@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from typing import Mapping
+from typing import Mapping, Sequence
 
-from crossbar.config import ClientKey
+from crossbar.config import ClientKey, Config
+from crossbar.routing import split_route, split_target
 
-__all__ = ["authorize"]
+__all__ = ["authorize", "check_key"]
 
 _BEARER = b"bearer"
 
@@ -44,3 +45,23 @@ def authorize(keys: Mapping[str, ClientKey], authorization: bytes | None) -> str
         if hmac.compare_digest(presented, key.digest) and found is None:
             found = name
     return found
+
+
+def check_key(config: Config, method: bytes, target: bytes, authorization: Sequence[bytes] | None) -> str | None:
+    """Rule 2 of DESIGN.md §The proxy, on the request head: the name of the key the
+    request presents on a keyed route, "" where no key is needed (no such route, a
+    route without keys, an ``OPTIONS`` preflight), None when the request must be
+    refused 401 (no valid key; more than one ``Authorization`` header).
+
+    :param config: the config the request is checked under.
+    :param method: the request method; :param target: the request target as sent.
+    :param authorization: every ``Authorization`` value of the request, or None.
+    """
+    path, _ = split_target(target)
+    split = split_route(path)
+    route = config.routes.get(split[0]) if split is not None else None
+    if route is None or not route.keys or method == b"OPTIONS":
+        return ""
+    if authorization is None or len(authorization) != 1:
+        return None
+    return authorize(route.keys, authorization[0])

@@ -26,6 +26,7 @@ from twisted.web.iweb import IBodyProducer, IResponse
 from zope.interface import implementer
 
 from crossbar.failures import describe_failure
+from crossbar.tls import tls_failure_reason
 from crossbar.upstream import ConnectTracker, UpstreamPools
 
 __all__ = ["STALE_WINDOW", "Answer", "Attempt", "FailureKind", "UpstreamFailed"]
@@ -168,6 +169,10 @@ class Attempt:
         elif tracker.connect_failure is not None:
             reason = f"connect: {describe_failure(tracker.connect_failure)}"
             self.result.errback(UpstreamFailed(FailureKind.CONNECT, reason))
+        elif tls_failure_reason(failure) is not None:
+            # TLS 1.3: a host that refuses our client certificate says so after the
+            # handshake, before any answer: still a connect failure (rule 7, §Access).
+            self.result.errback(UpstreamFailed(FailureKind.CONNECT, f"connect: {describe_failure(failure)}"))
         elif self._is_stale(failure, tracker, requested, fresh):
             _log.debug("retrying {url} on a fresh connection", url=self._url.decode("latin-1"))
             self._send(fresh=True)

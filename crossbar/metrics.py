@@ -83,8 +83,8 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
-            "crossbar_requests", "Answered requests by route, host and status code.",
-            ("route", "host", "code"), registry=r,
+            "crossbar_requests", "Answered requests by route, host, status code and client key name.",
+            ("route", "host", "code", "key"), registry=r,
         )
         self.duration = Histogram(
             "crossbar_request_duration_seconds", "Time from request received to answer ended.",

@@ -158,20 +158,25 @@ class HTTPProbe:
     re-encodes some path characters, so a poll would not reach what a request reaches.
     A URL crossbar cannot parse fails the poll (``health: ...``).
 
+    :param agent: the agent polls go through.
+    :param api_keys: host base URL -> the host's ``api_key``, sent as
+        ``Authorization: Bearer`` on both requests (DESIGN.md §Access).
+
     Redirects are not followed (a 3xx is not 200). Bodies are read only up to
     :data:`MAX_POLL_BODY` bytes: a longer one fails the poll and its connection is
     closed without reading the rest. Cancelling a poll closes its connection at once.
     """
 
-    def __init__(self, agent: IAgent) -> None:
+    def __init__(self, agent: IAgent, api_keys: Mapping[str, str] | None = None) -> None:
         self._agent = agent
+        self._api_keys = dict(api_keys or {})
 
     def poll(self, url: str | HostURL) -> Deferred[ModelList | tuple[str, ...]]:
         return ensureDeferred(self._poll(url))
 
-    async def _get(self, phase: str, url: bytes) -> bytes:
+    async def _get(self, phase: str, url: bytes, headers: Headers) -> bytes:
         try:
-            response: IResponse = await self._agent.request(b"GET", url, Headers(), None)
+            response: IResponse = await self._agent.request(b"GET", url, headers, None)
         except Exception:
             failure = Failure()
             if _cancelled(failure):
@@ -199,8 +204,12 @@ class HTTPProbe:
             parsed = url if isinstance(url, HostURL) else host_url(url)
         except ValueError as e:
             raise PollFailed(f"health: bad host URL: {e}") from None
-        await self._get("health", parsed.target(b"/health"))
-        body = await self._get("models", parsed.target(b"/v1/models"))
+        headers = Headers()
+        api_key = self._api_keys.get(parsed.url)
+        if api_key is not None:  # DESIGN.md §Access: the host's key on polls too
+            headers.setRawHeaders(b"Authorization", [b"Bearer " + api_key.encode("ascii")])
+        await self._get("health", parsed.target(b"/health"), headers)
+        body = await self._get("models", parsed.target(b"/v1/models"), headers)
         try:
             return parse_models(body)
         except ModelsError as e:

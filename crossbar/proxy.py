@@ -171,7 +171,10 @@ class Exchange:
         self.proxy = proxy
         self.request = request
         self.runtime = proxy.runtime
-        self.config = proxy.runtime.config
+        # The config the request head was checked under (DESIGN.md §Access: one config
+        # per request), else the current one.
+        self.config: Config = getattr(request, "config", None) or proxy.runtime.config
+        self.key = str(getattr(request, "key_name", ""))
         self.clock = proxy.clock
         self.received = self.clock.seconds()
         self.phase = Phase.ROUTING
@@ -223,6 +226,8 @@ class Exchange:
         self.body, self.model = self.read_body()
         if self.model is None:
             self.model = route.default_model
+        if self.key and not self.runtime.key_admits(route, self.key):
+            return self.answer_error(429, "too many requests", retry_after=True)
         self.runtime.begin(self)
         self.phase = Phase.FORWARDING
         self.forward()
@@ -365,13 +370,20 @@ class Exchange:
 
     def upstream_headers(self) -> Headers:
         """The headers sent upstream (rule 6): the client's, hop-by-hop ones removed,
-        ``Host`` the upstream's, fresh ``X-Forwarded-*``."""
+        ``Host`` the upstream's, fresh ``X-Forwarded-*``; ``Authorization`` per
+        §Access (dropped on a keyed route, the host's ``api_key`` when it has one)."""
         src = self.request.requestHeaders
         drop = hop_by_hop_names(src) | _REPLACED_UPSTREAM
+        assert self.route is not None and self.host is not None
+        if self.route.keys:
+            drop = drop | {b"authorization"}  # the client's crossbar key stays here
         out = Headers()
         for name, values in src.getAllRawHeaders():
             if name.lower() not in drop:
                 out.setRawHeaders(name, values)
+        api_key = self.config.hosts[self.host].api_key
+        if api_key is not None:  # DESIGN.md §Access: the host's key, never the client's
+            out.setRawHeaders(b"Authorization", [b"Bearer " + api_key.encode("ascii")])
         client = getattr(self.request.getClientAddress(), "host", None)
         if client:
             out.setRawHeaders(b"X-Forwarded-For", [client.encode("ascii", "replace")])
@@ -537,6 +549,7 @@ class Exchange:
             duration=self.clock.seconds() - self.received,
             ttfb=self.ttfb,
             queued=self.queued,
+            key=self.key,
             why=self.why,
         ))
 

@@ -65,14 +65,14 @@ class CappedRequest(Request):
     def gotLength(self, length: int | None) -> None:
         self.content = BytesIO()
         if length is not None and length > self.max_body:
-            self._refuse()
+            self.refuse(413, b"Content Too Large", "body too large")
 
     def handleContentChunk(self, data: bytes) -> None:
         if self.refused:
             return
         self._received += len(data)
         if self._received > self.max_body:
-            self._refuse()
+            self.refuse(413, b"Content Too Large", "body too large")
             return
         content: Any = self.content
         content.write(data)
@@ -90,23 +90,30 @@ class CappedRequest(Request):
             return
         super().process()
 
-    def _refuse(self) -> None:
+    def refuse(self, code: int, phrase: bytes, message: str, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+        """Answer ``code phrase`` with the JSON error ``message`` (and ``headers``) now,
+        on the request head, without reading the body: the 413 for a body over the
+        limit, a keyed route's 401 (DESIGN.md §Access). The connection closes after it.
+        """
+        if self.refused:
+            return
         self.refused = True
         self.content = BytesIO()
         self._peek = None
         # No "100 Continue" for a body we will not read (HTTPChannel sends it after
         # gotLength returns when this header is present).
         self.requestHeaders.removeHeader(b"expect")
-        body = json_error_bytes("body too large")
+        body = json_error_bytes(message)
         transport: Any = self.channel.transport  # an ITCPTransport (write, half-close, abort)
         transport.write(
-            b"HTTP/1.1 413 Content Too Large\r\n"
-            b"Content-Type: application/json\r\n"
+            b"HTTP/1.1 %d %s\r\n" % (code, phrase)
+            + b"".join(name + b": " + value + b"\r\n" for name, value in headers)
+            + b"Content-Type: application/json\r\n"
             b"Content-Length: " + str(len(body)).encode("ascii") + b"\r\n"
             b"Connection: close\r\n\r\n" + body
         )
         self.channel.persistent = False
-        self.refused_answer(len(body))
+        self.refused_answer(code, len(body))
         half_close = getattr(transport, "loseWriteConnection", None)
         if half_close is None:
             transport.loseConnection()
@@ -114,8 +121,8 @@ class CappedRequest(Request):
         half_close()
         self._linger = self.channel.callLater(_LINGER_SECONDS, transport.abortConnection)
 
-    def refused_answer(self, body_bytes: int) -> None:
-        """Called once the 413 answer (with ``body_bytes`` of body) was written: a
+    def refused_answer(self, code: int, body_bytes: int) -> None:
+        """Called once a refusal (``code``, with ``body_bytes`` of body) was written: a
         subclass records it (DESIGN.md §The proxy, rule 8). This one does nothing."""
 
     def connectionLost(self, reason: Any) -> None:

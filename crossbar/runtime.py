@@ -16,7 +16,7 @@ from collections import Counter
 from typing import Any, Callable
 
 from crossbar.balance import Rotation
-from crossbar.config import Config
+from crossbar.config import Config, Route
 from crossbar.health import HealthTable
 from crossbar.inflight import Inflight
 from crossbar.queue import RouteQueues
@@ -36,6 +36,7 @@ class Runtime:
     :ivar queues: the requests waiting for a host with room, per route.
     :ivar rotation: where round-robin among exact ties stands, per route.
     :ivar affinity_counts: (route, ``home``/``spill``/``none``) -> requests dispatched.
+    :ivar key_inflight: (route, client key name) -> requests in flight or waiting.
     :ivar active: the requests being handled (proxy exchanges), until each ends.
     :ivar draining: a drain has started (DESIGN.md §Operations).
     :ivar idle: a :class:`Condition` that holds while no request is being handled.
@@ -49,6 +50,7 @@ class Runtime:
         self.inflight = Inflight(on_release=self.queues.wake)
         self.rotation = Rotation()
         self.affinity_counts: Counter[tuple[str, str]] = Counter()
+        self.key_inflight: Counter[tuple[str, str]] = Counter()
         self.active: set[Any] = set()
         self.draining = False
         self.idle = Condition(lambda: not self.active)
@@ -66,11 +68,24 @@ class Runtime:
         statuses = self.table.all().values()
         return all(s.polled for s in statuses) and any(s.healthy for s in statuses)
 
+    def key_admits(self, route: Route, key: str) -> bool:
+        """Whether a request with client key ``key`` of ``route`` may start: the key has
+        fewer than its ``max_inflight`` requests in flight or waiting (DESIGN.md §Access;
+        429 otherwise)."""
+        settings = route.keys.get(key)
+        limit = settings.max_inflight if settings is not None else None
+        return limit is None or self.key_inflight[(route.name, key)] < limit
+
     def begin(self, exchange: Any) -> None:
-        """``exchange`` is being handled (the drain waits for it)."""
+        """``exchange`` is being handled (the drain waits for it; its key counts)."""
         self.active.add(exchange)
+        if exchange.key:
+            self.key_inflight[(exchange.route_name, exchange.key)] += 1
 
     def end(self, exchange: Any) -> None:
         """``exchange`` is over."""
-        self.active.discard(exchange)
+        if exchange in self.active:
+            self.active.discard(exchange)
+            if exchange.key:
+                self.key_inflight[(exchange.route_name, exchange.key)] -= 1
         self.idle.check()

@@ -26,6 +26,7 @@ from twisted.web.client import Agent
 
 from crossbar.config import Config, ConfigError, load_config
 from crossbar.health import HealthTable
+from crossbar.hosturl import host_url
 from crossbar.metrics import LiveCollector, Metrics
 from crossbar.ops import OpsApp
 from crossbar.poller import HealthPoller, HTTPProbe
@@ -149,7 +150,10 @@ class CrossbarService(MultiService):
     def _probe(self, timeout: float) -> HTTPProbe:
         """The poller's probe: ``timeout`` bounds opening a connection to a host."""
         endpoints = UpstreamEndpoints(self.reactor, timeout, self.pools.tls)
-        return HTTPProbe(Agent.usingEndpointFactory(self.reactor, endpoints, pool=self._poll_pool))
+        api_keys = {
+            host_url(h.url).url: h.api_key for h in self.runtime.config.hosts.values() if h.api_key is not None
+        }
+        return HTTPProbe(Agent.usingEndpointFactory(self.reactor, endpoints, pool=self._poll_pool), api_keys)
 
     def _when_ready(self) -> Deferred[object]:
         both: list[Deferred[Any]] = [self.web.when_listening(), self.poller.when_first_round_done()]
@@ -292,9 +296,11 @@ class CrossbarService(MultiService):
         table.failure_threshold = health.failure_threshold
         table.set_hosts(new.hosts, reset=plan.fresh)
         self.pools.tls = HostTLS.from_config(new)
-        self.poller.probe = self._probe(health.timeout)
+        if any(new.hosts[name].url.startswith("https:") for name in plan.fresh):
+            self.pools.close()  # no pooled connection made under the old TLS settings
         self.pools.connect_timeout = new.timeouts.connect
         self.runtime.config = new
+        self.poller.probe = self._probe(health.timeout)
         self.poller.set_timing(health.interval, health.timeout)
         self.poller.set_hosts({name: h.url for name, h in new.hosts.items()})
         if self.systemd is not None:

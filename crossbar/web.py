@@ -21,7 +21,9 @@ from twisted.python.failure import Failure
 from twisted.web.resource import IResource, Resource
 from twisted.web.server import Request, Site
 
+from crossbar.access import check_key
 from crossbar.channel import HeadDeadlineChannel
+from crossbar.config import Config
 from crossbar.record import NO_ROUTE, RequestLog, RequestRecord
 from crossbar.request import CappedRequest
 from crossbar.routing import split_route, split_target
@@ -47,19 +49,45 @@ class Root(Resource):
 
 class CrossbarRequest(CappedRequest):
     """A capped request that says no ``Server: TwistedWeb/x.y`` (crossbar's answers
-    reveal no version) and records its 413 (DESIGN.md §The proxy, rule 8)."""
+    reveal no version), is checked against a keyed route's keys on its head (DESIGN.md
+    §Access) and records what it refuses (DESIGN.md §The proxy, rule 8).
+
+    :ivar config: the config current when the request head was complete: the request is
+        checked and served under it alone, whatever a reload does meanwhile.
+    :ivar key_name: the name of the client key the request presented on a keyed route,
+        else "".
+    """
+
+    config: Config | None = None
+    key_name = ""
+
+    def gotLength(self, length: int | None) -> None:
+        super().gotLength(length)
+        site = getattr(self.channel, "site", None)
+        if self.refused or not isinstance(site, CrossbarSite):
+            return
+        self.config = config = site.runtime.config
+        method, target = self._request_line()
+        verdict = check_key(config, method, target, self.requestHeaders.getRawHeaders(b"authorization"))
+        if verdict is None:
+            self.refuse(401, b"Unauthorized", "invalid api key", ((b"WWW-Authenticate", b"Bearer"),))
+        else:
+            self.key_name = verdict
 
     def render(self, resrc: IResource) -> None:
         self.responseHeaders.removeHeader(b"server")
         super().render(resrc)
 
-    def refused_answer(self, body_bytes: int) -> None:
+    def _request_line(self) -> tuple[bytes, bytes]:
+        # On the head, before Twisted sets self.method and self.uri (after the body).
         channel = self.channel
-        site = getattr(channel, "site", None)
+        return channel.request_line() if isinstance(channel, HeadDeadlineChannel) else (self.method, self.uri)
+
+    def refused_answer(self, code: int, body_bytes: int) -> None:
+        site = getattr(self.channel, "site", None)
         if isinstance(site, CrossbarSite):
-            # A 413 is made from the head, before Twisted sets self.method and self.uri.
-            method, target = channel.request_line() if isinstance(channel, HeadDeadlineChannel) else (b"", b"")
-            site.record_early_answer(method, target, 413, body_bytes)
+            method, target = self._request_line()
+            site.record_early_answer(method, target, code, body_bytes)
 
 
 class CrossbarSite(Site):
