@@ -11,7 +11,10 @@ claim and is released exactly once, however the request ends.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from crossbar.fleet import Fleet
 
 __all__ = ["Inflight", "Lease"]
 
@@ -20,17 +23,29 @@ class Inflight:
     """Requests in flight, by host and by (route, host).
 
     :param on_release: called (no arguments) whenever a lease is released or moved
-        away from a host: a slot freed (the queue of issue #10 listens here).
+        away from a host: a slot freed (the route queues listen here).
+    :ivar fleet: with workers, where this worker's counts are published and the
+        fleet's are read (DESIGN.md §Workers); None for one process.
     """
 
     def __init__(self, on_release: Callable[[], None] | None = None) -> None:
         self._by_host: Counter[str] = Counter()
         self._by_route_host: Counter[tuple[str, str]] = Counter()
         self.on_release = on_release
+        self.fleet: Fleet | None = None
 
     def host(self, host: str) -> int:
-        """Requests in flight to ``host`` over every route (0 for an unknown host)."""
+        """Requests in flight to ``host`` over every route (0 for an unknown host),
+        from every worker when there are several."""
+        if self.fleet is not None:
+            return self.fleet.host(host)
         return self._by_host.get(host, 0)
+
+    def publish(self) -> None:
+        """Write every count of this process to :attr:`fleet` (after a reload)."""
+        if self.fleet is not None:
+            for (route, host), n in self._by_route_host.items():
+                self.fleet.publish_inflight(route, host, n, self._by_host.get(host, 0))
 
     def by_host(self) -> dict[str, int]:
         """host -> requests in flight to it (hosts with none may be absent)."""
@@ -38,13 +53,18 @@ class Inflight:
 
     def by_route_host(self) -> dict[tuple[str, str], int]:
         """(route, host) -> requests in flight, including pairs that went back to 0
-        (so a metric once seen reads 0 rather than vanishing)."""
+        (so a metric once seen reads 0 rather than vanishing); fleet-wide with
+        workers, for the pairs this process has seen."""
+        if self.fleet is not None:
+            return {(r, h): self.fleet.route_host(r, h) for r, h in self._by_route_host}
         return dict(self._by_route_host)
 
     def enter(self, route: str, host: str) -> Lease:
         """Count one request of ``route`` against ``host``; returns its lease."""
         self._by_host[host] += 1
         self._by_route_host[(route, host)] += 1
+        if self.fleet is not None:
+            self.fleet.publish_inflight(route, host, self._by_route_host[(route, host)], self._by_host[host])
         return Lease(self, route, host)
 
     def _leave(self, route: str, host: str) -> None:
@@ -54,6 +74,8 @@ class Inflight:
                 del self._by_host[host]
         if self._by_route_host.get((route, host), 0) > 0:
             self._by_route_host[(route, host)] -= 1
+        if self.fleet is not None:
+            self.fleet.publish_inflight(route, host, self._by_route_host[(route, host)], self._by_host.get(host, 0))
         if self.on_release is not None:
             self.on_release()
 

@@ -16,6 +16,7 @@ from klein import Klein
 from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource
 
+from crossbar.fleet import AFFINITY_OUTCOMES
 from crossbar.metrics import CONTENT_TYPE_LATEST, Metrics
 from crossbar.request import json_error_bytes
 from crossbar.runtime import Runtime
@@ -96,16 +97,16 @@ class OpsApp:
             }
         routes = {}
         for name, route in config.routes.items():
-            oldest = runtime.queues.oldest_wait(name)
+            oldest = runtime.oldest_wait(name)
             routes[name] = {
                 "hosts": list(route.hosts),
                 "primary": route.primary,
-                "queued": runtime.queues.queued(name),
+                "queued": runtime.queued(name),
                 "oldest_wait_s": None if oldest is None else round(oldest, 3),
                 "affinity": {
                     "key": route.affinity.key,
                     "balance": route.affinity.balance,
-                    **{outcome: runtime.affinity_counts[(name, outcome)] for outcome in ("home", "spill", "none")},
+                    **{outcome: runtime.affinity(name, outcome) for outcome in AFFINITY_OUTCOMES},
                 },
             }
         return self._json(request, 200, {"hosts": hosts, "routes": routes})

@@ -286,7 +286,7 @@ class Exchange:
         if self.tried:
             why.append("failover")
         else:
-            self.runtime.affinity_counts[(self.route.name, chosen.affinity)] += 1
+            self.runtime.count_affinity(self.route.name, chosen.affinity)
         why.append(f"affinity={chosen.affinity}")
         self.why = " ".join(why)
         self.lease = self.runtime.inflight.enter(self.route.name, host)

@@ -35,10 +35,12 @@ class RouteQueues:
     """The queues of every route.
 
     :param now: reactor seconds (``reactor.seconds``), for the oldest wait.
+    :ivar on_change: called with a route's name whenever its queue grew or shrank.
     """
 
     def __init__(self, now: Callable[[], float]) -> None:
         self._now = now
+        self.on_change: Callable[[str], None] | None = None
         self._queues: dict[str, dict[int, Waiter]] = {}
         self._waking = False
         self._again = False
@@ -49,6 +51,11 @@ class RouteQueues:
     def queued(self, route: str) -> int:
         """Requests waiting on ``route``."""
         return len(self._queues.get(route, ()))
+
+    def oldest_since(self, route: str) -> float | None:
+        """Reactor seconds since which the oldest waiting request of ``route`` waits."""
+        queue = self._queues.get(route)
+        return next(iter(queue.values())).queued_at if queue else None
 
     def oldest_wait(self, route: str) -> float | None:
         """Seconds the oldest waiting request of ``route`` has waited, or None."""
@@ -62,6 +69,8 @@ class RouteQueues:
         """Put ``waiter`` at the end of its route's queue (the caller checked
         ``queue.max``)."""
         self._queues.setdefault(waiter.route_name, {})[id(waiter)] = waiter
+        if self.on_change is not None:
+            self.on_change(waiter.route_name)
 
     def remove(self, waiter: Waiter) -> bool:
         """Take ``waiter`` out of its queue; False if it was not in it."""
@@ -70,6 +79,8 @@ class RouteQueues:
             return False
         if not queue:
             del self._queues[waiter.route_name]
+        if self.on_change is not None:
+            self.on_change(waiter.route_name)
         return True
 
     def waiters(self) -> list[Waiter]:

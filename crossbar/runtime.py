@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from crossbar.balance import Rotation
 from crossbar.config import Config, Route
+from crossbar.fleet import Fleet
 from crossbar.health import HealthTable
 from crossbar.inflight import Inflight
 from crossbar.queue import RouteQueues
@@ -37,6 +38,7 @@ class Runtime:
     :ivar rotation: where round-robin among exact ties stands, per route.
     :ivar affinity_counts: (route, ``home``/``spill``/``none``) -> requests dispatched.
     :ivar key_inflight: (route, client key name) -> requests in flight or waiting.
+    :ivar fleet: with workers, the fleet-wide counts (:meth:`attach`); else None.
     :ivar active: the requests being handled (proxy exchanges), until each ends.
     :ivar draining: a drain has started (DESIGN.md §Operations).
     :ivar idle: a :class:`Condition` that holds while no request is being handled.
@@ -44,6 +46,7 @@ class Runtime:
 
     def __init__(self, config: Config, now: Callable[[], float]) -> None:
         self.config = config
+        self.now = now
         health = config.health
         self.table = HealthTable(config.hosts, health.recovery_polls, health.failure_threshold, now)
         self.queues = RouteQueues(now)
@@ -51,9 +54,61 @@ class Runtime:
         self.rotation = Rotation()
         self.affinity_counts: Counter[tuple[str, str]] = Counter()
         self.key_inflight: Counter[tuple[str, str]] = Counter()
+        self.fleet: Fleet | None = None
         self.active: set[Any] = set()
         self.draining = False
         self.idle = Condition(lambda: not self.active)
+
+    # -- counts that are fleet-wide with workers (DESIGN.md §Workers) ------------------
+
+    def attach(self, fleet: Fleet) -> None:
+        """Publish this process's counts to ``fleet`` and read the fleet's from now on."""
+        self.fleet = fleet
+        self.inflight.fleet = fleet
+        self.queues.on_change = self._publish_queue
+        self.republish()
+
+    def republish(self) -> None:
+        """Write every count of this process to the fleet again (after the fleet's
+        names changed with a reload)."""
+        if self.fleet is None:
+            return
+        self.inflight.publish()
+        for route in self.config.routes:
+            self._publish_queue(route)
+        for (route, outcome), n in self.affinity_counts.items():
+            self.fleet.publish_affinity(route, outcome, n)
+
+    def _publish_queue(self, route: str) -> None:
+        if self.fleet is not None:
+            since = self.queues.oldest_since(route)
+            self.fleet.publish_queue(route, self.queues.queued(route), 0 if since is None else int(since * 1000) or 1)
+
+    def queued(self, route: str) -> int:
+        """Requests waiting in ``route``'s queue (every worker's)."""
+        return self.fleet.queued(route) if self.fleet is not None else self.queues.queued(route)
+
+    def oldest_wait(self, route: str) -> float | None:
+        """Seconds the oldest waiting request of ``route`` has waited (every worker's),
+        or None when none waits."""
+        now = self.now()
+        if self.fleet is not None:
+            since = self.fleet.oldest_queued_ms(route)
+            return None if since is None else max(0.0, now - since / 1000)
+        since_s = self.queues.oldest_since(route)
+        return None if since_s is None else now - since_s
+
+    def count_affinity(self, route: str, outcome: str) -> None:
+        """One request of ``route`` was dispatched with affinity ``outcome``."""
+        self.affinity_counts[(route, outcome)] += 1
+        if self.fleet is not None:
+            self.fleet.publish_affinity(route, outcome, self.affinity_counts[(route, outcome)])
+
+    def affinity(self, route: str, outcome: str) -> int:
+        """Requests of ``route`` dispatched with affinity ``outcome`` (every worker's)."""
+        if self.fleet is not None:
+            return self.fleet.affinity(route, outcome)
+        return self.affinity_counts[(route, outcome)]
 
     def first_round_done(self) -> bool:
         """Every configured host's first poll has finished (or timed out)."""

@@ -25,6 +25,7 @@ from twisted.logger import Logger
 from twisted.web.client import Agent
 
 from crossbar.config import Config, ConfigError, load_config
+from crossbar.fleet import AFFINITY_OUTCOMES
 from crossbar.health import HealthTable
 from crossbar.hosturl import host_url
 from crossbar.metrics import LiveCollector, Metrics
@@ -95,8 +96,8 @@ class CrossbarService(MultiService):
         self.metrics = Metrics()
         self.metrics.watch(LiveCollector(
             self._inflight_series, runtime.table.all,
-            lambda: {name: runtime.queues.queued(name) for name in runtime.config.routes},
-            lambda: runtime.affinity_counts,
+            lambda: {name: runtime.queued(name) for name in runtime.config.routes},
+            lambda: {(r, o): runtime.affinity(r, o) for r in runtime.config.routes for o in AFFINITY_OUTCOMES},
         ))
         self.requests = RequestLog(self.metrics)
         self.pools = UpstreamPools(reactor, config.timeouts.connect, tls=HostTLS.from_config(config))
