@@ -32,6 +32,8 @@ from load import StreamsResult, run_streams, slow_read  # noqa: E402
 HERE = Path(__file__).resolve().parent
 HOST = "127.0.0.1"
 ROUTE = "/bench"
+ROUTE2 = "/bench2"
+"""Scenario (f): one route over two upstreams (``up`` and ``up2``)."""
 _CLK = os.sysconf("SC_CLK_TCK")
 _PAGE_KIB = os.sysconf("SC_PAGE_SIZE") // 1024
 
@@ -78,20 +80,30 @@ class Procs:
     up_port: int
     cb_port: int
     workdir: Path
+    upstream2: subprocess.Popen[Any] | None = None
+    up2_port: int = 0
 
 
-def start(workdir: Path) -> Procs:
-    """Start the upstream, then crossbar (a real ``twistd -n crossbar``, one process)."""
+def start_upstream(workdir: Path, name: str) -> tuple[subprocess.Popen[Any], int]:
+    """Start one ``bench/upstream.py``; returns the process and its port."""
     up = subprocess.Popen(
         [sys.executable, str(HERE / "upstream.py"), "--port", "0"],
-        stdout=subprocess.PIPE, stderr=open(workdir / "upstream.stderr", "w"), text=True,
+        stdout=subprocess.PIPE, stderr=open(workdir / f"{name}.stderr", "w"), text=True,
         preexec_fn=_die_with_parent,
     )
     line = up.stdout.readline() if up.stdout else ""
     if not line.startswith("ready "):
         up.kill()
-        raise SystemExit(f"bench: upstream did not start: {line!r}")
-    up_port = int(line.split()[1])
+        raise SystemExit(f"bench: {name} did not start: {line!r}")
+    return up, int(line.split()[1])
+
+
+def start(workdir: Path) -> Procs:
+    """Start the two upstreams, then crossbar (a real ``twistd -n crossbar``, one
+    process): route ``bench`` over ``up`` alone, route ``bench2`` over ``up`` and ``up2``
+    (scenario (f))."""
+    up, up_port = start_upstream(workdir, "upstream")
+    up2, up2_port = start_upstream(workdir, "upstream2")
     import socket
 
     with socket.socket() as s:
@@ -101,8 +113,10 @@ def start(workdir: Path) -> Procs:
     config.write_text(
         f'listen: "tcp:{cb_port}:interface={HOST}:backlog=1024"\n'
         "health: {interval: 5, timeout: 5}\n"
-        f"hosts:\n  up: http://{HOST}:{up_port}\n"
+        f"hosts:\n  up: http://{HOST}:{up_port}\n  up2: http://{HOST}:{up2_port}\n"
         "routes:\n  bench:\n    hosts: [up]\n    default_model: bench\n"
+        # affinity off: wrk sends one prompt over and over, which would all share one key
+        "  bench2:\n    hosts: [up, up2]\n    default_model: bench\n    affinity: {key: none}\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     twistd = Path(sys.executable).parent / "twistd"
@@ -112,7 +126,7 @@ def start(workdir: Path) -> Procs:
         cwd=workdir, env=env, stdout=subprocess.DEVNULL, stderr=open(workdir / "crossbar.stderr", "w"),
         preexec_fn=_die_with_parent,
     )
-    procs = Procs(up, cb, up_port, cb_port, workdir)
+    procs = Procs(up, cb, up_port, cb_port, workdir, up2, up2_port)
     try:
         wait_http(f"http://{HOST}:{cb_port}/_crossbar/readyz", 30, cb)
     except BaseException:
@@ -123,10 +137,11 @@ def start(workdir: Path) -> Procs:
 
 
 def stop(procs: Procs) -> None:
-    for p in (procs.crossbar, procs.upstream):
+    everything = [p for p in (procs.crossbar, procs.upstream, procs.upstream2) if p is not None]
+    for p in everything:
         if p.poll() is None:
-            p.send_signal(signal.SIGINT if p is procs.upstream else signal.SIGTERM)
-    for p in (procs.crossbar, procs.upstream):
+            p.send_signal(signal.SIGTERM if p is procs.crossbar else signal.SIGINT)
+    for p in everything:
         try:
             p.wait(40)
         except subprocess.TimeoutExpired:
@@ -150,6 +165,8 @@ class CpuMeter:
 
     def __init__(self, procs: Procs) -> None:
         self.pids = {"crossbar": procs.crossbar.pid, "upstream": procs.upstream.pid}
+        if procs.upstream2 is not None:
+            self.pids["upstream2"] = procs.upstream2.pid
         self.t0 = time.monotonic()
         self.c0 = {k: cpu_seconds(p) for k, p in self.pids.items()}
 
@@ -261,6 +278,43 @@ class Bench:
         if out["bad"]:
             self.notes.append(f"(a) c={c} {target}: {out['bad']:g} non-2xx answers")
 
+    def requests_by_host(self, route: str) -> dict[str, float]:
+        """host -> requests crossbar answered on ``route`` so far (its own metrics)."""
+        url = f"http://{HOST}:{self.procs.cb_port}/_crossbar/metrics"
+        with urllib.request.urlopen(url, timeout=5) as r:
+            text = r.read().decode()
+        counts: dict[str, float] = defaultdict(float)
+        pattern = r'^crossbar_requests_total\{(?=[^}]*route="%s")(?=[^}]*host="([^"]+)")[^}]*\} (\S+)$' % route
+        for host, value in re.findall(pattern, text, re.M):
+            counts[host] += float(value)
+        return counts
+
+    async def scenario_f(self, c: int = 16) -> None:
+        """(f): wrk at ``c`` on route ``bench2``, over two upstreams: the split between
+        them (from crossbar's request counter) and crossbar's CPU per request, beside
+        (a)'s one-host figure of the same round."""
+        before = self.requests_by_host(ROUTE2.strip("/"))
+        meter = CpuMeter(self.procs)
+        out = await wrk(f"http://{HOST}:{self.procs.cb_port}{ROUTE2}/v1/chat/completions", c,
+                        self.s.wrk_seconds, self.lua)
+        cpu = meter.read()
+        after = self.requests_by_host(ROUTE2.strip("/"))
+        done = {h: after.get(h, 0.0) - before.get(h, 0.0) for h in ("up", "up2")}
+        total = sum(done.values())
+        g = f"f c={c}"
+        self.put(g, "rps", "crossbar", out["rps"])
+        self.put(g, "p99", "crossbar", out["p99"])
+        self.put(g, "cpu_us", "crossbar", 1e6 * cpu["crossbar"] / out["rps"])
+        self.put(g, "share_up", "crossbar", 100 * done["up"] / total if total else float("nan"))
+        self.put(g, "crossbar_cpu", "crossbar", cpu["crossbar"])
+        self.put(g, "upstream_cpu", "crossbar", cpu["upstream"] + cpu.get("upstream2", 0.0))
+        self.put(g, "client_cpu", "crossbar", out["client_cpu"])
+        one = self.r.get((f"a c={c}", "cpu_us", "crossbar"))
+        if one:  # this round's one-host figure (the step just before)
+            self.put(g, "cpu_vs_one", "crossbar", self.r[(g, "cpu_us", "crossbar")][-1] / one[-1])
+        if out["bad"]:
+            self.notes.append(f"(f) c={c}: {out['bad']:g} non-2xx answers")
+
     async def streams(self, target: str, n: int, events: int, delay_ms: float, timeout: float) -> StreamsResult:
         port, prefix = self.target(target)
         return await run_streams(HOST, port, prefix, n, events, delay_ms, timeout)
@@ -338,6 +392,10 @@ class Bench:
             if "a" in only:
                 for c in (1, 16, 64):
                     steps.append((f"a c={c}", lambda t, c=c: self.scenario_a(t, c)))
+            if "f" in only:
+                if "a" not in only:  # the one-host figure to compare with
+                    steps.append(("a c=16", lambda t: self.scenario_a(t, 16)))
+                steps.append(("f c=16", lambda t: self.scenario_f(16)))
             if "b" in only:
                 for n in (1, 100):
                     steps.append((f"b {n}", lambda t, n=n: self.scenario_b(t, n)))
@@ -345,6 +403,8 @@ class Bench:
                 steps.append(("e", self.scenario_e))
             for name, step in steps:
                 for t in order:
+                    if name.startswith("f ") and t == "direct":
+                        continue  # two hosts behind one address: only through crossbar
                     print(f"  {name} {t}", file=sys.stderr)
                     await step(t)
                     await asyncio.sleep(0.3)
@@ -375,6 +435,11 @@ ROWS: list[tuple[str, str, str, int, str, Callable[[float, float], bool] | None]
     ("a c=16", "p50", "(a) c=16 latency p50 ms", 2, "", None),
     ("a c=16", "cpu_us", "(a) c=16 crossbar CPU us/request", 0, "", None),
     ("a c=16", "p99", "(a) c=16 latency p99 ms", 2, "", None),
+    ("f c=16", "rps", "(f) 2 hosts c=16 requests/s", 0, "", None),
+    ("f c=16", "p99", "(f) 2 hosts c=16 latency p99 ms", 2, "", None),
+    ("f c=16", "cpu_us", "(f) 2 hosts c=16 crossbar CPU us/req", 0, "", None),
+    ("f c=16", "cpu_vs_one", "(f) CPU/req 2 hosts / 1 host (a)", 3, "<= 1.05", lambda d, c: c <= 1.05),
+    ("f c=16", "share_up", "(f) 2 hosts share of host up %", 1, "50 +- 5", lambda d, c: abs(c - 50) <= 5),
     ("a c=64", "rps", "(a) c=64 requests/s", 0, "", None),
     ("a c=64", "p50", "(a) c=64 latency p50 ms", 2, "", None),
     ("a c=64", "p99", "(a) c=64 latency p99 ms", 2, "", None),
@@ -400,7 +465,7 @@ ROWS: list[tuple[str, str, str, int, str, Callable[[float, float], bool] | None]
     ("e 1000 streams", "coalesced", "(e) 1000 streams coalesced %", 1, "", None),
 ]
 
-CPU_GROUPS = ["a c=1", "a c=16", "a c=64", "b 1 streams", "b 100 streams", "e 1000 streams"]
+CPU_GROUPS = ["a c=1", "a c=16", "f c=16", "a c=64", "b 1 streams", "b 100 streams", "e 1000 streams"]
 
 
 def table(r: Results) -> str:
@@ -460,7 +525,7 @@ async def amain(args: argparse.Namespace) -> int:
     if shutil.which("wrk") is None:
         print("bench: wrk not found (apt-get install wrk)", file=sys.stderr)
         return 2
-    only = set(args.only) if args.only else {"a", "b", "c", "d", "e"}
+    only = set(args.only) if args.only else {"a", "b", "c", "d", "e", "f"}
     t0 = time.monotonic()
     started_load = loadavg()
     with tempfile.TemporaryDirectory(prefix="crossbar-bench-") as tmp:
@@ -577,7 +642,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description="crossbar against a direct upstream, side by side")
     p.add_argument("--quick", action="store_true", help="one short round (development)")
     p.add_argument("--rounds", type=int, default=0, help="rounds (default: 3 full, 1 quick)")
-    p.add_argument("--only", nargs="*", choices=["a", "b", "c", "d", "e"], help="run only these scenarios")
+    p.add_argument("--only", nargs="*", choices=["a", "b", "c", "d", "e", "f"], help="run only these scenarios")
     p.add_argument("--profile", metavar="DIR", help="profile crossbar with py-spy under (a) and (b) instead")
     p.add_argument("--json", metavar="PATH", help="also write every per-round value as JSON")
     p.add_argument("--keep-log", metavar="PATH", help="copy crossbar's log here")

@@ -320,6 +320,7 @@ class Exchange:
         """The queue's call when room may have freed: True once this request left it."""
         if self.phase is not Phase.QUEUED:
             return True
+        self.adopt_current_config()
         verdict = self.choose()
         if verdict is Verdict.BUSY:
             return False
@@ -329,6 +330,17 @@ class Exchange:
             self.leave_queue()
             self.no_host()
         return True
+
+    def adopt_current_config(self) -> None:
+        """A waiting request has not gone anywhere yet: after a reload it is chosen for
+        under the new config (its weights, limits and primary; DESIGN.md §Choosing a
+        host, rule 4), as long as its route still exists."""
+        current = self.runtime.config
+        assert self.route is not None
+        if current is self.config or self.route.name not in current.routes:
+            return
+        self.config = current
+        self.route = current.routes[self.route.name]
 
     def on_queue_timeout(self) -> None:
         """``queue.timeout`` passed without room: 503 with ``Retry-After``."""
