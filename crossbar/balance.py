@@ -45,7 +45,7 @@ class Chosen:
 
     :ivar host: the host's name.
     :ivar fit: the tier it was chosen from.
-    :ivar pick: ``primary``, ``least-busy`` or ``affinity``.
+    :ivar pick: ``primary`` or ``least-busy``; "" when the affinity ranking chose.
     :ivar affinity: ``home``, ``spill`` or ``none`` (§Cache affinity).
     """
 
@@ -56,8 +56,9 @@ class Chosen:
 
     @property
     def why(self) -> str:
-        """The reason for the log line, e.g. ``loaded least-busy affinity=none``."""
-        return f"{self.fit.value} {self.pick} affinity={self.affinity}"
+        """The reason for the log line, e.g. ``loaded least-busy affinity=none`` or
+        ``loaded affinity=home``."""
+        return " ".join(p for p in (self.fit.value, self.pick, f"affinity={self.affinity}") if p)
 
 
 class Rotation:
@@ -138,7 +139,7 @@ def choose(
             route.affinity.balance,
         )
         if pick is not None:
-            return Chosen(pick.host, fit, "affinity", pick.outcome)
+            return Chosen(pick.host, fit, "", pick.outcome)
         # Every host with room is at its bound: the least busy of them takes it.
         return Chosen(_least_busy(route, roomy, hosts, load, rotation), fit, "least-busy", "spill")
     return Chosen(_least_busy(route, roomy, hosts, load, rotation), fit, "least-busy")

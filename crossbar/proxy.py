@@ -280,7 +280,7 @@ class Exchange:
         self.leave_queue()
         self.phase = Phase.FORWARDING
         host = self.host = chosen.host
-        why = [chosen.fit.value, chosen.pick]
+        why = [chosen.fit.value] + ([chosen.pick] if chosen.pick else [])
         if self.queued_at is not None:
             why.append("queued")
         if self.tried:

@@ -156,7 +156,9 @@ async def gather(ds: list[Deferred[Any]]) -> list[Any]:
 
 
 def fleet_config(hosts: str, route: str, health: str = "{interval: 60, timeout: 5}") -> str:
-    return f"health: {health}\nhosts:\n{hosts}\nroutes:\n  r:\n{route}\n"
+    """A config whose route ``r`` has cache affinity off (DESIGN.md §Cache affinity):
+    these tests are about least-busy balancing, and their bodies would carry a key."""
+    return f"health: {health}\nhosts:\n{hosts}\nroutes:\n  r:\n{route}\n    affinity: {{key: none}}\n"
 
 
 class SplitTests(TestCase):

@@ -44,6 +44,7 @@ hosts:
 routes:
   r:
     hosts: [a, b]
+    affinity: {{key: none}}
 """)
             await service.poller.when_first_round_done()
             self.assertTrue(service.table.is_healthy("a") and service.table.is_healthy("b"))
@@ -88,6 +89,7 @@ hosts:
 routes:
   r:
     hosts: [single, router]
+    affinity: {{key: none}}
 """)
             await service.poller.when_first_round_done()
             http = http_client(self)
