@@ -10,11 +10,13 @@ gauge is ever set by hand and none can drift.
 
 from __future__ import annotations
 
+import os
 from typing import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from crossbar.health import HostStatus
@@ -32,6 +34,7 @@ class LiveCollector(Collector):
     :param queued: returns route -> requests waiting in its queue.
     :param affinity: returns (route, outcome) -> requests dispatched with that
         affinity outcome (``home``, ``spill``, ``none``), a counter.
+    :param restarts: with workers, returns how many the supervisor restarted.
     """
 
     def __init__(
@@ -40,11 +43,13 @@ class LiveCollector(Collector):
         hosts: Callable[[], Mapping[str, HostStatus]],
         queued: Callable[[], Mapping[str, int]],
         affinity: Callable[[], Mapping[tuple[str, str], int]],
+        restarts: Callable[[], int] | None = None,
     ) -> None:
         self._inflight = inflight
         self._hosts = hosts
         self._queued = queued
         self._affinity = affinity
+        self._restarts = restarts
 
     def collect(self) -> Iterable[Metric]:
         inflight = GaugeMetricFamily(
@@ -69,7 +74,12 @@ class LiveCollector(Collector):
         )
         for (route, outcome), count in sorted(self._affinity().items()):
             affinity.add_metric((route, outcome), count)
-        return [inflight, healthy, loaded, queued, affinity]
+        families: list[Metric] = [inflight, healthy, loaded, queued, affinity]
+        if self._restarts is not None:
+            restarts = CounterMetricFamily("crossbar_worker_restarts", "Worker processes restarted after dying.")
+            restarts.add_metric((), self._restarts())
+            families.append(restarts)
+        return families
 
     def describe(self) -> Iterable[Metric]:
         return []  # dynamic: described by collect() at scrape time only
@@ -80,6 +90,7 @@ class Metrics:
     and fixed reason kinds only, so cardinality stays bounded."""
 
     def __init__(self) -> None:
+        self._live: list[LiveCollector] = []
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -109,8 +120,19 @@ class Metrics:
 
     def watch(self, collector: LiveCollector) -> None:
         """Read ``collector``'s live gauges at every scrape."""
+        self._live.append(collector)
         self.registry.register(collector)
 
     def render(self) -> bytes:
-        """The Prometheus text exposition of every collector."""
-        return generate_latest(self.registry)
+        """The Prometheus text exposition of every collector. With workers
+        (``$PROMETHEUS_MULTIPROC_DIR`` set by the supervisor), counters and histograms
+        are summed over every worker by prometheus_client's multiprocess mode, and the
+        live gauges read the fleet's shared counts (DESIGN.md §Workers)."""
+        directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if not directory:
+            return generate_latest(self.registry)
+        fleet = CollectorRegistry(auto_describe=False)
+        MultiProcessCollector(fleet, directory)
+        for collector in self._live:
+            fleet.register(collector)
+        return generate_latest(fleet)

@@ -20,12 +20,13 @@ from typing import Any, Mapping
 from twisted.application.service import MultiService
 from twisted.internet.defer import CancelledError, Deferred, DeferredList, TimeoutError, ensureDeferred, gatherResults
 from twisted.internet.endpoints import serverFromString
-from twisted.internet.task import deferLater
+from twisted.internet.interfaces import IStreamServerEndpoint
+from twisted.internet.task import LoopingCall, deferLater
 from twisted.logger import Logger
 from twisted.web.client import Agent
 
 from crossbar.config import Config, ConfigError, load_config
-from crossbar.fleet import AFFINITY_OUTCOMES
+from crossbar.fleet import AFFINITY_OUTCOMES, Fleet
 from crossbar.health import HealthTable
 from crossbar.hosturl import host_url
 from crossbar.metrics import LiveCollector, Metrics
@@ -45,7 +46,7 @@ from crossbar.web import CrossbarSite, ListenService, Root
 __all__ = ["CrossbarService", "ListenService", "make_service"]
 
 
-def _listen_endpoint(reactor: Any, config: Config) -> Any:
+def listen_endpoint(reactor: Any, config: Config) -> Any:
     """The server endpoint for ``config.listen``.
 
     :raises ConfigError: the string is not a valid Twisted endpoint, names a systemd
@@ -79,6 +80,10 @@ class CrossbarService(MultiService):
     :param handle_signals: install the SIGHUP handler while running, and during a drain
         a SIGTERM/SIGINT handler that ends it at once (the twistd plugin does;
         in-process tests need not).
+    :param listen: the server endpoint to listen on, instead of ``config.listen``'s (a
+        worker adopts its supervisor's socket, :mod:`crossbar.worker`).
+    :param fleet: with workers, the fleet-wide counts this worker publishes to and
+        reads from (DESIGN.md §Workers).
     """
 
     _log = Logger(namespace="crossbar")
@@ -89,15 +94,25 @@ class CrossbarService(MultiService):
         reactor: Any,
         environ: Mapping[str, str] | None = None,
         handle_signals: bool = True,
+        listen: IStreamServerEndpoint | None = None,
+        fleet: Fleet | None = None,
     ) -> None:
         super().__init__()
         self.reactor = reactor
         self.runtime = runtime = Runtime(config, reactor.seconds)
+        self._fleet_wake: LoopingCall | None = None
+        if fleet is not None:
+            runtime.attach(fleet)
+            # Another worker's freed slot is seen here within this period (§Workers:
+            # a waiting request goes within 20 ms of a slot freeing anywhere).
+            self._fleet_wake = LoopingCall(self._wake_if_waiting)
+            self._fleet_wake.clock = reactor
         self.metrics = Metrics()
         self.metrics.watch(LiveCollector(
             self._inflight_series, runtime.table.all,
             lambda: {name: runtime.queued(name) for name in runtime.config.routes},
             lambda: {(r, o): runtime.affinity(r, o) for r in runtime.config.routes for o in AFFINITY_OUTCOMES},
+            restarts=(lambda: fleet.restarts()) if fleet is not None else None,
         ))
         self.requests = RequestLog(self.metrics)
         self.pools = UpstreamPools(reactor, config.timeouts.connect, tls=HostTLS.from_config(config))
@@ -112,7 +127,7 @@ class CrossbarService(MultiService):
         self.proxy = ProxyResource(runtime, self.pools, reactor, self.requests)
         self.ops = OpsApp(runtime, self.metrics)
         self.site = CrossbarSite(Root(self.ops.resource(), self.proxy), runtime, self.requests)
-        self.web = ListenService(_listen_endpoint(reactor, config), self.site)
+        self.web = ListenService(listen if listen is not None else listen_endpoint(reactor, config), self.site)
         self.web.setServiceParent(self)
         self.systemd: SystemdNotifier | None = None
         notifier = Notifier.from_environment(environ)
@@ -156,6 +171,14 @@ class CrossbarService(MultiService):
         }
         return HTTPProbe(Agent.usingEndpointFactory(self.reactor, endpoints, pool=self._poll_pool), api_keys)
 
+    def _wake_if_waiting(self) -> None:
+        if len(self.runtime.queues):
+            self.runtime.queues.wake()
+
+    def when_ready(self) -> Deferred[object]:
+        """Fires once listening and every host's first poll is done."""
+        return self._when_ready()
+
     def _when_ready(self) -> Deferred[object]:
         both: list[Deferred[Any]] = [self.web.when_listening(), self.poller.when_first_round_done()]
         return gatherResults(both)  # type: ignore[return-value]
@@ -168,6 +191,8 @@ class CrossbarService(MultiService):
 
     def startService(self) -> None:
         super().startService()
+        if self._fleet_wake is not None:
+            self._fleet_wake.start(FLEET_WAKE_INTERVAL, now=False)
         # Everything loaded so far (Twisted, TLS support, klein, prometheus_client: most of
         # the heap) lives as long as the process: keep the cyclic GC from scanning it
         # again on every full collection, which stalled requests for tens of ms.
@@ -180,6 +205,8 @@ class CrossbarService(MultiService):
 
     async def _stop(self) -> None:
         await self.drain()
+        if self._fleet_wake is not None and self._fleet_wake.running:
+            self._fleet_wake.stop()
         try:
             await super().stopService()
         finally:
@@ -301,6 +328,9 @@ class CrossbarService(MultiService):
             self.pools.close()  # no pooled connection made under the old TLS settings
         self.pools.connect_timeout = new.timeouts.connect
         self.runtime.config = new
+        if self.runtime.fleet is not None:
+            self.runtime.fleet.configure(new)
+            self.runtime.republish()
         self.poller.probe = self._probe(health.timeout)
         self.poller.set_timing(health.interval, health.timeout)
         self.poller.set_hosts({name: h.url for name, h in new.hosts.items()})
@@ -313,6 +343,10 @@ class CrossbarService(MultiService):
             removed=len(plan.removed),
         )
         return True
+
+
+FLEET_WAKE_INTERVAL = 0.01
+"""Seconds between a worker's looks at the fleet's counts while requests wait."""
 
 
 def make_service(
@@ -330,3 +364,17 @@ def make_service(
 
         reactor = global_reactor
     return CrossbarService(config, reactor, environ=environ, handle_signals=handle_signals)
+
+
+def make_daemon(config: Config) -> MultiService:
+    """What ``twistd crossbar`` runs for ``config``: one :class:`CrossbarService` with
+    signal handling, or with ``workers`` > 1 a :class:`~crossbar.supervisor.Supervisor`
+    of that many (DESIGN.md §Workers).
+
+    :raises ConfigError: as :func:`make_service` and :class:`~crossbar.supervisor.Supervisor`.
+    """
+    if config.workers > 1:
+        from crossbar.supervisor import make_supervisor
+
+        return make_supervisor(config)
+    return make_service(config, handle_signals=True)

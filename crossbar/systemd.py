@@ -96,6 +96,8 @@ class SystemdNotifier(Service):
     :param clock: the reactor (the watchdog runs on it).
     :param ready: fires when crossbar is listening and its first poll round is done.
     :param healthy: host name -> healthy, read for ``STATUS=`` lines.
+    :param noun: what ``healthy`` counts, for those lines (the supervisor counts
+        ``workers ready``).
     :param watchdog: seconds between ``WATCHDOG=1`` pings, or None for no watchdog.
     """
 
@@ -106,7 +108,9 @@ class SystemdNotifier(Service):
         ready: Callable[[], Deferred[object]],
         healthy: Callable[[], Mapping[str, bool]],
         watchdog: float | None,
+        noun: str = "hosts healthy",
     ) -> None:
+        self.noun = noun
         self.notifier = notifier
         self.clock = clock
         self._ready = ready
@@ -122,7 +126,7 @@ class SystemdNotifier(Service):
         healthy = self._healthy()
         up = sum(1 for ok in healthy.values() if ok)
         state = "draining" if self.stopping else ("serving" if self.is_ready else "starting")
-        return f"{state}; {up}/{len(healthy)} hosts healthy"
+        return f"{state}; {up}/{len(healthy)} {self.noun}"
 
     def startService(self) -> None:
         super().startService()

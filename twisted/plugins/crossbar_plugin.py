@@ -32,11 +32,11 @@ class CrossbarServiceMaker:
 
     def makeService(self, options: Options) -> Any:
         from crossbar.config import ConfigError, load_config
-        from crossbar.service import make_service
+        from crossbar.service import make_daemon
         from crossbar.startup import StartupGuard, report_and_exit
 
         try:
-            service = make_service(load_config(options["config"]), handle_signals=True)
+            service = make_daemon(load_config(options["config"]))
             return StartupGuard(service, options["config"], twistd=getattr(options, "parent", None))
         except ConfigError as e:
             report_and_exit(e, sys.stderr, log=False)

@@ -1,0 +1,349 @@
+"""The supervisor of a crossbar with ``workers: N`` (DESIGN.md §Workers).
+
+The twistd process opens the listener (so socket activation and privileged ports work),
+never accepts on it, and runs N worker processes (:mod:`crossbar.worker`) that all
+accept on that one socket: the kernel spreads connections over them. It only
+supervises:
+
+- a worker that dies is restarted (after a back-off when it dies young), logged and
+  counted (``crossbar_worker_restarts_total``); its in-flight counts are cleared;
+- SIGTERM drains every worker at once (each runs its own drain: readiness 503,
+  ``drain.delay``, ``drain.grace``); a second SIGTERM or Ctrl-C ends every drain now;
+- SIGHUP re-reads the config: an invalid file is logged and nothing changes, a valid
+  one is reloaded by every worker;
+- under systemd, ``READY=1`` once every worker is ready, ``WATCHDOG=1`` from this
+  process's reactor, ``STOPPING=1`` when the drain starts: one voice for the set.
+
+Why one socket handed down rather than ``SO_REUSEPORT``: the supervisor keeps the
+only listening socket, so ``systemd:`` socket activation, ``unix:`` sockets and ports
+below 1024 (opened before twistd drops privileges) work for workers too, and a worker
+that dies loses no queued connections (the socket's backlog belongs to everyone).
+
+Every worker polls every host itself: the poll load is N x 2 requests per host per
+``health.interval``. Workers' log lines come to this process as JSON on their standard
+output and are logged here with a ``worker`` field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+from types import FrameType
+from typing import Any, Mapping
+
+from twisted.application.service import MultiService
+from twisted.internet.defer import Deferred, DeferredList, TimeoutError, gatherResults
+from twisted.internet.endpoints import serverFromString
+from twisted.internet.interfaces import IListeningPort
+from twisted.internet.protocol import ProcessProtocol, ServerFactory
+from twisted.logger import Logger, LogLevel, InvalidLogLevelError
+from twisted.python.failure import Failure
+
+from crossbar.config import Config, ConfigError, load_config
+from crossbar.fleet import Fleet
+from crossbar.reload import SIGHUPReload
+from crossbar.shared import SharedCounts
+from crossbar.systemd import Notifier, SystemdNotifier, watchdog_interval
+from crossbar.waiting import Condition
+from crossbar.web import ListenService
+
+__all__ = ["Supervisor", "WorkerProcess", "make_supervisor"]
+
+_log = Logger(namespace="crossbar.supervisor")
+
+STOP_MARGIN = 15.0
+"""Seconds past ``drain.delay + drain.grace`` after which a worker that has not exited
+is killed."""
+
+_YOUNG = 10.0  # s: a worker that dies sooner is restarted after a growing back-off
+_MAX_BACKOFF = 30.0
+
+
+class _NoAccept(ServerFactory):
+    """The supervisor's own factory for the listener: it never accepts (its port does
+    not read), and would refuse if it did."""
+
+    noisy = False
+
+    def buildProtocol(self, addr: Any) -> None:
+        return None
+
+
+def relay_log_line(line: bytes, worker: int) -> None:
+    """Log one line of a worker's JSON log (:mod:`crossbar.jsonlog`) as this process's
+    own event, in the worker's namespace and level, with its fields and ``worker``."""
+    text = line.decode("utf-8", "replace").rstrip("\r")
+    if not text:
+        return
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict):
+        Logger(namespace="crossbar.worker").info("{worker_message}", worker_message=text, worker=worker)
+        return
+    try:
+        level = LogLevel.levelWithName(str(doc.pop("level", "info")))
+    except InvalidLogLevelError:
+        level = LogLevel.info
+    namespace = str(doc.pop("namespace", "") or "crossbar.worker")
+    message = str(doc.pop("message", ""))
+    doc.pop("time", None)
+    fields = {k: v for k, v in doc.items() if isinstance(k, str) and not k.startswith("log_") and k != "format"}
+    fields["worker"] = worker
+    Logger(namespace=namespace).emit(level, "{worker_message}", worker_message=message, **fields)
+
+
+class WorkerProcess(ProcessProtocol):
+    """The supervisor's end of one worker: its log, its readiness, its end.
+
+    :param supervisor: who is told when it is ready or ended.
+    :param index: the worker's number (its row in the shared counts).
+    """
+
+    def __init__(self, supervisor: Supervisor, index: int) -> None:
+        self.supervisor = supervisor
+        self.index = index
+        self.ready = False
+        self.ended = False
+        self.started_at = 0.0
+        self._buffers: dict[int, bytes] = {1: b"", 2: b"", 4: b""}
+
+    def send(self, command: str) -> None:
+        """Write a command line to the worker (``drain``, ``hurry``, ``reload``)."""
+        if not self.ended and self.transport is not None:
+            try:
+                self.transport.writeToChild(0, command.encode("ascii") + b"\n")
+            except Exception:
+                pass  # it is exiting
+
+    def childDataReceived(self, childFD: int, data: bytes) -> None:
+        *lines, self._buffers[childFD] = (self._buffers.get(childFD, b"") + data).split(b"\n")
+        for line in lines:
+            if childFD == 1:
+                relay_log_line(line, self.index)
+            elif childFD == 2:
+                if line.strip():
+                    _log.warn("worker {worker}: {line}", worker=self.index, line=line.decode("utf-8", "replace"))
+            elif childFD == 4 and line.strip() == b"ready":
+                self.ready = True
+                self.supervisor.worker_ready(self)
+
+    def processEnded(self, reason: Failure) -> None:
+        self.ended = True
+        self.supervisor.worker_ended(self, reason)
+
+
+class Supervisor(MultiService):
+    """Runs ``config.workers`` worker processes on one listener (see the module doc).
+
+    :param config: the validated config (``workers`` > 1).
+    :param reactor: the reactor (``IReactorProcess``).
+    :param environ: where ``NOTIFY_SOCKET``/``WATCHDOG_USEC`` are read (default
+        ``os.environ``).
+    :param handle_signals: install the SIGHUP handler, and during a drain the
+        second-signal handler (the twistd plugin does).
+    :raises ConfigError: ``listen`` is not a valid endpoint, or is ``ssl:`` (a worker
+        adopts a plain socket: terminate TLS in front of crossbar, or run one worker).
+    """
+
+    def __init__(
+        self, config: Config, reactor: Any, environ: Mapping[str, str] | None = None, handle_signals: bool = True
+    ) -> None:
+        super().__init__()
+        from crossbar.service import listen_endpoint
+
+        if config.listen.split(":", 1)[0].lower() == "ssl":
+            raise ConfigError(config.source, "workers",
+                              "an ssl: listener needs workers: 1 (or TLS terminated in front of crossbar)")
+        self.config = config
+        self.reactor = reactor
+        self.count = config.workers
+        self.workers: list[WorkerProcess | None] = [None] * self.count
+        self.restarts = 0
+        self._young_deaths = [0] * self.count
+        self._stopping = False
+        self._hurried = False
+        self.directory = tempfile.mkdtemp(prefix="crossbar-workers-")
+        self._shared_path = os.path.join(self.directory, "counts")
+        SharedCounts.create(self._shared_path, self.count + 1)
+        self.fleet = Fleet(SharedCounts(self._shared_path, self.count + 1, self.count), config)
+        self.metrics_directory = os.path.join(self.directory, "metrics")
+        os.mkdir(self.metrics_directory)
+        self.web = ListenService(listen_endpoint(reactor, config), _NoAccept())
+        self.web.setServiceParent(self)
+        self._all_ended = Condition(lambda: all(w is None or w.ended for w in self.workers))
+        self._all_ready = Condition(lambda: all(w is not None and w.ready for w in self.workers))
+        self.systemd: SystemdNotifier | None = None
+        notifier = Notifier.from_environment(environ)
+        if notifier is not None:
+            self.systemd = SystemdNotifier(
+                notifier, reactor, ready=lambda: self._all_ready.wait(),  # type: ignore[arg-type,return-value]
+                healthy=lambda: {str(i): bool(w and w.ready) for i, w in enumerate(self.workers)},
+                watchdog=watchdog_interval(environ), noun="workers ready",
+            )
+            self.systemd.setServiceParent(self)
+        self._handle_signals = handle_signals
+        if handle_signals:
+            SIGHUPReload(self.reload, reactor).setServiceParent(self)
+
+    # -- start -----------------------------------------------------------------------
+
+    def startService(self) -> None:
+        super().startService()
+        port = self.web.port
+        assert port is not None, "the listener opens in privilegedStartService/startService"
+        _stop_accepting(port)
+        for index in range(self.count):
+            self._spawn(index)
+
+    def _spawn(self, index: int) -> None:
+        port = self.web.port
+        if self._stopping or port is None:
+            return
+        process = WorkerProcess(self, index)
+        process.started_at = self.reactor.seconds()
+        self.workers[index] = process
+        env = dict(os.environ)
+        env.pop("NOTIFY_SOCKET", None)  # the supervisor speaks for the set
+        env["PROMETHEUS_MULTIPROC_DIR"] = self.metrics_directory
+        argv = [
+            sys.executable, "-m", "crossbar.worker", "--config", os.path.abspath(self.config.source),
+            "--row", str(index), "--rows", str(self.count + 1), "--shared", self._shared_path,
+        ]
+        self.reactor.spawnProcess(
+            process, sys.executable, argv, env=env,
+            childFDs={0: "w", 1: "r", 2: "r", 3: port.fileno(), 4: "r"},  # type: ignore[attr-defined]
+        )
+        _log.info("worker {worker} started (pid {pid})", worker=index, pid=process.transport.pid)  # type: ignore[union-attr]
+
+    def worker_ready(self, process: WorkerProcess) -> None:
+        """A worker listens and has polled every host once."""
+        _log.info("worker {worker} is ready", worker=process.index)
+        self._young_deaths[process.index] = 0 if self.reactor.seconds() - process.started_at > _YOUNG else \
+            self._young_deaths[process.index]
+        self._all_ready.check()
+        if self.systemd is not None:
+            self.systemd.health_changed()
+
+    def worker_ended(self, process: WorkerProcess, reason: Failure) -> None:
+        """A worker exited: counted and restarted unless crossbar is stopping."""
+        index = process.index
+        self.fleet.shared.clear_row(index)  # nothing of it is in flight any more
+        self._all_ended.check()
+        if self.systemd is not None:
+            self.systemd.health_changed()
+        if self._stopping or self.workers[index] is not process:
+            return
+        self.restarts += 1
+        self.fleet.publish_restarts(self.restarts)
+        young = self.reactor.seconds() - process.started_at < _YOUNG
+        self._young_deaths[index] = self._young_deaths[index] + 1 if young else 0
+        delay = min(_MAX_BACKOFF, 0.5 * 2 ** (self._young_deaths[index] - 1)) if young else 0.0
+        _log.warn("worker {worker} died ({reason}); restarting it in {delay}s (restarts: {restarts})",
+                  worker=index, reason=reason.getErrorMessage(), delay=delay, restarts=self.restarts)
+        self.reactor.callLater(delay, self._spawn, index)
+
+    # -- stop --------------------------------------------------------------------------
+
+    def stopService(self) -> Deferred[Any]:
+        """Drain every worker at once and wait for them to exit (killing any still
+        running ``drain.delay + drain.grace`` + :data:`STOP_MARGIN` seconds later),
+        then close the listener."""
+        self._stopping = True
+        if self.systemd is not None:
+            self.systemd.draining()
+        self._catch_second_signal()
+        for process in self.workers:
+            if process is not None:
+                process.send("drain")
+        drain = self.config.drain
+        waited = self._all_ended.wait()
+        waited.addTimeout(drain.delay + drain.grace + STOP_MARGIN, self.reactor)
+        waited.addErrback(self._kill_stragglers)
+        waited.addBoth(lambda _: super(Supervisor, self).stopService())
+        waited.addBoth(self._clean_up)
+        return waited
+
+    def _kill_stragglers(self, failure: Failure) -> None:
+        failure.trap(TimeoutError)
+        for process in self.workers:
+            if process is not None and not process.ended:
+                _log.warn("worker {worker} did not stop in time: killing it", worker=process.index)
+                try:
+                    process.transport.signalProcess("KILL")  # type: ignore[union-attr]
+                except Exception:
+                    pass
+
+    def _clean_up(self, result: object) -> object:
+        if self.systemd is not None:
+            self.systemd.notifier.close()
+        shutil.rmtree(self.directory, ignore_errors=True)
+        return result
+
+    def hurry(self) -> None:
+        """A second stop signal: every worker ends its drain now."""
+        if self._hurried:
+            return
+        self._hurried = True
+        _log.warn("second stop signal: workers end their drain now")
+        for process in self.workers:
+            if process is not None:
+                process.send("hurry")
+
+    def _catch_second_signal(self) -> None:
+        if not self._handle_signals or threading.current_thread() is not threading.main_thread():
+            return
+
+        def on_signal(signum: int, frame: FrameType | None) -> None:
+            self.reactor.callFromThread(self.hurry)
+
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, on_signal)
+
+    # -- reload --------------------------------------------------------------------------
+
+    def reload(self) -> bool:
+        """SIGHUP: validate the file here, then have every worker reload it."""
+        try:
+            new = load_config(self.config.source)
+        except ConfigError as e:
+            _log.error("reload refused, keeping the running config: {error}", error=str(e))
+            return False
+        if new.workers != self.count:
+            _log.warn("reload: workers changed from {old} to {new}; a restart is needed to apply it",
+                      old=self.count, new=new.workers)
+        if new.listen != self.config.listen:
+            _log.warn("reload: listen changed; a restart is needed to apply it")
+        self.config = new
+        self.fleet.configure(new)
+        self.fleet.publish_restarts(self.restarts)
+        for process in self.workers:
+            if process is not None:
+                process.send("reload")
+        return True
+
+    def when_all_ready(self) -> Deferred[None]:
+        """Fires once every worker has said it is ready."""
+        return self._all_ready.wait()
+
+
+def _stop_accepting(port: IListeningPort) -> None:
+    """The supervisor's listening port stays open for the workers but never accepts."""
+    stop = getattr(port, "stopReading", None)
+    if stop is not None:
+        stop()
+
+
+def make_supervisor(config: Config, reactor: Any = None, handle_signals: bool = True) -> Supervisor:
+    """The supervisor for ``config`` on ``reactor`` (default: the global one)."""
+    if reactor is None:
+        from twisted.internet import reactor as global_reactor
+
+        reactor = global_reactor
+    return Supervisor(config, reactor, handle_signals=handle_signals)

@@ -1,0 +1,156 @@
+"""One worker process of a crossbar with ``workers: N`` (DESIGN.md §Workers).
+
+The supervisor (:mod:`crossbar.supervisor`) starts each worker as
+``python -m crossbar.worker --config FILE --row I --rows N+1 --shared PATH`` with:
+
+- fd 3: the listening socket the supervisor opened (the worker adopts it with
+  ``reactor.adoptStreamPort``: every worker accepts on the same socket);
+- fd 0: commands from the supervisor, one per line: ``drain`` (SIGTERM's drain),
+  ``hurry`` (a second signal: end the drain now), ``reload`` (SIGHUP). End of file
+  (the supervisor is gone) drains too;
+- fd 1: its log, one JSON object per line (:mod:`crossbar.jsonlog`), which the
+  supervisor logs as its own;
+- fd 4: ``ready`` once the worker listens and its first poll round is done.
+
+Each worker is a whole :class:`~crossbar.service.CrossbarService` (poller, proxy,
+operations) whose counts are published to, and read from, the shared counters
+(:class:`~crossbar.fleet.Fleet`). Workers run in their own process group, so a Ctrl-C
+at a terminal reaches the supervisor only, which tells each worker once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+from typing import Any, Callable
+
+from twisted.internet import fdesc
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.interfaces import IListeningPort, IProtocolFactory, IReadDescriptor, IStreamServerEndpoint
+from twisted.internet.main import CONNECTION_DONE
+from twisted.logger import Logger, globalLogBeginner
+from zope.interface import implementer
+
+__all__ = ["AdoptedEndpoint", "main"]
+
+LISTEN_FD = 3
+STATUS_FD = 4
+
+_log = Logger(namespace="crossbar.worker")
+
+
+@implementer(IStreamServerEndpoint)
+class AdoptedEndpoint:
+    """A server endpoint for a listening socket opened by another process.
+
+    :param reactor: provides ``IReactorSocket.adoptStreamPort``.
+    :param fd: the listening socket's file descriptor (its family is read from it).
+    """
+
+    def __init__(self, reactor: Any, fd: int) -> None:
+        self._reactor = reactor
+        self._fd = fd
+
+    def listen(self, protocolFactory: IProtocolFactory) -> Deferred[IListeningPort]:
+        probe = socket.socket(fileno=self._fd)
+        family = probe.family
+        probe.detach()  # the fd stays open: the port adopts (a copy of) it
+        port = self._reactor.adoptStreamPort(self._fd, family, protocolFactory)
+        return succeed(port)
+
+
+@implementer(IReadDescriptor)
+class _Commands:
+    """Reads command lines on ``fd`` and calls ``handle(command)``; ``handle("eof")``
+    when the supervisor closes it."""
+
+    def __init__(self, fd: int, handle: Callable[[str], None]) -> None:
+        self._fd = fd
+        self._handle = handle
+        self._buffer = b""
+        fdesc.setNonBlocking(fd)
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def logPrefix(self) -> str:
+        return "crossbar-worker-commands"
+
+    def doRead(self) -> Any:
+        try:
+            data = os.read(self._fd, 4096)
+        except BlockingIOError:
+            return None
+        except OSError:
+            return CONNECTION_DONE
+        if not data:
+            return CONNECTION_DONE
+        self._buffer += data
+        *lines, self._buffer = self._buffer.split(b"\n")
+        for line in lines:
+            self._handle(line.decode("ascii", "replace").strip())
+        return None
+
+    def connectionLost(self, reason: Any) -> None:
+        self._handle("eof")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run one worker until it is told to drain (see the module docstring)."""
+    parser = argparse.ArgumentParser(prog="python -m crossbar.worker", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--row", type=int, required=True, help="this worker's row in the shared counters")
+    parser.add_argument("--rows", type=int, required=True, help="rows in the shared counters")
+    parser.add_argument("--shared", required=True, help="the shared counters' file")
+    args = parser.parse_args(argv)
+    os.setpgrp()  # a terminal's Ctrl-C goes to the supervisor, which tells us once
+
+    from crossbar import jsonlog
+
+    globalLogBeginner.beginLoggingTo([jsonlog.observer_to(sys.stdout)], redirectStandardIO=False)
+
+    from twisted.internet import reactor
+
+    from crossbar.config import ConfigError, load_config
+    from crossbar.fleet import Fleet
+    from crossbar.service import CrossbarService
+    from crossbar.shared import SharedCounts
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as e:
+        _log.critical("worker cannot start: {error}", error=str(e))
+        raise SystemExit(1) from None
+    fleet = Fleet(SharedCounts(args.shared, args.rows, args.row), config)
+    service = CrossbarService(
+        config, reactor, environ={}, handle_signals=True, listen=AdoptedEndpoint(reactor, LISTEN_FD), fleet=fleet,
+    )
+
+    def command(name: str) -> None:
+        if name in ("drain", "eof"):
+            if reactor.running:
+                reactor.stop()  # the drain is stopService
+        elif name == "hurry":
+            service.hurry()
+        elif name == "reload":
+            service.reload()
+        elif name:
+            _log.warn("unknown supervisor command {command!r}", command=name)
+
+    def ready(_: object) -> None:
+        try:
+            os.write(STATUS_FD, b"ready\n")
+        except OSError:
+            pass  # no supervisor listening (run by hand)
+
+    reactor.addReader(_Commands(0, command))
+    reactor.callWhenRunning(service.startService)
+    reactor.callWhenRunning(lambda: service.when_ready().addCallbacks(ready, lambda f: None))
+    reactor.addSystemEventTrigger("before", "shutdown", service.stopService)
+    reactor.run()
+
+
+if __name__ == "__main__":
+    main()
