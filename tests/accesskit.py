@@ -35,7 +35,7 @@ def write_pem(case: TestCase, name: str, data: bytes) -> str:
     """Write ``data`` to ``name`` in a directory of the test; returns its path."""
     directory = case.mktemp()
     os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, name)
+    path = os.path.abspath(os.path.join(directory, name))
     with open(path, "wb") as f:
         f.write(data)
     return path
