@@ -1,0 +1,217 @@
+"""TLS end to end through a real crossbar (DESIGN.md §Access, §The proxy rule 7):
+hosts served over TLS with ``trustme`` certificates made in the test run, crossbar
+loaded from a config file, and a TLS listener reached by the ``openai`` client.
+
+Each refused host is a connect failure with a ``last_err`` (status) and a log line that
+say what failed; the route fails over to a plain host.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ssl
+from typing import Any
+
+import trustme
+from twisted.internet.threads import deferToThread
+from twisted.logger import LogLevel, formatEvent
+from OpenSSL import SSL
+from twisted.python.failure import Failure
+from twisted.trial.unittest import SynchronousTestCase, TestCase
+from twisted.web._newclient import ResponseNeverReceived
+
+from crossbar.failures import describe_failure
+
+from tests.accesskit import serve_tls, start_file, write_pem
+from tests.harness import FakeLlama, http_client, listen, upstream_requests, wait_for
+from tests.logs import LogCapture
+from tests.upstreams import host_status
+
+_DAY = datetime.timedelta(days=1)
+CHAT = b'{"model": "tiny-a", "messages": [{"role": "user", "content": "hi"}]}'
+
+
+class TLSHostsTests(TestCase):
+    timeout = 60
+
+    def setUp(self) -> None:
+        self.ca = trustme.CA()
+        self.ca_path = write_pem(self, "ca.pem", self.ca.cert_pem.bytes())
+        self.log = LogCapture(self)
+
+    async def crossbar(self, tls_host: str) -> tuple[Any, str, FakeLlama, FakeLlama]:
+        """crossbar with TLS host ``t`` (its YAML value; ``{port}`` is filled in by the
+        caller) and plain host ``plain``, route ``r: [t, plain]``. Returns the service,
+        its base URL, t's and plain's FakeLlama."""
+        plain = FakeLlama()
+        plain_url = await listen(self, plain)
+        config = (
+            "health: {interval: 60, timeout: 5}\n"
+            f"hosts:\n  t: {tls_host}\n  plain: {plain_url}\n"
+            "routes:\n  r: {hosts: [t, plain]}\n"
+        )
+        service, base, _ = await start_file(self, config)
+        await service.poller.when_first_round_done()
+        return service, base, self.tls_host, plain
+
+    async def serve(self, leaf: trustme.LeafCert, client_ca: trustme.CA | None = None) -> int:
+        self.tls_host = FakeLlama()
+        return await serve_tls(self, self.tls_host, leaf, client_ca)
+
+    async def post(self, base: str) -> tuple[int, str | None]:
+        response = await http_client(self).post(base + "/r/v1/chat/completions", data=CHAT,
+                                                headers={b"Content-Type": [b"application/json"]})
+        await response.content()
+        host = response.headers.getRawHeaders(b"x-crossbar-host")
+        return response.code, host[0].decode() if host else None
+
+    async def assert_refused(self, tls_host: str, reason: str) -> None:
+        """Host ``t`` fails its poll with ``reason`` in ``last_err``; forced healthy, a
+        request to it fails over to ``plain`` and marks it down with ``reason`` again
+        (status and a log line)."""
+        service, base, t, plain = await self.crossbar(tls_host)
+        hosts = await host_status(self, base)
+        self.assertFalse(hosts["t"]["healthy"])
+        self.assertIn(reason, hosts["t"]["last_err"])
+        # The proxy's own attempt: t looks healthy, the handshake fails, plain answers.
+        service.table.record_success("t", ["tiny-a"])
+        for _ in range(service.config.health.recovery_polls):
+            service.table.record_success("t", ["tiny-a"])
+        self.assertTrue(service.table.is_healthy("t"))
+        self.assertEqual(await self.post(base), (200, "plain"))
+        self.assertFalse(service.table.is_healthy("t"))
+        hosts = await host_status(self, base)
+        self.assertIn(reason, hosts["t"]["last_err"])
+        self.assertTrue(any(reason in (formatEvent(e) or "") and "t" in (formatEvent(e) or "") for e in self.log.events),
+                        "no log line names the reason")
+        self.assertEqual(upstream_requests(t), [])
+        self.assertEqual(len(upstream_requests(plain)), 1)
+
+    async def test_private_ca_verified_with_tls_ca(self) -> None:
+        port = await self.serve(self.ca.issue_cert("localhost"))
+        service, base, t, plain = await self.crossbar(
+            f"{{url: 'https://localhost:{port}', tls: {{ca: {self.ca_path}}}}}")
+        self.assertTrue(service.table.is_healthy("t"))
+        self.assertEqual(await self.post(base), (200, "t"))
+        self.assertEqual(len(upstream_requests(t)), 1)
+
+    async def test_private_ca_refused_without_tls_ca(self) -> None:
+        port = await self.serve(self.ca.issue_cert("localhost"))
+        await self.assert_refused(f"https://localhost:{port}", "unknown CA")
+
+    async def test_wrong_hostname(self) -> None:
+        port = await self.serve(self.ca.issue_cert("other.example"))
+        await self.assert_refused(f"{{url: 'https://localhost:{port}', tls: {{ca: {self.ca_path}}}}}", "wrong name")
+
+    async def test_expired_certificate(self) -> None:
+        now = datetime.datetime.now(datetime.timezone.utc)
+        port = await self.serve(self.ca.issue_cert("localhost", not_before=now - 10 * _DAY, not_after=now - _DAY))
+        await self.assert_refused(f"{{url: 'https://localhost:{port}', tls: {{ca: {self.ca_path}}}}}",
+                                  "certificate expired")
+
+    async def test_mutual_tls_required_by_the_host(self) -> None:
+        client_ca = trustme.CA()
+        port = await self.serve(self.ca.issue_cert("localhost"), client_ca=client_ca)
+        await self.assert_refused(f"{{url: 'https://localhost:{port}', tls: {{ca: {self.ca_path}}}}}",
+                                  "client certificate")
+
+    async def test_mutual_tls_with_client_cert(self) -> None:
+        client_ca = trustme.CA()
+        port = await self.serve(self.ca.issue_cert("localhost"), client_ca=client_ca)
+        leaf = client_ca.issue_cert("crossbar")
+        cert = write_pem(self, "client.pem", leaf.cert_chain_pems[0].bytes())
+        key = write_pem(self, "client.key", leaf.private_key_pem.bytes())
+        service, base, t, _ = await self.crossbar(
+            f"{{url: 'https://localhost:{port}', tls: {{ca: {self.ca_path}, client_cert: {cert}, client_key: {key}}}}}")
+        self.assertTrue(service.table.is_healthy("t"))
+        self.assertEqual(await self.post(base), (200, "t"))
+        self.assertEqual(len(upstream_requests(t)), 1)
+
+    async def test_verify_false_warns_once_at_start(self) -> None:
+        stranger = trustme.CA()  # a CA crossbar is never told about
+        port = await self.serve(stranger.issue_cert("other.example"))
+        service, base, t, _ = await self.crossbar(f"{{url: 'https://localhost:{port}', tls: {{verify: false}}}}")
+        self.assertTrue(service.table.is_healthy("t"))
+        self.assertEqual(await self.post(base), (200, "t"))
+        warnings = [formatEvent(e) for e in self.log.events
+                    if e.get("log_level") == LogLevel.warn and "verify" in (formatEvent(e) or "")]
+        self.assertEqual(len(warnings), 1, warnings)
+        self.assertIn("hosts.t.tls.verify", warnings[0])
+
+
+def _httpx() -> Any:
+    """The HTTP library the installed ``openai`` client is built on (``httpx``, or its
+    ``httpx2`` fork in newer releases)."""
+    try:
+        import httpx
+    except ImportError:
+        import httpx2 as httpx  # type: ignore[no-redef]
+    return httpx
+
+
+def _stream_over_tls(base: str, ca_file: str, api_key: str) -> tuple[list[str], str | None]:
+    from openai import OpenAI
+
+    http = _httpx().Client(verify=ssl.create_default_context(cafile=ca_file))
+    client = OpenAI(base_url=base + "/r/v1", api_key=api_key, http_client=http, max_retries=0, timeout=30.0)
+    try:
+        chunks: list[str] = []
+        with client.chat.completions.with_streaming_response.create(
+            model="tiny-a", messages=[{"role": "user", "content": "hi"}], stream=True,  # type: ignore[arg-type]
+        ) as response:
+            host = response.headers.get("x-crossbar-host")
+            for chunk in response.parse():
+                for choice in chunk.choices:
+                    if choice.delta.content:
+                        chunks.append(choice.delta.content)
+        return chunks, host
+    finally:
+        client.close()
+        http.close()
+
+
+def _refused_without_ca(base: str) -> str:
+    httpx = _httpx()
+    try:
+        httpx.get(base + "/_crossbar/health", timeout=10)
+    except httpx.ConnectError as e:
+        return str(e)
+    raise AssertionError("a client without the test CA connected")
+
+
+class TLSListenerTests(TestCase):
+    timeout = 60
+
+    async def test_openai_client_through_a_tls_listener(self) -> None:
+        """``listen: "ssl:0:...:privateKey=KEY:certKey=CERT"`` (Twisted's ``ssl:``
+        endpoint string): the ``openai`` client with the test CA streams through a
+        keyed route; a client without the CA is refused."""
+        ca = trustme.CA()
+        leaf = ca.issue_cert("localhost", "127.0.0.1")
+        ca_file = write_pem(self, "ca.pem", ca.cert_pem.bytes())
+        cert = write_pem(self, "listener.pem", b"".join(p.bytes() for p in leaf.cert_chain_pems))
+        key = write_pem(self, "listener.key", leaf.private_key_pem.bytes())
+        host = FakeLlama()
+        url = await listen(self, host)
+        service, base, _ = await start_file(
+            self, f"hosts: {{a: {url}}}\nroutes:\n  r: {{hosts: [a], keys: {{alice: ${{T_TLS_ALICE}}}}}}\n",
+            {"T_TLS_ALICE": "alice-Tt9l-secret"},
+            listen=f"ssl:0:interface=127.0.0.1:privateKey={key}:certKey={cert}",
+        )
+        self.assertTrue(base.startswith("https://localhost:"), base)
+        await service.poller.when_first_round_done()
+        chunks, served_by = await deferToThread(_stream_over_tls, base, ca_file, "alice-Tt9l-secret")
+        self.assertEqual(served_by, "a")
+        self.assertEqual(len(chunks), 5)
+        self.assertIn("CERTIFICATE_VERIFY_FAILED", await deferToThread(_refused_without_ca, base))
+        await wait_for(lambda: len(upstream_requests(host)) == 1, what="one request at the host")
+
+
+class DescribeTLSFailureTests(SynchronousTestCase):
+    def test_short_reason_not_openssl_list(self) -> None:
+        """``last_err`` and log lines use the short TLS reason, also for a refusal the
+        host sends after the TLS 1.3 handshake (found by the mutual TLS test above)."""
+        error = SSL.Error([("SSL routines", "", "tlsv13 alert certificate required")])
+        failure = Failure(ResponseNeverReceived([Failure(error)]))
+        self.assertEqual(describe_failure(failure), "client certificate required by the host")
+        self.assertEqual(describe_failure(Failure(ValueError("plain  problem"))), "plain problem")
