@@ -37,8 +37,7 @@ from types import FrameType
 from typing import Any, Mapping
 
 from twisted.application.service import MultiService
-from twisted.internet.defer import Deferred, DeferredList, TimeoutError, gatherResults
-from twisted.internet.endpoints import serverFromString
+from twisted.internet.defer import Deferred, TimeoutError
 from twisted.internet.interfaces import IListeningPort
 from twisted.internet.protocol import ProcessProtocol, ServerFactory
 from twisted.logger import Logger, LogLevel, InvalidLogLevelError
@@ -52,7 +51,7 @@ from crossbar.systemd import Notifier, SystemdNotifier, watchdog_interval
 from crossbar.waiting import Condition
 from crossbar.web import ListenService
 
-__all__ = ["Supervisor", "WorkerProcess", "make_supervisor"]
+__all__ = ["ListenerHolder", "Supervisor", "WorkerProcess", "make_supervisor", "relay_log_line"]
 
 _log = Logger(namespace="crossbar.supervisor")
 
@@ -64,7 +63,7 @@ _YOUNG = 10.0  # s: a worker that dies sooner is restarted after a growing back-
 _MAX_BACKOFF = 30.0
 
 
-class _NoAccept(ServerFactory):
+class ListenerHolder(ServerFactory):
     """The supervisor's own factory for the listener: it never accepts (its port does
     not read), and would refuse if it did."""
 
@@ -175,7 +174,7 @@ class Supervisor(MultiService):
         self.fleet = Fleet(SharedCounts(self._shared_path, self.count + 1, self.count), config)
         self.metrics_directory = os.path.join(self.directory, "metrics")
         os.mkdir(self.metrics_directory)
-        self.web = ListenService(listen_endpoint(reactor, config), _NoAccept())
+        self.web = ListenService(listen_endpoint(reactor, config), ListenerHolder())
         self.web.setServiceParent(self)
         self._all_ended = Condition(lambda: all(w is None or w.ended for w in self.workers))
         self._all_ready = Condition(lambda: all(w is not None and w.ready for w in self.workers))
