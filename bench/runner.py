@@ -188,8 +188,11 @@ _WRK_LUA = """wrk.method = "POST"
 wrk.body = '{"model":"bench","messages":[{"role":"user","content":"Say hello."}],"max_tokens":16}'
 wrk.headers["Content-Type"] = "application/json"
 """
-# (f) without an affinity key: no user message, no prompt, no prompt_cache_key or user
-_WRK_LUA_KEYLESS = _WRK_LUA.replace('[{"role":"user","content":"Say hello."}]', "[]")
+# (f) the same bytes without an affinity key: the message moves to a field the peek skips
+# (empty messages, no prompt, prompt_cache_key or user), so only the key's work differs
+_WRK_LUA_KEYLESS = _WRK_LUA.replace(
+    '"messages":[{"role":"user","content":"Say hello."}]', '"messages":[],"x":[{"role":"user","content":"Say hello."}]'
+)
 
 # (f): (label, route, keyed body?) -- DESIGN.md §"Cache affinity" must cost <= 5% of (a)
 F_VARIANTS = [
