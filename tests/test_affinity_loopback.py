@@ -6,7 +6,7 @@ first while load allows; a burst beyond the bound spills (log line, status, metr
 ``prompt_cache_key`` and ``user`` override the prefix; ``affinity: {key: none}`` spreads
 evenly; a reload that changes ``affinity`` applies. (Bad ``affinity.key`` / ``balance``
 values are refused with the one-line error in tests/test_config.py,
-``RouteBalancingConfigTests.test_affinity_refused``.)
+``RouteBalancingKeyTests.test_affinity_refused``.)
 """
 
 from __future__ import annotations
