@@ -117,6 +117,9 @@ def start(workdir: Path) -> Procs:
         "routes:\n  bench:\n    hosts: [up]\n    default_model: bench\n"
         # affinity off: wrk sends one prompt over and over, which would all share one key
         "  bench2:\n    hosts: [up, up2]\n    default_model: bench\n    affinity: {key: none}\n"
+        # (g): the same two hosts, affinity on and off
+        "  aff:\n    hosts: [up, up2]\n"
+        "  noaff:\n    hosts: [up, up2]\n    affinity: {key: none}\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     twistd = Path(sys.executable).parent / "twistd"
@@ -202,6 +205,18 @@ _WRK_LUA = """wrk.method = "POST"
 wrk.body = '{"model":"bench","messages":[{"role":"user","content":"Say hello."}],"max_tokens":16}'
 wrk.headers["Content-Type"] = "application/json"
 """
+# (f) the same bytes without an affinity key: the message moves to a field the peek skips
+# (empty messages, no prompt, prompt_cache_key or user), so only the key's work differs
+_WRK_LUA_KEYLESS = _WRK_LUA.replace(
+    '"messages":[{"role":"user","content":"Say hello."}]', '"messages":[],"x":[{"role":"user","content":"Say hello."}]'
+)
+
+# (f): (label, route, keyed body?) -- DESIGN.md §"Cache affinity" must cost <= 5% of (a)
+G_VARIANTS = [
+    ("keyed, affinity on", "/aff", True),
+    ("keyed, affinity: {key: none}", "/noaff", True),
+    ("keyless, affinity on", "/aff", False),
+]
 
 
 def _ms(text: str) -> float:
@@ -250,10 +265,11 @@ Results = dict[tuple[str, str, str], list[float]]  # (row group, metric, target)
 
 
 class Bench:
-    def __init__(self, procs: Procs, settings: Settings, lua: Path) -> None:
+    def __init__(self, procs: Procs, settings: Settings, lua: Path, keyless_lua: Path | None = None) -> None:
         self.procs = procs
         self.s = settings
         self.lua = lua
+        self.keyless_lua = keyless_lua
         self.r: Results = defaultdict(list)
         self.notes: list[str] = []
 
@@ -314,6 +330,19 @@ class Bench:
             self.put(g, "cpu_vs_one", "crossbar", self.r[(g, "cpu_us", "crossbar")][-1] / one[-1])
         if out["bad"]:
             self.notes.append(f"(f) c={c}: {out['bad']:g} non-2xx answers")
+
+    async def scenario_g(self, label: str, route: str, keyed: bool) -> None:
+        """(a) at c=16 through a two-host route, with or without affinity, keyed or
+        keyless bodies: crossbar's CPU us/request."""
+        lua = self.lua if keyed or self.keyless_lua is None else self.keyless_lua
+        meter = CpuMeter(self.procs)
+        out = await wrk(f"http://{HOST}:{self.procs.cb_port}{route}/v1/chat/completions", 16, self.s.wrk_seconds, lua)
+        cpu = meter.read()
+        g = f"g {label}"
+        self.put(g, "rps", "crossbar", out["rps"])
+        self.put(g, "cpu_us", "crossbar", 1e6 * cpu["crossbar"] / out["rps"])
+        if out["bad"]:
+            self.notes.append(f"(g) {label}: {out['bad']:g} non-2xx answers")
 
     async def streams(self, target: str, n: int, events: int, delay_ms: float, timeout: float) -> StreamsResult:
         port, prefix = self.target(target)
@@ -408,6 +437,12 @@ class Bench:
                     print(f"  {name} {t}", file=sys.stderr)
                     await step(t)
                     await asyncio.sleep(0.3)
+            if "g" in only:
+                variants = G_VARIANTS if rnd % 2 == 0 else G_VARIANTS[::-1]
+                for label, route, keyed in variants:
+                    print(f"  g {label}", file=sys.stderr)
+                    await self.scenario_g(label, route, keyed)
+                    await asyncio.sleep(0.3)
         self.put("c", "rss_end", "crossbar", rss_mib(pid))
         if "d" in only:
             print("d crossbar", file=sys.stderr)
@@ -493,7 +528,24 @@ def table(r: Results) -> str:
                 parts.append(f"{t}: " + " / ".join(f"{statistics.median(v):.2f}" for v in vals))
         if parts:
             lines.append(f"  {g:16} " + "   ".join(parts))
+    lines += affinity_table(r)
     return "\n".join(lines)
+
+
+def affinity_table(r: Results) -> list[str]:
+    """(g): crossbar CPU us/request at c=16 per variant and what affinity adds (target:
+    at most +5% over keyless bodies)."""
+    cpu = {label: r.get((f"g {label}", "cpu_us", "crossbar"), []) for label, _, _ in G_VARIANTS}
+    if not all(cpu.values()):
+        return []
+    lines = ["", "(g) cache affinity, c=16 over two hosts: crossbar CPU us/request, requests/s"]
+    for label, _, _ in G_VARIANTS:
+        lines.append(f"  {label:30} {fmt(cpu[label], 0):>20} us   {fmt(r[(f'g {label}', 'rps', 'crossbar')], 0):>20} req/s")
+    keyed, off, keyless = (statistics.median(cpu[label]) for label, _, _ in G_VARIANTS)
+    added = 100 * (keyed / keyless - 1)
+    lines.append(f"  affinity adds {added:+.1f}% CPU/request over keyless bodies (target <= +5%: "
+                 f"{'yes' if added <= 5 else 'NO'}); rank+pick alone {100 * (keyed / off - 1):+.1f}% over key: none")
+    return lines
 
 
 def machine() -> str:
@@ -525,16 +577,18 @@ async def amain(args: argparse.Namespace) -> int:
     if shutil.which("wrk") is None:
         print("bench: wrk not found (apt-get install wrk)", file=sys.stderr)
         return 2
-    only = set(args.only) if args.only else {"a", "b", "c", "d", "e", "f"}
+    only = set(args.only) if args.only else {"a", "b", "c", "d", "e", "f", "g"}
     t0 = time.monotonic()
     started_load = loadavg()
     with tempfile.TemporaryDirectory(prefix="crossbar-bench-") as tmp:
         workdir = Path(tmp)
         lua = workdir / "post.lua"
         lua.write_text(_WRK_LUA)
+        keyless_lua = workdir / "post-keyless.lua"
+        keyless_lua.write_text(_WRK_LUA_KEYLESS)
         procs = start(workdir)
         try:
-            bench = Bench(procs, settings, lua)
+            bench = Bench(procs, settings, lua, keyless_lua)
             if args.profile:
                 await profile(bench, Path(args.profile))
                 return 0
@@ -642,7 +696,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description="crossbar against a direct upstream, side by side")
     p.add_argument("--quick", action="store_true", help="one short round (development)")
     p.add_argument("--rounds", type=int, default=0, help="rounds (default: 3 full, 1 quick)")
-    p.add_argument("--only", nargs="*", choices=["a", "b", "c", "d", "e", "f"], help="run only these scenarios")
+    p.add_argument("--only", nargs="*", choices=["a", "b", "c", "d", "e", "f", "g"], help="run only these scenarios")
     p.add_argument("--profile", metavar="DIR", help="profile crossbar with py-spy under (a) and (b) instead")
     p.add_argument("--json", metavar="PATH", help="also write every per-round value as JSON")
     p.add_argument("--keep-log", metavar="PATH", help="copy crossbar's log here")

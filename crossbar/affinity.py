@@ -96,10 +96,11 @@ def pick(key: str, candidates: Sequence[Candidate], balance: float) -> Pick | No
         raise ValueError(f"balance must be >= 1 (got {balance})")
     if total_weight <= 0:
         return None
-    tier_inflight = sum(c.inflight for c in candidates)
-    by_name = {c.name: c for c in candidates}
-    for i, name in enumerate(rank(key, [(c.name, c.weight) for c in candidates])):
-        c = by_name[name]
-        if c.has_room and c.inflight < bound(balance, tier_inflight, c.weight, total_weight):
-            return Pick(name, "home" if i == 0 else "spill")
+    # ceil(balance * (tier in-flight + 1) * weight / total weight), as bound() has it,
+    # with the per-tier factor taken once (this runs for every keyed request)
+    per_weight = balance * (sum(c.inflight for c in candidates) + 1) / total_weight
+    ranked = sorted(candidates, key=lambda c: (-score(key, c.name, c.weight), c.name))  # = rank()
+    for i, c in enumerate(ranked):
+        if c.has_room and c.inflight < math.ceil(per_weight * c.weight - _EPSILON):
+            return Pick(c.name, "home" if i == 0 else "spill")
     return None
