@@ -174,7 +174,7 @@ class AffinityLoopbackTests(TestCase):
                 for family in text_string_to_metric_families(metrics) if family.name == "crossbar_affinity"
                 for sample in family.samples if sample.name == "crossbar_affinity_total" and sample.labels["route"] == "r"
             }
-            self.assertEqual(counted, {"home": 3.0, "spill": 1.0})
+            self.assertEqual(counted, {"home": 3.0, "spill": 1.0, "none": 0.0})  # every outcome, from 0
 
         return ensureDeferred(go())
 
