@@ -1,4 +1,5 @@
-"""Pure routing rules of the proxy (DESIGN.md §The proxy, rules 1-5).
+"""Pure routing rules of the proxy (DESIGN.md §The proxy, rules 1-4; choosing a host
+is :mod:`crossbar.balance`).
 
 Nothing here does I/O: each function takes bytes or names and answers, so each rule is
 unit-tested on its own.
@@ -8,11 +9,10 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Callable, Iterable
 from urllib.parse import unquote_to_bytes
 
 __all__ = [
-    "ALLOWED_EXACT", "ALLOWED_PREFIX", "choose", "has_dot_segment", "is_allowed", "is_forwardable",
+    "ALLOWED_EXACT", "ALLOWED_PREFIX", "has_dot_segment", "is_allowed", "is_forwardable",
     "peek_model", "split_route", "split_target",
 ]
 
@@ -101,25 +101,3 @@ def peek_model(body: bytes) -> str | None:
         return None
     model = doc.get("model")
     return model if isinstance(model, str) and model else None
-
-
-def choose(
-    hosts: Iterable[str],
-    model: str | None,
-    is_healthy: Callable[[str], bool],
-    loaded: Callable[[str], Iterable[str]],
-    exclude: Iterable[str] = (),
-) -> str | None:
-    """Pick a host for a request (rule 5).
-
-    The first host, in route order, that is healthy and has ``model`` loaded; failing
-    that, the first healthy host; None when no host is healthy. Hosts in ``exclude``
-    (already tried for this request) are skipped.
-    """
-    skip = set(exclude)
-    candidates = [h for h in hosts if h not in skip and is_healthy(h)]
-    if model is not None:
-        for h in candidates:
-            if model in loaded(h):
-                return h
-    return candidates[0] if candidates else None

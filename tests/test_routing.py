@@ -8,8 +8,11 @@ import json
 from twisted.internet.defer import ensureDeferred
 from twisted.trial.unittest import TestCase
 
+from crossbar.balance import Chosen, Rotation, choose
+from crossbar.config import Host, Route
+from crossbar.health import HostStatus
 from crossbar.routing import (
-    choose, has_dot_segment, is_allowed, is_forwardable, peek_model, split_route, split_target,
+    has_dot_segment, is_allowed, is_forwardable, peek_model, split_route, split_target,
 )
 from tests.harness import TwoHosts, two_hosts, upstream_requests
 from tests.raw import parse_responses, raw_exchange, request_bytes
@@ -109,11 +112,18 @@ class PeekModelTests(TestCase):
 
 
 class ChooseTests(TestCase):
+    """The fit rules of :func:`crossbar.balance.choose` for idle hosts and keyless
+    requests (DESIGN.md §Choosing a host: fit tier, then route order among equals)."""
+
     healthy = {"a": True, "b": True, "c": True}
     loaded = {"a": ("m1",), "b": ("m2",), "c": ("m2", "m3")}
 
     def pick(self, hosts: list[str], model: str | None, exclude: tuple[str, ...] = ()) -> str | None:
-        return choose(hosts, model, lambda h: self.healthy.get(h, False), lambda h: self.loaded.get(h, ()), exclude)
+        route = Route(name="r", hosts=tuple(hosts), default_model=None)
+        configured = {h: Host(name=h, url=f"http://{h}:1") for h in ("a", "b", "c")}
+        statuses = {h: HostStatus(healthy=self.healthy.get(h, False), loaded=self.loaded.get(h, ())) for h in configured}
+        chosen = choose(route, configured, statuses, lambda h: 0, model, None, Rotation(), exclude)
+        return chosen.host if isinstance(chosen, Chosen) else None
 
     def test_loaded_model_preferred_in_route_order(self) -> None:
         self.assertEqual(self.pick(["a", "b", "c"], "m2"), "b")
