@@ -76,11 +76,12 @@ class RequestLog:
         ms = round(record.duration * 1000, 1)
         ttfb_ms = round(record.ttfb * 1000, 1) if record.ttfb is not None else None
         _log.info(
-            "{method} {target} -> {host} {status} {bytes}B ttfb={ttfb_text} {ms}ms{why_text}{key_text}",
+            "{method} {target} -> {host} {status} {bytes}B{queued_text} ttfb={ttfb_text} {ms}ms{why_text}{key_text}",
             route=record.route, host=record.host or "-", method=record.method, path=record.path,
             target=record.target, status=record.status, bytes=record.bytes, ttfb_ms=ttfb_ms,
             ttfb_text="-" if ttfb_ms is None else f"{ttfb_ms}ms", ms=ms,
             queued_ms=round(record.queued * 1000, 1), key=record.key, why=record.why,
             why_text=f" ({record.why})" if record.why else "",
+            queued_text=f" queued={round(record.queued * 1000, 1)}ms" if record.queued else "",
             key_text=f" key={record.key}" if record.key else "",
         )
