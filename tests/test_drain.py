@@ -204,3 +204,47 @@ class DrainClosesKeepAliveTests(TestCase):
             await draining
 
         return ensureDeferred(go())
+
+
+class QueuedDrainTests(TestCase):
+    """DESIGN.md §Choosing a host, rule 4: a request still waiting in its route's queue
+    when the drain's grace ends is answered 503; the one in flight is cut."""
+
+    def test_waiting_request_gets_503_when_the_grace_ends(self) -> object:
+        async def go() -> None:
+            from tests.harness import start_crossbar, wait_for
+            from tests.raw import connect_raw
+
+            upstream = FakeLlama()
+            upstream.event_delay = 0.2
+            upstream.events = 50  # ~10 s: outlives the grace
+            url = await listen(self, upstream)
+            service, base = await start_crossbar(self, f"""
+health: {{interval: 60, timeout: 5}}
+drain: {{delay: 0.1, grace: 0.5}}
+hosts:
+  a: {{url: {url}, max_inflight: 1}}
+routes:
+  r:
+    hosts: [a]
+    queue: {{max: 5, timeout: 30}}
+""")
+            await service.poller.when_first_round_done()
+            body = b'{"stream": true}'
+            head = [(b"Content-Type", b"application/json"), (b"Content-Length", b"%d" % len(body))]
+            busy = await connect_raw(self, base, request_bytes(b"POST", b"/r/v1/chat/completions", head, body))
+            await busy.wait_for(b"tok0")
+            waiting = await connect_raw(self, base, request_bytes(b"POST", b"/r/v1/chat/completions", head, body))
+            await wait_for(lambda: service.runtime.queued("r") == 1, 2.0)
+            await service.drain()
+            await waiting.closed
+            (answer,) = parse_responses(waiting.data)
+            self.assertEqual(answer.status, 503)
+            self.assertEqual(upstream.seen[-1].uri, b"/v1/chat/completions")
+            self.assertEqual(len([s for s in upstream.seen if s.uri == b"/v1/chat/completions"]), 1)
+            await busy.closed
+            self.assertNotIn(b"[DONE]", busy.data)
+            self.assertEqual(service.runtime.queued("r"), 0)
+            self.assertEqual(service.runtime.active, set())
+
+        return ensureDeferred(go())
