@@ -73,6 +73,7 @@ class OpsApp:
 
     @app.route("/status", methods=["GET"])
     def status(self, request: IRequest) -> bytes:
+        """``GET /_crossbar/status``: hosts and routes as JSON (token required when set)."""
         if not self._authorized(request):
             request.setHeader(b"WWW-Authenticate", b'Bearer realm="crossbar"')
             return self._error(request, 401, "unauthorized")
@@ -113,6 +114,7 @@ class OpsApp:
 
     @app.route("/metrics", methods=["GET"])
     def metrics(self, request: IRequest) -> bytes:
+        """``GET /_crossbar/metrics``: the Prometheus text exposition (token required when set)."""
         if not self._authorized(request):
             request.setHeader(b"WWW-Authenticate", b'Bearer realm="crossbar"')
             return self._error(request, 401, "unauthorized")
@@ -121,17 +123,20 @@ class OpsApp:
 
     @app.route("/livez", methods=["GET", "HEAD"])
     def livez(self, request: IRequest) -> bytes:
+        """``GET /_crossbar/livez``: 200 while the process serves."""
         return self._json(request, 200, {"status": "ok"})
 
     @app.route("/readyz", methods=["GET", "HEAD"])
     @app.route("/healthz", methods=["GET", "HEAD"])
     def readyz(self, request: IRequest) -> bytes:
+        """``GET /_crossbar/readyz`` (and ``healthz``): 200 when ready, else 503."""
         if self._runtime.ready:
             return self._json(request, 200, {"status": "ready"})
         return self._json(request, 503, {"status": "not ready"})
 
     @app.handle_errors(Exception)
     def on_error(self, request: IRequest, failure: Any) -> bytes:
+        """Any error in the ops app: a JSON 404, 405 or 500, never a traceback."""
         from werkzeug.exceptions import MethodNotAllowed, NotFound
 
         if failure.check(NotFound):

@@ -172,6 +172,7 @@ class HTTPProbe:
         self._api_keys = dict(api_keys or {})
 
     def poll(self, url: str | HostURL) -> Deferred[ModelList | tuple[str, ...]]:
+        """``GET /health`` then ``GET /v1/models`` of ``url``; see :class:`IHostProbe`."""
         return ensureDeferred(self._poll(url))
 
     async def _get(self, phase: str, url: bytes, headers: Headers) -> bytes:

@@ -116,6 +116,7 @@ class ProxyResource(Resource):
         self.requests = requests
 
     def render(self, request: Request) -> Any:
+        """Start the request's :class:`Exchange`; it answers asynchronously."""
         exchange = Exchange(self, request)
         try:
             exchange.start()

@@ -123,6 +123,7 @@ class SystemdNotifier(Service):
         self.stopping = False
 
     def status_line(self) -> str:
+        """The ``STATUS=`` text, e.g. ``serving; 2/3 hosts healthy``."""
         healthy = self._healthy()
         up = sum(1 for ok in healthy.values() if ok)
         state = "draining" if self.stopping else ("serving" if self.is_ready else "starting")
