@@ -348,5 +348,315 @@ class FleetTests(TestCase):
             await treq.content(response)
         self.assertLessEqual(held.most, 2)
         self.assertTrue(cross_rounds(), f"no slot freed in one worker went to the other: {served(proc)}")
+        if os.environ.get("CROSSBAR_SHOW_GAPS"):
+            print("gaps ms", [round(g * 1000, 1) for g in gaps], "cross rounds", cross_rounds())
         self.assertLess(max(gaps[k] for k in cross_rounds()), 0.1, gaps)
         self.assertLess(max(gaps), 0.1, gaps)
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The sum of ``name``'s samples whose labels include ``labels``."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
+
+
+class FleetViewTests(TestCase):
+    timeout = 120
+
+    async def test_status_and_metrics_are_fleet_totals_whichever_worker_answers(self) -> None:
+        _, held, url = await held_host(self)
+        proc = await start_workers(self, host_yaml(url, "    max_inflight: 2"))
+        http = fresh(self)
+        done = []
+        for _ in range(6):
+            done.append(ensureDeferred(http.post(proc.base + "/r/v1/chat/completions",
+                                                 json={"model": "tiny-a", "messages": [], "hold": 0})))
+        for d in done:
+            response = await d
+            self.assertEqual(response.code, 200)
+            await treq.content(response)
+        await wait_for(lambda: len(served(proc)) >= 6, 10, "6 log lines")
+        self.assertEqual({e["worker"] for e in served(proc)}, {0, 1})
+        # Two held, then one waiting: sent one at a time, so none is over the limit.
+        pending = []
+        for n in (1, 2):
+            arrived = held.next_arrival()
+            pending.append(ensureDeferred(http.post(proc.base + "/r/v1/chat/completions",
+                                                    json={"model": "tiny-a", "messages": []})))
+            await arrived
+        pending.append(ensureDeferred(http.post(proc.base + "/r/v1/chat/completions",
+                                                json={"model": "tiny-a", "messages": []})))
+        checked = 0
+        for _ in range(100):  # fresh connections: both workers answer some
+            response = await http.get(proc.base + "/_crossbar/status")
+            doc = await treq.json_content(response)
+            if doc["routes"]["r"]["queued"] == 0 and not checked:  # the third is still on its way
+                await deferLater(reactor, 0.05)
+                continue
+            checked += 1
+            if checked > 8:
+                break
+            self.assertEqual(doc["hosts"]["a"]["inflight"], 2, doc)
+            self.assertEqual(doc["routes"]["r"]["queued"], 1, doc)
+            self.assertIsNotNone(doc["routes"]["r"]["oldest_wait_s"])
+            self.assertEqual(doc["routes"]["r"]["affinity"]["none"], 8, doc)
+            response = await http.get(proc.base + "/_crossbar/metrics")
+            text = (await treq.content(response)).decode()
+            self.assertEqual(metric(text, "crossbar_requests_total", route="r", host="a", code="200"), 6, text)
+            self.assertEqual(metric(text, "crossbar_queued_requests", route="r"), 1, text)
+            self.assertEqual(metric(text, "crossbar_worker_restarts_total"), 0, text)
+        self.assertGreater(checked, 8, "status never showed the waiting request")
+        self.assertEqual(held.current, 2)
+        while held.waiting or held.current:
+            if held.waiting:
+                held.release()
+            await deferLater(reactor, 0.02)
+        for d in pending:
+            response = await d
+            self.assertEqual(response.code, 200)
+            await treq.content(response)
+        response = await http.get(proc.base + "/_crossbar/status")
+        doc = await treq.json_content(response)
+        self.assertEqual((doc["hosts"]["a"]["inflight"], doc["routes"]["r"]["queued"]), (0, 0))
+
+
+class SignalTests(TestCase):
+    timeout = 120
+
+    async def test_sigterm_drains_every_worker(self) -> None:
+        upstream = FakeLlama()
+        proc = await start_workers(self, host_yaml(await listen(self, upstream), drain="{delay: 1, grace: 10}"))
+        http = fresh(self)
+        streams = [ClientStream(http, proc.base + "/r/v1/chat/completions", 30, 0.07) for _ in range(4)]
+        for s in streams:
+            await s.first
+        proc.signal("TERM")
+        await proc.line(lambda line: "draining: readiness is 503" in line and '"worker": 1' in line)
+        await proc.line(lambda line: "draining: readiness is 503" in line and '"worker": 0' in line)
+        for _ in range(6):  # both workers still accept during drain.delay, and say 503
+            response = await http.get(proc.base + "/_crossbar/readyz")
+            await treq.content(response)
+            self.assertEqual(response.code, 503)
+        for s in streams:
+            outcome, body = await s.done
+            self.assertEqual(outcome, "complete")
+            self.assertEqual(ClientStream.events(body), list(range(30)))
+        code, sig = await proc.ended
+        self.assertTrue(code == 0 or sig == signal.SIGTERM, proc.text())
+        self.assertEqual({e["worker"] for e in events(proc) if e.get("message") == "drained"}, {0, 1})
+        self.assertFalse(any("Traceback" in line for line in proc.out + proc.err), proc.text())
+        self.assertEqual({e["worker"] for e in served(proc)}, {0, 1})
+
+    async def test_second_sigterm_ends_at_once(self) -> None:
+        upstream = FakeLlama()
+        proc = await start_workers(self, host_yaml(await listen(self, upstream), drain="{delay: 20, grace: 20}"))
+        http = fresh(self)
+        streams = [ClientStream(http, proc.base + "/r/v1/chat/completions", 1000, 0.05) for _ in range(2)]
+        for s in streams:
+            await s.first
+        proc.signal("TERM")
+        await proc.line(lambda line: "draining: readiness is 503" in line and '"worker": 1' in line)
+        await proc.line(lambda line: "draining: readiness is 503" in line and '"worker": 0' in line)
+        sent = reactor.seconds()
+        proc.signal("TERM")
+        code, sig = await proc.ended
+        self.assertLess(reactor.seconds() - sent, 5, proc.text())
+        self.assertTrue(code == 0 or sig == signal.SIGTERM, proc.text())
+        for s in streams:
+            outcome, _ = await s.done
+            self.assertEqual(outcome, "cut")
+        self.assertFalse(any("Traceback" in line for line in proc.out + proc.err), proc.text())
+
+    async def test_sighup_reloads_every_worker(self) -> None:
+        upstream = FakeLlama()
+        url = await listen(self, upstream)
+        proc = await start_workers(self, host_yaml(url))
+        with open(proc.config_path, "a") as f:
+            f.write("  s:\n    hosts: [a]\n")
+        proc.signal("HUP")
+        await proc.line(lambda line: "reloaded" in line and '"worker": 0' in line)
+        await proc.line(lambda line: "reloaded" in line and '"worker": 1' in line)
+        http = fresh(self)
+        before = len(served(proc))
+        for _ in range(8):
+            response = await http.post(proc.base + "/s/v1/chat/completions", json={"model": "tiny-a", "messages": []})
+            self.assertEqual(response.code, 200)
+            await treq.content(response)
+        await wait_for(lambda: len(served(proc)) >= before + 8, 10, "8 log lines")
+        self.assertEqual({e["worker"] for e in served(proc)[before:] if e["route"] == "s"}, {0, 1})
+        # An invalid file: refused once (by the supervisor, which tells no worker).
+        with open(proc.config_path, "a") as f:
+            f.write("  bad:\n    hosts: [nowhere]\n")
+        proc.signal("HUP")
+        await proc.line(lambda line: "reload refused" in line)
+        await deferLater(reactor, 0.5)
+        refused = [line for line in proc.out if "reload refused" in line]
+        self.assertEqual(len(refused), 1, refused)
+        self.assertIn("nowhere", refused[0])
+        for _ in range(4):
+            response = await http.post(proc.base + "/s/v1/chat/completions", json={"model": "tiny-a", "messages": []})
+            self.assertEqual(response.code, 200)
+            await treq.content(response)
+
+    async def test_killed_worker_is_restarted_counted_and_its_inflight_cleared(self) -> None:
+        _, held, url = await held_host(self)
+        proc = await start_workers(self, host_yaml(url))
+        http = fresh(self)
+        arrived = held.next_arrival()
+        request = ensureDeferred(http.post(proc.base + "/r/v1/chat/completions",
+                                           json={"model": "tiny-a", "messages": []}))
+        request.addErrback(lambda f: None)  # its worker is killed: the client is cut off
+
+        async def status() -> dict[str, Any]:
+            response = await http.get(proc.base + "/_crossbar/status")
+            return await treq.json_content(response)  # type: ignore[no-any-return]
+
+        await arrived
+        self.assertEqual((await status())["hosts"]["a"]["inflight"], 1)
+        killed = 0
+        for index in (0, 1):  # kill workers until the one holding the request is gone
+            pid = worker_pids(proc)[index]
+            os.kill(pid, signal.SIGKILL)
+            killed += 1
+            await proc.line(lambda line, pid=pid: f"worker {index} started" in line and f"pid {pid})" not in line
+                            and '"namespace": "crossbar.supervisor"' in line)
+            await wait_for(lambda: len([line for line in proc.out if f'"message": "worker {index} is ready"' in line]) >= 2,
+                           20, f"worker {index} ready again")
+            if (await status())["hosts"]["a"]["inflight"] == 0:
+                break
+        doc = await status()
+        self.assertEqual(doc["hosts"]["a"]["inflight"], 0)
+        self.assertTrue(any("died" in line and "restarts: 1" in line for line in proc.out), proc.text())
+        response = await http.get(proc.base + "/_crossbar/metrics")
+        text = (await treq.content(response)).decode()
+        self.assertEqual(metric(text, "crossbar_worker_restarts_total"), killed, text)
+        response = await http.post(proc.base + "/r/v1/chat/completions",
+                                   json={"model": "tiny-a", "messages": [], "hold": 0})
+        self.assertEqual(response.code, 200)
+        await treq.content(response)
+
+
+@implementer(IReadDescriptor)
+class NotifySocket:
+    """A stand-in for systemd's ``$NOTIFY_SOCKET`` that knows who sent each datagram
+    (``SO_PASSCRED``), as systemd does.
+
+    :ivar messages: ``(sender pid, {KEY: value})`` per datagram, in order.
+    """
+
+    def __init__(self, case: TestCase) -> None:
+        directory = tempfile.mkdtemp(prefix="crossbar-sd-")  # short: AF_UNIX paths are limited
+        case.addCleanup(shutil.rmtree, directory, True)
+        self.path = os.path.join(directory, "notify")
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        self.sock.bind(self.path)
+        self.sock.setblocking(False)
+        self.messages: list[tuple[int, dict[str, str]]] = []
+        reactor.addReader(self)  # type: ignore[attr-defined]
+        case.addCleanup(self.close)
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def logPrefix(self) -> str:
+        return "notify-socket"
+
+    def doRead(self) -> None:
+        while True:
+            try:
+                data, ancillary, _, _ = self.sock.recvmsg(4096, socket.CMSG_SPACE(12))
+            except BlockingIOError:
+                return
+            pid = 0
+            for level, kind, payload in ancillary:
+                if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
+                    pid = struct.unpack("iII", payload[:12])[0]
+            fields = dict(line.split("=", 1) for line in data.decode().split("\n") if "=" in line)
+            self.messages.append((pid, fields))
+
+    def connectionLost(self, reason: object) -> None:
+        pass
+
+    def close(self) -> None:
+        reactor.removeReader(self)  # type: ignore[attr-defined]
+        self.sock.close()
+
+    def with_key(self, key: str) -> list[tuple[int, dict[str, str]]]:
+        return [m for m in self.messages if key in m[1]]
+
+
+class SystemdTests(TestCase):
+    timeout = 120
+
+    async def test_the_supervisor_speaks_for_the_set(self) -> None:
+        """READY=1 once both workers are ready, WATCHDOG=1 and STOPPING=1 from the
+        supervisor, and never a datagram from a worker."""
+        upstream = FakeLlama()
+        gate: Deferred[None] = Deferred()
+        polls = {"n": 0}
+
+        def health(request: Request, body: bytes) -> Any:
+            polls["n"] += 1
+            if polls["n"] == 2:  # the second worker's first poll is held
+                def finish(_: object) -> None:
+                    request.write(b'{"status":"ok"}')
+                    request.finish()
+                gate.addCallback(finish)
+                return NOT_DONE_YET
+            return b'{"status":"ok"}'
+
+        upstream.handlers[b"/health"] = health
+        notify = NotifySocket(self)
+        proc = await start_twistd(self, "workers: 2\n" + host_yaml(await listen(self, upstream)), logger=JSONLOG,
+                                  env={"NOTIFY_SOCKET": notify.path, "WATCHDOG_USEC": "400000"}, ready=False)
+        box = [proc]
+        self.addCleanup(lambda: kill_workers(box[0]))
+        await proc.line(lambda line: "is ready" in line and "crossbar.supervisor" in line)
+        await wait_for(lambda: len(notify.with_key("WATCHDOG")) >= 2, 10, "watchdog pings")
+        self.assertEqual(notify.with_key("READY"), [], "one worker is not ready yet")
+        gate.callback(None)
+        await wait_for(lambda: notify.with_key("READY"), 10, "READY=1")
+        self.assertEqual(len([line for line in proc.out if "is ready" in line and "crossbar.supervisor" in line]), 2)
+        supervisor = proc.transport.pid  # type: ignore[union-attr]
+        (pid, ready), = notify.with_key("READY")
+        self.assertEqual((pid, ready["READY"]), (supervisor, "1"))
+        proc.signal("TERM")
+        await wait_for(lambda: notify.with_key("STOPPING"), 10, "STOPPING=1")
+        await proc.ended
+        self.assertEqual(len(notify.with_key("STOPPING")), 1)
+        self.assertEqual({pid for pid, _ in notify.messages}, {supervisor}, notify.messages)
+        self.assertGreater(len(notify.with_key("WATCHDOG")), 2)
+
+
+class ConfigTests(SynchronousTestCase):
+    def test_auto_is_usable_cpus(self) -> None:
+        config = parse_config("listen: tcp:0\nworkers: auto\nhosts: {a: 'http://h:1'}\nroutes: {r: {hosts: [a]}}\n")
+        self.assertEqual(config.workers, usable_cpus())
+
+
+class RelayTests(SynchronousTestCase):
+    def test_relayed_line_keeps_message_level_fields_and_names_the_worker(self) -> None:
+        from twisted.logger import LogLevel, globalLogPublisher
+
+        seen: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(seen.append)
+        self.addCleanup(globalLogPublisher.removeObserver, seen.append)
+        relay_log_line(b'{"time": "x", "level": "warn", "namespace": "crossbar.proxy", '
+                       b'"message": "odd {braces}", "status": 502, "log_x": 1}', 3)
+        relay_log_line(b"not json {", 1)
+        relay_log_line(b"", 1)
+        from twisted.logger import formatEvent
+
+        self.assertEqual(len(seen), 2)
+        first, second = seen
+        self.assertEqual((first["log_level"], first["log_namespace"]), (LogLevel.warn, "crossbar.proxy"))
+        self.assertEqual((formatEvent(first), first["status"], first["worker"]), ("odd {braces}", 502, 3))
+        self.assertNotIn("log_x", first)
+        self.assertEqual((formatEvent(second), second["worker"]), ("not json {", 1))
