@@ -324,7 +324,7 @@ class FleetTests(TestCase):
             freed = held.release()
             gap = None
             if waiting:
-                await arrived
+                await arrived.addTimeout(10, reactor)
                 gap = reactor.seconds() - freed
             await wait_for(lambda: len(served(proc)) > before, 10, "the released request's log line")
             return gap
@@ -524,11 +524,17 @@ class SignalTests(TestCase):
             pid = worker_pids(proc)[index]
             os.kill(pid, signal.SIGKILL)
             killed += 1
+            await proc.line(lambda line: f"worker {index} died" in line and f"restarts: {killed}" in line)
+            # Before its replacement starts (a young worker's restart waits 0.5 s), the
+            # other worker already sees the dead one's requests gone.
+            at_death = (await status())["hosts"]["a"]["inflight"]
             await proc.line(lambda line, pid=pid: f"worker {index} started" in line and f"pid {pid})" not in line
                             and '"namespace": "crossbar.supervisor"' in line)
             await wait_for(lambda: len([line for line in proc.out if f'"message": "worker {index} is ready"' in line]) >= 2,
                            20, f"worker {index} ready again")
-            if (await status())["hosts"]["a"]["inflight"] == 0:
+            after_restart = (await status())["hosts"]["a"]["inflight"]
+            self.assertEqual(at_death, after_restart, "the dead worker's in-flight count is cleared when it dies")
+            if after_restart == 0:
                 break
         doc = await status()
         self.assertEqual(doc["hosts"]["a"]["inflight"], 0)
