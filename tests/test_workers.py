@@ -74,6 +74,56 @@ def worker_pids(proc: Twistd) -> dict[int, int]:
     return pids
 
 
+def _socket_inode(local_port: int, remote_port: int) -> str | None:
+    """The inode of the loopback TCP socket with these ports (``/proc/net/tcp``)."""
+    for line in open("/proc/net/tcp").read().splitlines()[1:]:
+        fields = line.split()
+        local, remote = fields[1], fields[2]
+        if int(local.split(":")[1], 16) == local_port and int(remote.split(":")[1], 16) == remote_port:
+            return fields[9]
+    return None
+
+
+def ask_worker(proc: Twistd, path: str) -> tuple[int, int, bytes]:
+    """``GET path`` on a fresh connection to crossbar (blocking: the workers are other
+    processes), and which worker answered: the one whose open files hold the
+    connection's server end. Returns ``(worker, status code, body)``."""
+    assert proc.port is not None
+    with socket.create_connection(("127.0.0.1", proc.port), timeout=10) as sock:
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        data = b""
+        while b"\r\n\r\n" not in data:
+            data += sock.recv(65536)
+        head, body = data.split(b"\r\n\r\n", 1)
+        code = int(head.split()[1])
+        inode = _socket_inode(proc.port, sock.getsockname()[1])  # the server end: kept alive
+        assert inode is not None
+        length = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
+        if length is not None:
+            while len(body) < int(length.group(1)):
+                body += sock.recv(65536)
+        else:  # chunked
+            while not body.endswith(b"0\r\n\r\n"):
+                body += sock.recv(65536)
+            chunks, rest = [], body
+            while True:
+                size_line, rest = rest.split(b"\r\n", 1)
+                size = int(size_line.split(b";")[0], 16)
+                if not size:
+                    break
+                chunks.append(rest[:size])
+                rest = rest[size + 2:]
+            body = b"".join(chunks)
+        for index, pid in worker_pids(proc).items():
+            try:
+                links = [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
+            except OSError:
+                continue
+            if f"socket:[{inode}]" in links:
+                return index, code, body
+    raise AssertionError(f"no worker holds the connection to {path}")
+
+
 def kill_workers(proc: Twistd) -> None:
     """SIGKILL every worker process ``proc`` started that is still running."""
     pids = set()
@@ -208,7 +258,11 @@ class ServingTests(TestCase):
         upstream.events = 4
         proc = await start_workers(self, host_yaml(await listen(self, upstream)))
         http = fresh(self)
-        for i in range(12):
+        i = 0
+        # The kernel hands each connection to whichever worker accepts first: an idle
+        # set may favour one. Go on (up to 80 requests) until both have served some.
+        while i < 12 or (i < 80 and {e["worker"] for e in served(proc)} != {0, 1}):
+            i += 1
             if i % 2:
                 stream = ClientStream(http, proc.base + "/r/v1/chat/completions", 4, 0.01)
                 outcome, body = await stream.done
@@ -224,7 +278,7 @@ class ServingTests(TestCase):
         for _ in range(2):
             self.assertEqual(await deferToThread(_chat, proc.base, False), "tiny-a")
             self.assertEqual(await deferToThread(_chat, proc.base, True), " tok0 tok1 tok2 tok3")
-        await wait_for(lambda: len(served(proc)) >= 16, 10, "16 request log lines")
+        await wait_for(lambda: len(served(proc)) >= i + 4, 10, f"{i + 4} request log lines")
         lines = served(proc)
         self.assertEqual({e["status"] for e in lines}, {200})
         self.assertEqual({e["worker"] for e in lines}, {0, 1}, "both workers served")
@@ -280,14 +334,23 @@ class FleetTests(TestCase):
             await treq.content(response)
             return int(response.code)
 
-        codes = await DeferredList([ensureDeferred(one()) for _ in range(6)], consumeErrors=True)
-        self.assertEqual([ok and code for ok, code in codes], [200] * 6)
-        self.assertEqual(held.arrivals(), 6)
-        self.assertLessEqual(held.most, 3)
-        self.assertGreaterEqual(held.most, 2)
-        await wait_for(lambda: len(served(proc)) >= 6, 10, "6 log lines")
-        self.assertEqual({e["worker"] for e in served(proc)}, {0, 1})
-        self.assertTrue(any(e["queued_ms"] > 0 for e in served(proc)), "some requests waited")
+        spanned = 0
+        for batch in range(10):  # until a batch lands in both workers (the kernel decides)
+            before = len(served(proc))
+            held.most = 0
+            codes = await DeferredList([ensureDeferred(one()) for _ in range(6)], consumeErrors=True)
+            self.assertEqual([ok and code for ok, code in codes], [200] * 6)
+            self.assertEqual(held.arrivals(), 6 * (batch + 1))
+            self.assertLessEqual(held.most, 3)
+            self.assertGreaterEqual(held.most, 2)
+            await wait_for(lambda: len(served(proc)) >= before + 6, 10, "6 log lines")
+            lines = served(proc)[before:]
+            self.assertTrue(any(e["queued_ms"] > 0 for e in lines), "some requests waited")
+            if {e["worker"] for e in lines} == {0, 1}:
+                spanned += 1
+                if spanned >= 2:
+                    break
+        self.assertGreaterEqual(spanned, 1, "no batch was served by both workers")
 
     async def test_waiting_request_goes_soon_after_a_slot_frees_in_another_worker(self) -> None:
         """Two requests hold the host's two slots; one more waits. Releasing the oldest
@@ -382,7 +445,11 @@ class FleetViewTests(TestCase):
             self.assertEqual(response.code, 200)
             await treq.content(response)
         await wait_for(lambda: len(served(proc)) >= 6, 10, "6 log lines")
-        self.assertEqual({e["worker"] for e in served(proc)}, {0, 1})
+
+        async def queued_now() -> bool:
+            response = await http.get(proc.base + "/_crossbar/status")
+            return bool((await treq.json_content(response))["routes"]["r"]["queued"] == 1)
+
         # Two held, then one waiting: sent one at a time, so none is over the limit.
         pending = []
         for n in (1, 2):
@@ -392,26 +459,25 @@ class FleetViewTests(TestCase):
             await arrived
         pending.append(ensureDeferred(http.post(proc.base + "/r/v1/chat/completions",
                                                 json={"model": "tiny-a", "messages": []})))
-        checked = 0
-        for _ in range(100):  # fresh connections: both workers answer some
-            response = await http.get(proc.base + "/_crossbar/status")
-            doc = await treq.json_content(response)
-            if doc["routes"]["r"]["queued"] == 0 and not checked:  # the third is still on its way
-                await deferLater(reactor, 0.05)
-                continue
-            checked += 1
-            if checked > 8:
-                break
-            self.assertEqual(doc["hosts"]["a"]["inflight"], 2, doc)
-            self.assertEqual(doc["routes"]["r"]["queued"], 1, doc)
+        await wait_for(lambda: ensureDeferred(queued_now()), 10, "the third request waiting")
+        answered: list[int] = []
+        for _ in range(60):  # fresh connections, until each worker answered three times
+            worker, code, body = await deferToThread(ask_worker, proc, "/_crossbar/status")
+            doc = json.loads(body)
+            self.assertEqual(doc["hosts"]["a"]["inflight"], 2, (worker, doc))
+            self.assertEqual(doc["routes"]["r"]["queued"], 1, (worker, doc))
             self.assertIsNotNone(doc["routes"]["r"]["oldest_wait_s"])
-            self.assertEqual(doc["routes"]["r"]["affinity"]["none"], 8, doc)
-            response = await http.get(proc.base + "/_crossbar/metrics")
-            text = (await treq.content(response)).decode()
+            self.assertEqual(doc["routes"]["r"]["affinity"]["none"], 8, (worker, doc))
+            worker, code, body = await deferToThread(ask_worker, proc, "/_crossbar/metrics")
+            text = body.decode()
             self.assertEqual(metric(text, "crossbar_requests_total", route="r", host="a", code="200"), 6, text)
             self.assertEqual(metric(text, "crossbar_queued_requests", route="r"), 1, text)
+            self.assertEqual(metric(text, "crossbar_inflight_requests", route="r", host="a"), 2, text)
             self.assertEqual(metric(text, "crossbar_worker_restarts_total"), 0, text)
-        self.assertGreater(checked, 8, "status never showed the waiting request")
+            answered.append(worker)
+            if min(answered.count(0), answered.count(1)) >= 3:
+                break
+        self.assertGreaterEqual(min(answered.count(0), answered.count(1)), 3, answered)
         self.assertEqual(held.current, 2)
         while held.waiting or held.current:
             if held.waiting:
@@ -451,7 +517,6 @@ class SignalTests(TestCase):
         self.assertTrue(code == 0 or sig == signal.SIGTERM, proc.text())
         self.assertEqual({e["worker"] for e in events(proc) if e.get("message") == "drained"}, {0, 1})
         self.assertFalse(any("Traceback" in line for line in proc.out + proc.err), proc.text())
-        self.assertEqual({e["worker"] for e in served(proc)}, {0, 1})
 
     async def test_second_sigterm_ends_at_once(self) -> None:
         upstream = FakeLlama()
@@ -484,11 +549,13 @@ class SignalTests(TestCase):
         await proc.line(lambda line: "reloaded" in line and '"worker": 1' in line)
         http = fresh(self)
         before = len(served(proc))
-        for _ in range(8):
+        sent = 0
+        while sent < 8 or (sent < 80 and {e["worker"] for e in served(proc)[before:]} != {0, 1}):
             response = await http.post(proc.base + "/s/v1/chat/completions", json={"model": "tiny-a", "messages": []})
             self.assertEqual(response.code, 200)
             await treq.content(response)
-        await wait_for(lambda: len(served(proc)) >= before + 8, 10, "8 log lines")
+            sent += 1
+            await wait_for(lambda: len(served(proc)) >= before + sent, 10, "its log line")
         self.assertEqual({e["worker"] for e in served(proc)[before:] if e["route"] == "s"}, {0, 1})
         # An invalid file: refused once (by the supervisor, which tells no worker).
         with open(proc.config_path, "a") as f:
@@ -666,3 +733,31 @@ class RelayTests(SynchronousTestCase):
         self.assertEqual((formatEvent(first), first["status"], first["worker"]), ("odd {braces}", 502, 3))
         self.assertNotIn("log_x", first)
         self.assertEqual((formatEvent(second), second["worker"]), ("not json {", 1))
+
+
+class ControlGroupTests(TestCase):
+    timeout = 120
+
+    async def test_sigterm_to_every_process_drains_cleanly(self) -> None:
+        """What systemd's default ``KillMode=control-group`` does: SIGTERM to the
+        supervisor and every worker at once. Each worker drains once (its own signal
+        and the supervisor's ``drain`` command are one drain), a stream in flight
+        finishes, and nothing logs a traceback."""
+        upstream = FakeLlama()
+        proc = await start_workers(self, host_yaml(await listen(self, upstream), drain="{delay: 0.5, grace: 10}"))
+        streams = [ClientStream(fresh(self), proc.base + "/r/v1/chat/completions", 20, 0.05) for _ in range(4)]
+        for s in streams:
+            await s.first
+        proc.signal("TERM")
+        for pid in worker_pids(proc).values():
+            os.kill(pid, signal.SIGTERM)
+        for s in streams:
+            outcome, body = await s.done
+            self.assertEqual(outcome, "complete")
+            self.assertEqual(ClientStream.events(body), list(range(20)))
+        code, sig = await proc.ended
+        self.assertTrue(code == 0 or sig == signal.SIGTERM, proc.text())
+        text = proc.text()
+        self.assertNotIn("Traceback", text)
+        self.assertNotIn("ReactorNotRunning", text)
+        self.assertEqual(sorted(e["worker"] for e in events(proc) if e.get("message") == "drained"), [0, 1], text)
