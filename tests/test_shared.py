@@ -24,6 +24,8 @@ routes:
     hosts: [a, b]
   s:
     hosts: [b]
+    keys:
+      ci: {secret: ci-s3cret-0123456789, max_inflight: 2}
 """
 
 
@@ -137,6 +139,12 @@ class FleetTests(SynchronousTestCase):
         self.assertEqual(self.supervisor.affinity("r", "spill"), 2)
         self.supervisor.publish_restarts(3)
         self.assertEqual(self.one.restarts(), 3)
+
+    def test_client_keys_summed_over_workers(self) -> None:
+        self.one.publish_key("s", "ci", 1)
+        self.two.publish_key("s", "ci", 2)
+        self.assertEqual(self.supervisor.key("s", "ci"), 3)
+        self.assertEqual(self.one.key("r", "ci"), 0)  # not a key of route r: no cell
 
     def test_dead_worker_row_cleared(self) -> None:
         self.one.publish_inflight("r", "a", 2, 2)

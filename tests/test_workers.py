@@ -352,6 +352,43 @@ class FleetTests(TestCase):
                     break
         self.assertGreaterEqual(spanned, 1, "no batch was served by both workers")
 
+    async def test_client_key_max_inflight_fleet_wide(self) -> None:
+        """A client key's ``max_inflight: 2`` counts its requests in every worker: of 6
+        concurrent requests, at most 2 + (N - 1) = 3 are let in, the rest get 429."""
+        _, held, url = await held_host(self)
+        yaml = host_yaml(url).replace("    affinity: {key: none}\n",
+                                      "    affinity: {key: none}\n    keys:\n"
+                                      "      ci: {secret: ci-s3cret-0123456789, max_inflight: 2}\n")
+        proc = await start_workers(self, yaml)
+        http = fresh(self)
+
+        async def one() -> int:
+            response = await http.post(proc.base + "/r/v1/chat/completions",
+                                       json={"model": "tiny-a", "messages": [], "hold": 0.4},
+                                       headers={"Authorization": "Bearer ci-s3cret-0123456789"})
+            await treq.content(response)
+            return int(response.code)
+
+        spanned = 0
+        for _ in range(10):  # until a batch lands in both workers
+            before = len(served(proc))
+            held.most = 0
+            results = await DeferredList([ensureDeferred(one()) for _ in range(6)], consumeErrors=True)
+            codes = sorted(code for ok, code in results if ok)
+            self.assertEqual(len(codes), 6)
+            self.assertEqual(set(codes) - {200, 429}, set(), codes)
+            self.assertGreaterEqual(codes.count(200), 2, codes)
+            self.assertLessEqual(codes.count(200), 3, codes)
+            self.assertLessEqual(held.most, 3)
+            await wait_for(lambda: len(served(proc)) >= before + 6, 10, "6 log lines")
+            lines = served(proc)[before:]
+            if len({e["worker"] for e in lines}) == 2 and min(
+                    sum(1 for e in lines if e["worker"] == w) for w in (0, 1)) >= 2:
+                spanned += 1
+                if spanned >= 2:
+                    break
+        self.assertGreaterEqual(spanned, 1, "no batch put two requests in each worker")
+
     async def test_waiting_request_goes_soon_after_a_slot_frees_in_another_worker(self) -> None:
         """Two requests hold the host's two slots; one more waits. Releasing the oldest
         slot dispatches the waiting one within 100 ms (design target: 20 ms), also when
