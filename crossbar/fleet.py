@@ -2,9 +2,12 @@
 
 One process (``workers: 1``) counts for itself and :class:`Fleet` is not used. With
 workers, each worker publishes its own counts -- requests in flight per host and per
-(route, host), requests waiting per route and since when, affinity outcomes -- into
+(route, host), requests waiting per route and since when, affinity outcomes, requests
+per client key -- into
 its row of a :class:`~crossbar.shared.SharedCounts`, and reads the fleet's totals from
-it: room, least-busy, the queue, status and metrics then see every worker's requests.
+it: room, least-busy, the queue, a key's ``max_inflight``, status and metrics then see
+every worker's requests (a limit may be exceeded by at most N - 1: two workers may take
+the last slot at the same moment).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ def _names(config: Config) -> list[str]:
         names += [f"q\0{route.name}", f"qt\0{route.name}"]
         names += [f"rh\0{route.name}\0{h}" for h in route.hosts]
         names += [f"a\0{route.name}\0{o}" for o in AFFINITY_OUTCOMES]
+        names += [f"k\0{route.name}\0{key}" for key in route.keys]
     return names
 
 
@@ -93,6 +97,16 @@ class Fleet:
     def affinity(self, route: str, outcome: str) -> int:
         """Requests of ``route`` dispatched with ``outcome`` by every worker."""
         return self._total(f"a\0{route}\0{outcome}")
+
+    def publish_key(self, route: str, key: str, count: int) -> None:
+        """This worker has ``count`` requests of client key ``key`` on ``route`` in
+        flight or waiting (DESIGN.md §Access: a key's ``max_inflight``)."""
+        self._set(f"k\0{route}\0{key}", count)
+
+    def key(self, route: str, key: str) -> int:
+        """Requests of client key ``key`` on ``route`` in flight or waiting in every
+        worker."""
+        return self._total(f"k\0{route}\0{key}")
 
     def restarts(self) -> int:
         """Worker restarts, as the supervisor counted them."""

@@ -78,6 +78,12 @@ class Runtime:
             self._publish_queue(route)
         for (route, outcome), n in self.affinity_counts.items():
             self.fleet.publish_affinity(route, outcome, n)
+        for route, key in self.key_inflight:
+            self._publish_key(route, key)
+
+    def _publish_key(self, route: str, key: str) -> None:
+        if self.fleet is not None:
+            self.fleet.publish_key(route, key, self.key_inflight[(route, key)])
 
     def _publish_queue(self, route: str) -> None:
         if self.fleet is not None:
@@ -129,13 +135,18 @@ class Runtime:
         429 otherwise)."""
         settings = route.keys.get(key)
         limit = settings.max_inflight if settings is not None else None
-        return limit is None or self.key_inflight[(route.name, key)] < limit
+        if limit is None:
+            return True
+        if self.fleet is not None:  # every worker's requests of this key (§Workers)
+            return self.fleet.key(route.name, key) < limit
+        return self.key_inflight[(route.name, key)] < limit
 
     def begin(self, exchange: Any) -> None:
         """``exchange`` is being handled (the drain waits for it; its key counts)."""
         self.active.add(exchange)
         if exchange.key:
             self.key_inflight[(exchange.route_name, exchange.key)] += 1
+            self._publish_key(exchange.route_name, exchange.key)
 
     def end(self, exchange: Any) -> None:
         """``exchange`` is over."""
@@ -143,4 +154,5 @@ class Runtime:
             self.active.discard(exchange)
             if exchange.key:
                 self.key_inflight[(exchange.route_name, exchange.key)] -= 1
+                self._publish_key(exchange.route_name, exchange.key)
         self.idle.check()

@@ -75,7 +75,9 @@ class ListenerHolder(ServerFactory):
 
 def relay_log_line(line: bytes, worker: int) -> None:
     """Log one line of a worker's JSON log (:mod:`crossbar.jsonlog`) as this process's
-    own event, in the worker's namespace and level, with its fields and ``worker``."""
+    own event: the worker's message, namespace, level and fields, plus ``worker``
+    (its index). The text log shows ``[namespace#level worker=N]``; the JSON log has
+    ``"worker": N``. A line that is not a JSON object is logged as the message."""
     text = line.decode("utf-8", "replace").rstrip("\r")
     if not text:
         return
@@ -84,18 +86,20 @@ def relay_log_line(line: bytes, worker: int) -> None:
     except ValueError:
         doc = None
     if not isinstance(doc, dict):
-        Logger(namespace="crossbar.worker").info("{worker_message}", worker_message=text, worker=worker)
-        return
+        doc = {"message": text}
     try:
         level = LogLevel.levelWithName(str(doc.pop("level", "info")))
     except InvalidLogLevelError:
         level = LogLevel.info
     namespace = str(doc.pop("namespace", "") or "crossbar.worker")
     message = str(doc.pop("message", ""))
-    doc.pop("time", None)
+    doc.pop("time", None)  # the time it is relayed, within milliseconds
+    doc.pop("system", None)
     fields = {k: v for k, v in doc.items() if isinstance(k, str) and not k.startswith("log_") and k != "format"}
     fields["worker"] = worker
-    Logger(namespace=namespace).emit(level, "{worker_message}", worker_message=message, **fields)
+    fields["log_system"] = f"{namespace}#{level.name} worker={worker}"
+    # The worker's message is already formatted: escape it so it is shown as it is.
+    Logger(namespace=namespace).emit(level, message.replace("{", "{{").replace("}", "}}"), **fields)
 
 
 class WorkerProcess(ProcessProtocol):

@@ -12,6 +12,11 @@ The supervisor (:mod:`crossbar.supervisor`) starts each worker as
   supervisor logs as its own;
 - fd 4: ``ready`` once the worker listens and its first poll round is done.
 
+Signals sent to a worker itself: SIGTERM or SIGINT drain it (the same drain as the
+``drain`` command: both together are one drain, as under systemd's
+``KillMode=control-group``; only ``hurry`` ends a drain early); SIGHUP reloads this
+worker alone.
+
 Each worker is a whole :class:`~crossbar.service.CrossbarService` (poller, proxy,
 operations) whose counts are published to, and read from, the shared counters
 (:class:`~crossbar.fleet.Fleet`). Workers run in their own process group, so a Ctrl-C
@@ -22,12 +27,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import socket
 import sys
+from types import FrameType
 from typing import Any, Callable
 
 from twisted.internet import fdesc
 from twisted.internet.defer import Deferred, succeed
+from twisted.internet.error import ReactorNotRunning
 from twisted.internet.interfaces import IListeningPort, IProtocolFactory, IReadDescriptor, IStreamServerEndpoint
 from twisted.internet.main import CONNECTION_DONE
 from twisted.logger import Logger, globalLogBeginner
@@ -111,10 +119,13 @@ def main(argv: list[str] | None = None) -> None:
 
     globalLogBeginner.beginLoggingTo([jsonlog.observer_to(sys.stdout)], redirectStandardIO=False)
 
-    from twisted.internet import reactor
+    from twisted.internet import reactor as global_reactor
+
+    reactor: Any = global_reactor  # the running reactor: posix, with threads and signals
 
     from crossbar.config import ConfigError, load_config
     from crossbar.fleet import Fleet
+    from crossbar.reload import SIGHUPReload
     from crossbar.service import CrossbarService
     from crossbar.shared import SharedCounts
 
@@ -124,14 +135,24 @@ def main(argv: list[str] | None = None) -> None:
         _log.critical("worker cannot start: {error}", error=str(e))
         raise SystemExit(1) from None
     fleet = Fleet(SharedCounts(args.shared, args.rows, args.row), config)
+    # Signals are the worker's own (not the service's): SIGTERM/SIGINT are the drain,
+    # never the "second signal" that ends it (only the supervisor's ``hurry`` does), so
+    # systemd's KillMode=control-group (SIGTERM to every process) plus the supervisor's
+    # ``drain`` command make one drain, not an aborted one.
     service = CrossbarService(
-        config, reactor, environ={}, handle_signals=True, listen=AdoptedEndpoint(reactor, LISTEN_FD), fleet=fleet,
+        config, reactor, environ={}, handle_signals=False, listen=AdoptedEndpoint(reactor, LISTEN_FD), fleet=fleet,
     )
+    SIGHUPReload(service.reload, reactor).setServiceParent(service)
+
+    def drain() -> None:
+        try:
+            reactor.stop()  # the drain is stopService
+        except ReactorNotRunning:
+            pass  # already draining: a signal and the supervisor's command are one drain
 
     def command(name: str) -> None:
         if name in ("drain", "eof"):
-            if reactor.running:
-                reactor.stop()  # the drain is stopService
+            drain()
         elif name == "hurry":
             service.hurry()
         elif name == "reload":
@@ -139,17 +160,22 @@ def main(argv: list[str] | None = None) -> None:
         elif name:
             _log.warn("unknown supervisor command {command!r}", command=name)
 
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        reactor.callFromThread(drain)
+
     def ready(_: object) -> None:
         try:
             os.write(STATUS_FD, b"ready\n")
         except OSError:
             pass  # no supervisor listening (run by hand)
 
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, on_signal)
     reactor.addReader(_Commands(0, command))
     reactor.callWhenRunning(service.startService)
     reactor.callWhenRunning(lambda: service.when_ready().addCallbacks(ready, lambda f: None))
     reactor.addSystemEventTrigger("before", "shutdown", service.stopService)
-    reactor.run()
+    reactor.run(installSignalHandlers=False)
 
 
 if __name__ == "__main__":

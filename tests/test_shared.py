@@ -1,0 +1,165 @@
+"""The counts workers share (DESIGN.md §Workers): :class:`SharedCounts` rows in one
+mapped file, :func:`cell_map` naming cells the same in every process, and
+:class:`Fleet` publishing one worker's counts and reading the fleet's."""
+
+from __future__ import annotations
+
+import os
+import random
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from crossbar.config import parse_config
+from crossbar.fleet import Fleet
+from crossbar.shared import CELLS, SharedCounts, cell_map
+
+_CONFIG = """
+listen: "tcp:0"
+workers: 2
+hosts:
+  a: http://127.0.0.1:1
+  b: http://127.0.0.1:2
+routes:
+  r:
+    hosts: [a, b]
+  s:
+    hosts: [b]
+    keys:
+      ci: {secret: ci-s3cret-0123456789, max_inflight: 2}
+"""
+
+
+class CellMapTests(SynchronousTestCase):
+    def test_same_names_same_cells_in_any_order(self) -> None:
+        names = [f"h\0host-{i}" for i in range(300)] + [f"q\0route-{i}" for i in range(100)]
+        first = cell_map(names)
+        shuffled = list(names) * 2  # duplicates too
+        random.Random(7).shuffle(shuffled)
+        self.assertEqual(cell_map(shuffled), first)
+        self.assertEqual(sorted(first), sorted(set(names)))
+
+    def test_distinct_cells_in_range(self) -> None:
+        names = [f"n{i}" for i in range(CELLS)]  # every cell taken: collisions must probe
+        cells = cell_map(names)
+        self.assertEqual(len(set(cells.values())), CELLS)
+        self.assertTrue(all(0 <= c < CELLS for c in cells.values()))
+
+    def test_too_many_names(self) -> None:
+        with self.assertRaises(ValueError):
+            cell_map(f"n{i}" for i in range(CELLS + 1))
+
+
+class SharedCountsTests(SynchronousTestCase):
+    def _rows(self, rows: int) -> list[SharedCounts]:
+        path = os.path.join(self.mktemp() + "-counts")
+        SharedCounts.create(path, rows)
+        return [SharedCounts(path, rows, r) for r in range(rows)]
+
+    def test_each_row_writes_its_own_and_totals_sum_rows(self) -> None:
+        a, b, c = self._rows(3)
+        a.set(5, 2)
+        b.set(5, 3)
+        c.set(6, 7)
+        for view in (a, b, c):  # every process sees every row
+            self.assertEqual(view.total(5), 5)
+            self.assertEqual(view.total(6), 7)
+            self.assertEqual(view.total(7), 0)
+        self.assertEqual(a.get(5), 2)
+        self.assertEqual(a.get(5, row=1), 3)
+        b.set(5, 0)
+        self.assertEqual(c.total(5), 2)
+
+    def test_clear_row(self) -> None:
+        a, b = self._rows(2)
+        a.set(1, 4)
+        a.set(CELLS - 1, 9)
+        b.set(1, 6)
+        a.clear_row(1)  # the supervisor clears a dead worker's row
+        self.assertEqual(a.total(1), 4)
+        a.clear_row()
+        self.assertEqual(b.total(1), 0)
+        self.assertEqual(b.total(CELLS - 1), 0)
+
+    def test_smallest_ignores_zero(self) -> None:
+        a, b, c = self._rows(3)
+        self.assertIsNone(a.smallest(3))
+        b.set(3, 1500)
+        c.set(3, 900)
+        self.assertEqual(a.smallest(3), 900)
+        c.set(3, 0)
+        self.assertEqual(a.smallest(3), 1500)
+
+    def test_create_clears(self) -> None:
+        path = os.path.join(self.mktemp() + "-counts")
+        SharedCounts.create(path, 2)
+        SharedCounts(path, 2, 1).set(0, 11)
+        SharedCounts.create(path, 2)
+        self.assertEqual(SharedCounts(path, 2, 0).total(0), 0)
+
+    def test_row_out_of_range(self) -> None:
+        path = os.path.join(self.mktemp() + "-counts")
+        SharedCounts.create(path, 2)
+        with self.assertRaises(ValueError):
+            SharedCounts(path, 2, 2)
+
+
+class FleetTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.config = parse_config(_CONFIG, "test.yaml")
+        path = os.path.join(self.mktemp() + "-counts")
+        SharedCounts.create(path, 3)
+        self.one = Fleet(SharedCounts(path, 3, 0), self.config)
+        self.two = Fleet(SharedCounts(path, 3, 1), self.config)
+        self.supervisor = Fleet(SharedCounts(path, 3, 2), self.config)
+
+    def test_inflight_summed_over_workers(self) -> None:
+        self.one.publish_inflight("r", "b", 1, 2)
+        self.one.publish_inflight("s", "b", 1, 2)
+        self.two.publish_inflight("r", "b", 3, 3)
+        self.assertEqual(self.supervisor.host("b"), 5)
+        self.assertEqual(self.one.route_host("r", "b"), 4)
+        self.assertEqual(self.two.route_host("s", "b"), 1)
+        self.assertEqual(self.one.host("a"), 0)
+        self.assertEqual(self.one.host("unknown"), 0)
+
+    def test_queue_and_oldest(self) -> None:
+        self.one.publish_queue("r", 2, 5000)
+        self.two.publish_queue("r", 1, 4000)
+        self.assertEqual(self.one.queued("r"), 3)
+        self.assertEqual(self.one.oldest_queued_ms("r"), 4000)
+        self.two.publish_queue("r", 0, 0)
+        self.assertEqual(self.two.oldest_queued_ms("r"), 5000)
+        self.assertIsNone(self.two.oldest_queued_ms("s"))
+
+    def test_affinity_and_restarts(self) -> None:
+        self.one.publish_affinity("r", "home", 4)
+        self.two.publish_affinity("r", "home", 1)
+        self.two.publish_affinity("r", "spill", 2)
+        self.assertEqual(self.supervisor.affinity("r", "home"), 5)
+        self.assertEqual(self.supervisor.affinity("r", "spill"), 2)
+        self.supervisor.publish_restarts(3)
+        self.assertEqual(self.one.restarts(), 3)
+
+    def test_client_keys_summed_over_workers(self) -> None:
+        self.one.publish_key("s", "ci", 1)
+        self.two.publish_key("s", "ci", 2)
+        self.assertEqual(self.supervisor.key("s", "ci"), 3)
+        self.assertEqual(self.one.key("r", "ci"), 0)  # not a key of route r: no cell
+
+    def test_dead_worker_row_cleared(self) -> None:
+        self.one.publish_inflight("r", "a", 2, 2)
+        self.two.publish_inflight("r", "a", 1, 1)
+        self.supervisor.shared.clear_row(0)
+        self.assertEqual(self.two.host("a"), 1)
+
+    def test_reload_same_names_same_cells(self) -> None:
+        """Two workers that loaded the same file in either order address the same
+        cells; a reload clears only this worker's row (it publishes again)."""
+        self.one.publish_inflight("r", "a", 1, 1)
+        self.two.publish_inflight("r", "a", 1, 1)
+        reordered = parse_config(_CONFIG.replace("  a: http://127.0.0.1:1\n  b: http://127.0.0.1:2\n",
+                                                 "  b: http://127.0.0.1:2\n  a: http://127.0.0.1:1\n"), "test.yaml")
+        self.two.configure(reordered)
+        self.assertEqual(self.one.host("a"), 1)
+        self.two.publish_inflight("r", "a", 1, 1)
+        self.assertEqual(self.one.host("a"), 2)
