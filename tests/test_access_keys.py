@@ -282,3 +282,5 @@ class EarlyRefusalTests(TestCase):
         self.assertLess(sent, 4 * 1024 * 1024, f"{sent} bytes sent before the 401")
         print(f"\n16 MiB upload without key: 401 after {sent} body bytes sent, {seconds * 1000:.1f} ms")
         self.assertEqual(upstream_requests(host), [])
+        # The client has closed its socket: crossbar's side closes too (no timer left).
+        await wait_for(lambda: not service.site.open_channels, 5.0, "the refused connection closed")
