@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import http.client
 import json
 import os
 import platform
@@ -19,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.request
 from collections import defaultdict
@@ -219,6 +222,77 @@ G_VARIANTS = [
 ]
 
 
+# (h): 100 streams of (b)'s shape while a chat request carrying a 15 MiB base64 image
+# arrives once a second (issue 11 item 3: the peek must not stall the other streams)
+H_STREAMS = 100
+H_DELAY_MS = 5.0
+H_IMAGE_MIB = 15
+H_IMAGE_EVERY_S = 1.0
+
+
+def image_body(mib: float) -> bytes:
+    """A chat completion request (``model: bench``) with a text part and an
+    ``image_url`` part whose data URL carries ``mib`` MiB of base64 (of random bytes,
+    so nothing downstream can compress it): what a vision client sends."""
+    b64 = base64.b64encode(os.urandom(int(mib * 2**20) * 3 // 4)).decode("ascii")
+    return json.dumps({
+        "model": "bench", "max_tokens": 16,
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "What is in this image?"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64," + b64}},
+        ]}],
+    }, separators=(",", ":")).encode()
+
+
+class ImagePoster:
+    """POSTs ``body`` to ``http://host:port{path}`` every ``every`` seconds (absolute
+    schedule, the first at once) from its own thread with blocking sockets, so that
+    the load client's event loop, which stamps the streams' events, is not the one
+    writing 15 MiB (socket calls release the GIL). One request at a time, each on a new
+    connection; a request that takes longer than ``every`` delays the next (counted in
+    ``late``). ``answers``: (HTTP status or 0 on error, seconds to the full answer)."""
+
+    def __init__(self, host: str, port: int, path: str, body: bytes, every: float) -> None:
+        self.host, self.port, self.path, self.body, self.every = host, port, path, body, every
+        self.answers: list[tuple[int, float]] = []
+        self.late = 0
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="image-poster", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop after the request under way (if any) is answered, and wait for it."""
+        self._stop.set()
+        self._thread.join(60)
+
+    def _run(self) -> None:
+        t0 = time.monotonic()
+        n = 0
+        while not self._stop.is_set():
+            started = time.monotonic()
+            status = 0
+            conn = http.client.HTTPConnection(self.host, self.port, timeout=30)
+            try:
+                conn.request("POST", self.path, body=self.body, headers={"Content-Type": "application/json"})
+                answer = conn.getresponse()
+                answer.read()
+                status = answer.status
+            except (OSError, http.client.HTTPException) as e:
+                self.errors.append(f"{type(e).__name__}: {e}")
+            finally:
+                conn.close()
+            self.answers.append((status, time.monotonic() - started))
+            n += 1
+            wait = t0 + n * self.every - time.monotonic()
+            if wait < 0:
+                self.late += 1
+            elif self._stop.wait(wait):
+                break
+
+
 def _ms(text: str) -> float:
     m = re.fullmatch(r"([\d.]+)(us|ms|s|m)", text)
     if not m:
@@ -392,6 +466,41 @@ class Bench:
         res = await self.streams(target, 1000, self.s.e_events, 50, 60 + self.s.e_events * 0.05)
         self.put_streams("e 1000 streams", target, res, meter.read())
 
+    async def scenario_h(self, target: str, images: bool) -> None:
+        """(h): :data:`H_STREAMS` streams of (b)'s shape for ``2 * wrk_seconds`` (at least
+        5 s), with (``images``) or without a chat request carrying an
+        :data:`H_IMAGE_MIB` MiB base64 image POSTed to the same ``target`` every
+        :data:`H_IMAGE_EVERY_S` s meanwhile (the upstream reads and drops the body and
+        answers a small completion). Lag as in (b); with images also how many were
+        answered 200 and their median time to the full answer."""
+        body: bytes | None = getattr(self, "_h_body", None)
+        if body is None:
+            body = self._h_body = image_body(H_IMAGE_MIB)
+        seconds = max(5.0, 2 * self.s.wrk_seconds)
+        events = int(seconds * 1000 / H_DELAY_MS)
+        port, prefix = self.target(target)
+        poster = ImagePoster(HOST, port, f"{prefix}/v1/chat/completions", body, H_IMAGE_EVERY_S) if images else None
+        meter = CpuMeter(self.procs)
+        streams = asyncio.ensure_future(self.streams(target, H_STREAMS, events, H_DELAY_MS, 30 + seconds))
+        if poster is not None:
+            await asyncio.sleep(0.2)  # every stream is running before the first image
+            poster.start()
+        try:
+            res = await streams
+        finally:
+            if poster is not None:
+                await asyncio.get_running_loop().run_in_executor(None, poster.stop)
+        g = f"h {'images' if images else 'plain'}"
+        self.put_streams(g, target, res, meter.read())
+        if poster is not None:
+            ok = [s for code, s in poster.answers if code == 200]
+            self.put(g, "images_ok", target, len(ok))
+            self.put(g, "image_s", target, statistics.median(ok) if ok else float("nan"))
+            bad = len(poster.answers) - len(ok)
+            if bad or poster.late:
+                self.notes.append(f"(h) {target}: {bad} image requests failed, {poster.late} late"
+                                  + (f", e.g. {poster.errors[0]}" if poster.errors else ""))
+
     async def ceilings(self) -> None:
         """The load generators' and upstream's own ceilings, direct to the upstream."""
         out = await wrk(f"http://{HOST}:{self.procs.up_port}/v1/chat/completions", 64, 2, self.lua)
@@ -443,6 +552,14 @@ class Bench:
                     print(f"  g {label}", file=sys.stderr)
                     await self.scenario_g(label, route, keyed)
                     await asyncio.sleep(0.3)
+            if "h" in only:
+                for t in order:
+                    for images in ((False, True) if rnd % 2 == 0 else (True, False)):
+                        print(f"  h {'images' if images else 'plain'} {t}", file=sys.stderr)
+                        await self.scenario_h(t, images)
+                        await asyncio.sleep(0.3)
+                    with_, without = (self.r[(f"h {v}", "lag_p99", t)][-1] for v in ("images", "plain"))
+                    self.put("h", "lag_p99_added", t, with_ - without)
         self.put("c", "rss_end", "crossbar", rss_mib(pid))
         if "d" in only:
             print("d crossbar", file=sys.stderr)
@@ -488,6 +605,15 @@ ROWS: list[tuple[str, str, str, int, str, Callable[[float, float], bool] | None]
     ("b 100 streams", "coalesced", "(b) 100 streams coalesced %", 1, "<= direct", lambda d, c: c <= d + 0.5),
     ("b 100 streams", "cpu_us", "(b) 100 streams crossbar CPU us/event", 1, "", None),
     ("b 100 streams", "completed", "(b) 100 streams completed", 0, "", None),
+    ("h plain", "lag_p99", "(h) 100 streams lag p99 ms, no images", 2, "", None),
+    ("h images", "lag_p99", "(h) 100 streams lag p99 ms, images", 2, "", None),
+    ("h", "lag_p99_added", "(h) lag p99 added by images ms", 2, "<= 5", lambda d, c: c <= 5),
+    ("h plain", "lag_p50", "(h) 100 streams lag p50 ms, no images", 2, "", None),
+    ("h images", "lag_p50", "(h) 100 streams lag p50 ms, images", 2, "", None),
+    ("h images", "images_ok", "(h) 15 MiB image requests answered 200", 0, "", None),
+    ("h images", "image_s", "(h) image request to full answer s", 3, "", None),
+    ("h plain", "crossbar_cpu", "(h) crossbar CPU share, no images", 2, "", None),
+    ("h images", "crossbar_cpu", "(h) crossbar CPU share, images", 2, "", None),
     ("c", "rss_idle", "(c) crossbar RSS idle MiB", 1, "", None),
     ("c", "rss_200", "(c) crossbar RSS 200 streams MiB", 1, "<= 60", lambda d, c: c <= 60),
     ("c", "rss_end", "(c) crossbar RSS after all, MiB", 1, "", None),
@@ -577,7 +703,7 @@ async def amain(args: argparse.Namespace) -> int:
     if shutil.which("wrk") is None:
         print("bench: wrk not found (apt-get install wrk)", file=sys.stderr)
         return 2
-    only = set(args.only) if args.only else {"a", "b", "c", "d", "e", "f", "g"}
+    only = set(args.only) if args.only else {"a", "b", "c", "d", "e", "f", "g", "h"}
     t0 = time.monotonic()
     started_load = loadavg()
     with tempfile.TemporaryDirectory(prefix="crossbar-bench-") as tmp:
@@ -696,7 +822,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description="crossbar against a direct upstream, side by side")
     p.add_argument("--quick", action="store_true", help="one short round (development)")
     p.add_argument("--rounds", type=int, default=0, help="rounds (default: 3 full, 1 quick)")
-    p.add_argument("--only", nargs="*", choices=["a", "b", "c", "d", "e", "f", "g"], help="run only these scenarios")
+    p.add_argument("--only", nargs="*", choices=["a", "b", "c", "d", "e", "f", "g", "h"], help="run only these scenarios")
     p.add_argument("--profile", metavar="DIR", help="profile crossbar with py-spy under (a) and (b) instead")
     p.add_argument("--json", metavar="PATH", help="also write every per-round value as JSON")
     p.add_argument("--keep-log", metavar="PATH", help="copy crossbar's log here")
