@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from enum import Enum
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
@@ -129,8 +129,11 @@ class ProxyResource(Resource):
         return self.runtime.idle.wait()
 
     def abort_all(self, why: str = "crossbar is shutting down") -> None:
-        """Abort every request still being handled (the end of a drain's grace)."""
-        for exchange in list(self.runtime.active):
+        """Abort every request still being handled (the end of a drain's grace): the
+        waiting ones first, answered 503, so that no slot freed by an abort dispatches
+        one of them."""
+        active = sorted(self.runtime.active, key=lambda e: e.phase is not Phase.QUEUED)
+        for exchange in active:
             exchange.abort(why)
 
     def mark_down(self, host: str, kind: str, reason: str, started_with: Config) -> None:
@@ -184,7 +187,7 @@ class Exchange:
         self.query = b""
         self.model: str | None = None
         self.affinity_key: str | None = None
-        self.body: bytes | None = None
+        self.body: Sequence[bytes] | None = None
         self.host: str | None = None
         self.tried: list[str] = []
         self.lease: Lease | None = None
@@ -233,20 +236,24 @@ class Exchange:
         self.phase = Phase.FORWARDING
         self.forward()
 
-    def read_body(self) -> tuple[bytes | None, str | None]:
-        """The body to forward and the model it names (rule 4), and the request's
-        affinity key (§Cache affinity), both found by the incremental peek while the
-        body arrived (:class:`~crossbar.request.CappedRequest`). GET and HEAD bodies
-        are forwarded when a client sends one (rule 6) but never peeked."""
+    def read_body(self) -> tuple[Sequence[bytes] | None, str | None]:
+        """The body to forward (the chunks it arrived in) and the model it names (rule
+        4), and the request's affinity key (§Cache affinity), both found by the
+        incremental peek while the body arrived (:class:`~crossbar.request.CappedRequest`).
+        GET and HEAD bodies are forwarded when a client sends one (rule 6) but never
+        peeked."""
         request = self.request
-        content = request.content.getvalue() if request.content is not None else b""
+        chunks: Sequence[bytes] | None = getattr(request, "body_chunks", None)
+        if chunks is None:  # a plain twisted.web Request (tests)
+            content = request.content.getvalue() if request.content is not None else b""
+            chunks = [content] if content else []
         if request.method in _NO_PEEK_METHODS:
-            return (content or None), None
+            return (chunks or None), None
         peeked = getattr(request, "peeked", None)
         if not isinstance(peeked, Peeked):
-            peeked = peek(content)
+            peeked = peek(b"".join(chunks))
         self.affinity_key = peeked.affinity_key
-        return content, peeked.model
+        return chunks, peeked.model
 
     # -- rule 5: choose; rule 7: fail over -----------------------------------------
 

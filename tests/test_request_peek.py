@@ -28,7 +28,7 @@ class _Recorder(Resource):
         self.seen: list[tuple[bytes, Peeked, int]] = []
 
     def render(self, request: Any) -> bytes:
-        self.seen.append((request.method, request.peeked, len(request.content.getvalue())))
+        self.seen.append((request.method, request.peeked, sum(len(c) for c in request.body_chunks)))
         return b"ok"
 
 
