@@ -54,6 +54,38 @@ def rss_mib(pid: int) -> float:
     return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * _PAGE_KIB / 1024
 
 
+def tree(pid: int) -> list[int]:
+    """``pid`` and its descendants alive now (a supervisor and its workers)."""
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        try:
+            for task in Path(f"/proc/{p}/task").iterdir():
+                todo += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return out
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of ``pid`` and its live descendants (workers die only on purpose)."""
+    total = 0.0
+    for p in tree(pid):
+        try:
+            total += cpu_seconds(p)
+        except OSError:
+            pass
+    return total
+
+
+def tree_rss_mib(pid: int) -> tuple[float, float]:
+    """(RSS of ``pid`` itself, largest RSS among its descendants) in MiB; the second is 0
+    when it has none (one process, no workers)."""
+    kids = [rss_mib(p) for p in tree(pid)[1:]]
+    return rss_mib(pid), max(kids, default=0.0)
+
+
 def _die_with_parent() -> None:
     """In a child before exec: get SIGTERM when the runner dies, however it dies."""
     import ctypes
@@ -76,6 +108,12 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen[Any]) -> None:
     raise SystemExit(f"bench: {url} did not answer 200 within {timeout:g}s")
 
 
+PROXIES = ("crossbar", "workers2")
+"""The proxy targets: crossbar as one process (no ``workers`` key), and crossbar with
+``workers: N`` (``--workers``, default 2; the column is named ``workers2`` whatever N)."""
+TARGETS = ("direct",) + PROXIES
+
+
 @dataclass
 class Procs:
     upstream: subprocess.Popen[Any]
@@ -85,6 +123,19 @@ class Procs:
     workdir: Path
     upstream2: subprocess.Popen[Any] | None = None
     up2_port: int = 0
+    workers2: subprocess.Popen[Any] | None = None
+    w2_port: int = 0
+
+    def proxy(self, target: str) -> tuple[subprocess.Popen[Any], int]:
+        """The process and port of a proxy target (one of :data:`PROXIES`)."""
+        if target == "workers2" and self.workers2 is not None:
+            return self.workers2, self.w2_port
+        if target == "crossbar":
+            return self.crossbar, self.cb_port
+        raise KeyError(target)
+
+    def targets(self) -> tuple[str, ...]:
+        return TARGETS if self.workers2 is not None else ("direct", "crossbar")
 
 
 def start_upstream(workdir: Path, name: str) -> tuple[subprocess.Popen[Any], int]:
@@ -101,20 +152,37 @@ def start_upstream(workdir: Path, name: str) -> tuple[subprocess.Popen[Any], int
     return up, int(line.split()[1])
 
 
-def start(workdir: Path) -> Procs:
+def start(workdir: Path, workers: int) -> Procs:
     """Start the two upstreams, then crossbar (a real ``twistd -n crossbar``, one
     process): route ``bench`` over ``up`` alone, route ``bench2`` over ``up`` and ``up2``
-    (scenario (f))."""
+    (scenario (f)); with ``workers`` > 1 also a second crossbar, the same config with
+    ``workers: N`` (column ``workers2``)."""
     up, up_port = start_upstream(workdir, "upstream")
     up2, up2_port = start_upstream(workdir, "upstream2")
+    procs = Procs(up, up, up_port, 0, workdir, up2, up2_port)  # crossbar set below
+    try:
+        procs.crossbar, procs.cb_port = start_crossbar(workdir, "crossbar", up_port, up2_port, 1)
+        if workers > 1:
+            procs.workers2, procs.w2_port = start_crossbar(workdir, "workers2", up_port, up2_port, workers)
+    except BaseException:
+        stop(procs)
+        raise
+    return procs
+
+
+def start_crossbar(workdir: Path, name: str, up_port: int, up2_port: int, workers: int
+                   ) -> tuple[subprocess.Popen[Any], int]:
+    """One crossbar (``twistd -n``) over ``up`` and ``up2``; ``workers`` > 1 adds the
+    ``workers`` key. Returns the process and its port once ready."""
     import socket
 
     with socket.socket() as s:
         s.bind((HOST, 0))
         cb_port = s.getsockname()[1]
-    config = workdir / "crossbar.yaml"
+    config = workdir / f"{name}.yaml"
     config.write_text(
-        f'listen: "tcp:{cb_port}:interface={HOST}:backlog=1024"\n'
+        (f"workers: {workers}\n" if workers > 1 else "")
+        + f'listen: "tcp:{cb_port}:interface={HOST}:backlog=1024"\n'
         "health: {interval: 5, timeout: 5}\n"
         f"hosts:\n  up: http://{HOST}:{up_port}\n  up2: http://{HOST}:{up2_port}\n"
         "routes:\n  bench:\n    hosts: [up]\n    default_model: bench\n"
@@ -127,26 +195,27 @@ def start(workdir: Path) -> Procs:
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     twistd = Path(sys.executable).parent / "twistd"
     cb = subprocess.Popen(
-        [str(twistd), "-n", "--pidfile=", f"--logfile={workdir / 'crossbar.log'}",
+        [str(twistd), "-n", "--pidfile=", f"--logfile={workdir / (name + '.log')}",
          "crossbar", "--config", str(config)],
-        cwd=workdir, env=env, stdout=subprocess.DEVNULL, stderr=open(workdir / "crossbar.stderr", "w"),
+        cwd=workdir, env=env, stdout=subprocess.DEVNULL, stderr=open(workdir / f"{name}.stderr", "w"),
         preexec_fn=_die_with_parent,
     )
-    procs = Procs(up, cb, up_port, cb_port, workdir, up2, up2_port)
     try:
         wait_http(f"http://{HOST}:{cb_port}/_crossbar/readyz", 30, cb)
     except BaseException:
-        stop(procs)
-        sys.stderr.write((workdir / "crossbar.stderr").read_text()[-3000:])
+        cb.kill()
+        cb.wait()
+        sys.stderr.write((workdir / f"{name}.stderr").read_text()[-3000:])
         raise
-    return procs
+    return cb, cb_port
 
 
 def stop(procs: Procs) -> None:
-    everything = [p for p in (procs.crossbar, procs.upstream, procs.upstream2) if p is not None]
+    proxies = [p for p in (procs.crossbar, procs.workers2) if p is not None and p is not procs.upstream]
+    everything = proxies + [p for p in (procs.upstream, procs.upstream2) if p is not None]
     for p in everything:
         if p.poll() is None:
-            p.send_signal(signal.SIGTERM if p is procs.crossbar else signal.SIGINT)
+            p.send_signal(signal.SIGTERM if p in proxies else signal.SIGINT)
     for p in everything:
         try:
             p.wait(40)
@@ -167,31 +236,41 @@ def pct(values: list[float], p: float) -> float:
 
 
 class CpuMeter:
-    """CPU use of crossbar and the upstream over a span (1.0 = one core busy)."""
+    """CPU use of each proxy (its whole process tree: a supervisor and its workers) and
+    the upstream over a span (1.0 = one core busy)."""
 
     def __init__(self, procs: Procs) -> None:
         self.pids = {"crossbar": procs.crossbar.pid, "upstream": procs.upstream.pid}
+        if procs.workers2 is not None:
+            self.pids["workers2"] = procs.workers2.pid
         if procs.upstream2 is not None:
             self.pids["upstream2"] = procs.upstream2.pid
         self.t0 = time.monotonic()
-        self.c0 = {k: cpu_seconds(p) for k, p in self.pids.items()}
+        self.c0 = {k: tree_cpu_seconds(p) for k, p in self.pids.items()}
 
     def read(self) -> dict[str, float]:
         wall = time.monotonic() - self.t0
-        return {k: (cpu_seconds(p) - self.c0[k]) / wall for k, p in self.pids.items()}
+        return {k: (tree_cpu_seconds(p) - self.c0[k]) / wall for k, p in self.pids.items()}
+
+
+def proxy_cpu(cpu: dict[str, float], target: str) -> float:
+    """The CPU share of the proxy measured by ``target`` (for "direct": crossbar's, ~0)."""
+    return cpu.get(target, 0.0) if target in PROXIES else cpu["crossbar"]
 
 
 class RssPeak:
-    """Samples a process's RSS every 20 ms while running; :attr:`peak` in MiB."""
+    """Samples a process's RSS every 20 ms while running; :attr:`peak` in MiB. With
+    ``whole_tree``, the sum over the process and its descendants."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, whole_tree: bool = False) -> None:
         self.pid = pid
-        self.peak = rss_mib(pid)
+        self.rss: Callable[[int], float] = (lambda p: sum(rss_mib(q) for q in tree(p))) if whole_tree else rss_mib
+        self.peak = self.rss(pid)
         self.task: asyncio.Task[None] | None = None
 
     async def _run(self) -> None:
         while True:
-            self.peak = max(self.peak, rss_mib(self.pid))
+            self.peak = max(self.peak, self.rss(self.pid))
             await asyncio.sleep(0.02)
 
     def __enter__(self) -> RssPeak:
@@ -201,7 +280,7 @@ class RssPeak:
     def __exit__(self, *exc: Any) -> None:
         assert self.task is not None
         self.task.cancel()
-        self.peak = max(self.peak, rss_mib(self.pid))
+        self.peak = max(self.peak, self.rss(self.pid))
 
 
 _WRK_LUA = """wrk.method = "POST"
@@ -348,7 +427,7 @@ class Bench:
         self.notes: list[str] = []
 
     def target(self, name: str) -> tuple[int, str]:
-        return (self.procs.up_port, "") if name == "direct" else (self.procs.cb_port, ROUTE)
+        return (self.procs.up_port, "") if name == "direct" else (self.procs.proxy(name)[1], ROUTE)
 
     def put(self, group: str, metric: str, target: str, value: float) -> None:
         self.r[(group, metric, target)].append(value)
@@ -361,10 +440,10 @@ class Bench:
         g = f"a c={c}"
         for k in ("rps", "p50", "p99", "client_cpu"):
             self.put(g, k, target, out[k])
-        self.put(g, "crossbar_cpu", target, cpu["crossbar"])
+        self.put(g, "crossbar_cpu", target, proxy_cpu(cpu, target))
         self.put(g, "upstream_cpu", target, cpu["upstream"])
-        if target == "crossbar":
-            self.put(g, "cpu_us", target, 1e6 * cpu["crossbar"] / out["rps"])
+        if target in PROXIES:
+            self.put(g, "cpu_us", target, 1e6 * proxy_cpu(cpu, target) / out["rps"])
         if out["bad"]:
             self.notes.append(f"(a) c={c} {target}: {out['bad']:g} non-2xx answers")
 
@@ -430,11 +509,11 @@ class Bench:
         self.put(g, "lag_p99", target, pct(lags, 99))
         self.put(g, "coalesced", target, 100 * res.coalesced_share)
         self.put(g, "client_cpu", target, res.client_cpu)
-        self.put(g, "crossbar_cpu", target, cpu["crossbar"])
+        self.put(g, "crossbar_cpu", target, proxy_cpu(cpu, target))
         self.put(g, "upstream_cpu", target, cpu["upstream"])
         events = sum(s.events for s in res.streams)
-        if target == "crossbar" and events:
-            self.put(g, "cpu_us", target, 1e6 * cpu["crossbar"] * res.wall_s / events)
+        if target in PROXIES and events:
+            self.put(g, "cpu_us", target, 1e6 * proxy_cpu(cpu, target) * res.wall_s / events)
         errors = [s.error for s in res.streams if not s.done]
         if errors:
             self.notes.append(f"{g} {target}: {len(errors)} streams failed, e.g. {errors[0]}")
@@ -451,15 +530,18 @@ class Bench:
         if res.completed != 200:
             self.notes.append(f"(c) only {res.completed}/200 streams completed")
 
-    async def scenario_d(self) -> None:
-        pid = self.procs.crossbar.pid
+    async def scenario_d(self, target: str = "crossbar") -> None:
+        """(d) through one proxy target; with workers the RSS is the whole tree's (the
+        one connection lands on one worker, so that is that worker's growth)."""
+        proc, port = self.procs.proxy(target)
+        whole = target != "crossbar"
         await asyncio.sleep(0.5)
-        base = rss_mib(pid)
-        with RssPeak(pid) as peak:
-            got = await slow_read(HOST, self.procs.cb_port, f"{ROUTE}/v1/blob?size={50 * 1024 * 1024}",
+        with RssPeak(proc.pid, whole_tree=whole) as peak:
+            base = peak.peak
+            got = await slow_read(HOST, port, f"{ROUTE}/v1/blob?size={50 * 1024 * 1024}",
                                   16 * 1024, 0.05, self.s.d_seconds)
-        self.put("d", "rss_growth", "crossbar", peak.peak - base)
-        self.put("d", "read_mib", "crossbar", got / 2**20)
+        self.put("d", "rss_growth", target, peak.peak - base)
+        self.put("d", "read_mib", target, got / 2**20)
 
     async def scenario_e(self, target: str) -> None:
         meter = CpuMeter(self.procs)
@@ -517,6 +599,10 @@ class Bench:
         pid = self.procs.crossbar.pid
         await asyncio.sleep(1)
         self.put("c", "rss_idle", "crossbar", rss_mib(pid))
+        if self.procs.workers2 is not None:
+            sup, worker = tree_rss_mib(self.procs.workers2.pid)
+            self.put("c", "rss_idle", "workers2", worker)
+            self.put("c", "rss_supervisor", "workers2", sup)
         if "c" in only:
             # Before any other load through crossbar: Python keeps the heap it grew, so
             # after (e)'s 1000 streams this would measure (e), not 200 streams.
@@ -524,7 +610,7 @@ class Bench:
             await self.scenario_c()
         await self.ceilings()
         for rnd in range(self.s.rounds):
-            order = ("direct", "crossbar") if rnd % 2 == 0 else ("crossbar", "direct")
+            order = self.procs.targets() if rnd % 2 == 0 else self.procs.targets()[::-1]
             print(f"round {rnd + 1}/{self.s.rounds} ({' then '.join(order)} in each step)", file=sys.stderr)
             steps: list[tuple[str, Callable[[str], Awaitable[None]]]] = []
             if "a" in only:
@@ -541,8 +627,8 @@ class Bench:
                 steps.append(("e", self.scenario_e))
             for name, step in steps:
                 for t in order:
-                    if name.startswith("f ") and t == "direct":
-                        continue  # two hosts behind one address: only through crossbar
+                    if name.startswith("f ") and t != "crossbar":
+                        continue  # two hosts behind one address: only through crossbar (one process)
                     print(f"  {name} {t}", file=sys.stderr)
                     await step(t)
                     await asyncio.sleep(0.3)
@@ -562,8 +648,9 @@ class Bench:
                     self.put("h", "lag_p99_added", t, with_ - without)
         self.put("c", "rss_end", "crossbar", rss_mib(pid))
         if "d" in only:
-            print("d crossbar", file=sys.stderr)
-            await self.scenario_d()
+            for t in self.procs.targets()[1:]:
+                print(f"d {t}", file=sys.stderr)
+                await self.scenario_d(t)
 
 
 # -- the table -------------------------------------------------------------------------------
@@ -585,7 +672,7 @@ ROWS: list[tuple[str, str, str, int, str, Callable[[float, float], bool] | None]
     ("a c=1", "p99", "(a) c=1 latency p99 ms", 2, "", None),
     ("a c=16", "rps", "(a) c=16 requests/s", 0, ">= 3000", lambda d, c: c >= 3000),
     ("a c=16", "p50", "(a) c=16 latency p50 ms", 2, "", None),
-    ("a c=16", "cpu_us", "(a) c=16 crossbar CPU us/request", 0, "", None),
+    ("a c=16", "cpu_us", "(a) c=16 proxy CPU us/request", 0, "", None),
     ("a c=16", "p99", "(a) c=16 latency p99 ms", 2, "", None),
     ("f c=16", "rps", "(f) 2 hosts c=16 requests/s", 0, "", None),
     ("f c=16", "p99", "(f) 2 hosts c=16 latency p99 ms", 2, "", None),
@@ -603,7 +690,7 @@ ROWS: list[tuple[str, str, str, int, str, Callable[[float, float], bool] | None]
     ("b 100 streams", "lag_p50", "(b) 100 streams lag p50 ms", 2, "", None),
     ("b 100 streams", "lag_p99", "(b) 100 streams lag p99 ms", 2, "<= 5", lambda d, c: c <= 5),
     ("b 100 streams", "coalesced", "(b) 100 streams coalesced %", 1, "<= direct", lambda d, c: c <= d + 0.5),
-    ("b 100 streams", "cpu_us", "(b) 100 streams crossbar CPU us/event", 1, "", None),
+    ("b 100 streams", "cpu_us", "(b) 100 streams proxy CPU us/event", 1, "", None),
     ("b 100 streams", "completed", "(b) 100 streams completed", 0, "", None),
     ("h plain", "lag_p99", "(h) 100 streams lag p99 ms, no images", 2, "", None),
     ("h images", "lag_p99", "(h) 100 streams lag p99 ms, images", 2, "", None),
@@ -614,7 +701,8 @@ ROWS: list[tuple[str, str, str, int, str, Callable[[float, float], bool] | None]
     ("h images", "image_s", "(h) image request to full answer s", 3, "", None),
     ("h plain", "crossbar_cpu", "(h) crossbar CPU share, no images", 2, "", None),
     ("h images", "crossbar_cpu", "(h) crossbar CPU share, images", 2, "", None),
-    ("c", "rss_idle", "(c) crossbar RSS idle MiB", 1, "", None),
+    ("c", "rss_idle", "(c) RSS idle MiB (one worker)", 1, "<= 45", lambda d, c: c <= 45),
+    ("c", "rss_supervisor", "(c) RSS idle MiB, supervisor", 1, "", None),
     ("c", "rss_200", "(c) crossbar RSS 200 streams MiB", 1, "<= 60", lambda d, c: c <= 60),
     ("c", "rss_end", "(c) crossbar RSS after all, MiB", 1, "", None),
     ("d", "rss_growth", "(d) slow client RSS growth MiB", 1, "<= 5", lambda d, c: c <= 5),
@@ -629,29 +717,37 @@ ROWS: list[tuple[str, str, str, int, str, Callable[[float, float], bool] | None]
 CPU_GROUPS = ["a c=1", "a c=16", "f c=16", "a c=64", "b 1 streams", "b 100 streams", "e 1000 streams"]
 
 
-def table(r: Results) -> str:
-    lines = []
-    head = f"{'figure':36} {'direct':>26} {'crossbar':>26} {'x/direct':>8}  {'target':10} ok"
-    lines += [head, "-" * len(head)]
+def table(r: Results, targets: tuple[str, ...]) -> str:
+    """The figures side by side: one column per target; ``x/direct`` per proxy column;
+    ``ok`` per proxy column (targets are for one worker or for ``workers: 2`` as the
+    issue says: read the row's own column)."""
+    proxies = [t for t in targets if t != "direct"]
+    names = {"direct": "direct", "crossbar": "1 worker", "workers2": "workers: 2"}
+    short = {"crossbar": "1w", "workers2": "2w"}
+    head = (f"{'figure':36} " + " ".join(f"{names[t]:>24}" for t in targets)
+            + " " + " ".join(f"{'x/d ' + short[t]:>8}" for t in proxies) + f"  {'target':10} ok")
+    lines = [head, "-" * len(head)]
     for group, metric, label, digits, target, check in ROWS:
-        d, c = r.get((group, metric, "direct"), []), r.get((group, metric, "crossbar"), [])
-        if not d and not c:
+        vals = {t: r.get((group, metric, t), []) for t in targets}
+        if not any(vals.values()):
             continue
-        dm = statistics.median(d) if d else float("nan")
-        cm = statistics.median(c) if c else float("nan")
-        ratio = f"{cm / dm:.2f}" if d and c and dm else ""
-        verdict = ""
-        if check is not None and c:
-            verdict = "yes" if check(dm, cm) else "NO"
-        lines.append(f"{label:36} {fmt(d, digits):>26} {fmt(c, digits):>26} {ratio:>8}  {target:10} {verdict}")
+        med = {t: statistics.median(v) if v else float("nan") for t, v in vals.items()}
+        d = vals["direct"]
+        ratios = [f"{med[t] / med['direct']:.2f}" if d and vals[t] and med["direct"] else "" for t in proxies]
+        verdicts = []
+        if check is not None:
+            verdicts = [("yes" if check(med["direct"], med[t]) else "NO") if vals[t] else "-" for t in proxies]
+        lines.append(f"{label:36} " + " ".join(f"{fmt(vals[t], digits):>24}" for t in targets) + " "
+                     + " ".join(f"{x:>8}" for x in ratios) + f"  {target:10} {'/'.join(verdicts)}")
     lines.append("")
-    lines.append("CPU use, median share of one core (crossbar / upstream / load client):")
+    lines.append("CPU use, median share of one core (proxy / upstream / load client); a proxy with")
+    lines.append("workers counts its whole process tree (supervisor + workers), so it can exceed 1.0:")
     for g in CPU_GROUPS:
         parts = []
-        for t in ("direct", "crossbar"):
-            vals = [r.get((g, k, t), []) for k in ("crossbar_cpu", "upstream_cpu", "client_cpu")]
-            if all(vals):
-                parts.append(f"{t}: " + " / ".join(f"{statistics.median(v):.2f}" for v in vals))
+        for t in targets:
+            vs = [r.get((g, k, t), []) for k in ("crossbar_cpu", "upstream_cpu", "client_cpu")]
+            if all(vs):
+                parts.append(f"{names[t]}: " + " / ".join(f"{statistics.median(v):.2f}" for v in vs))
         if parts:
             lines.append(f"  {g:16} " + "   ".join(parts))
     lines += affinity_table(r)
@@ -712,7 +808,7 @@ async def amain(args: argparse.Namespace) -> int:
         lua.write_text(_WRK_LUA)
         keyless_lua = workdir / "post-keyless.lua"
         keyless_lua.write_text(_WRK_LUA_KEYLESS)
-        procs = start(workdir)
+        procs = start(workdir, 0 if args.profile else args.workers)
         try:
             bench = Bench(procs, settings, lua, keyless_lua)
             if args.profile:
@@ -723,6 +819,8 @@ async def amain(args: argparse.Namespace) -> int:
             stop(procs)
             if args.keep_log:
                 shutil.copy(workdir / "crossbar.log", args.keep_log)
+                if procs.workers2 is not None:
+                    shutil.copy(workdir / "workers2.log", args.keep_log + ".workers2")
     r = bench.r
     print()
     print(machine())
@@ -734,9 +832,9 @@ async def amain(args: argparse.Namespace) -> int:
           f"{statistics.median(r[('ceiling', 'events_per_s', 'direct')]):.0f} events/s at 100 streams, no delay "
           f"(client CPU {statistics.median(r[('ceiling', 'stream_client_cpu', 'direct')]):.2f}, upstream CPU "
           f"{statistics.median(r[('ceiling', 'stream_upstream_cpu', 'direct')]):.2f})")
-    print("values: median [min-max] over rounds; x/direct = crossbar median / direct median")
+    print("values: median [min-max] over rounds; x/d = that column's median / direct median")
     print()
-    print(table(r))
+    print(table(r, procs.targets()))
     for note in bench.notes:
         print("note:", note)
     if args.json:
@@ -823,6 +921,8 @@ def main() -> int:
     p.add_argument("--quick", action="store_true", help="one short round (development)")
     p.add_argument("--rounds", type=int, default=0, help="rounds (default: 3 full, 1 quick)")
     p.add_argument("--only", nargs="*", choices=["a", "b", "c", "d", "e", "f", "g", "h"], help="run only these scenarios")
+    p.add_argument("--workers", type=int, default=2,
+                   help="workers of the second crossbar column (default 2; 0 or 1: no such column)")
     p.add_argument("--profile", metavar="DIR", help="profile crossbar with py-spy under (a) and (b) instead")
     p.add_argument("--json", metavar="PATH", help="also write every per-round value as JSON")
     p.add_argument("--keep-log", metavar="PATH", help="copy crossbar's log here")

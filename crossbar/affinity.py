@@ -50,6 +50,8 @@ def rank(key: str, hosts: Sequence[tuple[str, float]]) -> list[str]:
     The same key and hosts always give the same ranking, whatever the input order (ties,
     astronomically rare, go by name).
     """
+    if len(hosts) == 1:  # one host: no hash to compute (a one-host route, per request)
+        return [hosts[0][0]]
     return [name for _, name in sorted(((-score(key, name, weight), name) for name, weight in hosts))]
 
 

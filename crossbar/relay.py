@@ -5,8 +5,11 @@ A :class:`Relay` is the ``IProtocol`` the upstream body is delivered to and the
 ``IPushProducer`` the client's connection pauses and resumes: each chunk is written to
 the client as it arrives, and while the client cannot take more the upstream read
 pauses, so memory per stream stays bounded however slow the client is. The idle
-timeout (``timeouts.idle``) is Twisted's ``TimeoutMixin``: reset by every body byte,
-off while the client holds us paused (a slow client is not a silent host).
+timeout (``timeouts.idle``) fires ``timeouts.idle`` seconds after the last body byte,
+and is off while the client holds us paused (a slow client is not a silent host). It is
+re-armed lazily: a body chunk only records the time it came (no timer work per event,
+issue 14); when the timer fires early because bytes came since, it re-arms itself for
+what is left.
 
 Its :attr:`Relay.ended` Deferred fires once with how the body ended
 (:class:`RelayEnd`); the exchange decides what that means for the client and the host.
@@ -19,9 +22,8 @@ from typing import Any
 
 from twisted.internet.defer import Deferred
 from twisted.internet.error import ConnectionLost
-from twisted.internet.interfaces import IPushProducer, IReactorTime
+from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
 from twisted.internet.protocol import Protocol
-from twisted.protocols.policies import TimeoutMixin
 from twisted.python.failure import Failure
 from twisted.web.client import ResponseDone
 from twisted.web.http import PotentialDataLoss
@@ -57,7 +59,7 @@ class RelayEnd(Enum):
 
 
 @implementer(IPushProducer)
-class Relay(Protocol, TimeoutMixin):
+class Relay(Protocol):
     """Streams ``response``'s body into ``request``.
 
     :param request: the client's request (its connection is the consumer).
@@ -78,6 +80,8 @@ class Relay(Protocol, TimeoutMixin):
         self.reason = ""
         self.ended: Deferred[RelayEnd] = Deferred()
         self.transport: Any = None
+        self._timer: IDelayedCall | None = None
+        self._last_byte_at = 0.0
 
     def start(self, response: IResponse) -> None:
         """Register with the client's connection and start reading ``response``'s body."""
@@ -85,16 +89,35 @@ class Relay(Protocol, TimeoutMixin):
         if client_is_paused(self.request):
             self.pauseProducing()
         if self.state is RelayState.STREAMING:
-            self.setTimeout(self.idle_timeout)
+            self._arm()
         response.deliverBody(self)
         if self.state is RelayState.PAUSED and self.transport is not None:
             # Response.deliverBody resumes the upstream transport once it has handed
             # over, even when a write during the hand-over made the client pause us.
             self.transport.pauseProducing()
 
-    def callLater(self, period: Any, func: Any) -> Any:
-        """``TimeoutMixin``'s timer runs on the given clock."""
-        return self._clock.callLater(period, func)
+    # -- the idle timer -------------------------------------------------------------
+
+    def _arm(self) -> None:
+        """Start a whole new idle wait (at start and on resume)."""
+        self._disarm()
+        self._last_byte_at = self._clock.seconds()
+        self._timer = self._clock.callLater(self.idle_timeout, self._idle_check)
+
+    def _disarm(self) -> None:
+        timer, self._timer = self._timer, None
+        if timer is not None and timer.active():
+            timer.cancel()
+
+    def _idle_check(self) -> None:
+        """The timer fired: time out if no byte came for ``idle_timeout`` seconds, else
+        wait for what is left after the last byte."""
+        left = self._last_byte_at + self.idle_timeout - self._clock.seconds()
+        if left > 0:
+            self._timer = self._clock.callLater(left, self._idle_check)
+            return
+        self._timer = None
+        self.timeoutConnection()
 
     # -- IProtocol: the upstream body ------------------------------------------------
 
@@ -107,8 +130,8 @@ class Relay(Protocol, TimeoutMixin):
         if self.state is RelayState.ENDED:
             return
         self.bytes += len(data)
+        self._last_byte_at = self._clock.seconds()
         self.request.write(data)
-        self.resetTimeout()
 
     def connectionLost(self, reason: Failure = Failure(ConnectionLost())) -> None:
         if reason.check(ResponseDone, PotentialDataLoss):
@@ -117,7 +140,8 @@ class Relay(Protocol, TimeoutMixin):
             self._end(RelayEnd.MID_ANSWER, f"failed mid-answer: {describe_failure(reason)}")
 
     def timeoutConnection(self) -> None:
-        """``TimeoutMixin``: no body byte for ``idle_timeout`` seconds."""
+        """No body byte for ``idle_timeout`` seconds: ends with ``IDLE_TIMEOUT`` and
+        closes the upstream connection."""
         self._end(RelayEnd.IDLE_TIMEOUT, f"no body byte within {self.idle_timeout:g}s")
         self._close_upstream()
 
@@ -127,7 +151,7 @@ class Relay(Protocol, TimeoutMixin):
         if self.state is RelayState.ENDED:
             return
         self.state = RelayState.PAUSED
-        self.setTimeout(None)
+        self._disarm()
         if self.transport is not None:
             self.transport.pauseProducing()
 
@@ -137,7 +161,7 @@ class Relay(Protocol, TimeoutMixin):
         self.state = RelayState.STREAMING
         if self.transport is not None:
             self.transport.resumeProducing()
-        self.setTimeout(self.idle_timeout)
+        self._arm()
 
     def stopProducing(self) -> None:
         self.stop()
@@ -158,6 +182,6 @@ class Relay(Protocol, TimeoutMixin):
         if self.state is RelayState.ENDED:
             return
         self.state = RelayState.ENDED
-        self.setTimeout(None)
+        self._disarm()
         self.reason = reason
         self.ended.callback(how)

@@ -145,3 +145,16 @@ class PickTests(SynchronousTestCase):
             bound(0.5, 0, 1.0, 1.0)
         with self.assertRaises(ValueError):
             pick("k", [Candidate("a", 1.0, 0, True)], 0.9)
+
+
+class OneHostTests(SynchronousTestCase):
+    """A one-host tier skips the hash (issue 14: per request on one-host routes) and
+    answers as the ranking of one always would."""
+
+    def test_one_host(self) -> None:
+        self.assertEqual(rank("k", [("a", 1.0)]), ["a"])
+        self.assertEqual(rank("k", [("a", 0.0)]), ["a"])
+        self.assertEqual(pick("k", [Candidate("a", 2.0, 0, True)], 1.25), Pick("a", "home"))
+        self.assertEqual(pick("k", [Candidate("a", 2.0, 5, True)], 1.25), Pick("a", "home"))  # bound: ceil(1.25 * 6) = 8
+        self.assertIsNone(pick("k", [Candidate("a", 2.0, 5, False)], 1.25))  # no room
+        self.assertIsNone(pick("k", [Candidate("a", 0.0, 0, True)], 1.25))  # no positive weight

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
 from crossbar import peek as peek_module
-from crossbar.peek import LONG_STRING, PROMPT_BYTES, BodyPeek, Peeked, backend_name, peek
+from crossbar.peek import LONG_STRING, PROMPT_BYTES, BodyPeek, Peeked, backend_name, peek, peek_small
 from crossbar.routing import peek_model
 
 EXISTING_CASES = [  # every body tests/test_routing.py gives peek_model
@@ -453,3 +453,48 @@ class LongKeyTests(SynchronousTestCase):
         self.assertEqual(p.finish().model, "m1")
         self.assertTrue(kept)
         self.assertEqual(set(map(type, kept)), {type(None)})
+
+
+class SmallBodyTests(SynchronousTestCase):
+    """Issue 14: a body of at most SMALL_BODY bytes in one chunk is read with json.loads
+    (``peek_small``), which must give the incremental peek's answer or none at all."""
+
+    @settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(bodies() | _chat_docs.map(lambda d: json.dumps(d).encode()))
+    def test_same_answer_as_the_incremental_peek(self, body: bytes) -> None:
+        quick = peek_small(body)
+        slow = fed(body, 1)  # one byte at a time: never the shortcut
+        if quick is not None:
+            self.assertEqual(quick, slow, body)
+        self.assertEqual(peek(body), slow, body)
+
+    def test_a_chat_body_takes_the_shortcut(self) -> None:
+        body = chat([{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                    prompt=[1, 2.5, "x"])
+        self.assertEqual(peek_small(body), fed(body, 1))
+        self.assertIsNotNone(peek_small(body))
+        p = BodyPeek()
+        p.feed(body)
+        self.assertFalse(p._started)  # held, not parsed incrementally
+        self.assertEqual(p.finish(), fed(body, 1))
+
+    def test_unsure_bodies_fall_back(self) -> None:
+        for body in (
+            b'{"messages": [{"role": "user", "role": ["x"], "content": "a"}]}',  # yajl keeps "user"
+            b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a", "text": {}}]}]}',
+            b'{"model": "m1", "x": NaN}', b'{"model": "\\ud800"}', b'{"model": "m1", "x": "\xed\xa0\x80"}',
+            b'{"model": "m1", "x": ' + b"[" * 950 + b"]" * 950 + b"}",
+        ):
+            self.assertIsNone(peek_small(body), body[:40])
+            self.assertEqual(peek(body), fed(body, 1), body[:40])
+        self.assertEqual(peek(b'{"messages": [{"role": "user", "role": ["x"], "content": "a"}]}'),
+                         peek(b'{"messages": [{"role": "user", "content": "a"}]}'))
+
+    def test_a_larger_or_second_chunk_goes_incremental(self) -> None:
+        body = chat([{"role": "user", "content": "x" * (peek_module.SMALL_BODY + 1)}])
+        self.assertEqual(peek(body), fed(body, 1000))
+        p = BodyPeek()
+        p.feed(body[:10])
+        p.feed(body[10:])
+        self.assertTrue(p._started)
+        self.assertEqual(p.finish(), fed(body, 1000))

@@ -180,6 +180,23 @@ class RelayTests(SynchronousTestCase):
         self.assertEqual(self.ends, [RelayEnd.IDLE_TIMEOUT])
         self.assertEqual(response.transport.producerState, "stopped")
 
+    def test_body_chunks_do_no_timer_work(self) -> None:
+        """Issue 14: a chunk only records its time; the one timer stays as armed until it
+        fires, then waits for what is left after the last byte."""
+        _, response = self.relay()
+        [timer] = self.clock.getDelayedCalls()
+        for i in range(50):
+            self.clock.advance(1)
+            response.protocol.dataReceived(b"data: %d\n\n" % i)
+        self.assertEqual(self.clock.getDelayedCalls(), [timer])
+        self.assertEqual(timer.getTime(), IDLE)  # not pushed back by any chunk
+        self.clock.advance(IDLE - 50)  # fires at IDLE, 70 s after the last byte
+        [later] = self.clock.getDelayedCalls()
+        self.assertEqual(later.getTime(), 50 + IDLE)
+        self.assertEqual(self.ends, [])
+        self.clock.advance(50)
+        self.assertEqual(self.ends, [RelayEnd.IDLE_TIMEOUT])
+
     def test_stop(self) -> None:
         relay, response = self.relay()
         relay.stop()

@@ -5,9 +5,14 @@ query string."""
 from __future__ import annotations
 
 import json
+from typing import Any, cast
 
 from twisted.internet.defer import ensureDeferred
-from twisted.trial.unittest import TestCase
+from twisted.logger import ILogObserver, formatEvent, globalLogPublisher
+from twisted.trial.unittest import SynchronousTestCase, TestCase
+
+from crossbar.metrics import Metrics
+from crossbar.record import NO_ROUTE, RequestLog, RequestRecord
 
 from tests.harness import two_hosts
 from tests.logs import LogCapture
@@ -79,3 +84,38 @@ class RequestLogTests(TestCase):
             log.assert_never_contains(self, SECRET)
 
         return ensureDeferred(go())
+
+
+class RecordLineTests(SynchronousTestCase):
+    """The text of the per-request event (rendered once by RequestLog, issue 14), and the
+    metrics it counts, with the label children looked up once per label set."""
+
+    def test_text_and_counts(self) -> None:
+        events: list[dict[str, Any]] = []
+        observer = cast(ILogObserver, events.append)
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
+        metrics = Metrics()
+        log = RequestLog(metrics)
+        log.write(RequestRecord("r", "a", "POST", "/v1/{x}", "/r/v1/{x}", 200, 12, 0.0123, ttfb=0.0045,
+                                key="k1", why="only"))
+        log.write(RequestRecord("r", "a", "POST", "/v1/{x}", "/r/v1/{x}", 200, 3, 0.5, key="k1"))
+        log.write(RequestRecord(NO_ROUTE, "", "GET", "/", "/", 404, 0, 0.001))
+        texts = [formatEvent(e) for e in events if e.get("log_namespace") == "crossbar.proxy"]
+        self.assertEqual(texts, [
+            "POST /r/v1/{x} -> a 200 12B ttfb=4.5ms 12.3ms (only) key=k1",
+            "POST /r/v1/{x} -> a 200 3B ttfb=- 500.0ms key=k1",
+            "GET / -> - 404 0B ttfb=- 1.0ms",
+        ])
+        first = [e for e in events if e.get("log_namespace") == "crossbar.proxy"][0]
+        self.assertEqual((first["route"], first["host"], first["status"], first["ttfb_ms"], first["ms"], first["why"]),
+                         ("r", "a", 200, 4.5, 12.3, "only"))
+        registry = metrics.registry
+        self.assertEqual(registry.get_sample_value(
+            "crossbar_requests_total", {"route": "r", "host": "a", "code": "200", "key": "k1"}), 2.0)
+        self.assertEqual(registry.get_sample_value(
+            "crossbar_request_duration_seconds_count", {"route": "r", "host": "a"}), 2.0)
+        self.assertEqual(registry.get_sample_value(
+            "crossbar_time_to_first_byte_seconds_count", {"route": "r", "host": "a"}), 1.0)
+        self.assertEqual(registry.get_sample_value(
+            "crossbar_requests_total", {"route": "-", "host": "-", "code": "404", "key": ""}), 1.0)
