@@ -21,7 +21,7 @@ from twisted.logger import Logger
 
 from crossbar.config import Config
 
-__all__ = ["ReloadPlan", "SIGHUPReload", "plan_reload"]
+__all__ = ["ReloadPlan", "SIGHUPReload", "catch_second_stop_signal", "plan_reload"]
 
 
 @dataclass(frozen=True)
@@ -93,3 +93,18 @@ class SIGHUPReload(Service):
             self._installed = False
             previous = self._previous if self._previous is not None else signal.SIG_DFL
             signal.signal(signal.SIGHUP, previous)
+
+
+def catch_second_stop_signal(reactor: Any, hurry: Callable[[], object]) -> None:
+    """From now on (a drain has started), SIGTERM and SIGINT call ``hurry`` on the
+    reactor thread instead of Twisted's ``reactor.stop`` (which would only log a
+    ``ReactorNotRunning`` traceback): a second signal ends the drain at once
+    (DESIGN.md §Operations). Does nothing off the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        reactor.callFromThread(hurry)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, on_signal)

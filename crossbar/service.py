@@ -11,10 +11,7 @@ SIGTERM) gives in-flight requests their time without depending on trigger order.
 from __future__ import annotations
 
 import gc
-import signal
-import threading
 from dataclasses import replace
-from types import FrameType
 from typing import Any, Mapping
 
 from twisted.application.service import MultiService
@@ -34,7 +31,7 @@ from crossbar.ops import OpsApp
 from crossbar.poller import HealthPoller, HTTPProbe
 from crossbar.proxy import ProxyResource
 from crossbar.record import RequestLog
-from crossbar.reload import SIGHUPReload, plan_reload
+from crossbar.reload import SIGHUPReload, catch_second_stop_signal, plan_reload
 from crossbar.runtime import Runtime
 from crossbar.tls import HostTLS
 from crossbar.systemd import Notifier, SystemdNotifier, watchdog_interval
@@ -283,16 +280,8 @@ class CrossbarService(MultiService):
         self._log.info("drained")
 
     def _catch_second_signal(self) -> None:
-        """During a drain, a second SIGTERM or SIGINT ends it at once (:meth:`hurry`)
-        instead of Twisted's ``ReactorNotRunning`` traceback."""
-        if not self._handle_signals or threading.current_thread() is not threading.main_thread():
-            return
-
-        def on_signal(signum: int, frame: FrameType | None) -> None:
-            self.reactor.callFromThread(self.hurry)
-
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, on_signal)
+        if self._handle_signals:
+            catch_second_stop_signal(self.reactor, self.hurry)
 
     def reload(self) -> bool:
         """Re-read and validate the config file (SIGHUP, DESIGN.md §Operations).

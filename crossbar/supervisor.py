@@ -29,11 +29,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import sys
 import tempfile
-import threading
-from types import FrameType
 from typing import Any, Mapping
 
 from twisted.application.service import MultiService
@@ -45,7 +42,7 @@ from twisted.python.failure import Failure
 
 from crossbar.config import Config, ConfigError, load_config
 from crossbar.fleet import Fleet
-from crossbar.reload import SIGHUPReload
+from crossbar.reload import SIGHUPReload, catch_second_stop_signal
 from crossbar.shared import SharedCounts
 from crossbar.systemd import Notifier, SystemdNotifier, watchdog_interval
 from crossbar.waiting import Condition
@@ -300,14 +297,8 @@ class Supervisor(MultiService):
                 process.send("hurry")
 
     def _catch_second_signal(self) -> None:
-        if not self._handle_signals or threading.current_thread() is not threading.main_thread():
-            return
-
-        def on_signal(signum: int, frame: FrameType | None) -> None:
-            self.reactor.callFromThread(self.hurry)
-
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(signum, on_signal)
+        if self._handle_signals:
+            catch_second_stop_signal(self.reactor, self.hurry)
 
     # -- reload --------------------------------------------------------------------------
 
