@@ -66,6 +66,10 @@ class AdoptedEndpoint:
         family = probe.family
         probe.detach()  # the fd stays open: the port adopts (a copy of) it
         port = self._reactor.adoptStreamPort(self._fd, family, protocolFactory)
+        # Every worker is woken for a new connection; one accept each per wake-up (not
+        # Twisted's default of up to 100) spreads a burst over the workers.
+        if hasattr(port, "numberAccepts"):
+            port.numberAccepts = 1
         return succeed(port)
 
 

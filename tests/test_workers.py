@@ -370,7 +370,7 @@ class FleetTests(TestCase):
             return int(response.code)
 
         spanned = 0
-        for _ in range(10):  # until a batch lands in both workers
+        for _ in range(25):  # until a batch lands in both workers (the kernel decides)
             before = len(served(proc))
             held.most = 0
             results = await DeferredList([ensureDeferred(one()) for _ in range(6)], consumeErrors=True)
