@@ -355,15 +355,18 @@ def make_service(
     return CrossbarService(config, reactor, environ=environ, handle_signals=handle_signals)
 
 
-def make_daemon(config: Config) -> MultiService:
+def make_daemon(config: Config, twistd: Mapping[str, Any] | None = None) -> MultiService:
     """What ``twistd crossbar`` runs for ``config``: one :class:`CrossbarService` with
     signal handling, or with ``workers`` > 1 a :class:`~crossbar.supervisor.Supervisor`
-    of that many (DESIGN.md §Workers).
+    of that many (DESIGN.md §Workers). ``twistd`` is twistd's own options: when its
+    ``--logger`` is :func:`crossbar.jsonlog.observer`, workers log straight to the same
+    standard output.
 
     :raises ConfigError: as :func:`make_service` and :class:`~crossbar.supervisor.Supervisor`.
     """
     if config.workers > 1:
         from crossbar.supervisor import make_supervisor
 
-        return make_supervisor(config)
+        logger = (twistd or {}).get("logger") or ""
+        return make_supervisor(config, log_through=logger == "crossbar.jsonlog.observer")
     return make_service(config, handle_signals=True)

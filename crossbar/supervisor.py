@@ -148,14 +148,20 @@ class Supervisor(MultiService):
         ``os.environ``).
     :param handle_signals: install the SIGHUP handler, and during a drain the
         second-signal handler (the twistd plugin does).
+    :param log_through: this process logs JSON lines to its standard output
+        (``twistd --logger crossbar.jsonlog.observer``, as the systemd unit does): the
+        workers then write theirs to the same output directly, and nothing is relayed
+        (relaying costs the supervisor ~80 µs of CPU per request).
     :raises ConfigError: ``listen`` is not a valid endpoint, or is ``ssl:`` (a worker
         adopts a plain socket: terminate TLS in front of crossbar, or run one worker).
     """
 
     def __init__(
-        self, config: Config, reactor: Any, environ: Mapping[str, str] | None = None, handle_signals: bool = True
+        self, config: Config, reactor: Any, environ: Mapping[str, str] | None = None, handle_signals: bool = True,
+        log_through: bool = False,
     ) -> None:
         super().__init__()
+        self.log_through = log_through
         from crossbar.service import listen_endpoint
 
         if config.listen.split(":", 1)[0].lower() == "ssl":
@@ -218,7 +224,7 @@ class Supervisor(MultiService):
         ]
         self.reactor.spawnProcess(
             process, sys.executable, argv, env=env,
-            childFDs={0: "w", 1: "r", 2: "r", 3: port.fileno(), 4: "r"},  # type: ignore[attr-defined]
+            childFDs={0: "w", 1: 1 if self.log_through else "r", 2: "r", 3: port.fileno(), 4: "r"},  # type: ignore[attr-defined]
         )
         _log.info("worker {worker} started (pid {pid})", worker=index, pid=process.transport.pid)  # type: ignore[union-attr]
 
@@ -334,10 +340,13 @@ def _stop_accepting(port: IListeningPort) -> None:
         stop()
 
 
-def make_supervisor(config: Config, reactor: Any = None, handle_signals: bool = True) -> Supervisor:
-    """The supervisor for ``config`` on ``reactor`` (default: the global one)."""
+def make_supervisor(
+    config: Config, reactor: Any = None, handle_signals: bool = True, log_through: bool = False
+) -> Supervisor:
+    """The supervisor for ``config`` on ``reactor`` (default: the global one); see
+    :class:`Supervisor` for ``log_through``."""
     if reactor is None:
         from twisted.internet import reactor as global_reactor
 
         reactor = global_reactor
-    return Supervisor(config, reactor, handle_signals=handle_signals)
+    return Supervisor(config, reactor, handle_signals=handle_signals, log_through=log_through)

@@ -8,8 +8,10 @@ The supervisor (:mod:`crossbar.supervisor`) starts each worker as
 - fd 0: commands from the supervisor, one per line: ``drain`` (SIGTERM's drain),
   ``hurry`` (a second signal: end the drain now), ``reload`` (SIGHUP). End of file
   (the supervisor is gone) drains too;
-- fd 1: its log, one JSON object per line (:mod:`crossbar.jsonlog`), which the
-  supervisor logs as its own;
+- fd 1: its log, one JSON object per line (:mod:`crossbar.jsonlog`) with a ``worker``
+  field: the supervisor's own standard output when it logs JSON there too (written
+  straight through, nothing relayed), else a pipe whose lines the supervisor logs as
+  its own;
 - fd 4: ``ready`` once the worker listens and its first poll round is done.
 
 Signals sent to a worker itself: SIGTERM or SIGINT drain it (the same drain as the
@@ -38,7 +40,7 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.internet.error import ReactorNotRunning
 from twisted.internet.interfaces import IListeningPort, IProtocolFactory, IReadDescriptor, IStreamServerEndpoint
 from twisted.internet.main import CONNECTION_DONE
-from twisted.logger import Logger, globalLogBeginner
+from twisted.logger import ILogObserver, Logger, globalLogBeginner
 from zope.interface import implementer
 
 __all__ = ["AdoptedEndpoint", "main"]
@@ -121,7 +123,14 @@ def main(argv: list[str] | None = None) -> None:
 
     from crossbar import jsonlog
 
-    globalLogBeginner.beginLoggingTo([jsonlog.observer_to(sys.stdout)], redirectStandardIO=False)
+    write = jsonlog.observer_to(sys.stdout)
+
+    @implementer(ILogObserver)
+    def tagged(event: dict[str, Any]) -> None:  # every line says which worker wrote it
+        event["worker"] = args.row
+        write(event)
+
+    globalLogBeginner.beginLoggingTo([tagged], redirectStandardIO=False)
 
     from twisted.internet import reactor as global_reactor
 

@@ -131,6 +131,10 @@ def kill_workers(proc: Twistd) -> None:
         m = re.match(r"worker (\d+) started \(pid (\d+)\)", e.get("message", ""))
         if m and e.get("namespace") == "crossbar.supervisor":
             pids.add(int(m.group(2)))
+    for line in proc.out + proc.err:  # a text log
+        m = re.search(r"\[crossbar\.supervisor#info\] worker \d+ started \(pid (\d+)\)", line)
+        if m:
+            pids.add(int(m.group(1)))
     for pid in pids:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
@@ -286,6 +290,23 @@ class ServingTests(TestCase):
         relayed = [e for e in events(proc) if e.get("namespace", "").startswith("crossbar.proxy")]
         self.assertTrue(all(isinstance(e.get("worker"), int) for e in relayed))
         self.assertFalse(any("worker_message" in e for e in events(proc)))
+
+    async def test_text_log_relays_worker_lines(self) -> None:
+        """Without the JSON logger, the supervisor relays each worker's lines into its
+        own (text) log, marked ``worker=N``; with it, workers write straight through
+        (the other tests here)."""
+        upstream = FakeLlama()
+        self.addCleanup(deferLater, reactor, 0.3, lambda: None)  # the hosts' connections close
+        proc = await start_twistd(self, "workers: 2\n" + host_yaml(await listen(self, upstream)))
+        self.addCleanup(lambda: kill_workers(proc))
+        for i in range(2):
+            await proc.line(lambda line, i=i: f"worker {i} is ready" in line, timeout=30)
+        response = await fresh(self).post(proc.base + "/r/v1/chat/completions", json={"model": "tiny-a", "messages": []})
+        self.assertEqual(response.code, 200)
+        await treq.content(response)
+        line = await proc.line(lambda line: "POST /r/v1/chat/completions -> a 200" in line, timeout=10)
+        self.assertRegex(line, r"\[crossbar\.proxy#info worker=[01]\] POST /r/v1/chat/completions -> a 200 ")
+        self.assertFalse(line.lstrip().startswith("{"))
 
     async def test_workers_auto(self) -> None:
         upstream = FakeLlama()

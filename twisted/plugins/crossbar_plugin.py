@@ -36,7 +36,7 @@ class CrossbarServiceMaker:
         from crossbar.startup import StartupGuard, report_and_exit
 
         try:
-            service = make_daemon(load_config(options["config"]))
+            service = make_daemon(load_config(options["config"]), getattr(options, "parent", None))
             return StartupGuard(service, options["config"], twistd=getattr(options, "parent", None))
         except ConfigError as e:
             report_and_exit(e, sys.stderr, log=False)
