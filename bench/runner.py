@@ -194,10 +194,15 @@ def start_crossbar(workdir: Path, name: str, up_port: int, up2_port: int, worker
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     twistd = Path(sys.executable).parent / "twistd"
+    if workers > 1:
+        # as the systemd unit runs it: JSON lines on standard output, which the workers
+        # then write straight through (a text --logfile makes the supervisor relay them)
+        log_args, out = ["--logger=crossbar.jsonlog.observer"], open(workdir / f"{name}.log", "w")
+    else:
+        log_args, out = [f"--logfile={workdir / (name + '.log')}"], subprocess.DEVNULL
     cb = subprocess.Popen(
-        [str(twistd), "-n", "--pidfile=", f"--logfile={workdir / (name + '.log')}",
-         "crossbar", "--config", str(config)],
-        cwd=workdir, env=env, stdout=subprocess.DEVNULL, stderr=open(workdir / f"{name}.stderr", "w"),
+        [str(twistd), "-n", "--pidfile=", *log_args, "crossbar", "--config", str(config)],
+        cwd=workdir, env=env, stdout=out, stderr=open(workdir / f"{name}.stderr", "w"),
         preexec_fn=_die_with_parent,
     )
     try:
