@@ -16,10 +16,11 @@ from twisted.internet.abstract import isIPAddress, isIPv6Address
 from twisted.internet.endpoints import HostnameEndpoint, TCP4ClientEndpoint, TCP6ClientEndpoint
 from twisted.internet.interfaces import IProtocolFactory, IReactorTime, IStreamClientEndpoint
 from twisted.python.failure import Failure
-from twisted.web.client import Agent, URI
+from twisted.web.client import URI
 from twisted.web.iweb import IAgent, IAgentEndpointFactory, IPolicyForHTTPS
 from zope.interface import implementer
 
+from crossbar.h1client import H1Agent, H1Pool
 from crossbar.tls import HandshakeFirstEndpoint, HostTLS
 from crossbar.twisted_private import MAX_RESPONSE_HEAD, ResponseHeadTooLarge, quiet_pool
 
@@ -140,22 +141,20 @@ class UpstreamPools:
         self._reactor = reactor
         self.connect_timeout = connect_timeout
         self.tls: IPolicyForHTTPS = tls if tls is not None else HostTLS({})
-        self.pool = quiet_pool(reactor, persistent=True)
-        self.pool.maxPersistentPerHost = max_per_host
-        self.pool.cachedConnectionTimeout = idle_seconds  # type: ignore[assignment]  # Twisted says int; seconds
-        # A stale pooled connection is retried by the proxy itself (any method), once.
-        self.pool.retryAutomatically = False
-        self._fresh_pool = quiet_pool(reactor, persistent=False)
+        # crossbar's own HTTP/1.1 client (crossbar/h1client.py, issue 14); a stale
+        # pooled connection is retried by the proxy itself (any method), once.
+        self.pool = H1Pool(reactor, max_per_host, idle_seconds)
 
     def agent(self, fresh: bool = False) -> tuple[IAgent, ConnectTracker]:
-        """An agent for one attempt and the tracker of its connections.
+        """An agent for one attempt (:class:`crossbar.h1client.H1Agent`) and the
+        tracker of its connections.
 
-        ``fresh=True`` never reuses a pooled connection (the retry after a stale one).
+        ``fresh=True`` never reuses a pooled connection (the retry after a stale one):
+        a new connection, sent ``Connection: close``.
         """
         tracker = ConnectTracker(UpstreamEndpoints(self._reactor, self.connect_timeout, self.tls), self._reactor)
-        pool = self._fresh_pool if fresh else self.pool
-        return Agent.usingEndpointFactory(self._reactor, tracker, pool=pool), tracker
+        return H1Agent(tracker, None if fresh else self.pool), tracker
 
     def close(self) -> Deferred[Any]:
         """Close every idle pooled connection."""
-        return self.pool.closeCachedConnections()
+        return self.pool.close()
