@@ -72,7 +72,8 @@ class UnsolicitedAnswer(Exception):
 
 
 class UnrelayableStatus(Exception):
-    """``101 Switching Protocols`` or a status outside 100-599 (rule 7)."""
+    """``101 Switching Protocols``, a status outside 100-599, or a transfer-coding
+    other than ``chunked`` (rule 7)."""
 
 
 @implementer(IResponse)
@@ -165,6 +166,10 @@ class _BodyTransport:
             transport: Any = connection.transport
             transport.resumeProducing()
 
+    def abortConnection(self) -> None:
+        """The same as :meth:`stopProducing`."""
+        self.stopProducing()
+
     def stopProducing(self) -> None:
         """Nobody wants the rest: abort the upstream connection (never pooled)."""
         connection = self._response._connection
@@ -202,6 +207,7 @@ class H1Connection(Protocol):
         self._connection_values: list[bytes] = []
         self._length: Any = UNKNOWN_LENGTH
         self._chunked = False
+        self._encodings: list[bytes] = []
         self._close_after = False
 
     def connectionMade(self) -> None:
@@ -224,7 +230,9 @@ class H1Connection(Protocol):
         self._got_bytes = False
         self._response = None
         self._close_after = not self.persistent
-        self._parser = httptools.HttpResponseParser(self)
+        self._parser = parser = httptools.HttpResponseParser(self)
+        # Content-Length beside chunked: the chunked framing wins (RFC 9112 §6.3).
+        parser.set_dangerous_leniencies(lenient_chunked_length=True)
         lines = [method, b" ", path, b" HTTP/1.1\r\n"]
         if not self.persistent:
             lines.append(b"Connection: close\r\n")
@@ -313,6 +321,8 @@ class H1Connection(Protocol):
         if state is not _WAITING and state is not _SENDING:
             self.abandon()  # bytes on an idle connection: nothing to pair them with
             return
+        if not self._got_bytes:
+            data = _status_line_cr(data)
         self._got_bytes = True
         self._head_bytes += len(data)
         try:
@@ -341,6 +351,7 @@ class H1Connection(Protocol):
         self._connection_values = []
         self._length = UNKNOWN_LENGTH
         self._chunked = False
+        self._encodings = []
 
     def on_status(self, phrase: bytes) -> None:
         self._phrase += phrase
@@ -354,6 +365,7 @@ class H1Connection(Protocol):
                 self._length = int(value)  # llhttp checked it: digits, one value
             elif lower == b"transfer-encoding":
                 self._chunked = True
+                self._encodings.append(value)
             return
         assert self._headers is not None
         self._headers.addRawHeader(name, value)
@@ -365,6 +377,8 @@ class H1Connection(Protocol):
             raise UnrelayableStatus(f"status code crossbar cannot relay: {code}")
         if code < 200:
             return  # an interim answer: skipped (its end starts the next message)
+        if self._chunked and b",".join(self._encodings).strip().lower() != b"chunked":
+            raise UnrelayableStatus("a transfer-coding other than chunked")  # as twisted.web refuses
         no_body = self._method == b"HEAD" or code in _NO_BODY_CODES
         if no_body or self._chunked:
             self._length = 0 if no_body else UNKNOWN_LENGTH
@@ -448,6 +462,18 @@ class H1Connection(Protocol):
             result.errback(ResponseFailed([reason]))
         else:
             result.errback(ResponseNeverReceived([reason]))
+
+
+def _status_line_cr(data: bytes) -> bytes:
+    """``data`` with any bare CR in its first (status) line made a space: twisted.web
+    read such a reason phrase as text (and crossbar does not relay it, RFC 9112 §4)
+    where llhttp refuses the answer; a CR there never ends the line (no header can be
+    slipped in through it)."""
+    end = data.find(b"\n")
+    line_end = end - 1 if end > 0 and data[end - 1] == 13 else (end if end >= 0 else len(data))
+    if data.find(b"\r", 0, line_end) < 0:
+        return data
+    return data[:line_end].replace(b"\r", b" ") + data[line_end:]
 
 
 class _Collect:
