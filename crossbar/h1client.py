@@ -157,12 +157,14 @@ class _BodyTransport:
     def pauseProducing(self) -> None:
         connection = self._response._connection
         if connection is not None and connection.transport is not None:
+            connection.paused = True
             transport: Any = connection.transport  # an IPushProducer too
             transport.pauseProducing()
 
     def resumeProducing(self) -> None:
         connection = self._response._connection
         if connection is not None and connection.transport is not None:
+            connection.paused = False
             transport: Any = connection.transport
             transport.resumeProducing()
 
@@ -186,6 +188,7 @@ class H1Connection(Protocol):
     :ivar key: the pool key ``(scheme, host, port)``.
     :ivar persistent: whether it may go back to the pool after a complete answer.
     :ivar reused: requests sent on it before the current one.
+    :ivar paused: whether a body reader paused its reading.
     """
 
     def __init__(self, pool: H1Pool | None, key: tuple[bytes, bytes, int], persistent: bool) -> None:
@@ -194,6 +197,7 @@ class H1Connection(Protocol):
         self.persistent = persistent
         self.state = _IDLE
         self.reused = 0
+        self.paused = False
         self.idle_timer: IDelayedCall | None = None
         self._parser: Any = None
         self._method = b""
@@ -412,6 +416,10 @@ class H1Connection(Protocol):
         self._stop_producer()
         reusable = not self._close_after and not unfinished and self._pool is not None
         if reusable:
+            if self.paused:  # the reader paused it with the last bytes: read again
+                self.paused = False
+                transport: Any = self.transport
+                transport.resumeProducing()
             self.state = _IDLE
             self.reused += 1
             assert self._pool is not None
@@ -603,6 +611,9 @@ class H1Agent:
         result: Deferred[IResponse] = Deferred(cancel)
 
         def connected(connection: H1Connection) -> None:
+            if result.called:  # cancelled while the connection was being made
+                connection.abandon()
+                return
             d = connection.send(method, path, headers, bodyProducer)
             sending.append(d)
             d.chainDeferred(result)

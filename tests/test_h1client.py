@@ -11,7 +11,7 @@ from typing import Any
 
 from twisted.internet.address import IPv4Address
 from twisted.internet.defer import CancelledError, Deferred
-from twisted.internet.error import ConnectionDone, ConnectionLost
+from twisted.internet.error import ConnectingCancelledError, ConnectionDone, ConnectionLost
 from twisted.internet.protocol import Protocol
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.python.failure import Failure
@@ -317,3 +317,22 @@ class H1ClientTests(SynchronousTestCase):
         self.assertTrue(transport.aborted)
         self.request()
         self.assertEqual(len(self.reactor.tcpClients), 2)
+
+    def test_paused_when_the_body_ended_resumed_before_reuse(self) -> None:
+        """The reader paused the connection with the last bytes of the body: pooled,
+        it must read again, or the next answer would never be read."""
+        _, body = self.exchange(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\n", b"ab")
+        connection, transport = self._connected[-1]
+        body.body_transport.pauseProducing()
+        connection.dataReceived(b"cd")
+        assert body.reason is not None
+        body.reason.trap(ResponseDone)
+        self.assertEqual(transport.producerState, "producing")
+        self.request()
+        self.assertEqual(len(self.reactor.tcpClients), 1)
+
+    def test_cancelled_while_connecting(self) -> None:
+        d = self.request()
+        d.cancel()
+        self.failureResultOf(d, ConnectingCancelledError)
+        self.assertTrue(self.reactor.connectors[0].stoppedConnecting)
