@@ -35,7 +35,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import httptools
-from twisted.internet.defer import Deferred, succeed
+from twisted.internet.defer import Deferred, gatherResults, succeed
 from twisted.internet.error import ConnectionAborted, ConnectionDone
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.protocol import Factory, Protocol
@@ -189,6 +189,7 @@ class H1Connection(Protocol):
     :ivar persistent: whether it may go back to the pool after a complete answer.
     :ivar reused: requests sent on it before the current one.
     :ivar paused: whether a body reader paused its reading.
+    :ivar idle_since: reactor seconds when it was last put in the pool.
     """
 
     def __init__(self, pool: H1Pool | None, key: tuple[bytes, bytes, int], persistent: bool) -> None:
@@ -198,7 +199,8 @@ class H1Connection(Protocol):
         self.state = _IDLE
         self.reused = 0
         self.paused = False
-        self.idle_timer: IDelayedCall | None = None
+        self.idle_since = 0.0
+        self._lost: list[Deferred[None]] | None = []
         self._parser: Any = None
         self._method = b""
         self._result: Deferred[IResponse] | None = None
@@ -216,6 +218,14 @@ class H1Connection(Protocol):
 
     def connectionMade(self) -> None:
         no_delay(self.transport)
+
+    def when_lost(self) -> Deferred[None]:
+        """A Deferred that fires once the connection is closed."""
+        if self._lost is None:
+            return succeed(None)
+        d: Deferred[None] = Deferred()
+        self._lost.append(d)
+        return d
 
     # -- sending ----------------------------------------------------------------------
 
@@ -451,6 +461,9 @@ class H1Connection(Protocol):
 
     def connectionLost(self, reason: Failure = Failure(ConnectionDone())) -> None:
         state, self.state = self.state, _DEAD
+        lost, self._lost = self._lost, None
+        for d in lost or ():
+            d.callback(None)
         self._stop_producer()
         if self._pool is not None:
             self._pool.forget(self)
@@ -511,7 +524,10 @@ class _ConnectionFactory(Factory):
 class H1Pool:
     """Idle persistent connections per ``(scheme, host, port)``.
 
-    :param reactor: the reactor (idle timers).
+    An idle connection is closed ``idle_seconds`` after it was put back (at most a
+    little later: one timer per pool checks them, so a request costs no timer work).
+
+    :param reactor: the reactor (the idle timer).
     :param max_per_host: idle connections kept per key; more are closed.
     :param idle_seconds: an idle connection is closed after this many seconds.
     """
@@ -521,51 +537,66 @@ class H1Pool:
         self.max_per_host = max_per_host
         self.idle_seconds = idle_seconds
         self._idle: dict[tuple[bytes, bytes, int], list[H1Connection]] = {}
+        self._timer: IDelayedCall | None = None
 
     def take(self, key: tuple[bytes, bytes, int]) -> H1Connection | None:
         """The most recently used idle connection for ``key``, or None."""
         idle = self._idle.get(key)
         while idle:
             connection = idle.pop()
-            timer, connection.idle_timer = connection.idle_timer, None
-            if timer is not None and timer.active():
-                timer.cancel()
-            if connection.state is _IDLE and connection.transport is not None:
+            if connection.state is _IDLE:
                 return connection
         return None
 
     def put(self, connection: H1Connection) -> None:
         """Keep an idle connection (or close it when ``max_per_host`` are kept)."""
-        idle = self._idle.setdefault(connection.key, [])
-        if len(idle) >= self.max_per_host:
+        idle = self._idle.get(connection.key)
+        if idle is None:
+            idle = self._idle[connection.key] = []
+        elif len(idle) >= self.max_per_host:
             connection._close()
             return
         idle.append(connection)
-        connection.idle_timer = self._reactor.callLater(self.idle_seconds, self._expire, connection)
+        connection.idle_since = self._reactor.seconds()
+        if self._timer is None:
+            self._timer = self._reactor.callLater(self.idle_seconds, self._expire)
 
-    def _expire(self, connection: H1Connection) -> None:
-        connection.idle_timer = None
-        self.forget(connection)
-        if connection.state is _IDLE:
-            connection._close()
+    def _expire(self) -> None:
+        """Close the connections idle for ``idle_seconds``; wait for the next one."""
+        self._timer = None
+        now = self._reactor.seconds()
+        soonest: float | None = None
+        for key, idle in list(self._idle.items()):
+            # oldest first: put appends, take pops the newest
+            while idle and now - idle[0].idle_since >= self.idle_seconds:
+                idle.pop(0)._close()
+            if idle:
+                due = idle[0].idle_since + self.idle_seconds - now
+                soonest = due if soonest is None else min(soonest, due)
+            else:
+                del self._idle[key]
+        if soonest is not None:
+            self._timer = self._reactor.callLater(soonest, self._expire)
 
     def forget(self, connection: H1Connection) -> None:
         """Drop ``connection`` from the idle lists (it is busy, closing or gone)."""
         idle = self._idle.get(connection.key)
         if idle and connection in idle:
             idle.remove(connection)
-            timer, connection.idle_timer = connection.idle_timer, None
-            if timer is not None and timer.active():
-                timer.cancel()
 
     def close(self) -> Deferred[None]:
-        """Close every idle connection; fires once asked (closing is asynchronous)."""
+        """Close every idle connection; fires once all of them are closed."""
+        waits: list[Deferred[None]] = []
         for idle in list(self._idle.values()):
             for connection in list(idle):
-                self.forget(connection)
+                waits.append(connection.when_lost())
                 connection._close()
         self._idle.clear()
-        return succeed(None)
+        timer, self._timer = self._timer, None
+        if timer is not None and timer.active():
+            timer.cancel()
+        done: Deferred[None] = gatherResults(waits).addCallback(lambda _: None)
+        return done
 
 
 @implementer(IAgent)

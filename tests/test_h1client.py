@@ -336,3 +336,29 @@ class H1ClientTests(SynchronousTestCase):
         d.cancel()
         self.failureResultOf(d, ConnectingCancelledError)
         self.assertTrue(self.reactor.connectors[0].stoppedConnecting)
+
+    def test_idle_connections_expire_each_after_its_own_wait(self) -> None:
+        ds = [self.request() for _ in range(2)]
+        connections = [self.connect(i) for i in range(2)]
+        connections[0][0].dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        self.reactor.advance(10.0)
+        connections[1][0].dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        for d in ds:
+            self.successResultOf(d)
+        self.reactor.advance(20.0)
+        self.assertEqual([t.disconnecting for _, t in connections], [True, False])
+        self.reactor.advance(9.0)
+        self.assertFalse(connections[1][1].disconnecting)
+        self.reactor.advance(1.0)
+        self.assertTrue(connections[1][1].disconnecting)
+        self.assertEqual(self.reactor.getDelayedCalls(), [])
+
+    def test_pool_close_fires_once_closed(self) -> None:
+        self.exchange(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        connection, transport = self._connected[-1]
+        closed = self.pool.close()
+        self.assertTrue(transport.disconnecting)
+        self.assertNoResult(closed)
+        connection.connectionLost(Failure(ConnectionDone()))
+        self.successResultOf(closed)
+        self.assertEqual(self.reactor.getDelayedCalls(), [])
