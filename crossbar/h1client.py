@@ -32,6 +32,7 @@ a connection goes back to the pool only after a complete answer that allows it.
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Any, Callable
 
 import httptools
@@ -116,8 +117,8 @@ class H1Response:
         protocol.makeConnection(_BodyTransport(self))
         buffered, self._buffer = self._buffer, None
         for chunk in buffered or ():
-            if self._receiver is None:
-                return
+            if self._receiver is not protocol:
+                return  # it stopped the body while taking the buffered chunks
             protocol.dataReceived(chunk)
         if self._end is not None:
             self._finish_delivery()
@@ -617,7 +618,7 @@ class H1Agent:
                 bodyProducer: IBodyProducer | None = None) -> Deferred[IResponse]:
         """Send one request; see :meth:`H1Connection.send` for what the Deferred does.
         A ``Host`` header is added from the URL when ``headers`` has none."""
-        parsed = URI.fromBytes(uri)
+        parsed = _parse_url(uri)
         key = (parsed.scheme, parsed.host, parsed.port)
         if headers is None:
             headers = Headers()
@@ -651,6 +652,13 @@ class H1Agent:
 
         connecting.addCallbacks(connected, _relay_failure(result))
         return result
+
+
+@lru_cache(maxsize=1024)
+def _parse_url(uri: bytes) -> URI:
+    """``URI.fromBytes``, remembered (4.7 us a request otherwise; a fleet has few
+    distinct upstream URLs). The URI is only read, never changed."""
+    return URI.fromBytes(uri)
 
 
 def _relay_failure(result: Deferred[IResponse]) -> Callable[[Failure], None]:

@@ -362,3 +362,22 @@ class H1ClientTests(SynchronousTestCase):
         connection.connectionLost(Failure(ConnectionDone()))
         self.successResultOf(closed)
         self.assertEqual(self.reactor.getDelayedCalls(), [])
+
+    def test_stopped_while_taking_buffered_chunks(self) -> None:
+        """A reader that stops at the first buffered chunk gets nothing after its end."""
+        d = self.request()
+        connection, _ = self.connect()
+        connection.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nab")
+        response = self.successResultOf(d)
+        connection.dataReceived(b"cd")
+
+        class StopAtFirst(_Body):
+            def dataReceived(self, data: bytes) -> None:
+                super().dataReceived(data)
+                self.body_transport.stopProducing()
+
+        body = StopAtFirst()
+        response.deliverBody(body)
+        self.assertEqual(body.chunks, [b"ab"])
+        assert body.reason is not None
+        body.reason.trap(ResponseFailed)
