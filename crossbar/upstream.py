@@ -3,8 +3,10 @@
 The proxy needs to know, for a request that failed, whether crossbar could not *open* a
 connection to the host (fail over to the next host) or whether a *reused* pooled
 connection turned out dead (retry once on a fresh connection, mark nothing down).
-Twisted's ``Agent`` does not say; :class:`ConnectTracker` learns it from the public
-``IAgentEndpointFactory`` seam: ``connect()`` is only called for a new connection.
+An agent does not say; :class:`ConnectTracker` learns it from the public
+``IAgentEndpointFactory`` seam: ``connect()`` is only called for a new connection. The
+proxy's agent is crossbar's own HTTP/1.1 client (:mod:`crossbar.h1client`, issue 14);
+the poller keeps Twisted's ``Agent`` over :func:`quiet_pool`.
 """
 
 from __future__ import annotations
@@ -123,7 +125,8 @@ class ConnectTracker:
 
 
 class UpstreamPools:
-    """The proxy's connection pools: one persistent, shared by all requests.
+    """The proxy's connection pool: one persistent :class:`crossbar.h1client.H1Pool`
+    shared by all requests (a retry after a stale connection opens a fresh one outside it).
 
     :param reactor: the reactor.
     :param connect_timeout: seconds to open a connection (``timeouts.connect``).
@@ -132,6 +135,8 @@ class UpstreamPools:
     :param tls: the TLS policy per host (see :class:`UpstreamEndpoints`).
     :ivar tls: that policy; assign a new one on reload (the next connection uses it;
         close the pooled connections of hosts whose ``tls`` changed).
+    :ivar pool: the idle connections (``max_per_host`` and ``idle_seconds`` are its
+        attributes).
     """
 
     def __init__(
@@ -156,5 +161,5 @@ class UpstreamPools:
         return H1Agent(tracker, None if fresh else self.pool), tracker
 
     def close(self) -> Deferred[Any]:
-        """Close every idle pooled connection."""
+        """Close every idle pooled connection; fires once they are closed."""
         return self.pool.close()
