@@ -3,8 +3,10 @@
 The proxy needs to know, for a request that failed, whether crossbar could not *open* a
 connection to the host (fail over to the next host) or whether a *reused* pooled
 connection turned out dead (retry once on a fresh connection, mark nothing down).
-Twisted's ``Agent`` does not say; :class:`ConnectTracker` learns it from the public
-``IAgentEndpointFactory`` seam: ``connect()`` is only called for a new connection.
+An agent does not say; :class:`ConnectTracker` learns it from the public
+``IAgentEndpointFactory`` seam: ``connect()`` is only called for a new connection. The
+proxy's agent is crossbar's own HTTP/1.1 client (:mod:`crossbar.h1client`, issue 14);
+the poller keeps Twisted's ``Agent`` over :func:`quiet_pool`.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from twisted.internet.abstract import isIPAddress, isIPv6Address
 from twisted.internet.endpoints import HostnameEndpoint, TCP4ClientEndpoint, TCP6ClientEndpoint
 from twisted.internet.interfaces import IProtocolFactory, IReactorTime, IStreamClientEndpoint
 from twisted.python.failure import Failure
-from twisted.web.client import Agent, URI
+from twisted.web.client import URI
 from twisted.web.iweb import IAgent, IAgentEndpointFactory, IPolicyForHTTPS
 from zope.interface import implementer
 
+from crossbar.h1client import H1Agent, H1Pool
 from crossbar.tls import HandshakeFirstEndpoint, HostTLS
 from crossbar.twisted_private import MAX_RESPONSE_HEAD, ResponseHeadTooLarge, quiet_pool
 
@@ -122,7 +125,8 @@ class ConnectTracker:
 
 
 class UpstreamPools:
-    """The proxy's connection pools: one persistent, shared by all requests.
+    """The proxy's connection pool: one persistent :class:`crossbar.h1client.H1Pool`
+    shared by all requests (a retry after a stale connection opens a fresh one outside it).
 
     :param reactor: the reactor.
     :param connect_timeout: seconds to open a connection (``timeouts.connect``).
@@ -131,6 +135,8 @@ class UpstreamPools:
     :param tls: the TLS policy per host (see :class:`UpstreamEndpoints`).
     :ivar tls: that policy; assign a new one on reload (the next connection uses it;
         close the pooled connections of hosts whose ``tls`` changed).
+    :ivar pool: the idle connections (``max_per_host`` and ``idle_seconds`` are its
+        attributes).
     """
 
     def __init__(
@@ -140,22 +146,20 @@ class UpstreamPools:
         self._reactor = reactor
         self.connect_timeout = connect_timeout
         self.tls: IPolicyForHTTPS = tls if tls is not None else HostTLS({})
-        self.pool = quiet_pool(reactor, persistent=True)
-        self.pool.maxPersistentPerHost = max_per_host
-        self.pool.cachedConnectionTimeout = idle_seconds  # type: ignore[assignment]  # Twisted says int; seconds
-        # A stale pooled connection is retried by the proxy itself (any method), once.
-        self.pool.retryAutomatically = False
-        self._fresh_pool = quiet_pool(reactor, persistent=False)
+        # crossbar's own HTTP/1.1 client (crossbar/h1client.py, issue 14); a stale
+        # pooled connection is retried by the proxy itself (any method), once.
+        self.pool = H1Pool(reactor, max_per_host, idle_seconds)
 
     def agent(self, fresh: bool = False) -> tuple[IAgent, ConnectTracker]:
-        """An agent for one attempt and the tracker of its connections.
+        """An agent for one attempt (:class:`crossbar.h1client.H1Agent`) and the
+        tracker of its connections.
 
-        ``fresh=True`` never reuses a pooled connection (the retry after a stale one).
+        ``fresh=True`` never reuses a pooled connection (the retry after a stale one):
+        a new connection, sent ``Connection: close``.
         """
         tracker = ConnectTracker(UpstreamEndpoints(self._reactor, self.connect_timeout, self.tls), self._reactor)
-        pool = self._fresh_pool if fresh else self.pool
-        return Agent.usingEndpointFactory(self._reactor, tracker, pool=pool), tracker
+        return H1Agent(tracker, None if fresh else self.pool), tracker
 
     def close(self) -> Deferred[Any]:
-        """Close every idle pooled connection."""
-        return self.pool.closeCachedConnections()
+        """Close every idle pooled connection; fires once they are closed."""
+        return self.pool.close()

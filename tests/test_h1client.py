@@ -1,0 +1,383 @@
+"""Socket-free tests of crossbar's HTTP/1.1 upstream client (crossbar/h1client.py,
+issue 14; DESIGN.md §The proxy, rules 6-7 and 9): the real parser and pool over a
+``MemoryReactorClock``, the host's side written into a ``StringTransport``. The
+loopback versions of these rules (through the whole proxy) are in
+tests/test_failures.py, tests/test_hostile_hosts.py and tests/test_streaming.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twisted.internet.address import IPv4Address
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.error import ConnectingCancelledError, ConnectionDone, ConnectionLost
+from twisted.internet.protocol import Protocol
+from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.python.failure import Failure
+from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.client import (
+    RequestTransmissionFailed, ResponseDone, ResponseFailed, ResponseNeverReceived,
+)
+from twisted.web.http import PotentialDataLoss
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import UNKNOWN_LENGTH, IResponse
+
+from crossbar.attempt import BytesProducer
+from crossbar.h1client import BodyTruncated, H1Agent, H1Connection, H1Pool, H1Response
+from crossbar.upstream import ConnectTracker, UpstreamEndpoints
+
+URL = b"http://127.0.0.1:8080/v1/chat/completions"
+
+
+class _Body(Protocol):
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+        self.reason: Failure | None = None
+        self.body_transport: Any = None
+
+    def makeConnection(self, transport: Any) -> None:
+        self.body_transport = transport
+
+    def dataReceived(self, data: bytes) -> None:
+        self.chunks.append(data)
+
+    def connectionLost(self, reason: Failure = Failure(ConnectionDone())) -> None:
+        self.reason = reason
+
+
+class _Transport(StringTransport):
+    """A ``StringTransport`` that also records ``abortConnection``."""
+
+    aborted = False
+    full = False  # pause a registered producer at its first write (a slow host)
+
+    def write(self, data: bytes) -> None:
+        super().write(data)
+        if self.full and self.producer is not None:
+            self.producer.pauseProducing()
+
+    def abortConnection(self) -> None:
+        self.aborted = True
+        self.loseConnection()
+
+
+class H1ClientTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.reactor = MemoryReactorClock()
+        self.pool = H1Pool(self.reactor, max_per_host=2, idle_seconds=30.0)
+        self.trackers: list[ConnectTracker] = []
+
+    def request(self, method: bytes = b"POST", body: bytes | None = b"{}", fresh: bool = False,
+                headers: Headers | None = None) -> Deferred[IResponse]:
+        tracker = ConnectTracker(UpstreamEndpoints(self.reactor, 5.0), self.reactor)
+        self.trackers.append(tracker)
+        agent = H1Agent(tracker, None if fresh else self.pool)
+        producer = None if body is None else BytesProducer(body)
+        if headers is None:
+            headers = Headers({b"host": [b"127.0.0.1:8080"]})
+        return agent.request(method, URL, headers, producer)
+
+    def connect(self, index: int = -1, full: bool = False) -> tuple[H1Connection, _Transport]:
+        host, port, factory, _, _ = self.reactor.tcpClients[index]
+        address = IPv4Address("TCP", host, port)
+        protocol = factory.buildProtocol(address)
+        assert protocol is not None
+        transport = _Transport(peerAddress=address)
+        transport.full = full
+        protocol.makeConnection(transport)
+        connection = getattr(protocol, "_wrappedProtocol", protocol)  # the endpoint's wrapper
+        assert isinstance(connection, H1Connection)
+        return connection, transport
+
+    def exchange(self, head: bytes, body: bytes = b"", method: bytes = b"POST") -> tuple[H1Response, _Body]:
+        d = self.request(method)
+        if len(self.reactor.tcpClients) > len(getattr(self, "_connected", [])):
+            self._connected = getattr(self, "_connected", []) + [self.connect()]
+        connection, _ = self._connected[-1]
+        connection.dataReceived(head + body)
+        response = self.successResultOf(d)
+        assert isinstance(response, H1Response)
+        collected = _Body()
+        response.deliverBody(collected)
+        return response, collected
+
+    # -- what is sent ----------------------------------------------------------------
+
+    def test_request_written(self) -> None:
+        d = self.request(headers=Headers({b"host": [b"h"], b"x-a": [b"1", b"2"]}), body=b'{"x": 1}')
+        _, transport = self.connect()
+        sent = transport.value()
+        self.assertTrue(sent.startswith(b"POST /v1/chat/completions HTTP/1.1\r\nContent-Length: 8\r\n"), sent)
+        self.assertIn(b"X-A: 1\r\nX-A: 2\r\n", sent)
+        self.assertTrue(sent.endswith(b"\r\n\r\n{\"x\": 1}"), sent)
+        self.assertNoResult(d)
+
+    def test_host_added_and_fresh_connection_asks_close(self) -> None:
+        self.request(body=None, fresh=True, headers=Headers())
+        _, transport = self.connect()
+        sent = transport.value()
+        self.assertIn(b"Connection: close\r\n", sent)
+        self.assertIn(b"Content-Length: 0\r\n", sent)  # POST without a body
+        self.assertIn(b"Host: 127.0.0.1:8080\r\n", sent)
+
+    def test_long_body_written_in_slices_then_reused(self) -> None:
+        body = b"a" * (BytesProducer.SLICE * 2 + 5)
+        d = self.request(body=body)
+        connection, transport = self.connect()
+        self.assertTrue(transport.value().endswith(body))
+        self.assertIsNone(transport.producer)  # unregistered once all was written
+        connection.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        self.successResultOf(d)
+        self.request()
+        self.assertEqual(len(self.reactor.tcpClients), 1)
+
+    # -- the answer ------------------------------------------------------------------
+
+    def test_head_headers_and_body(self) -> None:
+        response, body = self.exchange(
+            b"HTTP/1.1 201 Created\r\nConnection: keep-alive, X-Private\r\nX-Private: 1\r\nSet-Cookie: a\r\n"
+            b"Set-Cookie: b\r\nKeep-Alive: timeout=5\r\nContent-Length: 2\r\n\r\n", b"ok")
+        self.assertEqual((response.code, response.phrase, response.length), (201, b"Created", 2))
+        self.assertEqual(response.headers.getRawHeaders(b"set-cookie"), [b"a", b"b"])
+        self.assertEqual(response.headers.getRawHeaders(b"x-private"), [b"1"])
+        for name in (b"connection", b"content-length", b"keep-alive"):
+            self.assertFalse(response.headers.hasHeader(name), name)
+        self.assertEqual(response.upstream_connection, (b"keep-alive, X-Private",))
+        self.assertEqual(body.chunks, [b"ok"])
+        assert body.reason is not None
+        body.reason.trap(ResponseDone)
+
+    def test_interim_answers_skipped(self) -> None:
+        response, body = self.exchange(
+            b"HTTP/1.1 100 Continue\r\nX-Interim: 1\r\n\r\nHTTP/1.1 103 Early Hints\r\n\r\n"
+            b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n\r\n", b"x")
+        self.assertEqual((response.code, response.phrase), (200, b"OK"))
+        self.assertFalse(response.headers.hasHeader(b"x-interim"))
+        self.assertEqual(body.chunks, [b"x"])
+
+    def test_chunked_body_delivered_as_chunks(self) -> None:
+        response, body = self.exchange(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        self.assertIs(response.length, UNKNOWN_LENGTH)
+        connection, _ = self._connected[-1]
+        connection.dataReceived(b"5\r\nhello\r\n")
+        connection.dataReceived(b"6\r\n world\r\n")
+        self.assertEqual(body.chunks, [b"hello", b" world"])
+        self.assertIsNone(body.reason)
+        connection.dataReceived(b"0\r\n\r\n")
+        assert body.reason is not None
+        body.reason.trap(ResponseDone)
+
+    def test_head_answer_has_no_body_and_keeps_content_length(self) -> None:
+        response, body = self.exchange(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n", method=b"HEAD")
+        self.assertEqual(response.length, 0)
+        self.assertEqual(response.headers.getRawHeaders(b"content-length"), [b"5"])
+        assert body.reason is not None
+        body.reason.trap(ResponseDone)
+        self.request()
+        self.assertEqual(len(self.reactor.tcpClients), 1)  # reused
+
+    def test_no_body_codes(self) -> None:
+        for code in (b"204 No Content", b"304 Not Modified"):
+            response, body = self.exchange(b"HTTP/1.1 " + code + b"\r\n\r\n")
+            self.assertEqual(response.length, 0)
+            assert body.reason is not None
+            body.reason.trap(ResponseDone)
+        self.assertEqual(len(self.reactor.tcpClients), 1)
+
+    def test_body_buffered_until_delivered(self) -> None:
+        d = self.request()
+        connection, _ = self.connect()
+        connection.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nab")
+        response = self.successResultOf(d)
+        connection.dataReceived(b"cd")
+        body = _Body()
+        response.deliverBody(body)
+        self.assertEqual(b"".join(body.chunks), b"abcd")
+        assert body.reason is not None
+        body.reason.trap(ResponseDone)
+
+    # -- truncation (rule 7) ---------------------------------------------------------
+
+    def lost_mid_body(self, head: bytes, part: bytes) -> Failure:
+        _, body = self.exchange(head, part)
+        connection, _ = self._connected[-1]
+        connection.connectionLost(Failure(ConnectionLost("reset")))
+        assert body.reason is not None
+        return body.reason
+
+    def test_content_length_cut_short_is_a_failure(self) -> None:
+        reason = self.lost_mid_body(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n", b"abc")
+        reason.trap(ResponseFailed)
+        error = reason.value
+        assert isinstance(error, ResponseFailed)
+        self.assertTrue(error.reasons[0].check(ConnectionLost))
+        self.assertTrue(error.reasons[1].check(BodyTruncated))
+
+    def test_chunked_cut_short_is_a_failure(self) -> None:
+        reason = self.lost_mid_body(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", b"5\r\nhello\r\n")
+        reason.trap(ResponseFailed)
+
+    def test_close_delimited_body_ends_with_potential_data_loss(self) -> None:
+        reason = self.lost_mid_body(b"HTTP/1.1 200 OK\r\n\r\n", b"all of it")
+        reason.trap(PotentialDataLoss)
+
+    # -- connection reuse ------------------------------------------------------------
+
+    def test_reused_after_a_complete_answer(self) -> None:
+        self.exchange(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        self.exchange(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        self.assertEqual(len(self.reactor.tcpClients), 1)
+        self.assertEqual([t.connects for t in self.trackers], [1, 0])
+
+    def test_not_reused_while_the_body_is_open(self) -> None:
+        self.exchange(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n", b"ab")
+        self.request()
+        self.assertEqual(len(self.reactor.tcpClients), 2)
+
+    def test_connection_close_answer_not_pooled(self) -> None:
+        for head in (b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 0\r\n\r\n",
+                     b"HTTP/1.0 200 OK\r\nContent-Length: 0\r\n\r\n"):
+            self.exchange(head)
+            _, transport = self._connected[-1]
+            self.assertTrue(transport.disconnecting)
+        self.request()
+        self.assertEqual(len(self.reactor.tcpClients), 3)
+
+    def test_stopped_body_aborts_and_is_not_pooled(self) -> None:
+        _, body = self.exchange(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n", b"ab")
+        body.body_transport.stopProducing()
+        _, transport = self._connected[-1]
+        self.assertTrue(transport.aborted)
+        self.request()
+        self.assertEqual(len(self.reactor.tcpClients), 2)
+
+    def test_pause_and_resume_reach_the_connection(self) -> None:
+        _, body = self.exchange(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n", b"ab")
+        _, transport = self._connected[-1]
+        body.body_transport.pauseProducing()
+        self.assertEqual(transport.producerState, "paused")
+        body.body_transport.resumeProducing()
+        self.assertEqual(transport.producerState, "producing")
+
+    def test_idle_connection_expires(self) -> None:
+        self.exchange(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        _, transport = self._connected[-1]
+        self.reactor.advance(29.0)
+        self.assertFalse(transport.disconnecting)
+        self.reactor.advance(1.0)
+        self.assertTrue(transport.disconnecting)
+        self.request()
+        self.assertEqual(len(self.reactor.tcpClients), 2)
+
+    def test_bytes_on_an_idle_connection_drop_it(self) -> None:
+        self.exchange(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        connection, transport = self._connected[-1]
+        connection.dataReceived(b"HTTP/1.1 200 OK\r\n\r\n")
+        self.assertTrue(transport.aborted)
+        self.request()
+        self.assertEqual(len(self.reactor.tcpClients), 2)
+
+    def test_pool_keeps_at_most_max_per_host(self) -> None:
+        ds = [self.request() for _ in range(3)]
+        connections = [self.connect(i) for i in range(3)]
+        for d, (connection, _) in zip(ds, connections):
+            connection.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+            self.successResultOf(d).deliverBody(_Body())
+        self.assertEqual([t.disconnecting for _, t in connections], [False, False, True])
+
+    # -- failures before an answer (the stale-connection retry's input) -------------
+
+    def test_reused_connection_lost_before_any_byte(self) -> None:
+        self.exchange(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        d = self.request()
+        connection, _ = self._connected[-1]
+        connection.connectionLost(Failure(ConnectionDone()))
+        self.failureResultOf(d, ResponseNeverReceived)
+
+    def test_lost_mid_head_is_response_failed(self) -> None:
+        d = self.request()
+        connection, _ = self.connect()
+        connection.dataReceived(b"HTTP/1.1 200 OK\r\nContent-")
+        connection.connectionLost(Failure(ConnectionDone()))
+        self.failureResultOf(d, ResponseFailed)
+
+    def test_lost_while_writing_the_body(self) -> None:
+        d = self.request(body=b"a" * (BytesProducer.SLICE * 2))
+        connection, transport = self.connect(full=True)
+        self.assertEqual(len(transport.value()) < BytesProducer.SLICE * 2, True)  # paused mid-body
+        connection.connectionLost(Failure(ConnectionLost()))
+        self.failureResultOf(d, RequestTransmissionFailed)
+
+    def test_cancel_aborts(self) -> None:
+        d = self.request()
+        _, transport = self.connect()
+        d.cancel()
+        self.failureResultOf(d, CancelledError)
+        self.assertTrue(transport.aborted)
+        self.request()
+        self.assertEqual(len(self.reactor.tcpClients), 2)
+
+    def test_paused_when_the_body_ended_resumed_before_reuse(self) -> None:
+        """The reader paused the connection with the last bytes of the body: pooled,
+        it must read again, or the next answer would never be read."""
+        _, body = self.exchange(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\n", b"ab")
+        connection, transport = self._connected[-1]
+        body.body_transport.pauseProducing()
+        connection.dataReceived(b"cd")
+        assert body.reason is not None
+        body.reason.trap(ResponseDone)
+        self.assertEqual(transport.producerState, "producing")
+        self.request()
+        self.assertEqual(len(self.reactor.tcpClients), 1)
+
+    def test_cancelled_while_connecting(self) -> None:
+        d = self.request()
+        d.cancel()
+        self.failureResultOf(d, ConnectingCancelledError)
+        self.assertTrue(self.reactor.connectors[0].stoppedConnecting)
+
+    def test_idle_connections_expire_each_after_its_own_wait(self) -> None:
+        ds = [self.request() for _ in range(2)]
+        connections = [self.connect(i) for i in range(2)]
+        connections[0][0].dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        self.reactor.advance(10.0)
+        connections[1][0].dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        for d in ds:
+            self.successResultOf(d)
+        self.reactor.advance(20.0)
+        self.assertEqual([t.disconnecting for _, t in connections], [True, False])
+        self.reactor.advance(9.0)
+        self.assertFalse(connections[1][1].disconnecting)
+        self.reactor.advance(1.0)
+        self.assertTrue(connections[1][1].disconnecting)
+        self.assertEqual(self.reactor.getDelayedCalls(), [])
+
+    def test_pool_close_fires_once_closed(self) -> None:
+        self.exchange(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        connection, transport = self._connected[-1]
+        closed = self.pool.close()
+        self.assertTrue(transport.disconnecting)
+        self.assertNoResult(closed)
+        connection.connectionLost(Failure(ConnectionDone()))
+        self.successResultOf(closed)
+        self.assertEqual(self.reactor.getDelayedCalls(), [])
+
+    def test_stopped_while_taking_buffered_chunks(self) -> None:
+        """A reader that stops at the first buffered chunk gets nothing after its end."""
+        d = self.request()
+        connection, _ = self.connect()
+        connection.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 6\r\n\r\nab")
+        response = self.successResultOf(d)
+        connection.dataReceived(b"cd")
+
+        class StopAtFirst(_Body):
+            def dataReceived(self, data: bytes) -> None:
+                super().dataReceived(data)
+                self.body_transport.stopProducing()
+
+        body = StopAtFirst()
+        response.deliverBody(body)
+        self.assertEqual(body.chunks, [b"ab"])
+        assert body.reason is not None
+        body.reason.trap(ResponseFailed)
