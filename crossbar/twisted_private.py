@@ -5,7 +5,8 @@ against Twisted 25.5 through 26.10 (the version pinned in ``.ci/constraints.txt`
 ``tests/test_twisted_private.py`` fails loudly if a Twisted release moves any of them:
 take a new Twisted on purpose, after that test and the suite pass.
 
-1. :class:`ClientProtocol` subclasses ``twisted.web._newclient.HTTP11ClientProtocol``
+1. :class:`ClientProtocol` (the health poller's client; the proxy path uses its own
+   client, :mod:`crossbar.h1client`) subclasses ``twisted.web._newclient.HTTP11ClientProtocol``
    and reads its parser (``_parser``, its ``statusReceived``, ``connHeaders``,
    ``response``, ``state`` with the ``STATUS``/``HEADER`` states, and ``_giveUp``):
    - the answer's ``Connection`` header, which Twisted keeps out of
