@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import re
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -260,7 +261,11 @@ def _load_yaml(c: _Checker, text: str) -> Any:
     :raises ConfigError: for a syntax error (with line and column) or a duplicate key.
     """
     masked = _mask_references(text)
-    loader = yaml.SafeLoader(masked)
+    try:
+        loader = yaml.SafeLoader(masked)  # the reader refuses control characters here
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise c.fail("", f"invalid YAML: {problem}") from None
     try:
         node = loader.get_single_node()
         if node is None:
@@ -500,11 +505,16 @@ class _Checker:
             path = os.path.join(os.path.dirname(self.path), path)
         shown = self.show(raw, path) if isinstance(raw, str) else repr(path)
         try:
+            if not stat.S_ISREG(os.stat(path).st_mode):  # a FIFO would block the reactor
+                raise self.fail(key, f"{shown} is not a regular file")
             with open(path, "rb") as f:
                 return path, f.read(_MAX_PEM)
         except OSError as e:
             raise self.fail(key, f"cannot read {shown}: {e.strerror or type(e).__name__}") from None
 
+
+_MIN_WEIGHT = 0.001
+_MAX_WEIGHT = 1_000_000.0
 
 _MAX_PEM = 1024 * 1024
 """The most bytes read from one CA, certificate or key file."""
@@ -671,6 +681,8 @@ def _hosts(c: _Checker, raw: Any) -> dict[str, Host]:
                 "go to .../v1/v1/...): give the host's base URL without /v1",
             )
         weight = 1.0 if body.get("weight") is None else c.at_least(f"{key}.weight", body["weight"], 0)
+        if not _MIN_WEIGHT <= weight <= _MAX_WEIGHT:  # the shares' arithmetic stays finite
+            raise c.fail(f"{key}.weight", f"must be between {_MIN_WEIGHT:g} and {_MAX_WEIGHT:g}, not {weight:g}")
         max_raw = body.get("max_inflight")
         max_inflight = None if max_raw is None else c.count(f"{key}.max_inflight", max_raw)
         key_raw = body.get("api_key")
@@ -850,6 +862,8 @@ def _routes(c: _Checker, raw: Any, hosts: Mapping[str, Host]) -> dict[str, Route
             timeout=c.positive(f"{key}.queue.timeout", q_raw.get("timeout", dq.timeout)),
         )
         affinity = _affinity(c, f"{key}.affinity", c.section("affinity", body, key))
+        if "keys" in body and body["keys"] is None:  # every key line commented out
+            raise c.fail(f"{key}.keys", "must name at least one key (leave keys out for a route open to every client)")
         keys = _keys(c, f"{key}.keys", body.get("keys"), secrets)
         routes[name] = Route(
             name=name, hosts=tuple(seen), default_model=model, primary=primary, queue=queue, affinity=affinity,

@@ -574,6 +574,10 @@ class YAMLTests(_Case):
             "could not determine a constructor for the tag 'tag:yaml.org,2002:python/object/apply:os.system'",
         )
 
+    def test_control_characters_are_one_line(self) -> None:
+        self.assertRejected("listen: \x00\x01\n", "x.yaml: invalid YAML: unacceptable character #x0000: "
+                            "special characters are not allowed")
+
     def test_deep_nesting_is_one_line(self) -> None:
         self.assertRejected("a: " + "[" * 5000, "x.yaml: invalid YAML: nested too deeply")
 
@@ -832,6 +836,9 @@ class HostBalancingKeyTests(_Case):
         self.rejected("weight", True, "must be a number, not a boolean")
         self.rejected("weight", float("inf"), "must be a positive number, not inf")
         self.rejected("weight", [1], "must be a number, not a list")
+        # Shares stay finite: a denormal weight made the affinity bound overflow.
+        self.rejected("weight", 1e-320, "must be between 0.001 and 1e+06, not 9.99989e-321")
+        self.rejected("weight", 1e7, "must be between 0.001 and 1e+06, not 1e+07")
 
     def test_max_inflight(self) -> None:
         self.assertEqual((self.host(max_inflight=4).max_inflight, self.host().max_inflight), (4, None))
@@ -904,7 +911,13 @@ class HostTLSTests(_FilesCase):
         self.rejected_tls({"ca": missing}, ".ca", f"cannot read {missing!r}: No such file or directory")
 
     def test_ca_directory(self) -> None:
-        self.rejected_tls({"ca": self.dir}, ".ca", f"cannot read {self.dir!r}: Is a directory")
+        self.rejected_tls({"ca": self.dir}, ".ca", f"{self.dir!r} is not a regular file")
+
+    def test_ca_fifo_refused_without_blocking(self) -> None:
+        """A FIFO would block the reactor on open/read (at start or on SIGHUP)."""
+        fifo = os.path.join(self.dir, "fifo")
+        os.mkfifo(fifo)
+        self.rejected_tls({"ca": fifo}, ".ca", f"{fifo!r} is not a regular file")
 
     def test_ca_not_pem(self) -> None:
         self.rejected_tls({"ca": self.file("junk.pem", b"hello\n")}, ".ca", "holds no PEM certificate")
@@ -1037,11 +1050,12 @@ class ClientKeyTests(_Case):
         self.assertEqual((keys["alice"].secret, keys["alice"].max_inflight), ("alice-1", None))
         self.assertEqual((keys["ci"].secret, keys["ci"].max_inflight), ("ci-1", 8))
 
-    def test_null_keys_mean_an_open_route(self) -> None:
-        self.assertEqual(dict(self.keys(None)), {})
-
     def test_empty_keys_refused(self) -> None:
         self.rejected({}, "", "must name at least one key (leave keys out for a route open to every client)")
+
+    def test_null_keys_refused(self) -> None:
+        """``keys:`` with every key line commented out must not open the route."""
+        self.rejected(None, "", "must name at least one key (leave keys out for a route open to every client)")
 
     def test_empty_secret(self) -> None:
         self.rejected({"alice": "${A}"}, ".alice", "must not be empty", {"A": ""})
