@@ -47,20 +47,24 @@ def authorize(keys: Mapping[str, ClientKey], authorization: bytes | None) -> str
     return found
 
 
-def check_key(config: Config, method: bytes, target: bytes, authorization: Sequence[bytes] | None) -> str | None:
+def check_key(
+    config: Config, method: bytes, target: bytes, authorization: Sequence[bytes] | None, has_body: bool = False
+) -> str | None:
     """Rule 2 of DESIGN.md §The proxy, on the request head: the name of the key the
     request presents on a keyed route, "" where no key is needed (no such route, a
-    route without keys, an ``OPTIONS`` preflight), None when the request must be
-    refused 401 (no valid key; more than one ``Authorization`` header).
+    route without keys, a CORS preflight: ``OPTIONS`` without a body), None when the
+    request must be refused 401 (no valid key; more than one ``Authorization`` header).
 
     :param config: the config the request is checked under.
     :param method: the request method; :param target: the request target as sent.
     :param authorization: every ``Authorization`` value of the request, or None.
+    :param has_body: the request announced a body (``Content-Length`` above 0, or
+        chunked): a preflight never has one, so such an ``OPTIONS`` needs a key.
     """
     path, _ = split_target(target)
     split = split_route(path)
     route = config.routes.get(split[0]) if split is not None else None
-    if route is None or not route.keys or method == b"OPTIONS":
+    if route is None or not route.keys or (method == b"OPTIONS" and not has_body):
         return ""
     if authorization is None or len(authorization) != 1:
         return None

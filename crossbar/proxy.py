@@ -314,7 +314,9 @@ class Exchange:
         (``queue.max: 0``: 503 at once) or full (503 ``queue full``)."""
         assert self.route is not None
         settings = self.route.queue
-        if settings.max == 0:
+        if settings.max == 0 or (self.route.keys and not self.key):
+            # (A keyless preflight on a keyed route never takes a queue place from the
+            # route's clients.)
             return self.answer_error(503, "all hosts busy", retry_after=True)
         if self.runtime.queues.queued(self.route.name) >= settings.max:
             return self.answer_error(503, "queue full", retry_after=True)

@@ -68,7 +68,8 @@ class CrossbarRequest(CappedRequest):
             return
         self.config = config = site.runtime.config
         method, target = self._request_line()
-        verdict = check_key(config, method, target, self.requestHeaders.getRawHeaders(b"authorization"))
+        verdict = check_key(config, method, target, self.requestHeaders.getRawHeaders(b"authorization"),
+                            has_body=length != 0)
         if verdict is None:
             self.refuse(401, b"Unauthorized", "invalid api key", ((b"WWW-Authenticate", b"Bearer"),))
         else:

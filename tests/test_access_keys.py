@@ -120,6 +120,29 @@ class KeysTests(TestCase):
         self.assertNotEqual(response.code, 401)
         self.assertEqual([s.method for s in upstream_requests(self.a)], [b"OPTIONS"])
 
+    async def test_keyless_preflight_never_waits_in_the_queue(self) -> None:
+        """While the keyed route's host is full, a preflight (no key) is answered 503 at
+        once instead of taking a queue place from the route's clients."""
+        self.a.handlers[b"/v1/chat/completions"] = held = Held()
+        alice = ensureDeferred(self.post("r", bearer(ALICE)))
+        await wait_for(lambda: len(held.requests) == 1, what="alice's request at the host")
+        response = await self.client.request("OPTIONS", f"{self.base}/r/v1/chat/completions")
+        body = await response.content()
+        self.assertEqual((response.code, json.loads(body)), (503, {"error": "all hosts busy"}))
+        self.assertEqual(self.service.runtime.queues.queued("r"), 0)
+        held.release()
+        self.assertEqual((await alice)[0], 200)
+        del self.a.handlers[b"/v1/chat/completions"]
+
+    async def test_options_with_a_body_is_no_preflight(self) -> None:
+        """A CORS preflight never has a body: an ``OPTIONS`` with one needs a key like
+        any request (it could otherwise send work to the hosts unauthenticated)."""
+        response = await self.client.request("OPTIONS", f"{self.base}/r/v1/chat/completions",
+                                             data=b'{"model": "tiny-a"}')
+        body = await response.content()
+        self.assertEqual(response.code, 401, body)
+        self.assertEqual(upstream_requests(self.a), [])
+
     async def test_key_name_in_log_and_metrics(self) -> None:
         self.assertEqual((await self.post("r", bearer(CI)))[0], 200)
         self.assertEqual((await self.post("r", bearer(ALICE)))[0], 200)
