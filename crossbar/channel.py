@@ -122,6 +122,12 @@ class HeadDeadlineChannel(BadRequestHook, HTTPChannel):
         if timer is not None and timer.active():
             timer.cancel()
 
+    def lineLengthExceeded(self, line: bytes) -> None:
+        """A request line or header line over ``MAX_LENGTH`` (16 KiB): Twisted would
+        just close the connection; crossbar answers its JSON 400 and records it
+        (DESIGN.md §The proxy, rules 8-9)."""
+        self.respond_to_bad_request()
+
     def respond_to_bad_request(self) -> None:
         """Twisted's answer to a request it cannot parse (bad request line, header,
         framing or size) is a bare ``400``; crossbar's error answers are JSON

@@ -302,6 +302,11 @@ class CrossbarService(MultiService):
             return False
         plan = plan_reload(old, new)
         if plan.listen_changed:
+            try:
+                listen_endpoint(self.reactor, new)  # a file start-up would refuse is refused
+            except ConfigError as e:
+                self._log.error("reload refused, keeping the running config: {error}", error=str(e))
+                return False
             self._log.warn(
                 "reload: listen changed from {old} to {new}; a restart is needed to apply it",
                 old=old.listen, new=new.listen,

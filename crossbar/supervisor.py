@@ -175,12 +175,12 @@ class Supervisor(MultiService):
         self._young_deaths = [0] * self.count
         self._stopping = False
         self._hurried = False
-        self.directory = tempfile.mkdtemp(prefix="crossbar-workers-")
-        self._shared_path = os.path.join(self.directory, "counts")
-        SharedCounts.create(self._shared_path, self.count + 1)
-        self.fleet = Fleet(SharedCounts(self._shared_path, self.count + 1, self.count), config)
-        self.metrics_directory = os.path.join(self.directory, "metrics")
-        os.mkdir(self.metrics_directory)
+        # The shared counts and metrics live in a directory made once the listener is
+        # open (startService): a start-up that fails leaves nothing behind.
+        self.directory = ""
+        self._shared_path = ""
+        self.metrics_directory = ""
+        self.fleet: Fleet | None = None
         self.web = ListenService(listen_endpoint(reactor, config), ListenerHolder())
         self.web.setServiceParent(self)
         self._all_ended = Condition(lambda: all(w is None or w.ended for w in self.workers))
@@ -204,6 +204,12 @@ class Supervisor(MultiService):
         super().startService()
         port = self.web.port
         assert port is not None, "the listener opens in privilegedStartService/startService"
+        self.directory = tempfile.mkdtemp(prefix="crossbar-workers-")
+        self._shared_path = os.path.join(self.directory, "counts")
+        SharedCounts.create(self._shared_path, self.count + 1)
+        self.fleet = Fleet(SharedCounts(self._shared_path, self.count + 1, self.count), self.config)
+        self.metrics_directory = os.path.join(self.directory, "metrics")
+        os.mkdir(self.metrics_directory)
         _stop_accepting(port)
         for index in range(self.count):
             self._spawn(index)
@@ -240,14 +246,16 @@ class Supervisor(MultiService):
     def worker_ended(self, process: WorkerProcess, reason: Failure) -> None:
         """A worker exited: counted and restarted unless crossbar is stopping."""
         index = process.index
-        self.fleet.shared.clear_row(index)  # nothing of it is in flight any more
+        if self.fleet is not None:
+            self.fleet.shared.clear_row(index)  # nothing of it is in flight any more
         self._all_ended.check()
         if self.systemd is not None:
             self.systemd.health_changed()
         if self._stopping or self.workers[index] is not process:
             return
         self.restarts += 1
-        self.fleet.publish_restarts(self.restarts)
+        if self.fleet is not None:
+            self.fleet.publish_restarts(self.restarts)
         young = self.reactor.seconds() - process.started_at < _YOUNG
         self._young_deaths[index] = self._young_deaths[index] + 1 if young else 0
         delay = min(_MAX_BACKOFF, 0.5 * 2 ** (self._young_deaths[index] - 1)) if young else 0.0
@@ -289,7 +297,8 @@ class Supervisor(MultiService):
     def _clean_up(self, result: object) -> object:
         if self.systemd is not None:
             self.systemd.notifier.close()
-        shutil.rmtree(self.directory, ignore_errors=True)
+        if self.directory:
+            shutil.rmtree(self.directory, ignore_errors=True)
         return result
 
     def hurry(self) -> None:
@@ -319,10 +328,18 @@ class Supervisor(MultiService):
             _log.warn("reload: workers changed from {old} to {new}; a restart is needed to apply it",
                       old=self.count, new=new.workers)
         if new.listen != self.config.listen:
+            from crossbar.service import listen_endpoint
+
+            try:
+                listen_endpoint(self.reactor, new)  # a file start-up would refuse is refused
+            except ConfigError as e:
+                _log.error("reload refused, keeping the running config: {error}", error=str(e))
+                return False
             _log.warn("reload: listen changed; a restart is needed to apply it")
         self.config = new
-        self.fleet.configure(new)
-        self.fleet.publish_restarts(self.restarts)
+        if self.fleet is not None:
+            self.fleet.configure(new)
+            self.fleet.publish_restarts(self.restarts)
         for process in self.workers:
             if process is not None:
                 process.send("reload")

@@ -161,6 +161,11 @@ class BadRequestTests(TestCase):
             b"POST /r/v1/x HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\nabc"
         ))
 
+    def test_line_over_16_kib(self) -> None:
+        """Twisted closes such a connection without a word; crossbar answers 400."""
+        self.assertJSON400(self.answer(b"GET /r/v1/models HTTP/1.1\r\nX-Big: " + b"a" * 70000 + b"\r\n\r\n"))
+        self.assertJSON400(self.answer(b"GET /r/v1/" + b"a" * 70000 + b" HTTP/1.1\r\n\r\n"))
+
     def test_head_gets_no_body(self) -> None:
         raw = self.answer(b"HEAD /r/v1/\x00 HTTP/1.1\r\nHost: x\r\n\r\n")
         head, _, body = raw.partition(b"\r\n\r\n")

@@ -205,6 +205,14 @@ class TwistdReloadTests(TestCase):
             await proc.line(lambda line: "restart is needed" in line, 10)
             self.assertEqual((await status("t4"))[0], 200)
 
+            # A listen start-up would refuse is refused on reload too (the running
+            # config, token t4, is kept).
+            with open(proc.config_path, "w") as f:
+                f.write(_twistd_config(url_a, url_b, "t5", listen="nonsense"))
+            proc.signal("HUP")
+            await proc.line(lambda line: "reload refused" in line and "listen" in line, 10)
+            self.assertEqual((await status("t4"))[0], 200)
+
             # The stream that was in flight through all of this ended intact.
             how, body = await stream.done
             self.assertEqual(how, "complete")

@@ -338,6 +338,32 @@ class ServingTests(TestCase):
         self.assertIn("ssl: listener needs workers: 1", errors[0])
         self.assertNotIn("Traceback", proc.text())
 
+    async def test_failed_start_leaves_no_directory(self) -> None:
+        """A port in use stops start-up with one line, and the supervisor's directory
+        (shared counts, metrics) is never made."""
+        import socket
+
+        from tests.process import ROOT, twistd_argv, twistd_env
+
+        busy = socket.socket()
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        self.addCleanup(busy.close)
+        directory = os.path.abspath(self.mktemp())
+        tmp = os.path.join(directory, "tmp")
+        os.makedirs(tmp)
+        path = os.path.join(directory, "crossbar.yaml")
+        with open(path, "w") as f:
+            f.write(f'listen: "tcp:{busy.getsockname()[1]}:interface=127.0.0.1"\nworkers: 2\n'
+                    "hosts:\n  a: http://127.0.0.1:1\nroutes:\n  r:\n    hosts: [a]\n")
+        proc = Twistd()
+        args = twistd_argv(path)
+        reactor.spawnProcess(proc, args[0], args, env=twistd_env({"TMPDIR": tmp}), path=ROOT)  # type: ignore[attr-defined]
+        code, _ = await proc.ended
+        self.assertNotEqual(code, 0)
+        self.assertIn("Address already in use", proc.text())
+        self.assertEqual(os.listdir(tmp), [])
+
 
 class FleetTests(TestCase):
     timeout = 120
