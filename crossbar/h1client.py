@@ -304,13 +304,7 @@ class H1Connection(Protocol):
         """Give up on this connection: abort it, never pool it again."""
         if self.state is _DEAD:
             return
-        self.state = _DEAD
-        self._stop_producer()
-        if self._pool is not None:
-            self._pool.forget(self)
-        transport: Any = self.transport
-        if transport is not None:
-            transport.abortConnection()
+        self._kill()
         response, self._response = self._response, None
         if response is not None:
             response._ended(Failure(ResponseFailed([Failure(ConnectionAborted())])))
@@ -447,8 +441,8 @@ class H1Connection(Protocol):
         if self.transport is not None:
             self.transport.loseConnection()
 
-    def _fail(self, failure: Failure) -> None:
-        """The request failed before an answer head: abort the connection, errback."""
+    def _kill(self) -> None:
+        """Dead: the body producer stopped, out of the pool, the connection aborted."""
         self.state = _DEAD
         self._stop_producer()
         if self._pool is not None:
@@ -456,6 +450,10 @@ class H1Connection(Protocol):
         transport: Any = self.transport
         if transport is not None:
             transport.abortConnection()
+
+    def _fail(self, failure: Failure) -> None:
+        """The request failed before an answer head: abort the connection, errback."""
+        self._kill()
         result, self._result = self._result, None
         if result is not None:
             result.errback(failure)
