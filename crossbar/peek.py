@@ -18,7 +18,7 @@ characters, UTF-8, incrementally), hashed when the affinity key needs it, and dr
 yajl is fed ``""`` in its place. So neither yajl nor this class ever holds a long string
 (an image's base64 data): memory stays within ``LONG_STRING`` plus one chunk.
 
-Answers are those of ``json.loads`` (``crossbar.routing.peek_model``) on every body
+Answers are those of ``json.loads`` (``tests/reference.py``) on every body
 except these, which give None here (no model, no key) and are not JSON anyway or are
 never sent by a client: ``NaN``/``Infinity`` literals, numbers yajl/Decimal refuse
 (exponents beyond ~10^999999999), a number token over 64 KiB cut by a chunk boundary,

@@ -34,7 +34,7 @@ from crossbar.hosturl import host_url
 from crossbar.inflight import Lease
 from crossbar.record import NO_ROUTE, RequestLog, RequestRecord
 from crossbar.relay import Relay, RelayEnd
-from crossbar.request import json_error_bytes
+from crossbar.request import NO_BODY_METHODS, json_error_bytes
 from crossbar.modellist import route_models
 from crossbar.peek import Peeked, peek
 from crossbar.routing import (
@@ -65,7 +65,6 @@ _REPLACED_UPSTREAM = frozenset(
     {b"host", b"content-length", b"expect", b"x-forwarded-for", b"x-forwarded-host",
      b"x-forwarded-proto", b"forwarded"}
 )
-_NO_PEEK_METHODS = (b"GET", b"HEAD")
 MODELS_PATH = b"/v1/models"
 """Answered by crossbar from the health table (DESIGN.md §The proxy, rule 10)."""
 
@@ -225,7 +224,7 @@ class Exchange:
             return self.answer_error(400, "bad path")
         if not is_allowed(self.rest):
             return self.answer_error(404, "not found")
-        if self.rest == MODELS_PATH and request.method in _NO_PEEK_METHODS:
+        if self.rest == MODELS_PATH and request.method in NO_BODY_METHODS:
             return self.answer_models()
         self.body, self.model = self.read_body()
         if self.model is None:
@@ -247,7 +246,7 @@ class Exchange:
         if chunks is None:  # a plain twisted.web Request (tests)
             content = request.content.getvalue() if request.content is not None else b""
             chunks = [content] if content else []
-        if request.method in _NO_PEEK_METHODS:
+        if request.method in NO_BODY_METHODS:
             return (chunks or None), None
         peeked = getattr(request, "peeked", None)
         if not isinstance(peeked, Peeked):

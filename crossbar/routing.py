@@ -7,17 +7,15 @@ unit-tested on its own.
 
 from __future__ import annotations
 
-import json
 import re
 from urllib.parse import unquote_to_bytes
 
 __all__ = [
     "ALLOWED_EXACT", "ALLOWED_PREFIX", "has_dot_segment", "is_allowed", "is_forwardable",
-    "peek_model", "split_route", "split_target",
+    "split_route", "split_target",
 ]
 
 _ABSOLUTE_FORM = re.compile(rb"[Hh][Tt][Tt][Pp][Ss]?://[^/?#]*")
-_OBJECT_START = re.compile(rb"(?:\xef\xbb\xbf)?[ \t\r\n]*\{")
 _VISIBLE_ASCII = re.compile(rb"\A[\x21-\x7e]*\Z")
 _TOKEN = re.compile(rb"\A[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
 ALLOWED_PREFIX = b"/v1/"
@@ -83,21 +81,3 @@ def is_forwardable(method: bytes, target: bytes) -> bool:
 def is_allowed(rest: bytes) -> bool:
     """Whether ``rest`` is an upstream path crossbar forwards: ``/v1/...``, ``/health``, ``/props``."""
     return rest.startswith(ALLOWED_PREFIX) or rest in ALLOWED_EXACT
-
-
-def peek_model(body: bytes) -> str | None:
-    """The top-level string ``"model"`` of a JSON object body, else None (rule 4).
-
-    Never raises: a body that is not JSON, not an object, has no ``model`` or a
-    non-string one gives None. Duplicate keys: the last wins, as in llama-server.
-    """
-    if _OBJECT_START.match(body) is None:
-        return None  # cheap: multipart, arrays and plain text are never parsed
-    try:
-        doc = json.loads(body)
-    except (ValueError, RecursionError):
-        return None
-    if not isinstance(doc, dict):
-        return None
-    model = doc.get("model")
-    return model if isinstance(model, str) and model else None

@@ -1,5 +1,5 @@
 """The incremental body peek (crossbar.peek; DESIGN.md §The proxy rule 4, §"Cache
-affinity"): the same model as ``json.loads`` (``routing.peek_model``) however the body is
+affinity"): the same model as ``json.loads`` (``tests.reference.peek_model``) however the body is
 cut into chunks, long strings never held, and the affinity key's rules."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from crossbar import peek as peek_module
 from crossbar.peek import LONG_STRING, PROMPT_BYTES, BodyPeek, Peeked, backend_name, peek, peek_small
-from crossbar.routing import peek_model
+from tests.reference import peek_model
 
 EXISTING_CASES = [  # every body tests/test_routing.py gives peek_model
     b'{"model": "m1", "messages": []}', b' \r\n\t{"model":"m1"}',

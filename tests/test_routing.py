@@ -11,8 +11,9 @@ from twisted.trial.unittest import TestCase
 from crossbar.balance import Chosen, Rotation, choose
 from crossbar.config import Host, Route
 from crossbar.health import HostStatus
+from crossbar.peek import peek
 from crossbar.routing import (
-    has_dot_segment, is_allowed, is_forwardable, peek_model, split_route, split_target,
+    has_dot_segment, is_allowed, is_forwardable, split_route, split_target,
 )
 from tests.harness import TwoHosts, two_hosts, upstream_requests
 from tests.raw import parse_responses, raw_exchange, request_bytes
@@ -77,6 +78,11 @@ class DotSegmentTests(TestCase):
         for rest in (b"/", b"/slots", b"/v1", b"/health/", b"/props/x", b"/healthz", b"/_crossbar/status",
                      b"//v1/x", b"/%761/x", b"/v2/x", b"/metrics"):
             self.assertFalse(is_allowed(rest), rest)
+
+
+def peek_model(body: bytes) -> str | None:
+    """The model crossbar's own peek finds in ``body`` (rule 4)."""
+    return peek(body).model
 
 
 class PeekModelTests(TestCase):
