@@ -67,10 +67,13 @@ tiny tokens (issue 14)."""
 _LONG_NUMBER: Final = 64 * 1024
 _BOM: Final = codecs.BOM_UTF8
 _WS: Final = b" \t\r\n"
-# Outside a string: runs of non-quote bytes and complete strings (possessive: no backtracking).
-_OUT = re.compile(rb'(?:[^"]++|"(?:[^"\\]++|\\.)*+")*+', re.DOTALL)
+# Outside a string: runs of non-quote bytes and complete strings. A string's content is
+# taken by a lookahead (atomic: never backtracked into) and consumed by the backreference,
+# so a string left open at the chunk's end fails at once; possessive quantifiers would
+# say the same, but CPython 3.11.2 (Debian 12) gets ``*+`` wrong here.
+_OUT = re.compile(rb'(?:[^"]+|"(?=([^"\\]*(?:\\.[^"\\]*)*))\1")*', re.DOTALL)
 # Inside a string: valid content only (RFC 8259 §7); stops at '"', bad content or the end.
-_IN = re.compile(rb'(?:[^"\\\x00-\x1f]++|\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4}))*+')
+_IN = re.compile(rb'(?:[^"\\\x00-\x1f]+|\\(?:["\\/bfnrt]|u[0-9a-fA-F]{4}))*')
 _PARTIAL_ESCAPE = re.compile(rb"\\(?:u[0-9a-fA-F]{0,3})?\Z")
 _HIGH_SURROGATE = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}\Z")
 _NUMBER_BYTES: Final = b"-+.0123456789eE"
