@@ -59,7 +59,7 @@ class CappedRequest(Request):
         self.refused = False
         self._received = 0
         self._linger: Any = None
-        self._peek: BodyPeek | None = BodyPeek()
+        self._peek: BodyPeek | None = None  # made by the first body chunk
         self.peeked: Peeked = NOTHING
         self.body_chunks: list[bytes] = []
         """The body as it arrived, chunk by chunk (never copied into one buffer: a
@@ -79,8 +79,9 @@ class CappedRequest(Request):
             self.refuse(413, b"Content Too Large", "body too large")
             return
         self.body_chunks.append(data)
-        if self._peek is not None:
-            self._peek.feed(data)
+        if self._peek is None:
+            self._peek = BodyPeek()
+        self._peek.feed(data)
 
     def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
         peek, self._peek = self._peek, None
