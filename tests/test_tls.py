@@ -19,24 +19,22 @@ import trustme
 from OpenSSL import SSL
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
-from twisted.internet.endpoints import SSL4ServerEndpoint, TCP4ClientEndpoint, TCP4ServerEndpoint
+from twisted.internet.endpoints import TCP4ClientEndpoint, TCP4ServerEndpoint
 from twisted.internet.error import ConnectionRefusedError
 from twisted.internet.interfaces import IListeningPort
 from twisted.internet.protocol import Factory, Protocol
-from cryptography import x509
-from cryptography.hazmat.primitives.serialization import load_pem_private_key
-from twisted.internet.ssl import Certificate, CertificateOptions
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web._newclient import RequestTransmissionFailed, ResponseFailed, ResponseNeverReceived
 from twisted.web.client import Agent, HTTPConnectionPool, readBody
 from twisted.web.resource import Resource
-from twisted.web.server import Request, Site
+from twisted.web.server import Request
 
 from crossbar.config import HostTLSSettings, parse_config
 from crossbar.tls import HandshakeFirstEndpoint, HostTLS, TLSHandshakeError, client_creator, tls_failure_reason
 from crossbar.upstream import ConnectTracker, UpstreamEndpoints
+from tests.accesskit import serve_tls
 
 _DAY = datetime.timedelta(days=1)
 
@@ -59,13 +57,6 @@ class _Hello(Resource):
         return b"hello over tls"
 
 
-class _Site(Site):
-    noisy = False
-
-    def log(self, request: Any) -> None:
-        pass
-
-
 class TLSHostTests(TestCase):
     def setUp(self) -> None:
         self.ca = trustme.CA()
@@ -73,17 +64,7 @@ class TLSHostTests(TestCase):
     async def serve(self, leaf: trustme.LeafCert, client_ca: trustme.CA | None = None) -> int:
         """A TLS web server on 127.0.0.1 with ``leaf``; requiring a client certificate
         from ``client_ca`` when given. Returns its port."""
-        options = CertificateOptions(
-            privateKey=load_pem_private_key(leaf.private_key_pem.bytes(), None),
-            certificate=x509.load_pem_x509_certificate(leaf.cert_chain_pems[0].bytes()),
-            verify=client_ca is not None,
-            requireCertificate=client_ca is not None,
-            caCerts=[Certificate.loadPEM(client_ca.cert_pem.bytes()).original] if client_ca is not None else None,
-        )
-        site = _Site(_Hello())
-        port: IListeningPort = await SSL4ServerEndpoint(reactor, 0, options, interface="127.0.0.1").listen(site)
-        self.addCleanup(port.stopListening)
-        return port.getHost().port  # type: ignore[attr-defined, no-any-return]
+        return await serve_tls(self, _Hello(), leaf, client_ca)
 
     async def get(self, url: str, tls: HostTLS | None) -> tuple[bytes, ConnectTracker]:
         pool = HTTPConnectionPool(reactor, persistent=False)
