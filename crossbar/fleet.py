@@ -43,12 +43,16 @@ class Fleet:
     def __init__(self, shared: SharedCounts, config: Config) -> None:
         self.shared = shared
         self._cells: dict[str, int] = {}
+        self.pairs: tuple[tuple[str, str], ...] = ()
+        """Every (route, host) pair of the config: the in-flight series each worker
+        reports, whichever requests it has seen itself."""
         self.configure(config)
 
     def configure(self, config: Config) -> None:
         """Use the names of ``config`` (a reload); this worker's row is cleared: its
         owners publish again (:meth:`Runtime.republish <crossbar.runtime.Runtime.republish>`)."""
         self._cells = cell_map(_names(config))
+        self.pairs = tuple((route.name, h) for route in config.routes.values() for h in route.hosts)
         self.shared.clear_row()
 
     def _set(self, name: str, value: int) -> None:

@@ -54,9 +54,11 @@ class Inflight:
     def by_route_host(self) -> dict[tuple[str, str], int]:
         """(route, host) -> requests in flight, including pairs that went back to 0
         (so a metric once seen reads 0 rather than vanishing); fleet-wide with
-        workers, for the pairs this process has seen."""
+        workers, for every pair of the config and any this process still counts (a
+        worker that served none of a pair's requests still reports the others')."""
         if self.fleet is not None:
-            return {(r, h): self.fleet.route_host(r, h) for r, h in self._by_route_host}
+            pairs = dict.fromkeys(self.fleet.pairs) | dict.fromkeys(self._by_route_host)
+            return {(r, h): self.fleet.route_host(r, h) for r, h in pairs}
         return dict(self._by_route_host)
 
     def enter(self, route: str, host: str) -> Lease:

@@ -11,6 +11,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from crossbar.config import parse_config
 from crossbar.fleet import Fleet
+from crossbar.inflight import Inflight
 from crossbar.shared import CELLS, SharedCounts, cell_map
 
 _CONFIG = """
@@ -121,6 +122,16 @@ class FleetTests(SynchronousTestCase):
         self.assertEqual(self.two.route_host("s", "b"), 1)
         self.assertEqual(self.one.host("a"), 0)
         self.assertEqual(self.one.host("unknown"), 0)
+
+    def test_inflight_series_of_a_worker_that_served_none(self) -> None:
+        """The kernel may hand every connection to one worker: the other's metrics
+        still report the fleet's in-flight requests, for every pair of the config."""
+        busy, idle = Inflight(), Inflight()
+        busy.fleet, idle.fleet = self.one, self.two
+        busy.enter("r", "a")
+        busy.enter("r", "a")
+        self.assertEqual(idle.by_route_host(), {("r", "a"): 2, ("r", "b"): 0, ("s", "b"): 0})
+        self.assertEqual(idle.host("a"), 2)
 
     def test_queue_and_oldest(self) -> None:
         self.one.publish_queue("r", 2, 5000)
