@@ -27,7 +27,13 @@ Failures are Twisted's exception types, so every rule that reads them holds:
   ``ResponseDone``); a close-delimited body ends with ``PotentialDataLoss``.
 
 Interim ``1xx`` answers are skipped; ``HEAD``, ``204`` and ``304`` answers have no body;
-a connection goes back to the pool only after a complete answer that allows it.
+trailer fields are read and dropped (they were never relayed); more than
+:data:`MAX_RESPONSE_HEAD` bytes of chunk framing or trailers with no body byte between
+them is a broken answer, like an oversized head. A connection goes back to the pool only
+after a complete answer that allows it, once the read that completed it is fully parsed:
+a byte after the answer (nobody asked for it) drops the connection instead, so it can
+never be read as the answer to the next request. An answer that ends before the request
+body was all sent aborts the connection (RFC 9112 §9.6): the host will not read the rest.
 """
 
 from __future__ import annotations
@@ -180,7 +186,11 @@ class _BodyTransport:
             connection.abandon()
 
 
-_IDLE, _SENDING, _WAITING, _BODY, _DEAD = range(5)
+_IDLE, _SENDING, _WAITING, _BODY, _DEAD, _DONE = range(6)
+# _DONE: the answer is complete; the connection is pooled once the parser returns with
+# no byte left over (dataReceived), never from inside the parser's callbacks.
+
+_HTTP_NAME = b"HTTP/"
 
 
 class H1Connection(Protocol):
@@ -209,6 +219,9 @@ class H1Connection(Protocol):
         self._producer: Any = None
         self._head_bytes = 0
         self._got_bytes = False
+        self._start = b""
+        self._body_in_read = 0
+        self._framing = 0
         self._phrase = b""
         self._headers: Headers | None = None
         self._connection_values: list[bytes] = []
@@ -243,11 +256,15 @@ class H1Connection(Protocol):
         self._result = result
         self._head_bytes = 0
         self._got_bytes = False
+        self._start = b""
+        self._framing = 0
+        self._phrase = b""
         self._response = None
         self._close_after = not self.persistent
         self._parser = parser = httptools.HttpResponseParser(self)
-        # Content-Length beside chunked: the chunked framing wins (RFC 9112 §6.3).
-        parser.set_dangerous_leniencies(lenient_chunked_length=True)
+        # Content-Length beside chunked: the chunked framing wins (RFC 9112 §6.3); a
+        # space before a chunk extension's ";" is the BWS RFC 9112 §7.1.1 allows.
+        parser.set_dangerous_leniencies(lenient_chunked_length=True, lenient_spaces_after_chunk_size=True)
         lines = [method, b" ", path, b" HTTP/1.1\r\n"]
         if not self.persistent:
             lines.append(b"Connection: close\r\n")
@@ -322,10 +339,20 @@ class H1Connection(Protocol):
     def dataReceived(self, data: bytes) -> None:
         state = self.state
         if state is _BODY:
+            self._body_in_read = 0
             try:
                 self._parser.feed_data(data)
             except httptools.HttpParserError as e:
                 self._broken(e)
+                return
+            if self.state is _DONE:
+                self._reuse()
+            elif self.state is _BODY:
+                # bytes of this read that were not body: chunk framing, trailers
+                framing = len(data) - self._body_in_read
+                self._framing = framing if self._body_in_read else self._framing + framing
+                if self._framing > MAX_RESPONSE_HEAD:
+                    self._broken(ResponseHeadTooLarge(f"chunk framing or trailers over {MAX_RESPONSE_HEAD} bytes"))
             return
         if state is not _WAITING and state is not _SENDING:
             self.abandon()  # bytes on an idle connection: nothing to pair them with
@@ -333,29 +360,40 @@ class H1Connection(Protocol):
         if not self._got_bytes:
             data = _status_line_cr(data)
         self._got_bytes = True
+        if len(self._start) < len(_HTTP_NAME):
+            self._start = (self._start + data[:len(_HTTP_NAME)])[:len(_HTTP_NAME)]
+            if not _HTTP_NAME.startswith(self._start):  # RTSP/1.0, ICE/1.0: not HTTP (RFC 9112 §2.3)
+                self._broken(ResponseFailed([Failure(UnrelayableStatus("not an HTTP answer"))]))
+                return
         self._head_bytes += len(data)
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as e:
             self._broken(e)
             return
-        if self.state in (_WAITING, _SENDING) and self._head_bytes > MAX_RESPONSE_HEAD:
+        if self.state is _DONE:
+            self._reuse()
+        elif self.state in (_WAITING, _SENDING) and self._head_bytes > MAX_RESPONSE_HEAD:
             self._broken(ResponseHeadTooLarge(f"response head over {MAX_RESPONSE_HEAD} bytes"))
 
     def _broken(self, error: BaseException) -> None:
-        cause = error.__cause__ or error.__context__
-        if isinstance(cause, (UnrelayableStatus, ResponseHeadTooLarge)):
-            error = cause
+        """The answer cannot be read on: abort the connection, fail the answer."""
+        if not isinstance(error, ResponseFailed):
+            cause = error.__cause__ or error.__context__
+            if isinstance(cause, (UnrelayableStatus, ResponseHeadTooLarge)):
+                error = cause
+            error = ResponseFailed([Failure(error)])
         if self._response is not None:
             response, self._response = self._response, None
-            self._close()
-            response._ended(Failure(ResponseFailed([Failure(error)])))
+            self._kill()
+            response._ended(Failure(error))
         else:
-            self._fail(Failure(ResponseFailed([Failure(error)])))
+            self._fail(Failure(error))
 
     def on_message_begin(self) -> None:
         if self.state is not _WAITING and self.state is not _SENDING:
             raise UnsolicitedAnswer("bytes after a complete answer, with no request")
+        self._phrase = b""
         self._headers = Headers()
         self._connection_values = []
         self._length = UNKNOWN_LENGTH
@@ -366,6 +404,8 @@ class H1Connection(Protocol):
         self._phrase += phrase
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if self.state is _BODY:
+            return  # a trailer field: not relayed (its bytes count as framing)
         lower = name.lower()
         if lower in _CONNECTION_CONTROL and not (lower == b"content-length" and self._method == b"HEAD"):
             if lower == b"connection":
@@ -388,12 +428,15 @@ class H1Connection(Protocol):
             return  # an interim answer: skipped (its end starts the next message)
         if self._chunked and b",".join(self._encodings).strip().lower() != b"chunked":
             raise UnrelayableStatus("a transfer-coding other than chunked")  # as twisted.web refuses
+        version = self._parser.get_http_version()
+        if not version.startswith("1."):
+            raise UnrelayableStatus(f"an HTTP version crossbar cannot relay: {version}")
         no_body = self._method == b"HEAD" or code in _NO_BODY_CODES
         if no_body or self._chunked:
             self._length = 0 if no_body else UNKNOWN_LENGTH
         if not self._parser.should_keep_alive() or any(
             b"close" in v.lower() for v in self._connection_values
-        ):
+        ) or (self._chunked and version == "1.0"):  # faulty framing: close after (RFC 9112 §6.1)
             self._close_after = True
         assert self._headers is not None
         response = H1Response(code, phrase, self._headers, self._length, tuple(self._connection_values), self)
@@ -406,6 +449,7 @@ class H1Connection(Protocol):
             result.callback(response)
 
     def on_body(self, data: bytes) -> None:
+        self._body_in_read += len(data)
         response = self._response
         if response is not None:
             response._data(data)
@@ -415,24 +459,30 @@ class H1Connection(Protocol):
             self._complete()
 
     def _complete(self) -> None:
-        """The answer ended as its framing said: reuse the connection or close it."""
+        """The answer ended as its framing said (inside the parser): mark the
+        connection for reuse (:meth:`_reuse`, once the parser returned), close it, or
+        abort it when the request body was not all sent."""
         response, self._response = self._response, None
         unfinished = self._producer is not None  # an answer before the whole body went
-        self._stop_producer()
-        reusable = not self._close_after and not unfinished and self._pool is not None
-        if reusable:
-            if self.paused:  # the reader paused it with the last bytes: read again
-                self.paused = False
-                transport: Any = self.transport
-                transport.resumeProducing()
-            self.state = _IDLE
-            self.reused += 1
-            assert self._pool is not None
-            self._pool.put(self)
-        else:
+        if unfinished:
+            self._kill()  # the host will not read the rest: don't wait to send it
+        elif self._close_after or self._pool is None:
             self._close()
+        else:
+            self.state = _DONE
         if response is not None:
             response._ended(Failure(ResponseDone()))
+
+    def _reuse(self) -> None:
+        """The read that completed the answer had nothing after it: back to the pool."""
+        if self.paused:  # the reader paused it with the last bytes: read again
+            self.paused = False
+            transport: Any = self.transport
+            transport.resumeProducing()
+        self.state = _IDLE
+        self.reused += 1
+        assert self._pool is not None
+        self._pool.put(self)
 
     def _close(self) -> None:
         self.state = _DEAD

@@ -62,7 +62,9 @@ class _Transport(StringTransport):
         self.loseConnection()
 
 
-class H1ClientTests(SynchronousTestCase):
+class _ClientCase(SynchronousTestCase):
+    """The client over a memory reactor; the host's side is what a test feeds in."""
+
     def setUp(self) -> None:
         self.reactor = MemoryReactorClock()
         self.pool = H1Pool(self.reactor, max_per_host=2, idle_seconds=30.0)
@@ -102,6 +104,9 @@ class H1ClientTests(SynchronousTestCase):
         response.deliverBody(collected)
         return response, collected
 
+
+
+class H1ClientTests(_ClientCase):
     # -- what is sent ----------------------------------------------------------------
 
     def test_request_written(self) -> None:
@@ -381,3 +386,126 @@ class H1ClientTests(SynchronousTestCase):
         self.assertEqual(body.chunks, [b"ab"])
         assert body.reason is not None
         body.reason.trap(ResponseFailed)
+
+
+class HostileAnswerTests(_ClientCase):
+    """Answers found by attacking the client with hostile hosts (the loopback versions
+    run through the whole proxy in tests/test_hostile_hosts.py)."""
+
+    def test_trailers_dropped_and_connection_reused(self) -> None:
+        response, body = self.exchange(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+                                       b"5\r\nhello\r\n0\r\nX-Trailer: 1\r\nConnection: close\r\n\r\n")
+        self.assertEqual(body.chunks, [b"hello"])
+        assert body.reason is not None
+        body.reason.trap(ResponseDone)
+        self.assertFalse(response.headers.hasHeader(b"x-trailer"))
+        self.assertEqual(response.upstream_connection, ())
+        self.request()
+        self.assertEqual(len(self.reactor.tcpClients), 1)  # reused: a trailer is not a head
+
+    def test_endless_trailers_are_a_broken_answer(self) -> None:
+        """Trailer fields were kept without limit (1 GB in 6 s): now more than 64 KiB
+        of framing or trailers with no body byte between them ends the answer."""
+        _, body = self.exchange(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", b"5\r\nhello\r\n0\r\n")
+        connection, transport = self._connected[-1]
+        line = b"".join(b"X-T%d: %s\r\n" % (i, b"v" * 100) for i in range(100))  # ~11 KiB
+        for _ in range(6):
+            connection.dataReceived(line)
+        self.assertIsNone(body.reason)  # 66 KiB: still under the limit... until the next read
+        connection.dataReceived(line)
+        assert body.reason is not None
+        body.reason.trap(ResponseFailed)
+        self.assertIn("trailers over 65536 bytes", str(body.reason.value.reasons[0].value))
+        self.assertTrue(transport.aborted)
+        self.assertEqual(body.chunks, [b"hello"])
+
+    def test_one_endless_trailer_line_is_a_broken_answer(self) -> None:
+        _, body = self.exchange(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n", b"1\r\nx\r\n0\r\nX-T: ")
+        connection, transport = self._connected[-1]
+        for _ in range(20):
+            connection.dataReceived(b"v" * 4096)
+        assert body.reason is not None
+        body.reason.trap(ResponseFailed)
+        self.assertTrue(transport.aborted)
+
+    def test_long_chunked_stream_is_not_framing(self) -> None:
+        """A stream's framing adds up over its life; only framing with no body between
+        counts against the limit."""
+        _, body = self.exchange(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        connection, _ = self._connected[-1]
+        for _ in range(20_000):
+            connection.dataReceived(b"3\r\nabc\r\n")
+        connection.dataReceived(b"0\r\n\r\n")
+        assert body.reason is not None
+        body.reason.trap(ResponseDone)
+
+    def test_bytes_after_an_answer_never_answer_the_next_request(self) -> None:
+        """The body's end dispatches a waiting request at once (a queue): the connection
+        must not be taken while the rest of the read is still being parsed, or the
+        stray bytes become the next request's answer (a 502, or another client's
+        bytes in its status line)."""
+        d = self.request()
+        connection, transport = self.connect()
+        connection.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n")
+        response = self.successResultOf(d)
+        taken: list[Deferred[IResponse]] = []
+
+        class DispatchOnEnd(_Body):
+            def connectionLost(inner, reason: Failure = Failure(ConnectionDone())) -> None:
+                super().connectionLost(reason)
+                taken.append(self.request())  # the queued request, dispatched in the end's call
+
+        body = DispatchOnEnd()
+        response.deliverBody(body)
+        connection.dataReceived(b"hello" + b"HTTP/1.1 299 INJECTED\r\nContent-Length: 4\r\n\r\nevil")
+        self.assertEqual(b"".join(body.chunks), b"hello")
+        assert body.reason is not None
+        body.reason.trap(ResponseDone)
+        self.assertTrue(transport.aborted)  # the stray answer dropped the connection
+        self.assertEqual(len(self.reactor.tcpClients), 2)  # the next request got a fresh one
+        self.assertNoResult(taken[0])
+        fresh, _ = self.connect()
+        fresh.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        answer = self.successResultOf(taken[0])
+        self.assertEqual((answer.code, answer.phrase), (200, b"OK"))
+
+    def test_answer_before_the_upload_ended_aborts(self) -> None:
+        """The host answered without reading the body: closing politely would wait
+        forever to send the rest (a socket leaked per request)."""
+        d = self.request(body=b"a" * (BytesProducer.SLICE * 4))
+        connection, transport = self.connect(full=True)
+        connection.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello")
+        response = self.successResultOf(d)
+        body = _Body()
+        response.deliverBody(body)
+        self.assertEqual(body.chunks, [b"hello"])
+        assert body.reason is not None
+        body.reason.trap(ResponseDone)
+        self.assertTrue(transport.aborted)
+        self.assertIsNone(transport.producer)
+
+    def test_http10_chunked_answer_is_not_pooled(self) -> None:
+        self.exchange(b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\nTransfer-Encoding: chunked\r\n\r\n",
+                      b"5\r\nhello\r\n0\r\n\r\n")
+        _, transport = self._connected[-1]
+        self.assertTrue(transport.disconnecting)
+        self.request()
+        self.assertEqual(len(self.reactor.tcpClients), 2)
+
+    def test_space_before_a_chunk_extension(self) -> None:
+        _, body = self.exchange(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+                                b"5 ;a=b\r\nhello\r\n0\r\n\r\n")
+        self.assertEqual(body.chunks, [b"hello"])
+        assert body.reason is not None
+        body.reason.trap(ResponseDone)
+
+    def test_not_http_1(self) -> None:
+        for status_line in (b"RTSP/1.0 200 OK", b"ICE/1.0 200 OK", b"HTTP/2.0 200 OK", b"HTTP/0.9 200 OK"):
+            d = self.request()
+            connection, transport = self.connect()
+            for byte in range(0, 3):  # the name split over reads
+                connection.dataReceived(status_line[byte:byte + 1])
+            connection.dataReceived(status_line[3:] + b"\r\nContent-Length: 2\r\n\r\nok")
+            failure = self.failureResultOf(d, ResponseFailed)
+            self.assertIn("HTTP", str(failure.value.reasons[0].value), status_line)
+            self.assertTrue(transport.aborted, status_line)

@@ -16,8 +16,9 @@ import json
 import time
 from typing import Any, Callable
 
-from twisted.internet import reactor
+from twisted.internet import reactor, tcp
 from twisted.internet.defer import Deferred, ensureDeferred
+from twisted.internet.task import deferLater
 from twisted.internet.endpoints import TCP4ServerEndpoint
 from twisted.internet.interfaces import IPushProducer
 from twisted.internet.protocol import Factory, Protocol
@@ -26,7 +27,7 @@ from twisted.trial.unittest import TestCase
 from zope.interface import implementer
 
 from crossbar.service import CrossbarService
-from tests.harness import FakeLlama, listen, port_of, start_routes
+from tests.harness import FakeLlama, listen, port_of, start_crossbar, start_routes
 from tests.logs import LogCapture
 from tests.raw import RawResponse, complete, parse_responses, raw_exchange, request_bytes
 from tests.upstreams import RawHost, RawHostProtocol, Script, serve_raw
@@ -300,3 +301,78 @@ class OddAnswerTests(TestCase):
             await _still_serving(self, setup)
 
         return ensureDeferred(go())
+
+
+class StrayBytesAndEarlyAnswerTests(TestCase):
+    """Found by attacking the client with hostile hosts: bytes after a complete answer
+    reached the next, queued request's answer; an answer before the request body was
+    all sent left the upstream socket open for as long as the host kept it."""
+
+    async def test_bytes_after_an_answer_never_reach_a_waiting_request(self) -> None:
+        watch = LogCapture(self)
+        calls: list[RawHostProtocol] = []
+
+        def script(proto: RawHostProtocol) -> None:
+            calls.append(proto)
+            if len(calls) == 1:  # held, then its answer with a second one glued behind
+                reactor.callLater(0.3, proto.write, b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello"
+                                  b"HTTP/1.1 299 INJECTED\r\nContent-Length: 4\r\n\r\nevil")
+            else:
+                proto.write(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nok2")
+
+        evil = await serve_raw(self, RawHost(script))
+        service, base = await start_crossbar(self, (
+            "health: {interval: 60, timeout: 5}\n"
+            f"hosts:\n  evil: {{url: {evil}, max_inflight: 1}}\n"
+            "routes:\n  r:\n    hosts: [evil]\n    affinity: {key: none}\n"))
+        await service.poller.when_first_round_done()
+        port = port_of(base)
+        ask = request_bytes(b"POST", b"/r/v1/chat/completions",
+                            [(b"Content-Type", b"application/json"), (b"Content-Length", b"%d" % len(_BODY))], _BODY)
+        first = ensureDeferred(raw_exchange(port, ask, timeout=10))
+        while not calls:
+            await deferLater(reactor, 0.01)
+        second = ensureDeferred(raw_exchange(port, ask, timeout=10))
+        while service.runtime.queued("r") == 0:
+            await deferLater(reactor, 0.01)
+        answers = []
+        for d in (first, second):
+            data, _ = await d
+            [answer] = parse_responses(data, at_eof=True)
+            answers.append((answer.status, answer.reason, answer.body))
+        self.assertEqual(answers, [(200, b"OK", b"hello"), (200, b"OK", b"ok2")])
+        status = service.table.get("evil")
+        assert status is not None
+        self.assertTrue(status.healthy)
+        self.assertEqual(watch.errors(), [])
+        self.assertEqual(service.runtime.inflight.host("evil"), 0)
+
+    async def test_answer_before_the_upload_ended_closes_the_upstream_connection(self) -> None:
+        def script(proto: RawHostProtocol) -> None:
+            proto.transport.pauseProducing()  # type: ignore[union-attr]  # never reads the body
+            # answers once crossbar's sending is blocked (socket buffers full), and keeps
+            # the socket open
+            reactor.callLater(0.5, proto.write, b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhello")
+
+        host = RawHost(script)
+        setup_host = await serve_raw(self, host)
+        service, base = await start_routes(self, {"evil": setup_host}, {"r": ["evil"]})
+        body = b'{"model": "tiny-a", "pad": "' + b"p" * (15 * 1024 * 1024) + b'"}'
+        data, _ = await raw_exchange(port_of(base), request_bytes(
+            b"POST", b"/r/v1/chat/completions", [(b"Content-Length", b"%d" % len(body))], body), timeout=10)
+        [answer] = parse_responses(data, at_eof=True)
+        self.assertEqual((answer.status, answer.body), (200, b"hello"))
+        host_port = port_of(setup_host)
+
+        def upstream_sockets() -> list[Any]:
+            """crossbar's sockets to the host still watched by the reactor."""
+            watched = set(reactor.getReaders()) | set(reactor.getWriters())  # type: ignore[attr-defined]
+            return [s for s in watched if isinstance(s, tcp.Client) and s.getPeer().port == host_port]
+
+        deadline = time.monotonic() + 5
+        while upstream_sockets() and time.monotonic() < deadline:
+            await deferLater(reactor, 0.05)
+        # was: kept open, waiting to send the rest of the body, for as long as the host
+        # kept the connection without reading
+        self.assertEqual(upstream_sockets(), [])
+        self.assertEqual(service.runtime.inflight.host("evil"), 0)
