@@ -24,7 +24,8 @@ Failures are Twisted's exception types, so every rule that reads them holds:
   status outside 100-599: ``ResponseFailed`` (rules 7, 9), the connection aborted;
 - a ``Content-Length`` or chunked body cut short: the body protocol's
   ``connectionLost`` gets ``ResponseFailed([reason, BodyTruncated])`` (never
-  ``ResponseDone``); a close-delimited body ends with ``PotentialDataLoss``.
+  ``ResponseDone``); a close-delimited body ends with ``PotentialDataLoss`` when the
+  host closed cleanly, and is cut short like the others when the connection was reset.
 
 Interim ``1xx`` answers are skipped; ``HEAD``, ``204`` and ``304`` answers have no body;
 trailer fields are read and dropped (they were never relayed); more than
@@ -518,8 +519,8 @@ class H1Connection(Protocol):
             self._pool.forget(self)
         response, self._response = self._response, None
         if response is not None:
-            if response.length is UNKNOWN_LENGTH and not self._chunked:
-                response._ended(Failure(PotentialDataLoss()))  # close-delimited: the end
+            if response.length is UNKNOWN_LENGTH and not self._chunked and reason.check(ConnectionDone):
+                response._ended(Failure(PotentialDataLoss()))  # close-delimited: a clean close ends it
             else:
                 response._ended(Failure(ResponseFailed([reason, Failure(BodyTruncated())])))
             return

@@ -224,8 +224,16 @@ class H1ClientTests(_ClientCase):
         reason.trap(ResponseFailed)
 
     def test_close_delimited_body_ends_with_potential_data_loss(self) -> None:
-        reason = self.lost_mid_body(b"HTTP/1.1 200 OK\r\n\r\n", b"all of it")
-        reason.trap(PotentialDataLoss)
+        _, body = self.exchange(b"HTTP/1.1 200 OK\r\n\r\n", b"all of it")
+        connection, _ = self._connected[-1]
+        connection.connectionLost(Failure(ConnectionDone()))
+        assert body.reason is not None
+        body.reason.trap(PotentialDataLoss)
+
+    def test_close_delimited_body_ended_by_a_reset_is_cut_short(self) -> None:
+        """A clean close is the end of such a body; a reset is a host that died."""
+        reason = self.lost_mid_body(b"HTTP/1.1 200 OK\r\n\r\n", b"part of it")
+        reason.trap(ResponseFailed)
 
     # -- connection reuse ------------------------------------------------------------
 

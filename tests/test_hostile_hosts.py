@@ -285,6 +285,28 @@ class OddAnswerTests(TestCase):
 
         return _hostile(_send(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\n", close=True), check)(self)
 
+    def test_answer_without_length_ended_by_a_reset(self) -> object:
+        """The same framing ended by a reset, not a close: a host that died. The
+        client's answer is cut off and the host marked down (rule 7)."""
+
+        def script(proto: RawHostProtocol) -> None:
+            proto.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\npart of it")
+            reactor.callLater(0.2, proto.transport.abortConnection)  # type: ignore[union-attr]
+
+        async def go() -> None:
+            setup = await _setup(self, script)
+            data, how = await raw_exchange(setup.port, request_bytes(
+                b"POST", b"/r/v1/chat/completions", [(b"Content-Length", b"%d" % len(_BODY))], _BODY))
+            self.assertEqual(how, "close")
+            self.assertFalse(complete(data), data)
+            status = setup.service.table.get("evil")
+            assert status is not None
+            self.assertFalse(status.healthy)
+            self.assertIn("mid-answer", status.last_err)
+            await _still_serving(self, setup)
+
+        return ensureDeferred(go())
+
     def test_answer_before_reading_a_large_body(self) -> object:
         """A host that answers ``413`` at once, without reading a 4 MiB request body, and
         closes: the client gets a well-formed answer (the 413 relayed, or a 502), and
