@@ -29,8 +29,10 @@ __all__ = [
     "QueueSettings",
     "Route",
     "Timeouts",
+    "MAX_WORKERS",
     "load_config",
     "parse_config",
+    "read_config_text",
     "usable_cpus",
 ]
 
@@ -223,6 +225,9 @@ class Config:
         usable CPUs, DESIGN.md §Workers).
     :ivar warnings: one line each for settings that load but are probably mistakes (a
         host URL ending in ``/v1``, ``tls.verify: false``); :func:`load_config` logs them.
+    :ivar text: the YAML text this config was parsed from (with ``workers``, the
+        supervisor hands exactly this text to every worker: what it validated, whatever
+        the file says by the time a worker starts).
     """
 
     listen: str
@@ -235,6 +240,11 @@ class Config:
     source: str = "<config>"
     workers: int = 1
     warnings: tuple[str, ...] = field(default=(), compare=False)
+    text: str = field(default="", compare=False, repr=False)
+
+
+MAX_WORKERS = 256
+"""The most ``workers`` a config may ask for (each is a whole crossbar process, ~60 MB)."""
 
 
 def usable_cpus() -> int:
@@ -540,22 +550,20 @@ _ROUTE_KEYS = ("hosts", "default_model", "primary", "queue", "affinity", "keys")
 _PRINTABLE_ASCII = re.compile(r"[\x21-\x7e]+\Z")  # what an HTTP request target may hold
 _URL = re.compile(r"(?P<scheme>https?)://(?P<authority>[^/?#\s]+)(?P<path>/[^?#\s]*)?\Z")
 
-def load_config(path: str, environ: Mapping[str, str] | None = None) -> Config:
+def load_config(path: str, environ: Mapping[str, str] | None = None, text: str | None = None) -> Config:
     """Read, parse and validate the YAML file at ``path``; log its warnings.
 
     ``environ`` (default ``os.environ``) supplies ``${NAME}`` references. Each line of
     :attr:`Config.warnings` is logged once as a warning (namespace ``crossbar``).
+    ``text``, when given, is parsed instead of reading the file (a worker is handed the
+    text its supervisor validated); ``path`` still names the file in messages and
+    anchors relative ``tls`` paths.
 
     :raises ConfigError: for an unreadable file, bad YAML, or any rule of DESIGN.md
         §Configuration broken; its message is one line naming file, key and problem.
     """
-    try:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-    except UnicodeDecodeError as e:
-        raise ConfigError(path, "", f"cannot read: not UTF-8 (byte {e.object[e.start]:#04x} at offset {e.start})") from None
-    except OSError as e:
-        raise ConfigError(path, "", f"cannot read: {e.strerror or e}") from None
+    if text is None:
+        text = read_config_text(path)
     config = parse_config(text, path, environ)
     if config.warnings:
         from twisted.logger import Logger  # here: config itself stays light to import
@@ -564,6 +572,20 @@ def load_config(path: str, environ: Mapping[str, str] | None = None) -> Config:
         for line in config.warnings:
             log.warn("{warning}", warning=line)
     return config
+
+
+def read_config_text(path: str) -> str:
+    """The text of the config file at ``path``.
+
+    :raises ConfigError: the file cannot be read, or is not UTF-8 (one line).
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as e:
+        raise ConfigError(path, "", f"cannot read: not UTF-8 (byte {e.object[e.start]:#04x} at offset {e.start})") from None
+    except OSError as e:
+        raise ConfigError(path, "", f"cannot read: {e.strerror or e}") from None
 
 
 def parse_config(text: str, path: str = "<config>", environ: Mapping[str, str] | None = None) -> Config:
@@ -635,13 +657,14 @@ def parse_config(text: str, path: str = "<config>", environ: Mapping[str, str] |
         source=path,
         workers=workers,
         warnings=tuple(c.warnings),
+        text=text,
     )
 
 
 def _workers(c: _Checker, raw: Any) -> int:
     """``workers: N | auto`` (DESIGN.md §Workers); ``auto`` -> :func:`usable_cpus`."""
     if isinstance(raw, str) and c.expand("workers", raw).strip().lower() == "auto":
-        return usable_cpus()
+        return min(usable_cpus(), MAX_WORKERS)
     if raw is None or isinstance(raw, (bool, list, dict)):
         raise c.fail("workers", f"must be a whole number or auto, not {_kind(raw)}")
     if isinstance(raw, str):
@@ -650,7 +673,10 @@ def _workers(c: _Checker, raw: Any) -> int:
             int(text)
         except ValueError:
             raise c.fail("workers", f"must be a whole number or auto, not {c.show(raw, text)}") from None
-    return c.count("workers", raw)
+    workers = c.count("workers", raw)
+    if workers > MAX_WORKERS:
+        raise c.fail("workers", f"must be at most {MAX_WORKERS}, not {workers}")
+    return workers
 
 
 def _hosts(c: _Checker, raw: Any) -> dict[str, Host]:

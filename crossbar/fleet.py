@@ -12,10 +12,10 @@ the last slot at the same moment).
 
 from __future__ import annotations
 
-from crossbar.config import Config
-from crossbar.shared import SharedCounts, cell_map
+from crossbar.config import Config, ConfigError
+from crossbar.shared import CELLS, SharedCounts, cell_map
 
-__all__ = ["AFFINITY_OUTCOMES", "RESTARTS", "Fleet"]
+__all__ = ["AFFINITY_OUTCOMES", "RESTARTS", "Fleet", "check_capacity"]
 
 AFFINITY_OUTCOMES = ("home", "spill", "none")
 RESTARTS = "restarts"
@@ -31,6 +31,18 @@ def _names(config: Config) -> list[str]:
         names += [f"a\0{route.name}\0{o}" for o in AFFINITY_OUTCOMES]
         names += [f"k\0{route.name}\0{key}" for key in route.keys]
     return names
+
+
+def check_capacity(config: Config) -> None:
+    """With workers, every count of ``config`` needs a shared cell.
+
+    :raises ConfigError: more counts (hosts, routes x their hosts, queues, affinity
+        outcomes, client keys) than :data:`~crossbar.shared.CELLS`.
+    """
+    needed = len(set(_names(config)))
+    if needed > CELLS:
+        raise ConfigError(config.source, "workers", f"this config needs {needed} shared counters and workers "
+                          f"have {CELLS}: list fewer hosts per route (or fewer routes or keys), or use workers: 1")
 
 
 class Fleet:
@@ -101,6 +113,12 @@ class Fleet:
     def affinity(self, route: str, outcome: str) -> int:
         """Requests of ``route`` dispatched with ``outcome`` by every worker."""
         return self._total(f"a\0{route}\0{outcome}")
+
+    def affinity_of_row(self, route: str, outcome: str, row: int) -> int:
+        """What the process of ``row`` published for ``route`` and ``outcome`` (the
+        supervisor keeps a dead worker's share of this counter)."""
+        cell = self._cells.get(f"a\0{route}\0{outcome}")
+        return self.shared.get(cell, row) if cell is not None else 0
 
     def publish_key(self, route: str, key: str, count: int) -> None:
         """This worker has ``count`` requests of client key ``key`` on ``route`` in

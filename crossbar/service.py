@@ -283,8 +283,9 @@ class CrossbarService(MultiService):
         if self._handle_signals:
             catch_second_stop_signal(self.reactor, self.hurry)
 
-    def reload(self) -> bool:
-        """Re-read and validate the config file (SIGHUP, DESIGN.md §Operations).
+    def reload(self, text: str | None = None) -> bool:
+        """Re-read and validate the config file (SIGHUP, DESIGN.md §Operations); with
+        ``text``, validate that instead (a worker: the text its supervisor validated).
 
         An invalid file is logged and the running config kept (returns False). A valid
         one is swapped in with one assignment (returns True). In-flight requests finish
@@ -296,7 +297,7 @@ class CrossbarService(MultiService):
         old = self.runtime.config
         path = old.source
         try:
-            new = load_config(path)
+            new = load_config(path, text=text)
         except ConfigError as e:
             self._log.error("reload refused, keeping the running config: {error}", error=str(e))
             return False

@@ -73,10 +73,16 @@ class SharedCounts:
 
     @staticmethod
     def create(path: str, rows: int) -> None:
-        """Create (or clear) the file at ``path`` for ``rows`` processes, all zero."""
+        """Create (or clear) the file at ``path`` for ``rows`` processes, all zero, its
+        disk space allocated.
+
+        :raises OSError: the file cannot be made (e.g. ``ENOSPC``)."""
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.ftruncate(fd, rows * CELLS * _CELL)
+            # The blocks are taken now: a sparse file's first write to a page of the map
+            # on a full disk is a SIGBUS in every worker, not an error at start-up.
+            os.posix_fallocate(fd, 0, rows * CELLS * _CELL)
         finally:
             os.close(fd)
 

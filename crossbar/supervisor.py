@@ -10,14 +10,18 @@ supervises:
 - SIGTERM drains every worker at once (each runs its own drain: readiness 503,
   ``drain.delay``, ``drain.grace``); a second SIGTERM or Ctrl-C ends every drain now;
 - SIGHUP re-reads the config: an invalid file is logged and nothing changes, a valid
-  one is reloaded by every worker;
+  one is written to a snapshot and reloaded from it by every worker. Workers only ever
+  load the snapshot (the text the supervisor validated last): one restarted later runs
+  what the others run, whatever the file says by then;
 - under systemd, ``READY=1`` once every worker is ready, ``WATCHDOG=1`` from this
   process's reactor, ``STOPPING=1`` when the drain starts: one voice for the set.
 
 Why one socket handed down rather than ``SO_REUSEPORT``: the supervisor keeps the
-only listening socket, so ``systemd:`` socket activation, ``unix:`` sockets and ports
-below 1024 (opened before twistd drops privileges) work for workers too, and a worker
-that dies loses no queued connections (the socket's backlog belongs to everyone).
+only listening socket, so ``systemd:`` socket activation and ports below 1024 (opened
+before twistd drops privileges) work for workers too, and a worker that dies loses no
+queued connections (the socket's backlog belongs to everyone). A unix socket is refused
+with workers: Twisted's unix port of a worker that stops unlinks the socket's path and
+shuts the shared socket down for every worker.
 
 Every worker polls every host itself: the poll load is N x 2 requests per host per
 ``health.interval``. Workers' log lines come to this process as JSON on their standard
@@ -31,6 +35,8 @@ import os
 import shutil
 import sys
 import tempfile
+from collections import Counter
+from dataclasses import replace
 from typing import Any, Mapping
 
 from twisted.application.service import MultiService
@@ -41,7 +47,7 @@ from twisted.logger import Logger, LogLevel, InvalidLogLevelError
 from twisted.python.failure import Failure
 
 from crossbar.config import Config, ConfigError, load_config
-from crossbar.fleet import Fleet
+from crossbar.fleet import AFFINITY_OUTCOMES, Fleet, check_capacity
 from crossbar.reload import SIGHUPReload, catch_second_stop_signal
 from crossbar.shared import SharedCounts
 from crossbar.systemd import Notifier, SystemdNotifier, watchdog_interval
@@ -90,6 +96,11 @@ def relay_log_line(line: bytes, worker: int) -> None:
         level = LogLevel.info
     namespace = str(doc.pop("namespace", "") or "crossbar.worker")
     message = str(doc.pop("message", ""))
+    # The worker's traceback (a string): into the message, so the text log shows it; never
+    # as a "failure" field, which legacy observers take for a Failure object.
+    failure = doc.pop("failure", None)
+    if isinstance(failure, str) and failure and failure not in message:
+        message = f"{message}\n{failure.rstrip()}"
     doc.pop("time", None)  # the time it is relayed, within milliseconds
     doc.pop("system", None)
     fields = {k: v for k, v in doc.items() if isinstance(k, str) and not k.startswith("log_") and k != "format"}
@@ -136,6 +147,7 @@ class WorkerProcess(ProcessProtocol):
 
     def processEnded(self, reason: Failure) -> None:
         self.ended = True
+        self.ready = False
         self.supervisor.worker_ended(self, reason)
 
 
@@ -152,8 +164,10 @@ class Supervisor(MultiService):
         (``twistd --logger crossbar.jsonlog.observer``, as the systemd unit does): the
         workers then write theirs to the same output directly, and nothing is relayed
         (relaying costs the supervisor ~80 µs of CPU per request).
-    :raises ConfigError: ``listen`` is not a valid endpoint, or is ``ssl:`` (a worker
-        adopts a plain socket: terminate TLS in front of crossbar, or run one worker).
+    :raises ConfigError: ``listen`` is not a valid endpoint, is ``ssl:`` (a worker
+        adopts a plain socket: terminate TLS in front of crossbar, or run one worker)
+        or a unix socket (see the module doc), or the config needs more shared
+        counters than workers have (:func:`~crossbar.fleet.check_capacity`).
     """
 
     def __init__(
@@ -164,9 +178,14 @@ class Supervisor(MultiService):
         self.log_through = log_through
         from crossbar.service import listen_endpoint
 
-        if config.listen.split(":", 1)[0].lower() == "ssl":
+        kind = config.listen.split(":", 1)[0].lower()
+        if kind == "ssl":
             raise ConfigError(config.source, "workers",
                               "an ssl: listener needs workers: 1 (or TLS terminated in front of crossbar)")
+        if kind == "unix" or (kind == "systemd" and "domain=unix" in config.listen.lower()):
+            raise ConfigError(config.source, "workers",
+                              "a unix socket listener needs workers: 1 (or a tcp: listener for workers)")
+        check_capacity(config)
         self.config = config
         self.reactor = reactor
         self.count = config.workers
@@ -179,6 +198,8 @@ class Supervisor(MultiService):
         # open (startService): a start-up that fails leaves nothing behind.
         self.directory = ""
         self._shared_path = ""
+        self._snapshot_path = ""
+        self._folded: Counter[tuple[str, str]] = Counter()  # dead workers' affinity counts
         self.metrics_directory = ""
         self.fleet: Fleet | None = None
         self.web = ListenService(listen_endpoint(reactor, config), ListenerHolder())
@@ -205,14 +226,33 @@ class Supervisor(MultiService):
         port = self.web.port
         assert port is not None, "the listener opens in privilegedStartService/startService"
         self.directory = tempfile.mkdtemp(prefix="crossbar-workers-")
-        self._shared_path = os.path.join(self.directory, "counts")
-        SharedCounts.create(self._shared_path, self.count + 1)
-        self.fleet = Fleet(SharedCounts(self._shared_path, self.count + 1, self.count), self.config)
-        self.metrics_directory = os.path.join(self.directory, "metrics")
-        os.mkdir(self.metrics_directory)
+        try:
+            self._shared_path = os.path.join(self.directory, "counts")
+            SharedCounts.create(self._shared_path, self.count + 1)
+            self.fleet = Fleet(SharedCounts(self._shared_path, self.count + 1, self.count), self.config)
+            self.metrics_directory = os.path.join(self.directory, "metrics")
+            os.mkdir(self.metrics_directory)
+            self._snapshot_path = os.path.join(self.directory, "config.yaml")
+            self._write_snapshot(self.config)
+        except OSError as e:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            raise ConfigError(self.config.source, "workers",
+                              f"cannot make the workers' shared files in {self.directory}: {e.strerror or e}") from None
         _stop_accepting(port)
         for index in range(self.count):
             self._spawn(index)
+
+    def _write_snapshot(self, config: Config) -> None:
+        """Make ``config``'s text the one workers load (replaced atomically).
+
+        :raises OSError: it cannot be written."""
+        if not self._snapshot_path:
+            return  # not started: workers are given the snapshot when it starts
+        temporary = self._snapshot_path + ".new"
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(config.text)
+        os.replace(temporary, self._snapshot_path)
 
     def _spawn(self, index: int) -> None:
         port = self.web.port
@@ -220,19 +260,34 @@ class Supervisor(MultiService):
             return
         process = WorkerProcess(self, index)
         process.started_at = self.reactor.seconds()
-        self.workers[index] = process
         env = dict(os.environ)
         env.pop("NOTIFY_SOCKET", None)  # the supervisor speaks for the set
         env["PROMETHEUS_MULTIPROC_DIR"] = self.metrics_directory
         argv = [
-            sys.executable, "-m", "crossbar.worker", "--config", os.path.abspath(self.config.source),
+            sys.executable, "-m", "crossbar.worker", "--config", self.config.source,
+            "--snapshot", self._snapshot_path,
             "--row", str(index), "--rows", str(self.count + 1), "--shared", self._shared_path,
         ]
-        self.reactor.spawnProcess(
-            process, sys.executable, argv, env=env,
-            childFDs={0: "w", 1: 1 if self.log_through else "r", 2: "r", 3: port.fileno(), 4: "r"},  # type: ignore[attr-defined]
-        )
+        try:
+            self.reactor.spawnProcess(
+                process, sys.executable, argv, env=env,
+                childFDs={0: "w", 1: 1 if self.log_through else "r", 2: "r", 3: port.fileno(), 4: "r"},  # type: ignore[attr-defined]
+            )
+        except Exception as e:  # e.g. the interpreter gone after an upgrade, no file descriptors left
+            self.workers[index] = None
+            delay = self._backoff(index, young=True)
+            _log.error("worker {worker} could not be started ({error}); trying again in {delay}s",
+                       worker=index, error=f"{type(e).__name__}: {e}", delay=delay)
+            self.reactor.callLater(delay, self._spawn, index)
+            return
+        self.workers[index] = process
         _log.info("worker {worker} started (pid {pid})", worker=index, pid=process.transport.pid)  # type: ignore[union-attr]
+
+    def _backoff(self, index: int, young: bool) -> float:
+        """Seconds before worker ``index`` is started again: 0 after a long life, then
+        0.5, 1, 2 ... up to 30 for one that keeps dying young."""
+        self._young_deaths[index] = self._young_deaths[index] + 1 if young else 0
+        return min(_MAX_BACKOFF, 0.5 * 2 ** (self._young_deaths[index] - 1)) if young else 0.0
 
     def worker_ready(self, process: WorkerProcess) -> None:
         """A worker listens and has polled every host once."""
@@ -247,21 +302,31 @@ class Supervisor(MultiService):
         """A worker exited: counted and restarted unless crossbar is stopping."""
         index = process.index
         if self.fleet is not None:
-            self.fleet.shared.clear_row(index)  # nothing of it is in flight any more
+            # Its affinity counts are counters: this process keeps them (they must never
+            # go down); the rest of its row (in flight, waiting) is gone with it.
+            for name in self.config.routes:
+                for outcome in AFFINITY_OUTCOMES:
+                    self._folded[(name, outcome)] += self.fleet.affinity_of_row(name, outcome, index)
+            self.fleet.shared.clear_row(index)
+            self._publish_own()
         self._all_ended.check()
         if self.systemd is not None:
             self.systemd.health_changed()
         if self._stopping or self.workers[index] is not process:
             return
         self.restarts += 1
-        if self.fleet is not None:
-            self.fleet.publish_restarts(self.restarts)
-        young = self.reactor.seconds() - process.started_at < _YOUNG
-        self._young_deaths[index] = self._young_deaths[index] + 1 if young else 0
-        delay = min(_MAX_BACKOFF, 0.5 * 2 ** (self._young_deaths[index] - 1)) if young else 0.0
+        self._publish_own()
+        delay = self._backoff(index, young=self.reactor.seconds() - process.started_at < _YOUNG)
         _log.warn("worker {worker} died ({reason}); restarting it in {delay}s (restarts: {restarts})",
                   worker=index, reason=reason.getErrorMessage(), delay=delay, restarts=self.restarts)
         self.reactor.callLater(delay, self._spawn, index)
+
+    def _publish_own(self) -> None:
+        """This process's row: restarts, and the affinity counts of dead workers."""
+        if self.fleet is not None:
+            self.fleet.publish_restarts(self.restarts)
+            for (name, outcome), count in self._folded.items():
+                self.fleet.publish_affinity(name, outcome, count)
 
     # -- stop --------------------------------------------------------------------------
 
@@ -324,6 +389,11 @@ class Supervisor(MultiService):
         except ConfigError as e:
             _log.error("reload refused, keeping the running config: {error}", error=str(e))
             return False
+        try:
+            check_capacity(replace(new, workers=self.count))
+        except ConfigError as e:
+            _log.error("reload refused, keeping the running config: {error}", error=str(e))
+            return False
         if new.workers != self.count:
             _log.warn("reload: workers changed from {old} to {new}; a restart is needed to apply it",
                       old=self.count, new=new.workers)
@@ -336,10 +406,17 @@ class Supervisor(MultiService):
                 _log.error("reload refused, keeping the running config: {error}", error=str(e))
                 return False
             _log.warn("reload: listen changed; a restart is needed to apply it")
-        self.config = new
+        try:
+            self._write_snapshot(new)
+        except OSError as e:
+            _log.error("reload refused, keeping the running config: cannot write the workers' snapshot: {error}",
+                       error=e.strerror or str(e))
+            return False
+        # What a restart would apply stays as running (as a worker's reload keeps listen).
+        self.config = replace(new, listen=self.config.listen, workers=self.count)
         if self.fleet is not None:
-            self.fleet.configure(new)
-            self.fleet.publish_restarts(self.restarts)
+            self.fleet.configure(self.config)
+            self._publish_own()
         for process in self.workers:
             if process is not None:
                 process.send("reload")

@@ -1,12 +1,18 @@
 """One worker process of a crossbar with ``workers: N`` (DESIGN.md §Workers).
 
 The supervisor (:mod:`crossbar.supervisor`) starts each worker as
-``python -m crossbar.worker --config FILE --row I --rows N+1 --shared PATH`` with:
+``python -m crossbar.worker --config FILE --snapshot SNAPSHOT --row I --rows N+1
+--shared PATH`` with:
+
+- ``SNAPSHOT``: the config text the supervisor validated last (``FILE`` only names it
+  in messages and anchors relative ``tls`` paths): a worker started or reloaded later
+  runs what the supervisor accepted, never a file edited since without a SIGHUP;
 
 - fd 3: the listening socket the supervisor opened (the worker adopts it with
   ``reactor.adoptStreamPort``: every worker accepts on the same socket);
 - fd 0: commands from the supervisor, one per line: ``drain`` (SIGTERM's drain),
-  ``hurry`` (a second signal: end the drain now), ``reload`` (SIGHUP). End of file
+  ``hurry`` (a second signal: end the drain now), ``reload`` (SIGHUP: load the
+  snapshot again). End of file
   (the supervisor is gone) drains too;
 - fd 1: its log, one JSON object per line (:mod:`crossbar.jsonlog`) with a ``worker``
   field: the supervisor's own standard output when it logs JSON there too (written
@@ -17,7 +23,7 @@ The supervisor (:mod:`crossbar.supervisor`) starts each worker as
 Signals sent to a worker itself: SIGTERM or SIGINT drain it (the same drain as the
 ``drain`` command: both together are one drain, as under systemd's
 ``KillMode=control-group``; only ``hurry`` ends a drain early); SIGHUP reloads this
-worker alone.
+worker alone (from the snapshot too).
 
 Each worker is a whole :class:`~crossbar.service.CrossbarService` (poller, proxy,
 operations) whose counts are published to, and read from, the shared counters
@@ -114,7 +120,8 @@ class _Commands:
 def main(argv: list[str] | None = None) -> None:
     """Run one worker until it is told to drain (see the module docstring)."""
     parser = argparse.ArgumentParser(prog="python -m crossbar.worker", description=__doc__.split("\n")[0])
-    parser.add_argument("--config", required=True)
+    parser.add_argument("--config", required=True, help="the config file's path (messages, relative tls paths)")
+    parser.add_argument("--snapshot", required=True, help="the config text the supervisor validated")
     parser.add_argument("--row", type=int, required=True, help="this worker's row in the shared counters")
     parser.add_argument("--rows", type=int, required=True, help="rows in the shared counters")
     parser.add_argument("--shared", required=True, help="the shared counters' file")
@@ -136,18 +143,18 @@ def main(argv: list[str] | None = None) -> None:
 
     reactor: Any = global_reactor  # the running reactor: posix, with threads and signals
 
-    from crossbar.config import ConfigError, load_config
+    from crossbar.config import ConfigError, load_config, read_config_text
     from crossbar.fleet import Fleet
     from crossbar.reload import SIGHUPReload
     from crossbar.service import CrossbarService
     from crossbar.shared import SharedCounts
 
     try:
-        config = load_config(args.config)
-    except ConfigError as e:
+        config = load_config(args.config, text=read_config_text(args.snapshot))
+        fleet = Fleet(SharedCounts(args.shared, args.rows, args.row), config)
+    except (ConfigError, OSError, ValueError) as e:
         _log.critical("worker cannot start: {error}", error=str(e))
         raise SystemExit(1) from None
-    fleet = Fleet(SharedCounts(args.shared, args.rows, args.row), config)
     # Signals are the worker's own (not the service's): SIGTERM/SIGINT are the drain,
     # never the "second signal" that ends it (only the supervisor's ``hurry`` does), so
     # systemd's KillMode=control-group (SIGTERM to every process) plus the supervisor's
@@ -155,7 +162,16 @@ def main(argv: list[str] | None = None) -> None:
     service = CrossbarService(
         config, reactor, environ={}, handle_signals=False, listen=AdoptedEndpoint(reactor, LISTEN_FD), fleet=fleet,
     )
-    SIGHUPReload(service.reload, reactor).setServiceParent(service)
+
+    def reload() -> bool:
+        try:
+            text = read_config_text(args.snapshot)
+        except ConfigError as e:
+            _log.error("reload refused, keeping the running config: {error}", error=str(e))
+            return False
+        return service.reload(text=text)
+
+    SIGHUPReload(reload, reactor).setServiceParent(service)
 
     def drain() -> None:
         try:
@@ -169,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
         elif name == "hurry":
             service.hurry()
         elif name == "reload":
-            service.reload()
+            reload()
         elif name:
             _log.warn("unknown supervisor command {command!r}", command=name)
 
@@ -185,7 +201,16 @@ def main(argv: list[str] | None = None) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, on_signal)
     reactor.addReader(_Commands(0, command))
-    reactor.callWhenRunning(service.startService)
+    def start() -> None:
+        try:
+            service.startService()
+        except Exception:
+            # A worker that cannot listen or start serves nobody: exit, and the
+            # supervisor starts another (with a back-off if this keeps happening).
+            _log.failure("worker cannot start")
+            os._exit(1)
+
+    reactor.callWhenRunning(start)
     reactor.callWhenRunning(lambda: service.when_ready().addCallbacks(ready, lambda f: None))
     reactor.addSystemEventTrigger("before", "shutdown", service.stopService)
     reactor.run(installSignalHandlers=False)

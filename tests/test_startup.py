@@ -306,6 +306,31 @@ class GoodConfigTests(_TwistdCase):
             self.assertNotEqual(s.connect_ex(("127.0.0.1", port)), 0)
 
 
+    def test_relative_config_path_with_rundir_and_workers(self) -> None:
+        """``--config rd.yaml`` from the config's directory with ``--rundir=/``: twistd
+        changes directory after reading it, and the workers (which read the config
+        later) and a SIGHUP must still find the same file."""
+        port = free_port()
+        self.write("rd.yaml", "workers: 2\n" + GOOD.format(port=port, upstream=free_port()))
+        proc = self.spawn("rd.yaml", ("-n", "--pidfile=", "--rundir=/"))
+        url = f"http://127.0.0.1:{port}/_crossbar/livez"
+        deadline = time.monotonic() + START_TIMEOUT
+        status = None
+        while status is None and time.monotonic() < deadline and proc.poll() is None:
+            try:
+                status = self.get(url)  # a worker answers: it found the config
+            except OSError:
+                time.sleep(0.1)
+        self.assertEqual(status, 200)
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=STOP_TIMEOUT)
+        self.assertNotIn("cannot read", out + err)
+        self.assertNotIn("reload refused", out + err)
+        self.assertEqual(out.count("reloaded"), 2, out)  # both workers reloaded
+
+
 class _Failing(Service):
     def __init__(self, error: Exception, privileged: bool = False) -> None:
         self.error = error

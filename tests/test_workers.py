@@ -16,6 +16,7 @@ import signal
 import socket
 import struct
 import tempfile
+from dataclasses import replace
 from typing import Any
 
 import treq
@@ -23,7 +24,10 @@ from openai import OpenAI
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred, DeferredList, ensureDeferred
 from twisted.internet.interfaces import IReadDescriptor
+from twisted.internet.error import ProcessTerminated
 from twisted.internet.task import deferLater
+from twisted.internet.testing import MemoryReactorClock
+from twisted.python.failure import Failure
 from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.client import Agent, HTTPConnectionPool
@@ -31,8 +35,8 @@ from twisted.web.server import NOT_DONE_YET, Request
 from treq.client import HTTPClient
 from zope.interface import implementer
 
-from crossbar.config import parse_config, usable_cpus
-from crossbar.supervisor import relay_log_line
+from crossbar.config import MAX_WORKERS, ConfigError, load_config, parse_config, usable_cpus
+from crossbar.supervisor import Supervisor, relay_log_line
 from tests.harness import FakeLlama, listen, wait_for
 from tests.process import ClientStream, Twistd, start_twistd
 
@@ -655,6 +659,55 @@ class SignalTests(TestCase):
             self.assertEqual(response.code, 200)
             await treq.content(response)
 
+    async def test_a_restarted_worker_runs_what_the_supervisor_validated(self) -> None:
+        """The file edited without a SIGHUP (here: broken) is not what a restarted
+        worker runs: it loads the supervisor's snapshot, as its sibling does."""
+        upstream = FakeLlama()
+        url = await listen(self, upstream)
+        proc = await start_workers(self, host_yaml(url))
+        with open(proc.config_path, "a") as f:
+            f.write("bogus: 1\n")
+        pid = worker_pids(proc)[0]
+        os.kill(pid, signal.SIGKILL)
+        await proc.line(lambda line: "worker 0 died" in line)
+        await wait_for(lambda: len([line for line in proc.out if '"message": "worker 0 is ready"' in line]) >= 2,
+                       20, "worker 0 ready again")
+        self.assertFalse(any("cannot start" in line for line in proc.out), proc.text())
+        http = fresh(self)
+        before = len(served(proc))
+        sent = 0
+        while sent < 8 or (sent < 80 and {e["worker"] for e in served(proc)[before:]} != {0, 1}):
+            response = await http.post(proc.base + "/r/v1/chat/completions", json={"model": "tiny-a", "messages": []})
+            self.assertEqual(response.code, 200)
+            await treq.content(response)
+            sent += 1
+            await wait_for(lambda: len(served(proc)) >= before + sent, 10, "its log line")
+        self.assertEqual({e["worker"] for e in served(proc)[before:]}, {0, 1})
+
+    async def test_affinity_counts_never_go_down_when_a_worker_dies(self) -> None:
+        upstream = FakeLlama()
+        url = await listen(self, upstream)
+        proc = await start_workers(self, host_yaml(url))
+        http = fresh(self)
+        for _ in range(12):
+            response = await http.post(proc.base + "/r/v1/chat/completions", json={"model": "tiny-a", "messages": []})
+            await treq.content(response)
+        await wait_for(lambda: len(served(proc)) >= 12, 10, "12 log lines")
+
+        async def counted() -> float:
+            response = await http.get(proc.base + "/_crossbar/metrics")
+            return metric((await treq.content(response)).decode(), "crossbar_affinity_total", route="r", outcome="none")
+
+        self.assertEqual(await counted(), 12)
+        for index in (0, 1):
+            os.kill(worker_pids(proc)[index], signal.SIGKILL)
+            await proc.line(lambda line, index=index: f"worker {index} died" in line)
+            self.assertEqual(await counted(), 12)  # the other worker answers: still 12
+            await wait_for(lambda index=index: len([line for line in proc.out
+                                                    if f'"message": "worker {index} is ready"' in line]) >= 2,
+                           20, f"worker {index} ready again")
+        self.assertEqual(await counted(), 12)
+
     async def test_killed_worker_is_restarted_counted_and_its_inflight_cleared(self) -> None:
         _, held, url = await held_host(self)
         proc = await start_workers(self, host_yaml(url))
@@ -795,7 +848,113 @@ class SystemdTests(TestCase):
 class ConfigTests(SynchronousTestCase):
     def test_auto_is_usable_cpus(self) -> None:
         config = parse_config("listen: tcp:0\nworkers: auto\nhosts: {a: 'http://h:1'}\nroutes: {r: {hosts: [a]}}\n")
-        self.assertEqual(config.workers, usable_cpus())
+        self.assertEqual(config.workers, min(usable_cpus(), MAX_WORKERS))
+
+    def test_at_most_max_workers(self) -> None:
+        for value in (str(MAX_WORKERS + 1), "99999999999999999999"):
+            with self.assertRaises(ConfigError) as caught:
+                parse_config(f"listen: tcp:0\nworkers: {value}\nhosts: {{a: 'http://h:1'}}\nroutes: {{r: {{hosts: [a]}}}}\n")
+            self.assertIn(f"workers: must be at most {MAX_WORKERS}", str(caught.exception))
+
+
+class SupervisorRuleTests(SynchronousTestCase):
+    """The supervisor's refusals and its restarts, over a memory reactor."""
+
+    def config(self, text: str = "") -> Any:
+        path = self.mktemp()
+        body = text or "listen: tcp:0\nworkers: 2\nhosts: {a: 'http://h:1'}\nroutes: {r: {hosts: [a]}}\n"
+        with open(path, "w") as f:
+            f.write(body)
+        return load_config(path)
+
+    def test_unix_listener_refused(self) -> None:
+        for listen_at in ("unix:/tmp/crossbar-x.sock", "systemd:domain=UNIX:index=0"):
+            config = replace(self.config(), listen=listen_at)
+            with self.assertRaises(ConfigError) as caught:
+                Supervisor(config, MemoryReactorClock(), environ={}, handle_signals=False)
+            self.assertIn("unix socket listener needs workers: 1", str(caught.exception))
+
+    def test_too_many_counters_refused_at_start_and_on_reload(self) -> None:
+        hosts = "".join(f"  h{i}: http://h{i}:1\n" for i in range(101))
+        members = ", ".join(f"h{i}" for i in range(101))
+        routes = "".join(f"  r{i}: {{hosts: [{members}]}}\n" for i in range(40))
+        big = f"listen: tcp:0\nworkers: 2\nhosts:\n{hosts}routes:\n{routes}"
+        with self.assertRaises(ConfigError) as caught:
+            Supervisor(self.config(big), MemoryReactorClock(), environ={}, handle_signals=False)
+        self.assertIn("shared counters", str(caught.exception))
+        supervisor = Supervisor(self.config(), MemoryReactorClock(), environ={}, handle_signals=False)
+        with open(supervisor.config.source, "w") as f:
+            f.write(big)
+        self.assertFalse(supervisor.reload())
+        self.assertEqual(list(supervisor.config.routes), ["r"])
+
+    def test_reload_keeps_what_a_restart_would_apply(self) -> None:
+        supervisor = Supervisor(self.config(), MemoryReactorClock(), environ={}, handle_signals=False)
+        with open(supervisor.config.source, "w") as f:
+            f.write("listen: tcp:0:interface=127.0.0.2\nworkers: 3\nhosts: {a: 'http://h:1'}\n"
+                    "routes: {r: {hosts: [a]}, s: {hosts: [a]}}\n")
+        self.assertTrue(supervisor.reload())
+        self.assertEqual((supervisor.config.listen, supervisor.config.workers), ("tcp:0", 2))
+        self.assertEqual(list(supervisor.config.routes), ["r", "s"])
+
+    def test_a_worker_that_cannot_be_spawned_is_tried_again(self) -> None:
+        reactor = _SpawnReactor(failures=2)
+        supervisor = Supervisor(self.config(), reactor, environ={}, handle_signals=False)
+        supervisor.startService()
+        self.addCleanup(shutil.rmtree, supervisor.directory, True)
+        self.assertEqual([w is not None for w in supervisor.workers], [False, False])
+        reactor.advance(0.5)  # the first retry of each fails too
+        self.assertEqual([w is not None for w in supervisor.workers], [False, False])
+        reactor.advance(1.0)
+        self.assertEqual([w is not None for w in supervisor.workers], [True, True])
+        self.assertEqual(len(reactor.spawned), 2)
+        argv = reactor.spawned[0]
+        snapshot = argv[argv.index("--snapshot") + 1]
+        with open(snapshot) as f:
+            self.assertEqual(f.read(), supervisor.config.text)
+        worker = supervisor.workers[0]
+        assert worker is not None
+        worker.ready = True
+        worker.processEnded(Failure(ProcessTerminated(signal=9)))
+        self.assertFalse(worker.ready)  # a dead worker is not counted as ready
+
+
+class _SpawnReactor(MemoryReactorClock):
+    """A memory reactor whose listening ports have a file descriptor and whose first
+    ``failures`` spawns per worker fail (an interpreter gone after an upgrade)."""
+
+    def __init__(self, failures: int) -> None:
+        super().__init__()
+        self.failures = failures
+        self.attempts: dict[str, int] = {}
+        self.spawned: list[list[str]] = []
+
+    def listenTCP(self, port: int, factory: Any, backlog: int = 50, interface: str = "") -> Any:
+        listening = super().listenTCP(port, factory, backlog, interface)
+        listening.fileno = lambda: 3
+        return listening
+
+    def spawnProcess(self, protocol: Any, executable: Any, args: Any = (), env: Any = None, path: Any = None,
+                     uid: Any = None, gid: Any = None, usePTY: Any = False, childFDs: Any = None) -> Any:
+        row = args[args.index("--row") + 1]
+        self.attempts[row] = self.attempts.get(row, 0) + 1
+        if self.attempts[row] <= self.failures:
+            raise FileNotFoundError(2, "No such file or directory", executable)
+        self.spawned.append(list(args))
+        transport = MemoryProcessTransport(len(self.spawned) + 1000)
+        protocol.makeConnection(transport)
+        return transport
+
+
+class MemoryProcessTransport:
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def writeToChild(self, fd: int, data: bytes) -> None:
+        pass
+
+    def signalProcess(self, name: str) -> None:
+        pass
 
 
 class RelayTests(SynchronousTestCase):
@@ -817,6 +976,16 @@ class RelayTests(SynchronousTestCase):
         self.assertEqual((formatEvent(first), first["status"], first["worker"]), ("odd {braces}", 502, 3))
         self.assertNotIn("log_x", first)
         self.assertEqual((formatEvent(second), second["worker"]), ("not json {", 1))
+
+    def test_a_worker_traceback_is_in_the_text_log(self) -> None:
+        from twisted.logger import formatEvent, globalLogPublisher
+
+        seen: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(seen.append)
+        self.addCleanup(globalLogPublisher.removeObserver, seen.append)
+        relay_log_line(json.dumps({"level": "critical", "namespace": "twisted", "message": "it broke",
+                                   "failure": "Traceback (most recent call last):\nValueError: x\n"}).encode(), 0)
+        self.assertEqual(formatEvent(seen[0]), "it broke\nTraceback (most recent call last):\nValueError: x")
 
 
 class ControlGroupTests(TestCase):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -35,9 +36,12 @@ class CrossbarServiceMaker:
         from crossbar.service import make_daemon
         from crossbar.startup import StartupGuard, report_and_exit
 
+        # Absolute now: twistd changes directory (--rundir, daemon mode) after this, and
+        # a reload (SIGHUP) or a worker reads the file again later.
+        path = os.path.abspath(options["config"])
         try:
-            service = make_daemon(load_config(options["config"]), getattr(options, "parent", None))
-            return StartupGuard(service, options["config"], twistd=getattr(options, "parent", None))
+            service = make_daemon(load_config(path), getattr(options, "parent", None))
+            return StartupGuard(service, path, twistd=getattr(options, "parent", None))
         except ConfigError as e:
             report_and_exit(e, sys.stderr, log=False)
 
