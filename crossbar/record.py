@@ -72,27 +72,16 @@ class RequestLog:
         self.metrics = metrics
         self._requests: dict[tuple[str, str, str, str], Any] = {}
         self._durations: dict[tuple[str, str], tuple[Any, Any]] = {}
+        self._metric_failures = 0
 
     def write(self, record: RequestRecord) -> None:
         """Log ``record`` (namespace ``crossbar.proxy``) and count it in the request
-        metrics; never raises for a well-formed record."""
-        m = self.metrics
+        metrics; never raises for a well-formed record (metrics that cannot be written,
+        e.g. their multiprocess files removed under a worker, are logged, not raised)."""
         route, status, key = record.route, record.status, record.key
         host = record.host or NO_ROUTE
-        labels = (route, host, str(status), key)
-        counter = self._requests.get(labels)
-        if counter is None:
-            counter = self._requests[labels] = m.requests.labels(*labels)
-        counter.inc()
-        histograms = self._durations.get((route, host))
-        if histograms is None:
-            histograms = self._durations[(route, host)] = (m.duration.labels(route, host), m.ttfb.labels(route, host))
-        histograms[0].observe(record.duration)
         ms = round(record.duration * 1000, 1)
-        ttfb_ms = None
-        if record.ttfb is not None:
-            histograms[1].observe(record.ttfb)
-            ttfb_ms = round(record.ttfb * 1000, 1)
+        ttfb_ms = None if record.ttfb is None else round(record.ttfb * 1000, 1)
         why = f" ({record.why})" if record.why else ""
         key_text = f" key={key}" if key else ""
         ttfb_text = "-" if ttfb_ms is None else f"{ttfb_ms}ms"
@@ -105,3 +94,24 @@ class RequestLog:
             target=record.target, status=status, bytes=record.bytes, ttfb_ms=ttfb_ms, ms=ms,
             queued_ms=round(record.queued * 1000, 1), key=key, why=record.why,
         )
+        try:
+            self._count(record, route, host)
+        except OSError as e:
+            self._metric_failures += 1
+            if self._metric_failures in (1, 10, 100) or self._metric_failures % 1000 == 0:
+                _log.error("request metrics not recorded ({count} so far): {error}",
+                           count=self._metric_failures, error=str(e))
+
+    def _count(self, record: RequestRecord, route: str, host: str) -> None:
+        m = self.metrics
+        labels = (route, host, str(record.status), record.key)
+        counter = self._requests.get(labels)
+        if counter is None:
+            counter = self._requests[labels] = m.requests.labels(*labels)
+        counter.inc()
+        histograms = self._durations.get((route, host))
+        if histograms is None:
+            histograms = self._durations[(route, host)] = (m.duration.labels(route, host), m.ttfb.labels(route, host))
+        histograms[0].observe(record.duration)
+        if record.ttfb is not None:
+            histograms[1].observe(record.ttfb)

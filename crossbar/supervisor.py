@@ -156,8 +156,9 @@ class Supervisor(MultiService):
 
     :param config: the validated config (``workers`` > 1).
     :param reactor: the reactor (``IReactorProcess``).
-    :param environ: where ``NOTIFY_SOCKET``/``WATCHDOG_USEC`` are read (default
-        ``os.environ``).
+    :param environ: where ``NOTIFY_SOCKET``/``WATCHDOG_USEC`` and
+        ``RUNTIME_DIRECTORY`` (systemd's, for the state directory; else the temporary
+        directory) are read (default ``os.environ``).
     :param handle_signals: install the SIGHUP handler, and during a drain the
         second-signal handler (the twistd plugin does).
     :param log_through: this process logs JSON lines to its standard output
@@ -176,6 +177,7 @@ class Supervisor(MultiService):
     ) -> None:
         super().__init__()
         self.log_through = log_through
+        self._environ = os.environ if environ is None else environ
         from crossbar.service import listen_endpoint
 
         kind = config.listen.split(":", 1)[0].lower()
@@ -225,7 +227,9 @@ class Supervisor(MultiService):
         super().startService()
         port = self.web.port
         assert port is not None, "the listener opens in privilegedStartService/startService"
-        self.directory = tempfile.mkdtemp(prefix="crossbar-workers-")
+        # systemd's RuntimeDirectory= (contrib/systemd): never aged out by tmp cleaners
+        runtime = self._environ.get("RUNTIME_DIRECTORY", "").split(":")[0] or None
+        self.directory = tempfile.mkdtemp(prefix="crossbar-workers-", dir=runtime)
         try:
             self._shared_path = os.path.join(self.directory, "counts")
             SharedCounts.create(self._shared_path, self.count + 1)

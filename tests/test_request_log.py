@@ -119,3 +119,27 @@ class RecordLineTests(SynchronousTestCase):
             "crossbar_time_to_first_byte_seconds_count", {"route": "r", "host": "a"}), 1.0)
         self.assertEqual(registry.get_sample_value(
             "crossbar_requests_total", {"route": "-", "host": "-", "code": "404", "key": ""}), 1.0)
+
+    def test_metrics_that_cannot_be_written_lose_no_log_line(self) -> None:
+        """With workers, metrics live in files (prometheus_client's multiprocess mode):
+        a file that cannot be made (its directory removed under the worker) costs the
+        counts, never the log line, and never raises into the proxy."""
+        events: list[dict[str, Any]] = []
+        observer = cast(ILogObserver, events.append)
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
+
+        class Unwritable:
+            def labels(self, *labels: str) -> Any:
+                raise FileNotFoundError(2, "No such file or directory", "/tmp/gone/counter_1.db")
+
+        metrics = Metrics()
+        metrics.requests = Unwritable()  # type: ignore[assignment]
+        log = RequestLog(metrics)
+        for _ in range(3):
+            log.write(RequestRecord("r", "a", "POST", "/v1/x", "/r/v1/x", 200, 12, 0.01))
+        self.assertEqual(len([e for e in events if e.get("log_namespace") == "crossbar.proxy"
+                              and e.get("status") == 200]), 3)
+        errors = [formatEvent(e) for e in events if "metrics not recorded" in formatEvent(e)]
+        self.assertEqual(errors, ["request metrics not recorded (1 so far): [Errno 2] No such file or directory: "
+                                  "'/tmp/gone/counter_1.db'"])

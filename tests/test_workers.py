@@ -899,9 +899,12 @@ class SupervisorRuleTests(SynchronousTestCase):
 
     def test_a_worker_that_cannot_be_spawned_is_tried_again(self) -> None:
         reactor = _SpawnReactor(failures=2)
-        supervisor = Supervisor(self.config(), reactor, environ={}, handle_signals=False)
+        runtime = os.path.abspath(self.mktemp())
+        os.makedirs(runtime)
+        supervisor = Supervisor(self.config(), reactor, environ={"RUNTIME_DIRECTORY": runtime}, handle_signals=False)
         supervisor.startService()
         self.addCleanup(shutil.rmtree, supervisor.directory, True)
+        self.assertEqual(os.path.dirname(supervisor.directory), runtime)  # systemd's RuntimeDirectory=
         self.assertEqual([w is not None for w in supervisor.workers], [False, False])
         reactor.advance(0.5)  # the first retry of each fails too
         self.assertEqual([w is not None for w in supervisor.workers], [False, False])
