@@ -188,8 +188,9 @@ class _BodyTransport:
 
 
 _IDLE, _SENDING, _WAITING, _BODY, _DEAD, _DONE = range(6)
-# _DONE: the answer is complete; the connection is pooled once the parser returns with
-# no byte left over (dataReceived), never from inside the parser's callbacks.
+# _DONE: the answer is complete and the connection already in the pool (so closing the
+# pool closes it), but not to be taken until the parser has returned with no byte left
+# over (dataReceived): never from inside the parser's callbacks.
 
 _HTTP_NAME = b"HTTP/"
 
@@ -471,19 +472,18 @@ class H1Connection(Protocol):
             self._close()
         else:
             self.state = _DONE
+            self._pool.put(self)  # may close it (the pool is full)
         if response is not None:
             response._ended(Failure(ResponseDone()))
 
     def _reuse(self) -> None:
-        """The read that completed the answer had nothing after it: back to the pool."""
+        """The read that completed the answer had nothing after it: it may be taken."""
         if self.paused:  # the reader paused it with the last bytes: read again
             self.paused = False
             transport: Any = self.transport
             transport.resumeProducing()
         self.state = _IDLE
         self.reused += 1
-        assert self._pool is not None
-        self._pool.put(self)
 
     def _close(self) -> None:
         self.state = _DEAD
@@ -590,12 +590,20 @@ class H1Pool:
         self._timer: IDelayedCall | None = None
 
     def take(self, key: tuple[bytes, bytes, int]) -> H1Connection | None:
-        """The most recently used idle connection for ``key``, or None."""
+        """The most recently used idle connection for ``key``, or None (one whose answer
+        is still being parsed stays, a dead one is dropped)."""
         idle = self._idle.get(key)
-        while idle:
-            connection = idle.pop()
+        if not idle:
+            return None
+        if idle[-1].state is _IDLE:
+            return idle.pop()
+        for i in range(len(idle) - 1, -1, -1):
+            connection = idle[i]
             if connection.state is _IDLE:
+                del idle[i]
                 return connection
+            if connection.state is not _DONE:
+                del idle[i]
         return None
 
     def put(self, connection: H1Connection) -> None:

@@ -517,3 +517,23 @@ class HostileAnswerTests(_ClientCase):
             failure = self.failureResultOf(d, ResponseFailed)
             self.assertIn("HTTP", str(failure.value.reasons[0].value), status_line)
             self.assertTrue(transport.aborted, status_line)
+
+    def test_pool_closed_by_the_answers_end_closes_its_connection(self) -> None:
+        """The last answer's end can finish a drain, which closes the pool at once
+        (inside the parser): the connection must not be pooled after that."""
+        d = self.request()
+        connection, transport = self.connect()
+        connection.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n")
+        response = self.successResultOf(d)
+        pool = self.pool
+
+        class CloseOnEnd(_Body):
+            def connectionLost(inner, reason: Failure = Failure(ConnectionDone())) -> None:
+                super().connectionLost(reason)
+                pool.close()
+
+        response.deliverBody(CloseOnEnd())
+        connection.dataReceived(b"ok")
+        self.assertTrue(transport.disconnecting)
+        self.assertIsNone(self.pool.take(connection.key))
+        self.assertEqual(self.reactor.getDelayedCalls(), [])
