@@ -6,7 +6,9 @@ accept on that one socket: the kernel spreads connections over them. It only
 supervises:
 
 - a worker that dies is restarted (after a back-off when it dies young), logged and
-  counted (``crossbar_worker_restarts_total``); its in-flight counts are cleared;
+  counted (``crossbar_worker_restarts_total``); its in-flight counts are cleared. A
+  worker silent for :data:`STALL` seconds (no ``alive`` line: its reactor wedged, or
+  the process stopped) is killed, and so restarted;
 - SIGTERM drains every worker at once (each runs its own drain: readiness 503,
   ``drain.delay``, ``drain.grace``); a second SIGTERM or Ctrl-C ends every drain now;
 - SIGHUP re-reads the config: an invalid file is logged and nothing changes, a valid
@@ -43,6 +45,7 @@ from twisted.application.service import MultiService
 from twisted.internet.defer import Deferred, TimeoutError
 from twisted.internet.interfaces import IListeningPort
 from twisted.internet.protocol import ProcessProtocol, ServerFactory
+from twisted.internet.task import LoopingCall
 from twisted.logger import Logger, LogLevel, InvalidLogLevelError
 from twisted.python.failure import Failure
 
@@ -61,6 +64,10 @@ _log = Logger(namespace="crossbar.supervisor")
 STOP_MARGIN = 15.0
 """Seconds past ``drain.delay + drain.grace`` after which a worker that has not exited
 is killed."""
+
+STALL = 30.0
+"""Seconds without a line from a worker's reactor (it sends ``alive`` every
+:data:`crossbar.worker.HEARTBEAT`) after which the supervisor kills it."""
 
 _YOUNG = 10.0  # s: a worker that dies sooner is restarted after a growing back-off
 _MAX_BACKOFF = 30.0
@@ -122,7 +129,10 @@ class WorkerProcess(ProcessProtocol):
         self.index = index
         self.ready = False
         self.ended = False
+        self.killed = False
         self.started_at = 0.0
+        self.heard_at = 0.0
+        """Reactor seconds of its last status line (its start, before the first)."""
         self._buffers: dict[int, bytes] = {1: b"", 2: b"", 4: b""}
 
     def send(self, command: str) -> None:
@@ -141,9 +151,11 @@ class WorkerProcess(ProcessProtocol):
             elif childFD == 2:
                 if line.strip():
                     _log.warn("worker {worker}: {line}", worker=self.index, line=line.decode("utf-8", "replace"))
-            elif childFD == 4 and line.strip() == b"ready":
-                self.ready = True
-                self.supervisor.worker_ready(self)
+            elif childFD == 4:
+                self.heard_at = self.supervisor.reactor.seconds()
+                if line.strip() == b"ready":
+                    self.ready = True
+                    self.supervisor.worker_ready(self)
 
     def processEnded(self, reason: Failure) -> None:
         self.ended = True
@@ -201,6 +213,7 @@ class Supervisor(MultiService):
         self.directory = ""
         self._shared_path = ""
         self._snapshot_path = ""
+        self._stall_check: LoopingCall | None = None
         self._folded: Counter[tuple[str, str]] = Counter()  # dead workers' affinity counts
         self.metrics_directory = ""
         self.fleet: Fleet | None = None
@@ -245,6 +258,23 @@ class Supervisor(MultiService):
         _stop_accepting(port)
         for index in range(self.count):
             self._spawn(index)
+        self._stall_check = LoopingCall(self._kill_stalled)
+        self._stall_check.clock = self.reactor
+        self._stall_check.start(STALL / 6, now=False)
+
+    def _kill_stalled(self) -> None:
+        """Kill every worker silent for :data:`STALL` seconds (it is then restarted)."""
+        now = self.reactor.seconds()
+        for process in self.workers:
+            if process is None or process.ended or process.killed or now - process.heard_at < STALL:
+                continue
+            process.killed = True
+            _log.error("worker {worker} sent nothing for {seconds:.0f}s (wedged or stopped): killing it",
+                       worker=process.index, seconds=now - process.heard_at)
+            try:
+                process.transport.signalProcess("KILL")  # type: ignore[union-attr]
+            except Exception:
+                pass  # it has just exited
 
     def _write_snapshot(self, config: Config) -> None:
         """Make ``config``'s text the one workers load (replaced atomically).
@@ -263,7 +293,7 @@ class Supervisor(MultiService):
         if self._stopping or port is None:
             return
         process = WorkerProcess(self, index)
-        process.started_at = self.reactor.seconds()
+        process.started_at = process.heard_at = self.reactor.seconds()
         env = dict(os.environ)
         env.pop("NOTIFY_SOCKET", None)  # the supervisor speaks for the set
         env["PROMETHEUS_MULTIPROC_DIR"] = self.metrics_directory
@@ -339,6 +369,8 @@ class Supervisor(MultiService):
         running ``drain.delay + drain.grace`` + :data:`STOP_MARGIN` seconds later),
         then close the listener."""
         self._stopping = True
+        if self._stall_check is not None and self._stall_check.running:
+            self._stall_check.stop()
         if self.systemd is not None:
             self.systemd.draining()
         self._catch_second_signal()

@@ -18,7 +18,9 @@ The supervisor (:mod:`crossbar.supervisor`) starts each worker as
   field: the supervisor's own standard output when it logs JSON there too (written
   straight through, nothing relayed), else a pipe whose lines the supervisor logs as
   its own;
-- fd 4: ``ready`` once the worker listens and its first poll round is done.
+- fd 4: ``ready`` once the worker listens and its first poll round is done, and
+  ``alive`` every :data:`HEARTBEAT` seconds from its reactor (a worker whose reactor
+  is wedged or stopped goes silent, and the supervisor replaces it).
 
 Signals sent to a worker itself: SIGTERM or SIGINT drain it (the same drain as the
 ``drain`` command: both together are one drain, as under systemd's
@@ -46,6 +48,7 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.internet.error import ReactorNotRunning
 from twisted.internet.interfaces import IListeningPort, IProtocolFactory, IReadDescriptor, IStreamServerEndpoint
 from twisted.internet.main import CONNECTION_DONE
+from twisted.internet.task import LoopingCall
 from twisted.logger import ILogObserver, Logger, globalLogBeginner
 from zope.interface import implementer
 
@@ -53,6 +56,8 @@ __all__ = ["AdoptedEndpoint", "main"]
 
 LISTEN_FD = 3
 STATUS_FD = 4
+HEARTBEAT = 5.0
+"""Seconds between a worker's ``alive`` lines."""
 
 _log = Logger(namespace="crossbar.worker")
 
@@ -192,11 +197,17 @@ def main(argv: list[str] | None = None) -> None:
     def on_signal(signum: int, frame: FrameType | None) -> None:
         reactor.callFromThread(drain)
 
-    def ready(_: object) -> None:
+    def status(line: bytes) -> None:
         try:
-            os.write(STATUS_FD, b"ready\n")
+            os.write(STATUS_FD, line)
         except OSError:
             pass  # no supervisor listening (run by hand)
+
+    def ready(_: object) -> None:
+        status(b"ready\n")
+
+    heartbeat = LoopingCall(status, b"alive\n")
+    heartbeat.clock = reactor
 
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, on_signal)
@@ -211,6 +222,7 @@ def main(argv: list[str] | None = None) -> None:
             os._exit(1)
 
     reactor.callWhenRunning(start)
+    reactor.callWhenRunning(heartbeat.start, HEARTBEAT)
     reactor.callWhenRunning(lambda: service.when_ready().addCallbacks(ready, lambda f: None))
     reactor.addSystemEventTrigger("before", "shutdown", service.stopService)
     reactor.run(installSignalHandlers=False)

@@ -36,7 +36,8 @@ from treq.client import HTTPClient
 from zope.interface import implementer
 
 from crossbar.config import MAX_WORKERS, ConfigError, load_config, parse_config, usable_cpus
-from crossbar.supervisor import Supervisor, relay_log_line
+from crossbar.supervisor import STALL, Supervisor, relay_log_line
+from crossbar.worker import HEARTBEAT
 from tests.harness import FakeLlama, listen, wait_for
 from tests.process import ClientStream, Twistd, start_twistd
 
@@ -708,6 +709,23 @@ class SignalTests(TestCase):
                            20, f"worker {index} ready again")
         self.assertEqual(await counted(), 12)
 
+    async def test_a_stopped_worker_is_replaced(self) -> None:
+        """SIGSTOP one worker (as a wedged reactor would look): after STALL seconds of
+        silence the supervisor kills it and a new one serves; the other worker, which
+        kept sending ``alive``, is left alone."""
+        upstream = FakeLlama()
+        url = await listen(self, upstream)
+        proc = await start_workers(self, host_yaml(url))
+        pids = worker_pids(proc)
+        os.kill(pids[0], signal.SIGSTOP)
+        self.addCleanup(lambda: os.kill(pids[0], signal.SIGCONT) if os.path.exists(f"/proc/{pids[0]}") else None)
+        await proc.line(lambda line: "worker 0 sent nothing" in line, timeout=STALL + 15)
+        await wait_for(lambda: len([line for line in proc.out if '"message": "worker 0 is ready"' in line]) >= 2,
+                       20, "worker 0 ready again")
+        self.assertNotEqual(worker_pids(proc)[0], pids[0])
+        self.assertEqual(worker_pids(proc)[1], pids[1])
+        self.assertFalse(any("worker 1 sent nothing" in line for line in proc.out))
+
     async def test_killed_worker_is_restarted_counted_and_its_inflight_cleared(self) -> None:
         _, held, url = await held_host(self)
         proc = await start_workers(self, host_yaml(url))
@@ -922,6 +940,28 @@ class SupervisorRuleTests(SynchronousTestCase):
         self.assertFalse(worker.ready)  # a dead worker is not counted as ready
 
 
+    def test_a_silent_worker_is_killed(self) -> None:
+        """A worker whose reactor is wedged (or a SIGSTOPped process) sends no ``alive``
+        line: after STALL seconds it is killed, and so restarted; one that speaks is
+        left alone."""
+        reactor = _SpawnReactor(failures=0)
+        supervisor = Supervisor(self.config(), reactor, environ={}, handle_signals=False)
+        supervisor.startService()
+        self.addCleanup(shutil.rmtree, supervisor.directory, True)
+        talking, silent = supervisor.workers
+        assert talking is not None and silent is not None
+        for _ in range(int(STALL / HEARTBEAT) + 2):
+            reactor.advance(HEARTBEAT)
+            talking.childDataReceived(4, b"alive\n")
+        self.assertEqual(talking.transport.signals, [])  # type: ignore[union-attr]
+        self.assertEqual(silent.transport.signals, ["KILL"])  # type: ignore[union-attr]
+        reactor.advance(HEARTBEAT * 2)
+        self.assertEqual(silent.transport.signals, ["KILL"])  # once  # type: ignore[union-attr]
+        silent.processEnded(Failure(ProcessTerminated(signal=9)))
+        reactor.advance(30)
+        self.assertIsNot(supervisor.workers[1], silent)  # restarted
+
+
 class _SpawnReactor(MemoryReactorClock):
     """A memory reactor whose listening ports have a file descriptor and whose first
     ``failures`` spawns per worker fail (an interpreter gone after an upgrade)."""
@@ -952,12 +992,13 @@ class _SpawnReactor(MemoryReactorClock):
 class MemoryProcessTransport:
     def __init__(self, pid: int) -> None:
         self.pid = pid
+        self.signals: list[str] = []
 
     def writeToChild(self, fd: int, data: bytes) -> None:
         pass
 
     def signalProcess(self, name: str) -> None:
-        pass
+        self.signals.append(name)
 
 
 class RelayTests(SynchronousTestCase):
