@@ -51,6 +51,7 @@ class HeadDeadlineChannel(BadRequestHook, HTTPChannel):
     _awaiting_request_line = True
     _method = b""
     _target = b""
+    _version = b""
 
     def connectionMade(self) -> None:
         super().connectionMade()
@@ -78,6 +79,10 @@ class HeadDeadlineChannel(BadRequestHook, HTTPChannel):
         made before a resource saw the request, such as the 413, is recorded with."""
         return self._method, self._target
 
+    def request_version(self) -> bytes:
+        """The HTTP version of that request line, as sent (``b"HTTP/1.1"``)."""
+        return self._version
+
     def lineReceived(self, line: bytes) -> None:
         if self._awaiting_request_line and line:
             # The method, even of a request line Twisted then refuses (for the 400), and
@@ -85,6 +90,7 @@ class HeadDeadlineChannel(BadRequestHook, HTTPChannel):
             parts = line.split(b" ", 2)
             self._method = parts[0]
             self._target = parts[1] if len(parts) > 1 else b""
+            self._version = parts[2] if len(parts) > 2 else b""
             self._awaiting_request_line = False
         super().lineReceived(line)
 
@@ -144,7 +150,7 @@ class HeadDeadlineChannel(BadRequestHook, HTTPChannel):
         self.loseConnection()
         record = getattr(getattr(self, "site", None), "record_early_answer", None)
         if record is not None:
-            record(self._method, b"", 400, 0 if head else len(body))
+            record(self._method, self._target, 400, 0 if head else len(body))
 
     def _head_deadline_passed(self) -> None:
         self._head_timer = None

@@ -44,8 +44,8 @@ from crossbar.runtime import Runtime
 from crossbar.upstream import UpstreamPools
 
 __all__ = [
-    "HOST_HEADER", "HOP_BY_HOP", "STALE_WINDOW", "Exchange", "Phase", "ProxyResource", "hop_by_hop_names",
-    "relayable_phrase",
+    "HOST_HEADER", "HOP_BY_HOP", "REFUSED_METHODS", "STALE_WINDOW", "Exchange", "Phase", "ProxyResource",
+    "hop_by_hop_names", "relayable_phrase",
 ]
 
 _log = Logger(namespace="crossbar.proxy")
@@ -83,6 +83,14 @@ def hop_by_hop_names(headers: Headers, connection: Iterable[bytes] = ()) -> froz
     }
     named.discard(b"")
     return HOP_BY_HOP | named
+
+
+REFUSED_METHODS = frozenset({b"TRACE", b"CONNECT"})
+"""Never forwarded (405): a TRACE echoed by a host would show the client the host's
+``api_key`` crossbar added (DESIGN.md §Access; RFC 9110 §9.3.8), and a CONNECT is not
+a request for a path (§9.3.6)."""
+
+_PHRASES = {429: b"Too Many Requests"}  # codes twisted.web has no phrase for
 
 
 def relayable_phrase(phrase: bytes) -> bytes | None:
@@ -224,6 +232,8 @@ class Exchange:
             return self.answer_error(400, "bad path")
         if not is_allowed(self.rest):
             return self.answer_error(404, "not found")
+        if request.method in REFUSED_METHODS:
+            return self.answer_error(405, "method not allowed")
         if self.rest == MODELS_PATH and request.method in NO_BODY_METHODS:
             return self.answer_models()
         self.body, self.model = self.read_body()
@@ -531,7 +541,7 @@ class Exchange:
         """Answer ``code`` with the JSON ``body`` and end."""
         request = self.request
         self.status = code
-        request.setResponseCode(code)
+        request.setResponseCode(code, _PHRASES.get(code))
         request.responseHeaders.removeHeader(b"server")
         if retry_after:
             request.setHeader(b"Retry-After", b"1")

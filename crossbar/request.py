@@ -109,22 +109,28 @@ class CappedRequest(Request):
         # gotLength returns when this header is present).
         self.requestHeaders.removeHeader(b"expect")
         body = json_error_bytes(message)
+        sent = b"" if self.head_line()[0] == b"HEAD" else body  # a HEAD answer has no content
         transport: Any = self.channel.transport  # an ITCPTransport (write, half-close, abort)
         transport.write(
             b"HTTP/1.1 %d %s\r\n" % (code, phrase)
             + b"".join(name + b": " + value + b"\r\n" for name, value in headers)
             + b"Content-Type: application/json\r\n"
             b"Content-Length: " + str(len(body)).encode("ascii") + b"\r\n"
-            b"Connection: close\r\n\r\n" + body
+            b"Connection: close\r\n\r\n" + sent
         )
         self.channel.persistent = False
-        self.refused_answer(code, len(body))
+        self.refused_answer(code, len(sent))
         half_close = getattr(transport, "loseWriteConnection", None)
         if half_close is None:
             transport.loseConnection()
             return
         half_close()
         self._linger = self.channel.callLater(_LINGER_SECONDS, transport.abortConnection)
+
+    def head_line(self) -> tuple[bytes, bytes]:
+        """The request's method and target; a subclass that knows them on the head
+        (before Twisted sets ``method`` and ``uri``, after the body) says so."""
+        return self.method, self.uri
 
     def refused_answer(self, code: int, body_bytes: int) -> None:
         """Called once a refusal (``code``, with ``body_bytes`` of body) was written: a

@@ -16,7 +16,7 @@ __all__ = [
 ]
 
 _ABSOLUTE_FORM = re.compile(rb"[Hh][Tt][Tt][Pp][Ss]?://[^/?#]*")
-_VISIBLE_ASCII = re.compile(rb"\A[\x21-\x7e]*\Z")
+_VISIBLE_ASCII = re.compile(rb"\A[\x21\x22\x24-\x7e]*\Z")  # no "#": a target has no fragment
 _TOKEN = re.compile(rb"\A[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
 ALLOWED_PREFIX = b"/v1/"
 ALLOWED_EXACT = (b"/health", b"/props")
@@ -69,7 +69,9 @@ def has_dot_segment(rest: bytes) -> bool:
 
 def is_forwardable(method: bytes, target: bytes) -> bool:
     """Whether ``method`` is an HTTP token and ``target`` (rest and query) only visible
-    ASCII (RFC 9110 §9.1, RFC 9112 §3.2), so the request can be sent upstream as it is.
+    ASCII without ``#`` (RFC 9110 §9.1, RFC 9112 §3.2: a request target has no
+    fragment; a ``#`` hid a dot segment from :func:`has_dot_segment`, and the client
+    side cut the target there), so the request can be sent upstream as it is.
 
     twisted.web's server lets other bytes through (only a space splits the request
     line); the client side refuses them. Such a request is answered 400 ``bad path``

@@ -10,7 +10,9 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
+from urllib.parse import unquote_to_bytes
 
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred
@@ -25,12 +27,16 @@ from crossbar.access import check_key
 from crossbar.channel import HeadDeadlineChannel
 from crossbar.config import Config
 from crossbar.record import NO_ROUTE, RequestLog, RequestRecord
-from crossbar.request import CappedRequest
+from crossbar.request import CappedRequest, json_error_bytes
 from crossbar.routing import split_route, split_target
 from crossbar.runtime import Runtime
 from crossbar.waiting import Condition
 
 __all__ = ["CrossbarRequest", "CrossbarSite", "ListenService", "Root"]
+
+
+_HOST_VALUE = re.compile(rb"\A[\x21-\x7e]*\Z")
+"""A ``Host`` value: visible ASCII (RFC 9110 §7.2: a uri-host and port), empty allowed."""
 
 
 class Root(Resource):
@@ -43,8 +49,28 @@ class Root(Resource):
 
     def getChildWithDefault(self, path: bytes, request: Request) -> IResource:
         if path == b"_crossbar":
+            try:  # klein decodes the path as UTF-8, and logs a traceback when it cannot
+                unquote_to_bytes(request.path).decode("utf-8")
+            except UnicodeDecodeError:
+                return _JSONError(404, "not found")
             return self._ops
         return self._proxy
+
+
+class _JSONError(Resource):
+    """An answer of crossbar's own JSON error (DESIGN.md rule 9) for any method."""
+
+    isLeaf = True
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__()
+        self._code = code
+        self._body = json_error_bytes(message)
+
+    def render(self, request: Request) -> bytes:
+        request.setResponseCode(self._code)
+        request.setHeader(b"Content-Type", b"application/json")
+        return self._body
 
 
 class CrossbarRequest(CappedRequest):
@@ -62,24 +88,33 @@ class CrossbarRequest(CappedRequest):
     key_name = ""
 
     def gotLength(self, length: int | None) -> None:
-        super().gotLength(length)
+        """On the head, in this order: the ``Host`` header (RFC 9112 §3.2: exactly one
+        in HTTP/1.1, visible ASCII), an asterisk-form target (no route), the key
+        (DESIGN.md §Access), then the body's size (rule 4): each refused at once."""
         site = getattr(self.channel, "site", None)
         if self.refused or not isinstance(site, CrossbarSite):
-            return
+            return super().gotLength(length)
         self.config = config = site.runtime.config
-        method, target = self._request_line()
+        method, target = self.head_line()
+        hosts = self.requestHeaders.getRawHeaders(b"host") or []
+        version = self.channel.request_version() if isinstance(self.channel, HeadDeadlineChannel) else b""
+        if len(hosts) > 1 or (not hosts and version == b"HTTP/1.1") or any(
+                _HOST_VALUE.match(h) is None for h in hosts):
+            return self.refuse(400, b"Bad Request", "bad host header")
+        if target == b"*":
+            return self.refuse(400, b"Bad Request", "missing route")
         verdict = check_key(config, method, target, self.requestHeaders.getRawHeaders(b"authorization"),
                             has_body=length != 0)
         if verdict is None:
-            self.refuse(401, b"Unauthorized", "invalid api key", ((b"WWW-Authenticate", b"Bearer"),))
-        else:
-            self.key_name = verdict
+            return self.refuse(401, b"Unauthorized", "invalid api key", ((b"WWW-Authenticate", b"Bearer"),))
+        self.key_name = verdict
+        super().gotLength(length)
 
     def render(self, resrc: IResource) -> None:
         self.responseHeaders.removeHeader(b"server")
         super().render(resrc)
 
-    def _request_line(self) -> tuple[bytes, bytes]:
+    def head_line(self) -> tuple[bytes, bytes]:
         # On the head, before Twisted sets self.method and self.uri (after the body).
         channel = self.channel
         return channel.request_line() if isinstance(channel, HeadDeadlineChannel) else (self.method, self.uri)
@@ -87,8 +122,8 @@ class CrossbarRequest(CappedRequest):
     def refused_answer(self, code: int, body_bytes: int) -> None:
         site = getattr(self.channel, "site", None)
         if isinstance(site, CrossbarSite):
-            method, target = self._request_line()
-            site.record_early_answer(method, target, code, body_bytes)
+            method, target = self.head_line()
+            site.record_early_answer(method, target, code, body_bytes, key=self.key_name)
 
 
 class CrossbarSite(Site):
@@ -115,9 +150,10 @@ class CrossbarSite(Site):
     def log(self, request: Any) -> None:
         pass
 
-    def record_early_answer(self, method: bytes, uri: bytes, status: int, body_bytes: int) -> None:
+    def record_early_answer(self, method: bytes, uri: bytes, status: int, body_bytes: int, key: str = "") -> None:
         """Record an answer made before any resource saw the request: a 413 for a body
-        over the limit, a 400 for a request Twisted cannot parse (``uri`` may be b"")."""
+        over the limit, a 401, a 400 for a request Twisted cannot parse (``uri`` may be
+        b""); ``key`` names the valid client key it presented, if any."""
         path, _ = split_target(uri)
         split = split_route(path) if path else None
         route, rest = NO_ROUTE, b""
@@ -125,7 +161,7 @@ class CrossbarSite(Site):
             route, rest = split
         self.requests.write(RequestRecord(
             route=route, host="", method=method.decode("latin-1"), path=rest.decode("latin-1"),
-            target=path.decode("latin-1"), status=status, bytes=body_bytes, duration=0.0,
+            target=path.decode("latin-1"), status=status, bytes=body_bytes, duration=0.0, key=key,
         ))
 
     def stop_keep_alive(self) -> int:

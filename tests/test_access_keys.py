@@ -172,6 +172,9 @@ class KeysTests(TestCase):
         code, headers, body = await self.post("r", bearer(CI))
         self.assertEqual((code, json.loads(body)), (429, {"error": "too many requests"}))
         self.assertEqual(headers.getRawHeaders(b"retry-after"), [b"1"])
+        again = await self.client.post(f"{self.base}/r/v1/chat/completions", data=CHAT, headers=bearer(CI))
+        self.assertEqual((again.code, again.phrase), (429, b"Too Many Requests"))  # not "Unknown Status"
+        await again.content()
         alice = ensureDeferred(self.post("r", bearer(ALICE)))  # waits: a is full; ci's limit is not alice's
         await wait_for(lambda: self.service.runtime.queues.queued("r") == 1, what="alice waiting")
         held.release()

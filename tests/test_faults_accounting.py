@@ -74,7 +74,7 @@ class AccountingTests(TestCase):
         async def go() -> None:
             watch = LogCapture(self)
             hosts = await two_hosts(self)
-            await self._check(hosts, watch, b"NOT A REQUEST LINE AT ALL\r\n\r\n", 400, "-", "NOT", "")
+            await self._check(hosts, watch, b"NOT A REQUEST LINE AT ALL\r\n\r\n", 400, "-", "NOT", "A")
 
         return ensureDeferred(go())
 
@@ -83,7 +83,8 @@ class AccountingTests(TestCase):
             watch = LogCapture(self)
             hosts = await two_hosts(self)
             bad = b"GET /r/v1/models HTTP/1.1\r\nHost: crossbar.test\r\nno colon here\r\n\r\n"
-            await self._check(hosts, watch, bad, 400, "-", "GET", "")
+            # recorded with the route and target its request line named
+            await self._check(hosts, watch, bad, 400, "r", "GET", "/r/v1/models")
 
         return ensureDeferred(go())
 
