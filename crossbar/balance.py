@@ -34,7 +34,8 @@ class Verdict(Enum):
     """No host was chosen."""
 
     BUSY = "busy"
-    """The best tier has no host with room: wait in the route's queue (rule 4)."""
+    """The best tier has no host with room, or no host is healthy but one has not been
+    polled yet (new, or reset by a reload): wait in the route's queue (rule 4)."""
     NO_HOST = "no_host"
     """No healthy host of the route is left to try."""
 
@@ -124,6 +125,10 @@ def choose(
         if h not in skip and h in hosts and h in statuses and statuses[h].healthy
     ]
     if not candidates:
+        # A host not polled yet (new, or reset by a reload: URL, tls or api_key changed)
+        # may be healthy in a moment: wait for its first poll rather than answer 503.
+        if any(h not in skip and h in hosts and h in statuses and not statuses[h].polled for h in route.hosts):
+            return Verdict.BUSY
         return Verdict.NO_HOST
     fit, tier = fit_tier(candidates, model, statuses)
     load = {h: inflight(h) for h in tier}

@@ -7,12 +7,14 @@ the problem, e.g. ``crossbar.yaml: routes.a.hosts[1]: unknown host 'gpu-z'``.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import os
 import stat
 import re
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Literal, Mapping
+from urllib.parse import unquote
 
 import yaml
 
@@ -31,6 +33,7 @@ __all__ = [
     "Timeouts",
     "MAX_WORKERS",
     "load_config",
+    "one_line",
     "parse_config",
     "read_config_text",
     "usable_cpus",
@@ -48,11 +51,12 @@ class ConfigError(Exception):
         self.key = key
         self.problem = problem
         where = f"{path}: {key}: " if key else f"{path}: "
-        super().__init__(_one_line(where + problem))
+        super().__init__(one_line(where + problem))
 
 
-def _one_line(text: str) -> str:
-    """``text`` with every non-printable character escaped, so it stays one line."""
+def one_line(text: str) -> str:
+    """``text`` with every non-printable character escaped (control characters, lone
+    surrogates), so it stays one line, is safe on a terminal and encodes as UTF-8."""
     return "".join(ch if ch.isprintable() else ch.encode("unicode_escape").decode("ascii") for ch in text)
 
 
@@ -446,7 +450,10 @@ class _Checker:
                 shown = repr(value)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise self.fail(key, f"must be {what}, not {_kind(value)}")
-        return float(value), shown
+        try:
+            return float(value), shown
+        except OverflowError:  # an int of hundreds of digits
+            raise self.fail(key, f"must be {what}, not a number that large") from None
 
     def positive(self, key: str, value: Any) -> float:
         """A finite positive number of seconds."""
@@ -641,7 +648,7 @@ def parse_config(text: str, path: str = "<config>", environ: Mapping[str, str] |
     ops_raw = c.section("ops", top)
     c.known_keys("ops", ops_raw, ("token",))
     token_raw = ops_raw.get("token")
-    ops = OpsSettings(token=None if token_raw is None else c.string("ops.token", token_raw))
+    ops = OpsSettings(token=None if token_raw is None else c.header_secret("ops.token", token_raw))
 
     workers = _workers(c, top.get("workers", 1))
     hosts = _hosts(c, top["hosts"])
@@ -820,6 +827,10 @@ def _url(c: _Checker, key: str, raw: Any) -> str:
         end = hostport.find("]")
         if end < 0:
             raise c.fail(key, f"bad IPv6 address in {shown}")
+        try:
+            ipaddress.IPv6Address(unquote(hostport[1:end]))  # a zone is written %25 in a URL
+        except ValueError:
+            raise c.fail(key, f"bad IPv6 address in {shown}") from None
         port = hostport[end + 1:]
     else:
         port = hostport[hostport.find(":"):] if ":" in hostport else ""

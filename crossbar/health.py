@@ -13,6 +13,7 @@ from typing import Callable, Iterable, Mapping
 
 from twisted.logger import Logger
 
+from crossbar.config import one_line
 from crossbar.models import ModelList
 
 __all__ = ["HealthTable", "HostStatus"]
@@ -165,16 +166,18 @@ class HealthTable:
         if not old.polled and new.polled and not new.healthy and not old.healthy:
             # Unhealthy from the start: no transition, but the operator must hear of it.
             self._log.warn(
-                "host {host} is unhealthy: {reason}", host=name, healthy=False, reason=new.last_err
+                "host {host} is unhealthy: {reason}", host=name, healthy=False, reason=one_line(new.last_err)
             )
         elif old.healthy != new.healthy:
             if new.healthy:
+                # Model ids are the host's text: escaped, so none can break the line, the
+                # terminal or the log file's encoding (a lone surrogate lost the line).
                 self._log.info(
                     "host {host} is healthy: {reason} (models: {models})",
                     host=name, healthy=True, reason=f"{new.consecutive} good poll(s) in a row",
-                    loaded=list(new.loaded), models=", ".join(new.loaded) or "none",
+                    loaded=[one_line(m) for m in new.loaded], models=one_line(", ".join(new.loaded)) or "none",
                 )
             else:
                 self._log.warn(
-                    "host {host} is unhealthy: {reason}", host=name, healthy=False, reason=new.last_err
+                    "host {host} is unhealthy: {reason}", host=name, healthy=False, reason=one_line(new.last_err)
                 )

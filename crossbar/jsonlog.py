@@ -70,7 +70,10 @@ def event_as_line(event: LogEvent) -> str:
         if not key.startswith("log_") and key not in doc and key not in ("format", "message", "isError"):
             doc[key] = _jsonable(value)
     try:
-        return json.dumps(doc, ensure_ascii=False, allow_nan=False) + "\n"
+        line = json.dumps(doc, ensure_ascii=False, allow_nan=False) + "\n"
+        # A lone surrogate (text a host or client sent) cannot be written as UTF-8: as
+        # the JSON escape it stands for, the line stays valid JSON and is not lost.
+        return line if line.isascii() else line.encode("utf-8", "backslashreplace").decode("utf-8")
     except ValueError:  # NaN or infinity somewhere
         return json.dumps(_jsonable({k: repr(v) if isinstance(v, float) else v for k, v in doc.items()})) + "\n"
 

@@ -11,7 +11,7 @@ anything else that would make a host load a model (rule 9).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, cast
+from typing import Any, Callable, Iterable, Mapping, cast
 
 from twisted.application.service import Service
 from twisted.internet.defer import CancelledError, Deferred, DeferredList, ensureDeferred, fail
@@ -281,21 +281,24 @@ class HealthPoller(Service):
         """A Deferred that fires once :attr:`first_round_done` is true."""
         return self._first_round.wait()
 
-    def set_hosts(self, hosts: Mapping[str, str]) -> None:
+    def set_hosts(self, hosts: Mapping[str, str], fresh: Iterable[str] = ()) -> None:
         """Poll ``hosts`` (name -> base URL) from now on (a config reload).
 
-        A poll in flight to a host that is gone or whose URL changed is cancelled (it
-        records nothing, rule 6); while running, the new hosts and those whose URL
-        changed are polled at once (the others keep their schedule).
+        A poll in flight to a host that is gone, whose URL changed or that is in
+        ``fresh`` (its connection settings changed: ``tls``, ``api_key``) is cancelled
+        (it records nothing, rule 6); while running, the new hosts, those whose URL
+        changed and the ``fresh`` ones are polled at once (the others keep their
+        schedule): readiness and waiting requests wait for their first poll.
         """
         old, self.hosts = self.hosts, dict(hosts)
+        restart = {name for name in self.hosts if old.get(name) != self.hosts[name]} | set(fresh)
         for name, d in list(self._inflight.items()):
-            if self.hosts.get(name) != old.get(name):
+            if name not in self.hosts or name in restart:
                 del self._inflight[name]
                 d.cancel()
         if self.running:
             for name, url in self.hosts.items():
-                if old.get(name) != url and name not in self._inflight:
+                if name in restart and name not in self._inflight:
                     self._start(name, url)
         self._first_round.check()
 

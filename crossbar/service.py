@@ -112,12 +112,13 @@ class CrossbarService(MultiService):
             restarts=(lambda: fleet.restarts()) if fleet is not None else None,
         ))
         self.requests = RequestLog(self.metrics)
-        self.pools = UpstreamPools(reactor, config.timeouts.connect, tls=HostTLS.from_config(config))
+        tls = HostTLS.from_config(config)
+        self.pools = UpstreamPools(reactor, config.timeouts.connect, tls=tls)
         self._poll_pool = quiet_pool(reactor, persistent=True)
         self._poll_pool.maxPersistentPerHost = 1
         health = config.health
         self.poller = HealthPoller(
-            runtime.table, {name: h.url for name, h in config.hosts.items()}, self._probe(health.timeout),
+            runtime.table, {name: h.url for name, h in config.hosts.items()}, self._probe(health.timeout, config, tls),
             health.interval, health.timeout, reactor, on_poll=self._observe_poll,
         )
         self.poller.setServiceParent(self)
@@ -160,12 +161,11 @@ class CrossbarService(MultiService):
         hosts = self.runtime.config.hosts
         return {key: n for key, n in self.runtime.inflight.by_route_host().items() if n or key[1] in hosts}
 
-    def _probe(self, timeout: float) -> HTTPProbe:
-        """The poller's probe: ``timeout`` bounds opening a connection to a host."""
-        endpoints = UpstreamEndpoints(self.reactor, timeout, self.pools.tls)
-        api_keys = {
-            host_url(h.url).url: h.api_key for h in self.runtime.config.hosts.values() if h.api_key is not None
-        }
+    def _probe(self, timeout: float, config: Config, tls: HostTLS) -> HTTPProbe:
+        """The poller's probe for ``config``'s hosts: ``timeout`` bounds opening a
+        connection to a host, ``tls`` is how https hosts are checked."""
+        endpoints = UpstreamEndpoints(self.reactor, timeout, tls)
+        api_keys = {host_url(h.url).url: h.api_key for h in config.hosts.values() if h.api_key is not None}
         return HTTPProbe(Agent.usingEndpointFactory(self.reactor, endpoints, pool=self._poll_pool), api_keys)
 
     def _wake_if_waiting(self) -> None:
@@ -313,12 +313,24 @@ class CrossbarService(MultiService):
                 old=old.listen, new=new.listen,
             )
             new = replace(new, listen=old.listen)
+        if new.workers != old.workers:
+            self._log.warn("reload: workers changed from {old} to {new}; a restart is needed to apply it",
+                           old=old.workers, new=new.workers)
+            new = replace(new, workers=old.workers)
+        # Everything that can still fail, before anything changes: a reload applies
+        # whole or not at all.
+        try:
+            tls = HostTLS.from_config(new)
+            probe = self._probe(new.health.timeout, new, tls)
+        except Exception as e:
+            self._log.error("reload refused, keeping the running config: {error}", error=f"{type(e).__name__}: {e}")
+            return False
         health = new.health
         table = self.runtime.table
         table.recovery_polls = health.recovery_polls
         table.failure_threshold = health.failure_threshold
         table.set_hosts(new.hosts, reset=plan.fresh)
-        self.pools.tls = HostTLS.from_config(new)
+        self.pools.tls = tls
         if any(new.hosts[name].url.startswith("https:") for name in plan.fresh):
             self.pools.close()  # no pooled connection made under the old TLS settings
         self.pools.connect_timeout = new.timeouts.connect
@@ -326,9 +338,9 @@ class CrossbarService(MultiService):
         if self.runtime.fleet is not None:
             self.runtime.fleet.configure(new)
             self.runtime.republish()
-        self.poller.probe = self._probe(health.timeout)
+        self.poller.probe = probe
         self.poller.set_timing(health.interval, health.timeout)
-        self.poller.set_hosts({name: h.url for name, h in new.hosts.items()})
+        self.poller.set_hosts({name: h.url for name, h in new.hosts.items()}, fresh=plan.fresh)
         if self.systemd is not None:
             self.systemd.health_changed()
         self.runtime.queues.wake()  # new hosts, weights or limits may make room

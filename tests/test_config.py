@@ -506,6 +506,31 @@ class NumberTests(_Case):
         )
 
 
+class AttackFoundTests(_Case):
+    """Configs an operator's attack pass found loading badly (each once a traceback or a
+    setting that could never work)."""
+
+    def test_huge_integers_are_one_line(self) -> None:
+        huge = "1" + "0" * 400
+        self.assertRejected(MINIMAL + f"health:\n  interval: {huge}\n",
+                            "x.yaml: health.interval: must be a number of seconds, not a number that large")
+        self.assertRejected(MINIMAL.replace("  a: http://127.0.0.1:8080", f"  a: {{url: http://127.0.0.1:8080, weight: {huge}}}"),
+                            "x.yaml: hosts.a.weight: must be a number, not a number that large")
+
+    def test_bracketed_host_must_be_an_ipv6_address(self) -> None:
+        for url in ("http://[zz]:80", "http://[]:80", "https://[1.2.3.4]:443"):
+            self.assertRejected(doc(hosts={"a": url}), f"x.yaml: hosts.a: bad IPv6 address in {url!r}")
+        c = parse(doc(hosts={"a": "http://[fe80::1%25eth0]:80", "b": "http://[::1]:8080"}, routes={"r": {"hosts": ["a", "b"]}}))
+        self.assertEqual(list(c.hosts), ["a", "b"])
+
+    def test_ops_token_must_be_presentable(self) -> None:
+        """A secret file's trailing newline made a token no client could send."""
+        for value in ("tok123\n", " tok", "a b", "h\u00e9llo"):
+            self.assertRejected(MINIMAL + "ops:\n  token: ${T}\n",
+                                "x.yaml: ops.token: must be printable ASCII without spaces (it travels in an HTTP header)",
+                                {"T": value})
+
+
 class YAMLTests(_Case):
     def test_duplicate_top_level_key(self) -> None:
         self.assertRejected(

@@ -70,7 +70,7 @@ def container(manifests: dict[str, dict[str, Any]]) -> dict[str, Any]:
 def container_environ(c: dict[str, Any]) -> dict[str, str]:
     """The environment the container gets: literal values, and a stand-in for values
     taken from a Secret or ConfigMap (present at run time, unknown here)."""
-    return {e["name"]: str(e["value"]) if "value" in e else f"<{e['name']} from valueFrom>" for e in c.get("env", [])}
+    return {e["name"]: str(e["value"]) if "value" in e else f"<{e['name']}-from-valueFrom>" for e in c.get("env", [])}
 
 
 def shipped_config(manifests: dict[str, dict[str, Any]]) -> Config:
@@ -159,7 +159,7 @@ class ShippedManifestTests(SynchronousTestCase):
         config = shipped_config(load_manifests())
         self.assertEqual((config.drain.delay, config.drain.grace), (5.0, 25.0))
         self.assertEqual(listen_port(config.listen), 7777)
-        self.assertEqual(config.ops.token, "<CROSSBAR_OPS_TOKEN from valueFrom>")
+        self.assertEqual(config.ops.token, "<CROSSBAR_OPS_TOKEN-from-valueFrom>")
 
 
 class RuleTests(SynchronousTestCase):

@@ -275,3 +275,17 @@ class TransitionLogTests(TestCase):
         t.record_failure("a", "health: connection refused")
         got = self.transitions(events)
         self.assertEqual(got, [{"host": "a", "healthy": False, "reason": "health: connection refused"}])
+
+
+class HostTextInTheLogTests(TestCase):
+    def test_model_ids_are_escaped_in_the_transition_line(self) -> None:
+        """A host's model ids are its own text: a terminal escape or a lone surrogate
+        is escaped in the line (the surrogate once lost the line from a UTF-8 log)."""
+        from twisted.logger import formatEvent
+
+        log = LogCapture(self)
+        t, _ = table(recovery_polls=1, hosts=("a",))
+        t.record_success("a", ["m\x1b[31mRED", "\ud800"])
+        [line] = [formatEvent(e) for e in log.events if "is healthy" in formatEvent(e)]
+        self.assertEqual(line, "host a is healthy: 1 good poll(s) in a row (models: m\\x1b[31mRED, \\ud800)")
+        line.encode("utf-8")  # no lone surrogate left

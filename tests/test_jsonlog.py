@@ -51,6 +51,17 @@ class EventTests(TestCase):
         self.assertEqual(doc["level"], "warn")
 
 
+    def test_a_lone_surrogate_does_not_lose_the_line(self) -> None:
+        """A host's model id (or any text from outside) with a lone surrogate: the line
+        is still written, as valid JSON, to a UTF-8 file."""
+        out = io.TextIOWrapper(io.BytesIO(), encoding="utf-8")
+        Logger(namespace="crossbar.health", observer=observer_to(out)).info(
+            "host {host} is healthy (models: {models})", host="b", models="\ud800", loaded=["\ud800", "ok"])
+        out.flush()
+        doc = json.loads(out.buffer.getvalue().decode("utf-8"))  # type: ignore[attr-defined]
+        self.assertEqual(doc["loaded"], ["\ud800", "ok"])
+
+
 class TwistdLogTests(TestCase):
     timeout = 60
 

@@ -11,6 +11,7 @@ import trustme
 from twisted.internet import reactor
 from twisted.internet.defer import ensureDeferred
 from twisted.internet.task import Clock
+from twisted.logger import formatEvent
 from twisted.trial.unittest import TestCase
 
 from crossbar.config import parse_config
@@ -114,6 +115,25 @@ class TableAndPollerTests(TestCase):
         probe.succeed("http://a", ("m",))
         clock.advance(1)
         self.assertEqual(len(probe.pending("http://a")), 1)
+
+
+    def test_poller_polls_hosts_reset_for_new_settings_at_once(self) -> None:
+        """Same URL, new ``api_key`` or ``tls``: reset by the reload, so polled now
+        (readiness and waiting requests wait for that poll, not for the next round)."""
+        clock = Clock()
+        probe = FakeProbe()
+        table = HealthTable(["a"], 2, 1, clock.seconds)
+        poller = HealthPoller(table, {"a": "http://a"}, probe, 60, 5, clock)
+        poller.startService()
+        self.addCleanup(poller.stopService)
+        probe.succeed("http://a", ("m",))
+        table.set_hosts(["a"], reset=["a"])
+        poller.set_hosts({"a": "http://a"}, fresh=["a"])
+        self.assertEqual(len(probe.pending("http://a")), 1)
+        probe.succeed("http://a", ("m",))
+        status = table.get("a")
+        assert status is not None
+        self.assertTrue(status.polled and status.healthy)
 
 
 class SignalTests(TestCase):
@@ -222,3 +242,54 @@ class TwistdReloadTests(TestCase):
             await proc.ended
 
         return ensureDeferred(go())
+
+
+class ReloadWithWaitingRequestsTests(TestCase):
+    """A reload that resets a host (its URL, ``tls`` or ``api_key`` changed) must not
+    answer the route's waiting requests 503 while that host waits for its first poll
+    (DESIGN.md §Operations: reload drops no waiting request)."""
+
+    async def test_api_key_rotation_keeps_the_queue(self) -> None:
+        from tests.harness import start_crossbar
+        from tests.logs import LogCapture
+        from tests.test_access_keys import Held
+
+        log = LogCapture(self)
+        host = FakeLlama(["model-a"])
+        host.handlers[b"/v1/chat/completions"] = held = Held()
+        url = await listen(self, host)
+        text = ("health: {interval: 60, timeout: 5}\n"
+                f"hosts:\n  a: {{url: {url}, max_inflight: 1}}\n"
+                "routes:\n  r:\n    hosts: [a]\n    queue: {max: 5, timeout: 20}\n    affinity: {key: none}\n")
+        service, base = await start_crossbar(self, text)
+        await service.poller.when_first_round_done()
+        client = http_client(self)
+        first = ensureDeferred(client.post(base + "/r/v1/chat/completions", json={"model": "model-a"}))
+        await wait_for(lambda: len(held.requests) == 1, what="the first request at the host")
+        second = ensureDeferred(client.post(base + "/r/v1/chat/completions", json={"model": "model-a"}))
+        await wait_for(lambda: service.runtime.queued("r") == 1, what="the second request waiting")
+        running = service.runtime.config.text
+        self.assertTrue(service.reload(text=running.replace("max_inflight: 1}", "max_inflight: 1, api_key: k3y}")))
+        self.assertEqual(service.runtime.config.hosts["a"].api_key, "k3y")
+        await wait_for(lambda: getattr(service.table.get("a"), "polled", False), what="the reset host polled")
+        self.assertEqual(service.runtime.queued("r"), 1)  # still waiting, not answered 503
+        held.release()
+        await wait_for(lambda: len(held.requests) == 1, what="the second request at the host")
+        held.release()
+        for d in (first, second):
+            response = await d
+            self.assertEqual(response.code, 200)
+            await response.content()
+        self.assertEqual([e["status"] for e in log.proxied()], [200, 200])
+
+    def test_a_workers_change_needs_a_restart(self) -> None:
+        from crossbar.service import make_service
+        from tests.logs import LogCapture
+
+        log = LogCapture(self)
+        text = "listen: tcp:0:interface=127.0.0.1\nhosts: {a: 'http://127.0.0.1:1'}\nroutes: {r: {hosts: [a]}}\n"
+        service = make_service(parse_config(text, "test.yaml"))
+        self.assertTrue(service.reload(text="workers: 2\n" + text))
+        self.assertEqual(service.runtime.config.workers, 1)
+        texts = [formatEvent(e) for e in log.events]
+        self.assertTrue(any("workers changed from 1 to 2" in line for line in texts), texts)
