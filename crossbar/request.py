@@ -17,6 +17,7 @@ import json
 from io import BytesIO
 from typing import Any
 
+from twisted.internet.interfaces import ISSLTransport
 from twisted.web.server import Request
 
 from crossbar.peek import NOTHING, BodyPeek, Peeked
@@ -120,7 +121,10 @@ class CappedRequest(Request):
         )
         self.channel.persistent = False
         self.refused_answer(code, len(sent))
-        half_close = getattr(transport, "loseWriteConnection", None)
+        # Half-close a plain TCP connection (the client can still send, and read the
+        # answer instead of a reset); TLS (an ``ssl:`` listener) is closed whole: its
+        # half-close broke inside Twisted's TLS layer when the client then closed.
+        half_close = None if ISSLTransport.providedBy(transport) else getattr(transport, "loseWriteConnection", None)
         if half_close is None:
             transport.loseConnection()
             return

@@ -339,6 +339,10 @@ class CrossbarService(MultiService):
             self.runtime.fleet.configure(new)
             self.runtime.republish()
         self.poller.probe = probe
+        if plan.fresh:
+            # A kept-alive poll connection was opened under the old settings (a CA that no
+            # longer holds would go on passing): new and changed hosts are polled anew.
+            self._poll_pool.closeCachedConnections()
         self.poller.set_timing(health.interval, health.timeout)
         self.poller.set_hosts({name: h.url for name, h in new.hosts.items()}, fresh=plan.fresh)
         if self.systemd is not None:

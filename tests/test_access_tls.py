@@ -13,6 +13,8 @@ import ssl
 from typing import Any
 
 import trustme
+from twisted.internet import reactor
+from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThread
 from twisted.logger import LogLevel, formatEvent
 from OpenSSL import SSL
@@ -179,6 +181,25 @@ def _refused_without_ca(base: str) -> str:
     raise AssertionError("a client without the test CA connected")
 
 
+def _raw_over_tls(base: str, ca_file: str, request: bytes) -> bytes:
+    """Send ``request`` over TLS to crossbar; the answer's bytes until it closes."""
+    import socket
+    from urllib.parse import urlsplit
+
+    where = urlsplit(base)
+    context = ssl.create_default_context(cafile=ca_file)
+    with socket.create_connection(("127.0.0.1", where.port), timeout=10) as raw:
+        with context.wrap_socket(raw, server_hostname="localhost") as sock:
+            sock.sendall(request)
+            data = b""
+            try:
+                while chunk := sock.recv(65536):
+                    data += chunk
+            except (ssl.SSLError, OSError):
+                pass
+    return data
+
+
 class TLSListenerTests(TestCase):
     timeout = 60
 
@@ -205,6 +226,16 @@ class TLSListenerTests(TestCase):
         self.assertEqual(len(chunks), 5)
         self.assertIn("CERTIFICATE_VERIFY_FAILED", await deferToThread(_refused_without_ca, base))
         await wait_for(lambda: len(upstream_requests(host)) == 1, what="one request at the host")
+        # Refusals made on the request head (401, 413) close a TLS connection cleanly:
+        # no traceback from Twisted's TLS layer (a half-close broke it).
+        log = LogCapture(self)
+        for extra in (b"", b"Authorization: Bearer alice-Tt9l-secret\r\n"):
+            length = b"2" if not extra else b"99999999"
+            head = await deferToThread(_raw_over_tls, base, ca_file, b"POST /r/v1/chat/completions HTTP/1.1\r\n"
+                                       b"Host: localhost\r\n" + extra + b"Content-Length: " + length + b"\r\n\r\n{}")
+            self.assertTrue(head.startswith(b"HTTP/1.1 401" if not extra else b"HTTP/1.1 413"), head)
+        await deferLater(reactor, 0.3, lambda: None)
+        self.assertEqual(log.errors(), [])
 
 
 class DescribeTLSFailureTests(SynchronousTestCase):

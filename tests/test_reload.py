@@ -293,3 +293,24 @@ class ReloadWithWaitingRequestsTests(TestCase):
         self.assertEqual(service.runtime.config.workers, 1)
         texts = [formatEvent(e) for e in log.events]
         self.assertTrue(any("workers changed from 1 to 2" in line for line in texts), texts)
+
+
+class ReloadPollConnectionTests(TestCase):
+    async def test_changed_host_is_polled_on_a_new_connection(self) -> None:
+        """A kept-alive poll connection opened under the old ``tls`` (or key) must not
+        carry the changed host's polls: a CA that no longer holds went on passing."""
+        from tests.harness import start_crossbar
+
+        host = FakeLlama(["model-a"])
+        url = await listen(self, host)
+        text = (f"health: {{interval: 60, timeout: 5}}\nhosts:\n  a: {{url: {url}}}\n"
+                "routes:\n  r:\n    hosts: [a]\n")
+        service, _ = await start_crossbar(self, text)
+        await service.poller.when_first_round_done()
+        before = {s.client.port for s in host.seen}  # type: ignore[attr-defined]
+        seen = len(host.seen)
+        self.assertTrue(service.reload(text=service.runtime.config.text.replace(f"{{url: {url}}}",
+                                                                               f"{{url: {url}, api_key: k3y}}")))
+        await wait_for(lambda: len(host.seen) >= seen + 2, what="the changed host polled again")
+        after = {s.client.port for s in host.seen[seen:]}  # type: ignore[attr-defined]
+        self.assertFalse(after & before, (before, after))
