@@ -715,7 +715,7 @@ def _hosts(c: _Checker, raw: Any) -> dict[str, Host]:
             )
         weight = 1.0 if body.get("weight") is None else c.at_least(f"{key}.weight", body["weight"], 0)
         if not _MIN_WEIGHT <= weight <= _MAX_WEIGHT:  # the shares' arithmetic stays finite
-            raise c.fail(f"{key}.weight", f"must be between {_MIN_WEIGHT:g} and {_MAX_WEIGHT:g}, not {weight:g}")
+            raise c.fail(f"{key}.weight", f"must be between {_MIN_WEIGHT:g} and {_MAX_WEIGHT:,.0f}, not {weight!r}")
         max_raw = body.get("max_inflight")
         max_inflight = None if max_raw is None else c.count(f"{key}.max_inflight", max_raw)
         key_raw = body.get("api_key")

@@ -862,8 +862,9 @@ class HostBalancingKeyTests(_Case):
         self.rejected("weight", float("inf"), "must be a positive number, not inf")
         self.rejected("weight", [1], "must be a number, not a list")
         # Shares stay finite: a denormal weight made the affinity bound overflow.
-        self.rejected("weight", 1e-320, "must be between 0.001 and 1e+06, not 9.99989e-321")
-        self.rejected("weight", 1e7, "must be between 0.001 and 1e+06, not 1e+07")
+        self.rejected("weight", 1e-320, "must be between 0.001 and 1,000,000, not 1e-320")
+        self.rejected("weight", 1e7, "must be between 0.001 and 1,000,000, not 10000000.0")
+        self.rejected("weight", 1000001, "must be between 0.001 and 1,000,000, not 1000001.0")  # was "1e+06, not 1e+06"
 
     def test_max_inflight(self) -> None:
         self.assertEqual((self.host(max_inflight=4).max_inflight, self.host().max_inflight), (4, None))
