@@ -342,14 +342,7 @@ class H1Connection(Protocol):
         state = self.state
         if state is _BODY:
             self._body_in_read = 0
-            try:
-                self._parser.feed_data(data)
-            except httptools.HttpParserError as e:
-                self._broken(e)
-                return
-            if self.state is _DONE:
-                self._reuse()
-            elif self.state is _BODY:
+            if self._feed(data) and self.state is _BODY:
                 # bytes of this read that were not body: chunk framing, trailers
                 framing = len(data) - self._body_in_read
                 self._framing = framing if self._body_in_read else self._framing + framing
@@ -368,15 +361,21 @@ class H1Connection(Protocol):
                 self._broken(ResponseFailed([Failure(UnrelayableStatus("not an HTTP answer"))]))
                 return
         self._head_bytes += len(data)
+        if self._feed(data) and self.state in (_WAITING, _SENDING) and self._head_bytes > MAX_RESPONSE_HEAD:
+            self._broken(ResponseHeadTooLarge(f"response head over {MAX_RESPONSE_HEAD} bytes"))
+
+    def _feed(self, data: bytes) -> bool:
+        """Parse ``data``; False when that ended the answer: broken, or complete (the
+        connection then goes back to the pool, the read having nothing after it)."""
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as e:
             self._broken(e)
-            return
+            return False
         if self.state is _DONE:
             self._reuse()
-        elif self.state in (_WAITING, _SENDING) and self._head_bytes > MAX_RESPONSE_HEAD:
-            self._broken(ResponseHeadTooLarge(f"response head over {MAX_RESPONSE_HEAD} bytes"))
+            return False
+        return True
 
     def _broken(self, error: BaseException) -> None:
         """The answer cannot be read on: abort the connection, fail the answer."""

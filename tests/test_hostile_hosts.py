@@ -88,6 +88,19 @@ async def _still_serving(case: TestCase, setup: _Setup) -> None:
     case.assertEqual(setup.service.runtime.active, set())
 
 
+async def _assert_cut_off(case: TestCase, setup: _Setup, data: bytes, how: str) -> None:
+    """The host died mid-answer (rule 7): the client's connection is aborted, so it sees
+    a cut-off answer or none (what had not reached it is dropped), never a clean end;
+    the host is marked down; crossbar still serves."""
+    case.assertEqual(how, "close")
+    case.assertFalse(complete(data), data)
+    status = setup.service.table.get("evil")
+    assert status is not None
+    case.assertFalse(status.healthy)
+    case.assertIn("mid-answer", status.last_err)
+    await _still_serving(case, setup)
+
+
 def _assert_502(case: TestCase, setup: _Setup, answer: RawResponse, reason: str = "") -> None:
     case.assertEqual(answer.status, 502, answer)
     case.assertEqual(answer.one(b"content-type"), b"application/json")
@@ -261,15 +274,7 @@ class OddAnswerTests(TestCase):
             setup = await _setup(self, _send(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly-some", close=True))
             data, how = await raw_exchange(setup.port, request_bytes(
                 b"POST", b"/r/v1/chat/completions", [(b"Content-Length", b"%d" % len(_BODY))], _BODY))
-            # The connection is aborted: whatever had not reached the client yet is
-            # dropped with it, so it sees a cut-off answer or none, never a clean end.
-            self.assertEqual(how, "close")
-            self.assertFalse(complete(data), data)
-            status = setup.service.table.get("evil")
-            assert status is not None
-            self.assertFalse(status.healthy)
-            self.assertIn("mid-answer", status.last_err)
-            await _still_serving(self, setup)
+            await _assert_cut_off(self, setup, data, how)
 
         return ensureDeferred(go())
 
@@ -297,13 +302,7 @@ class OddAnswerTests(TestCase):
             setup = await _setup(self, script)
             data, how = await raw_exchange(setup.port, request_bytes(
                 b"POST", b"/r/v1/chat/completions", [(b"Content-Length", b"%d" % len(_BODY))], _BODY))
-            self.assertEqual(how, "close")
-            self.assertFalse(complete(data), data)
-            status = setup.service.table.get("evil")
-            assert status is not None
-            self.assertFalse(status.healthy)
-            self.assertIn("mid-answer", status.last_err)
-            await _still_serving(self, setup)
+            await _assert_cut_off(self, setup, data, how)
 
         return ensureDeferred(go())
 

@@ -506,6 +506,20 @@ class FleetTests(TestCase):
         self.assertLess(max(gaps), 0.1, gaps)
 
 
+async def until_both_workers_served(case: TestCase, proc: Twistd, http: HTTPClient, route: str) -> list[dict[str, Any]]:
+    """Chat requests on ``route``, each answered 200, at least 8 and until both workers
+    served some (the kernel decides; at most 80). Returns their log lines."""
+    before = len(served(proc))
+    sent = 0
+    while sent < 8 or (sent < 80 and {e["worker"] for e in served(proc)[before:]} != {0, 1}):
+        response = await http.post(proc.base + f"/{route}/v1/chat/completions", json={"model": "tiny-a", "messages": []})
+        case.assertEqual(response.code, 200)
+        await treq.content(response)
+        sent += 1
+        await wait_for(lambda: len(served(proc)) >= before + sent, 10, "its log line")
+    return served(proc)[before:]
+
+
 def metric(text: str, name: str, **labels: str) -> float:
     """The sum of ``name``'s samples whose labels include ``labels``."""
     from prometheus_client.parser import text_string_to_metric_families
@@ -637,15 +651,8 @@ class SignalTests(TestCase):
         await proc.line(lambda line: "reloaded" in line and '"worker": 0' in line)
         await proc.line(lambda line: "reloaded" in line and '"worker": 1' in line)
         http = fresh(self)
-        before = len(served(proc))
-        sent = 0
-        while sent < 8 or (sent < 80 and {e["worker"] for e in served(proc)[before:]} != {0, 1}):
-            response = await http.post(proc.base + "/s/v1/chat/completions", json={"model": "tiny-a", "messages": []})
-            self.assertEqual(response.code, 200)
-            await treq.content(response)
-            sent += 1
-            await wait_for(lambda: len(served(proc)) >= before + sent, 10, "its log line")
-        self.assertEqual({e["worker"] for e in served(proc)[before:] if e["route"] == "s"}, {0, 1})
+        lines = await until_both_workers_served(self, proc, http, "s")
+        self.assertEqual({e["worker"] for e in lines if e["route"] == "s"}, {0, 1})
         # An invalid file: refused once (by the supervisor, which tells no worker).
         with open(proc.config_path, "a") as f:
             f.write("  bad:\n    hosts: [nowhere]\n")
@@ -675,15 +682,8 @@ class SignalTests(TestCase):
                        20, "worker 0 ready again")
         self.assertFalse(any("cannot start" in line for line in proc.out), proc.text())
         http = fresh(self)
-        before = len(served(proc))
-        sent = 0
-        while sent < 8 or (sent < 80 and {e["worker"] for e in served(proc)[before:]} != {0, 1}):
-            response = await http.post(proc.base + "/r/v1/chat/completions", json={"model": "tiny-a", "messages": []})
-            self.assertEqual(response.code, 200)
-            await treq.content(response)
-            sent += 1
-            await wait_for(lambda: len(served(proc)) >= before + sent, 10, "its log line")
-        self.assertEqual({e["worker"] for e in served(proc)[before:]}, {0, 1})
+        lines = await until_both_workers_served(self, proc, http, "r")
+        self.assertEqual({e["worker"] for e in lines}, {0, 1})
 
     async def test_affinity_counts_never_go_down_when_a_worker_dies(self) -> None:
         upstream = FakeLlama()
