@@ -3,7 +3,7 @@
     python bench/peek.py [--mib 15] [--chunk 65536] [--rounds 5] [--shapes]
 
 Builds a chat request of about ``--mib`` MiB carrying one base64 image and feeds it to
-``crossbar.peek.BodyPeek`` in ``--chunk``-byte pieces (what ``handleContentChunk`` gets),
+``crossbar.proxy.peek.BodyPeek`` in ``--chunk``-byte pieces (what ``handleContentChunk`` gets),
 timing every ``feed`` and the ``finish``; then times ``json.loads`` of the whole body (what
 the proxy did before, in one reactor turn) and both on a small 90-byte chat request (the
 per-request cost in bench (a)). Prints medians over rounds. A few seconds at most.
@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from crossbar.peek import BodyPeek, backend_name, peek  # noqa: E402
+from crossbar.proxy.peek import BodyPeek, backend_name, peek  # noqa: E402
 
 
 def image_body(mib: float) -> bytes:

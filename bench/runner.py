@@ -197,7 +197,7 @@ def start_crossbar(workdir: Path, name: str, up_port: int, up2_port: int, worker
     if workers > 1:
         # as the systemd unit runs it: JSON lines on standard output, which the workers
         # then write straight through (a text --logfile makes the supervisor relay them)
-        log_args, out = ["--logger=crossbar.jsonlog.observer"], open(workdir / f"{name}.log", "w")
+        log_args, out = ["--logger=crossbar.ops.jsonlog.observer"], open(workdir / f"{name}.log", "w")
     else:
         log_args, out = [f"--logfile={workdir / (name + '.log')}"], subprocess.DEVNULL
     cb = subprocess.Popen(

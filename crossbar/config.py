@@ -188,7 +188,7 @@ class ClientKey:
     :ivar secret: what clients send as ``Authorization: Bearer <secret>``; left out of
         ``repr()``.
     :ivar max_inflight: this key's requests in flight or waiting at once, or None.
-    :ivar digest: SHA-256 of the UTF-8 secret (what :func:`crossbar.access.authorize`
+    :ivar digest: SHA-256 of the UTF-8 secret (what :func:`crossbar.proxy.access.authorize`
         compares, so the comparison's time does not depend on the secret's length).
     """
 

@@ -25,7 +25,7 @@ from twisted.web.resource import Resource
 import trustme
 
 from crossbar.config import load_config
-from crossbar.service import CrossbarService, make_service
+from crossbar.process.service import CrossbarService, make_service
 from tests.harness import _QuietSite
 
 __all__ = ["auth_headers", "serve_tls", "start_file", "write_pem"]

@@ -1,7 +1,7 @@
 """Fakes beside the real implementations, for unit tests of one rule at a time.
 
-:class:`FakeProbe` implements :class:`~crossbar.poller.IHostProbe` like
-:class:`~crossbar.poller.HTTPProbe` does, but each poll is a Deferred the test fires.
+:class:`FakeProbe` implements :class:`~crossbar.hosts.poller.IHostProbe` like
+:class:`~crossbar.hosts.poller.HTTPProbe` does, but each poll is a Deferred the test fires.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from twisted.internet.defer import Deferred
 from zope.interface import implementer
 
-from crossbar.poller import IHostProbe, PollCancelled, PollFailed
+from crossbar.hosts.poller import IHostProbe, PollCancelled, PollFailed
 
 __all__ = ["FakeProbe"]
 
@@ -29,7 +29,7 @@ class FakeProbe:
         """Start a poll of ``url``; it is in its ``health`` phase until :meth:`advance`.
 
         Cancelling it errbacks with :class:`PollCancelled` naming the current phase, as
-        :class:`~crossbar.poller.HTTPProbe` does.
+        :class:`~crossbar.hosts.poller.HTTPProbe` does.
         """
         d: Deferred[tuple[str, ...]] = Deferred(lambda d: d.errback(PollCancelled(self._phase.pop(id(d), "health"))))
         self._phase[id(d)] = "health"

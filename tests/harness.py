@@ -3,7 +3,7 @@
 :class:`FakeLlama` speaks the parts of llama-server's HTTP interface crossbar uses
 (``/health``, ``/v1/models``, ``/v1/chat/completions`` plain and streaming) on a real
 loopback socket, with knobs for failure modes; :func:`listen` serves it (or any
-resource). :func:`start_crossbar` runs a real :class:`~crossbar.service.CrossbarService`
+resource). :func:`start_crossbar` runs a real :class:`~crossbar.process.service.CrossbarService`
 for a YAML text on ``127.0.0.1:<free port>``; :func:`start_routes` builds that text
 from hosts and routes and waits for the first poll round; :func:`two_hosts` is the
 common two-host set-up. :func:`wait_for` polls a condition."""
@@ -30,7 +30,7 @@ from treq.client import HTTPClient
 from twisted.web.client import Agent, HTTPConnectionPool
 
 from crossbar.config import parse_config
-from crossbar.service import CrossbarService, make_service
+from crossbar.process.service import CrossbarService, make_service
 from tools.llama_server import skip_reason
 
 __all__ = [

@@ -1,5 +1,5 @@
 """Reference answers for tests: what ``json.loads`` says a body's model is (DESIGN.md
-§The proxy, rule 4). crossbar itself peeks incrementally (:mod:`crossbar.peek`); its
+§The proxy, rule 4). crossbar itself peeks incrementally (:mod:`crossbar.proxy.peek`); its
 answers are checked against this one."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Client keys (crossbar/access.py, DESIGN.md §Access): the one rule of which key a
+"""Client keys (crossbar/proxy/access.py, DESIGN.md §Access): the one rule of which key a
 request's ``Authorization`` header presents."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from crossbar import access
-from crossbar.access import authorize
+from crossbar.proxy import access
+from crossbar.proxy.access import authorize
 from crossbar.config import ClientKey, parse_config
 
 _CONFIG = """\

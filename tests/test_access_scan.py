@@ -16,7 +16,7 @@ from twisted.internet.defer import ensureDeferred
 from twisted.logger import formatEvent
 from twisted.trial.unittest import TestCase
 
-from crossbar.jsonlog import event_as_line
+from crossbar.ops.jsonlog import event_as_line
 from tests.accesskit import auth_headers, serve_tls, start_file, write_pem
 from tests.harness import FakeLlama, http_client, listen, upstream_requests, wait_for
 from tests.logs import LogCapture

@@ -22,7 +22,7 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web._newclient import ResponseNeverReceived
 
-from crossbar.failures import describe_failure
+from crossbar.upstream.failures import describe_failure
 
 from tests.accesskit import serve_tls, start_file, write_pem
 from tests.harness import FakeLlama, http_client, listen, upstream_requests, wait_for

@@ -1,4 +1,4 @@
-"""Weighted rendezvous hashing with bounded load (crossbar.affinity; DESIGN.md §"Cache
+"""Weighted rendezvous hashing with bounded load (crossbar.hosts.affinity; DESIGN.md §"Cache
 affinity"; the property tests issue 12 lists)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
-from crossbar.affinity import Candidate, Pick, bound, pick, rank, score
+from crossbar.hosts.affinity import Candidate, Pick, bound, pick, rank, score
 
 _names = st.lists(st.text("abcdefghijklmnopqrstuvwxyz0123456789-.", min_size=1, max_size=12),
                   min_size=1, max_size=8, unique=True)

@@ -23,10 +23,10 @@ from twisted.internet.defer import Deferred, ensureDeferred
 from twisted.trial.unittest import TestCase
 from twisted.web.server import NOT_DONE_YET, Request
 
-from crossbar import affinity
+from crossbar.hosts import affinity
 from crossbar.config import load_config
-from crossbar.peek import peek
-from crossbar.service import CrossbarService, make_service
+from crossbar.proxy.peek import peek
+from crossbar.process.service import CrossbarService, make_service
 from tests.harness import FakeLlama, http_client, listen, start_crossbar, upstream_requests, wait_for
 from tests.logs import LogCapture
 

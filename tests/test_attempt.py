@@ -1,4 +1,4 @@
-"""Socket-free unit tests of :class:`crossbar.attempt.Attempt` (DESIGN.md §The proxy,
+"""Socket-free unit tests of :class:`crossbar.proxy.attempt.Attempt` (DESIGN.md §The proxy,
 rules 6-7): one upstream request to one host, classified as an :class:`Answer` or an
 :class:`UpstreamFailed` of one :class:`FailureKind`.
 
@@ -32,8 +32,8 @@ from twisted.web.client import (  # type: ignore[attr-defined]
 )
 from twisted.web.http_headers import Headers
 
-from crossbar.attempt import STALE_WINDOW, Answer, Attempt, BytesProducer, FailureKind, UpstreamFailed
-from crossbar.upstream import MAX_RESPONSE_HEAD, UpstreamPools
+from crossbar.proxy.attempt import STALE_WINDOW, Answer, Attempt, BytesProducer, FailureKind, UpstreamFailed
+from crossbar.upstream.pools import MAX_RESPONSE_HEAD, UpstreamPools
 
 URL = b"http://127.0.0.1:8080/v1/chat/completions"
 TIMEOUT = 300.0
@@ -44,7 +44,7 @@ TIMEOUT = 300.0
 
 @dataclass
 class FakeTracker:
-    """What :class:`~crossbar.upstream.ConnectTracker` tells an attempt."""
+    """What :class:`~crossbar.upstream.pools.ConnectTracker` tells an attempt."""
 
     connects: int = 0
     connect_failure: Failure | None = None

@@ -1,4 +1,4 @@
-"""Property tests of :func:`crossbar.balance.choose` (DESIGN.md §Choosing a host, rules 1-3).
+"""Property tests of :func:`crossbar.hosts.balance.choose` (DESIGN.md §Choosing a host, rules 1-3).
 
 Each example is a route over a few hosts with random health, model states, weights,
 ``max_inflight`` limits, in-flight counts, exclusions and a primary; the properties are
@@ -13,9 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
-from crossbar.balance import Chosen, Fit, Rotation, Verdict, choose, fit_tier, has_room
+from crossbar.hosts.balance import Chosen, Fit, Rotation, Verdict, choose, fit_tier, has_room
 from crossbar.config import Host, Route
-from crossbar.health import HostStatus
+from crossbar.hosts.health import HostStatus
 
 MODELS = ("m1", "m2")
 NAMES = ("h0", "h1", "h2", "h3", "h4")

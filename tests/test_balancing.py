@@ -22,7 +22,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.server import NOT_DONE_YET, Request
 
 from crossbar.config import load_config
-from crossbar.service import CrossbarService, make_service
+from crossbar.process.service import CrossbarService, make_service
 from tests.harness import FakeLlama, http_client, listen, start_crossbar, wait_for
 from tests.logs import LogCapture
 

@@ -1,4 +1,4 @@
-"""The upstream request body is written in slices (crossbar.attempt.BytesProducer), so
+"""The upstream request body is written in slices (crossbar.proxy.attempt.BytesProducer), so
 no reactor turn copies a whole 15 MiB image request (issue 11 item 3, bench (h))."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from twisted.internet.defer import ensureDeferred
 from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from crossbar.attempt import BytesProducer
+from crossbar.proxy.attempt import BytesProducer
 from tests.harness import two_hosts, upstream_requests
 from tests.raw import parse_responses, raw_exchange, request_bytes
 

@@ -1,4 +1,4 @@
-"""The request-head deadline (crossbar/channel.py): slowloris is cut, keep-alive and
+"""The request-head deadline (crossbar/proxy/channel.py): slowloris is cut, keep-alive and
 long answers are not."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from twisted.trial.unittest import TestCase
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
-from crossbar.channel import HEAD_DEADLINE, HeadDeadlineChannel
+from crossbar.proxy.channel import HEAD_DEADLINE, HeadDeadlineChannel
 
 
 class _Slow(Resource):
@@ -106,7 +106,7 @@ class _NoDelayTransport(StringTransport):
 class NoDelayTests(TestCase):
     """Nagle's algorithm is off on both sides of the proxy: otherwise a small write
     waits for the peer's delayed ACK (up to 40 ms), stalling requests and coalescing
-    stream events (crossbar/tcp.py)."""
+    stream events (crossbar/upstream/tcp.py)."""
 
     def test_client_connections(self) -> None:
         site = Site(_Slow(), reactor=Clock())
@@ -118,7 +118,7 @@ class NoDelayTests(TestCase):
         channel.connectionLost(Failure(ConnectionDone()))
 
     def test_upstream_connections(self) -> None:
-        from crossbar.upstream import quiet_pool
+        from crossbar.upstream.pools import quiet_pool
 
         pool = quiet_pool(Clock(), persistent=True)
         protocol = pool._factory(lambda p: None, "upstream").buildProtocol(None)
@@ -127,7 +127,7 @@ class NoDelayTests(TestCase):
         self.assertIs(transport.no_delay, True)
 
     def test_other_transports_are_left_alone(self) -> None:
-        from crossbar.tcp import no_delay
+        from crossbar.upstream.tcp import no_delay
 
         no_delay(StringTransport())  # no setTcpNoDelay: nothing to do, no error
 
@@ -177,7 +177,7 @@ class BodyDeadlineTests(TestCase):
     """A request body must average MIN_BODY_RATE after a HEAD_DEADLINE head start."""
 
     def test_trickled_body_is_cut(self) -> None:
-        from crossbar.channel import body_deadline
+        from crossbar.proxy.channel import body_deadline
 
         slow = _Slow()
         channel, transport, clock = _channel(slow)
@@ -207,8 +207,8 @@ class BodyDeadlineTests(TestCase):
         slow.pending[0].finish()
 
     def test_deadline_grows_with_the_body(self) -> None:
-        from crossbar.channel import MIN_BODY_RATE, body_deadline
-        from crossbar.request import MAX_BODY
+        from crossbar.proxy.channel import MIN_BODY_RATE, body_deadline
+        from crossbar.proxy.request import MAX_BODY
 
         self.assertEqual(body_deadline(0), HEAD_DEADLINE)
         self.assertEqual(body_deadline(MIN_BODY_RATE * 10), HEAD_DEADLINE + 10)

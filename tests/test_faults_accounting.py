@@ -13,7 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from twisted.internet.defer import ensureDeferred
 from twisted.trial.unittest import TestCase
 
-from crossbar.request import MAX_BODY
+from crossbar.proxy.request import MAX_BODY
 from tests.harness import TwoHosts, http_client, two_hosts, wait_for
 from tests.logs import LogCapture
 from tests.raw import parse_responses, raw_exchange, request_bytes

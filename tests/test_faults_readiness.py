@@ -16,7 +16,7 @@ from twisted.trial.unittest import TestCase
 from twisted.web.server import NOT_DONE_YET, Request
 
 from crossbar.config import load_config
-from crossbar.service import make_service
+from crossbar.process.service import make_service
 from tests.harness import FakeLlama, http_client, listen, wait_for
 
 

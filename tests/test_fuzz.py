@@ -21,7 +21,7 @@ from twisted.internet.defer import ensureDeferred
 from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import TestCase
 
-from crossbar.request import MAX_BODY
+from crossbar.proxy.request import MAX_BODY
 from tests.harness import two_hosts
 from tests.logs import LogCapture
 from tests.raw import BadResponse, complete, parse_responses, raw_exchange, request_bytes, still_serving

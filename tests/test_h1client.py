@@ -1,4 +1,4 @@
-"""Socket-free tests of crossbar's HTTP/1.1 upstream client (crossbar/h1client.py,
+"""Socket-free tests of crossbar's HTTP/1.1 upstream client (crossbar/upstream/h1client.py,
 issue 14; DESIGN.md §The proxy, rules 6-7 and 9): the real parser and pool over a
 ``MemoryReactorClock``, the host's side written into a ``StringTransport``. The
 loopback versions of these rules (through the whole proxy) are in
@@ -23,9 +23,9 @@ from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH, IResponse
 
-from crossbar.attempt import BytesProducer
-from crossbar.h1client import BodyTruncated, H1Agent, H1Connection, H1Pool, H1Response
-from crossbar.upstream import ConnectTracker, UpstreamEndpoints
+from crossbar.proxy.attempt import BytesProducer
+from crossbar.upstream.h1client import BodyTruncated, H1Agent, H1Connection, H1Pool, H1Response
+from crossbar.upstream.pools import ConnectTracker, UpstreamEndpoints
 
 URL = b"http://127.0.0.1:8080/v1/chat/completions"
 

@@ -12,7 +12,7 @@ from twisted.internet.task import Clock
 from twisted.logger import LogEvent
 from twisted.trial.unittest import TestCase
 
-from crossbar.health import HealthTable, HostStatus
+from crossbar.hosts.health import HealthTable, HostStatus
 from tests.logs import LogCapture
 
 

@@ -26,7 +26,7 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import TestCase
 from zope.interface import implementer
 
-from crossbar.service import CrossbarService
+from crossbar.process.service import CrossbarService
 from tests.harness import FakeLlama, listen, port_of, start_crossbar, start_routes
 from tests.logs import LogCapture
 from tests.raw import RawResponse, complete, parse_responses, raw_exchange, request_bytes

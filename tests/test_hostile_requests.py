@@ -15,7 +15,7 @@ import json
 
 from twisted.trial.unittest import TestCase
 
-from crossbar.service import CrossbarService
+from crossbar.process.service import CrossbarService
 from tests.harness import FakeLlama, listen, port_of, start_crossbar, upstream_requests
 from tests.logs import LogCapture
 from tests.raw import RawResponse, parse_responses, raw_exchange, request_bytes

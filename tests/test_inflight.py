@@ -1,11 +1,11 @@
-"""Socket-free unit tests of :mod:`crossbar.inflight` (DESIGN.md §Choosing a host,
+"""Socket-free unit tests of :mod:`crossbar.state.inflight` (DESIGN.md §Choosing a host,
 rule 2: the one in-flight count that status, metrics and choosing read)."""
 
 from __future__ import annotations
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from crossbar.inflight import Inflight, Lease
+from crossbar.state.inflight import Inflight, Lease
 
 
 class InflightTests(SynchronousTestCase):

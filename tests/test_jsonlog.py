@@ -1,4 +1,4 @@
-"""JSON log lines (``twistd --logger crossbar.jsonlog.observer``) and the readable
+"""JSON log lines (``twistd --logger crossbar.ops.jsonlog.observer``) and the readable
 default text log, through a real twistd process."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from twisted.logger import Logger, LogLevel
 from twisted.python.failure import Failure
 from twisted.trial.unittest import TestCase
 
-from crossbar.jsonlog import event_as_line, observer_to
+from crossbar.ops.jsonlog import event_as_line, observer_to
 from tests.harness import FakeLlama, http_client, listen
 from tests.process import start_twistd
 
@@ -76,7 +76,7 @@ class TwistdLogTests(TestCase):
         async def go() -> None:
             url = await listen(self, FakeLlama())
             proc = await start_twistd(self, f"drain: {{delay: 0.2, grace: 1}}\nhosts:\n  a: {url}\nroutes:\n  r:\n    hosts: [a]\n",
-                                      logger="crossbar.jsonlog.observer")
+                                      logger="crossbar.ops.jsonlog.observer")
             await self._traffic(proc.base)
             await proc.line(lambda line: '"namespace": "crossbar.proxy' in line, 10)
             proc.signal("TERM")
@@ -103,7 +103,7 @@ class TwistdLogTests(TestCase):
             url = await listen(self, FakeLlama())
             proc = await start_twistd(self, f"drain: {{delay: 0.2, grace: 1}}\nhosts:\n  a: {url}\nroutes:\n  r:\n    hosts: [a]\n")
             await self._traffic(proc.base)
-            line = await proc.line(lambda line: "[crossbar.proxy" in line, 10)
+            line = await proc.line(lambda line: "[crossbar.proxy#" in line, 10)
             self.assertRegex(line, r"^\d{4}-\d\d-\d\dT\S+ \[crossbar\.proxy\S*#info\] POST /r/v1/chat/completions -> a 200 \d+B ttfb=[\d.]+ms [\d.]+ms \(loaded least-busy affinity=none\)$")
             self.assertFalse(line.lstrip().startswith("{"))
             proc.signal("TERM")

@@ -9,7 +9,7 @@ from typing import Any
 
 from twisted.trial.unittest import TestCase
 
-from crossbar.models import ModelsError, resident_models
+from crossbar.hosts.models import ModelsError, resident_models
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -1,4 +1,4 @@
-"""The incremental body peek (crossbar.peek; DESIGN.md §The proxy rule 4, §"Cache
+"""The incremental body peek (crossbar.proxy.peek; DESIGN.md §The proxy rule 4, §"Cache
 affinity"): the same model as ``json.loads`` (``tests.reference.peek_model``) however the body is
 cut into chunks, long strings never held, and the affinity key's rules."""
 
@@ -14,8 +14,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
-from crossbar import peek as peek_module
-from crossbar.peek import LONG_STRING, PROMPT_BYTES, BodyPeek, Peeked, backend_name, peek, peek_small
+from crossbar.proxy import peek as peek_module
+from crossbar.proxy.peek import LONG_STRING, PROMPT_BYTES, BodyPeek, Peeked, backend_name, peek, peek_small
 from tests.reference import peek_model
 
 EXISTING_CASES = [  # every body tests/test_routing.py gives peek_model

@@ -22,10 +22,10 @@ from twisted.web.client import Agent
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
-from crossbar.health import HealthTable, HostStatus
-from crossbar.poller import MAX_POLL_BODY, HealthPoller, HTTPProbe, PollCancelled, PollFailed
+from crossbar.hosts.health import HealthTable, HostStatus
+from crossbar.hosts.poller import MAX_POLL_BODY, HealthPoller, HTTPProbe, PollCancelled, PollFailed
 from tests.fakes import FakeProbe
-from crossbar.upstream import quiet_pool
+from crossbar.upstream.pools import quiet_pool
 from tests.harness import FakeLlama, listen
 from tests.logs import LogCapture
 

@@ -1,5 +1,5 @@
-"""Unit tests of :class:`crossbar.queue.RouteQueues` (DESIGN.md §Choosing a host, rule 4)
-and :func:`crossbar.modellist.route_models` (§The proxy, rule 10)."""
+"""Unit tests of :class:`crossbar.state.queue.RouteQueues` (DESIGN.md §Choosing a host, rule 4)
+and :func:`crossbar.proxy.modellist.route_models` (§The proxy, rule 10)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from crossbar.config import Route
-from crossbar.health import HostStatus
-from crossbar.modellist import route_models
-from crossbar.queue import RouteQueues
+from crossbar.hosts.health import HostStatus
+from crossbar.proxy.modellist import route_models
+from crossbar.state.queue import RouteQueues
 
 
 class Waiter:

@@ -1,4 +1,4 @@
-"""Socket-free unit tests of :class:`crossbar.relay.Relay`, the body pump (DESIGN.md
+"""Socket-free unit tests of :class:`crossbar.proxy.relay.Relay`, the body pump (DESIGN.md
 §The proxy, rules 6-7; §Quality bar: memory per stream stays bounded).
 
 The client side is real: Twisted's ``Site``/``HTTPChannel``/``Request`` over a
@@ -28,9 +28,9 @@ from twisted.web.http_headers import Headers
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
-from crossbar.channel import HeadDeadlineChannel
-from crossbar.relay import Relay, RelayEnd, RelayState
-from crossbar.twisted_private import ClientProtocol
+from crossbar.proxy.channel import HeadDeadlineChannel
+from crossbar.proxy.relay import Relay, RelayEnd, RelayState
+from crossbar.upstream.twisted_private import ClientProtocol
 
 IDLE = 120.0
 

@@ -15,9 +15,9 @@ from twisted.logger import formatEvent
 from twisted.trial.unittest import TestCase
 
 from crossbar.config import parse_config
-from crossbar.health import HealthTable
-from crossbar.poller import HealthPoller
-from crossbar.reload import ReloadPlan, SIGHUPReload, plan_reload
+from crossbar.hosts.health import HealthTable
+from crossbar.hosts.poller import HealthPoller
+from crossbar.process.reload import ReloadPlan, SIGHUPReload, plan_reload
 from tests.fakes import FakeProbe
 from tests.harness import FakeLlama, http_client, listen, wait_for
 from tests.process import ClientStream, start_twistd
@@ -283,7 +283,7 @@ class ReloadWithWaitingRequestsTests(TestCase):
         self.assertEqual([e["status"] for e in log.proxied()], [200, 200])
 
     def test_a_workers_change_needs_a_restart(self) -> None:
-        from crossbar.service import make_service
+        from crossbar.process.service import make_service
         from tests.logs import LogCapture
 
         log = LogCapture(self)

@@ -10,8 +10,8 @@ import time
 from twisted.internet.defer import ensureDeferred
 from twisted.trial.unittest import TestCase
 
-from crossbar import request as request_module
-from crossbar.request import MAX_BODY
+from crossbar.proxy import request as request_module
+from crossbar.proxy.request import MAX_BODY
 from tests.harness import TwoHosts, two_hosts, upstream_requests
 from tests.raw import parse_responses, raw_exchange, request_bytes
 

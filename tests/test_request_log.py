@@ -11,8 +11,8 @@ from twisted.internet.defer import ensureDeferred
 from twisted.logger import ILogObserver, formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
-from crossbar.metrics import Metrics
-from crossbar.record import NO_ROUTE, RequestLog, RequestRecord
+from crossbar.ops.metrics import Metrics
+from crossbar.ops.record import NO_ROUTE, RequestLog, RequestRecord
 
 from tests.harness import two_hosts
 from tests.logs import LogCapture

@@ -14,8 +14,8 @@ from twisted.trial.unittest import TestCase
 from twisted.web.resource import Resource
 from twisted.web.server import Site
 
-from crossbar.peek import Peeked, peek
-from crossbar.request import CappedRequest
+from crossbar.proxy.peek import Peeked, peek
+from crossbar.proxy.request import CappedRequest
 from tests.raw import parse_responses, raw_exchange, request_bytes
 from tests.test_request_body import chunked
 

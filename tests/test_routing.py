@@ -8,11 +8,11 @@ import json
 from twisted.internet.defer import ensureDeferred
 from twisted.trial.unittest import TestCase
 
-from crossbar.balance import Chosen, Rotation, choose
+from crossbar.hosts.balance import Chosen, Rotation, choose
 from crossbar.config import Host, Route
-from crossbar.health import HostStatus
-from crossbar.peek import peek
-from crossbar.routing import (
+from crossbar.hosts.health import HostStatus
+from crossbar.proxy.peek import peek
+from crossbar.proxy.routing import (
     has_dot_segment, is_allowed, is_forwardable, split_route, split_target,
 )
 from tests.harness import TwoHosts, two_hosts, upstream_requests
@@ -118,7 +118,7 @@ class PeekModelTests(TestCase):
 
 
 class ChooseTests(TestCase):
-    """The fit rules of :func:`crossbar.balance.choose` for idle hosts and keyless
+    """The fit rules of :func:`crossbar.hosts.balance.choose` for idle hosts and keyless
     requests (DESIGN.md §Choosing a host: fit tier, then route order among equals)."""
 
     healthy = {"a": True, "b": True, "c": True}

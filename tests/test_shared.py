@@ -10,9 +10,9 @@ import random
 from twisted.trial.unittest import SynchronousTestCase
 
 from crossbar.config import parse_config
-from crossbar.fleet import Fleet
-from crossbar.inflight import Inflight
-from crossbar.shared import CELLS, SharedCounts, cell_map
+from crossbar.state.worker_counts import Fleet
+from crossbar.state.inflight import Inflight
+from crossbar.state.shared import CELLS, SharedCounts, cell_map
 
 _CONFIG = """
 listen: "tcp:0"

@@ -4,7 +4,7 @@ A bad configuration stops ``twistd -n crossbar --config FILE`` at once: exit sta
 exactly one line ``crossbar: FILE: KEY: problem`` on stderr, no traceback anywhere. A
 good one serves ``/_crossbar/livez`` and exits cleanly on SIGTERM after its drain.
 
-Also unit tests of :class:`crossbar.startup.StartupGuard`, which turns errors raised
+Also unit tests of :class:`crossbar.process.startup.StartupGuard`, which turns errors raised
 while the service starts (a port in use) into that one line.
 """
 
@@ -27,7 +27,7 @@ from twisted.internet.error import CannotListenError
 from twisted.trial.unittest import SynchronousTestCase
 
 from crossbar.config import ConfigError
-from crossbar.startup import StartupGuard, as_config_error, log_is_terminal, report_and_exit
+from crossbar.process.startup import StartupGuard, as_config_error, log_is_terminal, report_and_exit
 from tests.process import twistd_argv, twistd_env
 
 START_TIMEOUT = 30.0  # s: a loaded 2-core machine may take several seconds to import
@@ -203,7 +203,7 @@ class BadConfigTests(_TwistdCase):
         path = self.write("inuse.yaml", GOOD.format(port=port, upstream=free_port()))
         self.assertStartupFails(
             path, f"crossbar: {path}: listen: cannot listen on 127.0.0.1:{port}: Address already in use",
-            twistd_options=("-n", "--pidfile=", "--logger=crossbar.jsonlog.observer"),
+            twistd_options=("-n", "--pidfile=", "--logger=crossbar.ops.jsonlog.observer"),
         )
 
     def test_port_in_use_with_log_file_logs_it_there(self) -> None:
@@ -350,7 +350,7 @@ class _Reported(Exception):
 
 class LogIsTerminalTests(SynchronousTestCase):
     def test_where_the_log_goes(self) -> None:
-        from crossbar import jsonlog
+        from crossbar.ops import jsonlog
 
         cases: list[tuple[dict[str, object] | None, bool]] = [
             (None, False),

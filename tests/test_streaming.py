@@ -15,7 +15,7 @@ from twisted.internet.defer import ensureDeferred
 from twisted.internet.task import LoopingCall, deferLater
 from twisted.trial.unittest import TestCase
 
-from crossbar.relay import RelayState
+from crossbar.proxy.relay import RelayState
 from tests.harness import FakeLlama, listen, start_routes, wait_for
 from tests.raw import RawClient, connect_raw, post_bytes, request_bytes
 from tests.upstreams import Firehose, RawFirehose, host_status, serve_raw

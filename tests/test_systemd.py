@@ -20,7 +20,7 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import TestCase
 from twisted.web.server import NOT_DONE_YET
 
-from crossbar.systemd import Notifier, SystemdNotifier, watchdog_interval
+from crossbar.ops.systemd import Notifier, SystemdNotifier, watchdog_interval
 from tests.harness import FakeLlama, http_client, listen, wait_for
 from tests.process import start_twistd
 

@@ -1,4 +1,4 @@
-"""TLS to hosts (crossbar/tls.py, crossbar/upstream.py; DESIGN.md §Access, rule 7).
+"""TLS to hosts (crossbar/upstream/tls.py, crossbar/upstream/pools.py; DESIGN.md §Access, rule 7).
 
 Real loopback TLS servers (Twisted's ``ssl:`` server endpoint) with certificates made
 in the test run by ``trustme``; crossbar's side is the real ``UpstreamEndpoints`` under
@@ -32,8 +32,8 @@ from twisted.web.resource import Resource
 from twisted.web.server import Request
 
 from crossbar.config import HostTLSSettings, parse_config
-from crossbar.tls import HandshakeFirstEndpoint, HostTLS, TLSHandshakeError, client_creator, tls_failure_reason
-from crossbar.upstream import ConnectTracker, UpstreamEndpoints
+from crossbar.upstream.tls import HandshakeFirstEndpoint, HostTLS, TLSHandshakeError, client_creator, tls_failure_reason
+from crossbar.upstream.pools import ConnectTracker, UpstreamEndpoints
 from tests.accesskit import serve_tls
 
 _DAY = datetime.timedelta(days=1)

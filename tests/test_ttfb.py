@@ -3,9 +3,9 @@ sent to the host, not from when the connection attempt began (DESIGN.md
 §Configuration, ``timeouts``; rule 8).
 
 Unit level, on a :class:`~twisted.internet.task.Clock`: Twisted's real ``Agent`` and
-HTTP/1.1 client protocol and crossbar's real :class:`~crossbar.upstream.ConnectTracker`,
+HTTP/1.1 client protocol and crossbar's real :class:`~crossbar.upstream.pools.ConnectTracker`,
 over a fake endpoint whose connection opens 2 s after the request is started; the
-host's head comes 1 s after that. The :class:`~crossbar.attempt.Answer` says the request
+host's head comes 1 s after that. The :class:`~crossbar.proxy.attempt.Answer` says the request
 was sent at 2 s, and the exchange records a ttfb of 1 s.
 """
 
@@ -26,13 +26,13 @@ from twisted.web.server import Request
 from twisted.web.test.requesthelper import DummyChannel
 from zope.interface import implementer
 
-from crossbar.attempt import Answer, Attempt
+from crossbar.proxy.attempt import Answer, Attempt
 from crossbar.config import parse_config
-from crossbar.metrics import Metrics
-from crossbar.proxy import ProxyResource
-from crossbar.record import RequestLog, RequestRecord
-from crossbar.runtime import Runtime
-from crossbar.upstream import ConnectTracker
+from crossbar.ops.metrics import Metrics
+from crossbar.proxy.exchange import ProxyResource
+from crossbar.ops.record import RequestLog, RequestRecord
+from crossbar.state.runtime import Runtime
+from crossbar.upstream.pools import ConnectTracker
 
 CONNECT_DELAY = 2.0
 """Seconds from the request started to its connection open."""
@@ -67,7 +67,7 @@ class SlowEndpoint:
 
 
 class SlowEndpoints:
-    """Stands in for :class:`~crossbar.upstream.UpstreamEndpoints`: every URI gets a
+    """Stands in for :class:`~crossbar.upstream.pools.UpstreamEndpoints`: every URI gets a
     :class:`SlowEndpoint`."""
 
     def __init__(self, clock: Clock) -> None:
@@ -79,7 +79,7 @@ class SlowEndpoints:
 
 
 class SlowPools:
-    """Stands in for :class:`~crossbar.upstream.UpstreamPools`: a real ``Agent`` and a
+    """Stands in for :class:`~crossbar.upstream.pools.UpstreamPools`: a real ``Agent`` and a
     real :class:`ConnectTracker` over :class:`SlowEndpoints`."""
 
     def __init__(self, clock: Clock) -> None:

@@ -1,9 +1,9 @@
-"""Pins every private Twisted touchpoint listed in crossbar/twisted_private.py.
+"""Pins every private Twisted touchpoint listed in crossbar/upstream/twisted_private.py.
 
 Each touchpoint has two kinds of test: the private names exist with the expected kind
 and do what crossbar relies on (these fail with a message naming the Twisted internal
 that moved), and a behaviour check through crossbar's public function. A failure here
-after a Twisted upgrade means: read crossbar/twisted_private.py, adapt the touchpoint,
+after a Twisted upgrade means: read crossbar/upstream/twisted_private.py, adapt the touchpoint,
 then refresh the pin in .ci/constraints.txt.
 """
 
@@ -29,7 +29,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 from twisted.web.test.requesthelper import DummyChannel, DummyRequest
 
-from crossbar.twisted_private import (
+from crossbar.upstream.twisted_private import (
     MAX_RESPONSE_HEAD,
     BadRequestHook,
     ClientProtocol,
@@ -41,7 +41,7 @@ from crossbar.twisted_private import (
 
 def moved(name: str, touchpoint: int, what: str) -> str:
     return (
-        f"Twisted {twisted.__version__} changed {name} ({what}): crossbar/twisted_private.py "
+        f"Twisted {twisted.__version__} changed {name} ({what}): crossbar/upstream/twisted_private.py "
         f"touchpoint {touchpoint} relies on it; adapt it before taking this Twisted"
     )
 
@@ -390,7 +390,7 @@ class WaitingForTransportTests(_Private):
 
         resource.requests[0].registerProducer(_Producer(), True)
         self.assertEqual(paused, [], "Twisted now pauses a producer registered on a paused channel: "
-                                     "crossbar/twisted_private.py touchpoint 4 may be dropped")
+                                     "crossbar/upstream/twisted_private.py touchpoint 4 may be dropped")
 
     def test_client_is_paused(self) -> None:
         """Behaviour through :func:`client_is_paused`."""
@@ -415,10 +415,10 @@ class VersionTests(SynchronousTestCase):
     def test_checked_range_covers_this_twisted(self) -> None:
         """The module's docstring names the Twisted versions it was checked against; the
         one installed must be among them (raise the range after checking a new one)."""
-        import crossbar.twisted_private as module
+        import crossbar.upstream.twisted_private as module
 
         doc = module.__doc__ or ""
         version = twisted.version
         self.assertIn("checked", doc)
         self.assertIn(f"{version.major}.{version.minor}", doc,
-                      f"Twisted {twisted.__version__} is not named in crossbar/twisted_private.py's docstring")
+                      f"Twisted {twisted.__version__} is not named in crossbar/upstream/twisted_private.py's docstring")

@@ -1,4 +1,4 @@
-"""Upstream endpoints (crossbar/upstream.py): what a host URL connects through."""
+"""Upstream endpoints (crossbar/upstream/pools.py): what a host URL connects through."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from twisted.internet.endpoints import HostnameEndpoint, TCP4ClientEndpoint, TCP
 from twisted.trial.unittest import TestCase
 from twisted.web.client import URI, BrowserLikePolicyForHTTPS
 
-from crossbar.upstream import ConnectTracker, UpstreamEndpoints
+from crossbar.upstream.pools import ConnectTracker, UpstreamEndpoints
 
 
 class EndpointChoiceTests(TestCase):

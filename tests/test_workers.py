@@ -36,12 +36,12 @@ from treq.client import HTTPClient
 from zope.interface import implementer
 
 from crossbar.config import MAX_WORKERS, ConfigError, load_config, parse_config, usable_cpus
-from crossbar.supervisor import STALL, Supervisor, relay_log_line
-from crossbar.worker import HEARTBEAT
+from crossbar.process.supervisor import STALL, Supervisor, relay_log_line
+from crossbar.process.worker import HEARTBEAT
 from tests.harness import FakeLlama, listen, wait_for
 from tests.process import ClientStream, Twistd, start_twistd
 
-JSONLOG = "crossbar.jsonlog.observer"
+JSONLOG = "crossbar.ops.jsonlog.observer"
 
 
 def fresh(case: TestCase) -> HTTPClient:
@@ -143,7 +143,7 @@ def kill_workers(proc: Twistd) -> None:
     for pid in pids:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"crossbar.worker" not in f.read():
+                if b"crossbar.process.worker" not in f.read():
                     continue  # gone, and the pid taken by someone else
             os.kill(pid, signal.SIGKILL)
         except OSError:
@@ -292,8 +292,8 @@ class ServingTests(TestCase):
         self.assertEqual({e["status"] for e in lines}, {200})
         self.assertEqual({e["worker"] for e in lines}, {0, 1}, "both workers served")
         # Every relayed line carries its worker; the supervisor's own lines do not need one.
-        relayed = [e for e in events(proc) if e.get("namespace", "").startswith("crossbar.proxy")]
-        self.assertTrue(all(isinstance(e.get("worker"), int) for e in relayed))
+        relayed = [e for e in events(proc) if e.get("namespace", "") in ("crossbar.proxy", "crossbar.channel")]
+        self.assertTrue(all(isinstance(e.get("worker"), int) for e in relayed), [e for e in relayed if not isinstance(e.get("worker"), int)])
         self.assertFalse(any("worker_message" in e for e in events(proc)))
 
     async def test_text_log_relays_worker_lines(self) -> None:

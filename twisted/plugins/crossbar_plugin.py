@@ -33,8 +33,8 @@ class CrossbarServiceMaker:
 
     def makeService(self, options: Options) -> Any:
         from crossbar.config import ConfigError, load_config
-        from crossbar.service import make_daemon
-        from crossbar.startup import StartupGuard, report_and_exit
+        from crossbar.process.service import make_daemon
+        from crossbar.process.startup import StartupGuard, report_and_exit
 
         # Absolute now: twistd changes directory (--rundir, daemon mode) after this, and
         # a reload (SIGHUP) or a worker reads the file again later.

@@ -1,0 +1,159 @@
+"""Choosing a host for a request (DESIGN.md §Choosing a host, rules 1-3 and 5; §Cache
+affinity).
+
+:func:`choose` is pure: it reads the route's config, the hosts' health records and the
+in-flight counts it is given, and answers with a :class:`Chosen` host (and why), or
+:data:`Verdict.BUSY` (the best tier has no room: wait, rule 4) or
+:data:`Verdict.NO_HOST` (no healthy host left to try). The only state is the
+round-robin position that breaks exact ties (:class:`Rotation`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Callable, Iterable, Mapping
+
+from crossbar.hosts import affinity
+from crossbar.config import Host, Route
+from crossbar.hosts.health import HostStatus
+
+__all__ = ["Chosen", "Fit", "Rotation", "Verdict", "choose", "fit_tier", "has_room"]
+
+
+class Fit(Enum):
+    """How well the hosts of a tier fit the wanted model (rule 1), best first."""
+
+    LOADED = "loaded"
+    LOADING = "loading"
+    AVAILABLE = "available"
+    FALLBACK = "fallback"
+
+
+class Verdict(Enum):
+    """No host was chosen."""
+
+    BUSY = "busy"
+    """The best tier has no host with room, or no host is healthy but one has not been
+    polled yet (new, or reset by a reload): wait in the route's queue (rule 4)."""
+    NO_HOST = "no_host"
+    """No healthy host of the route is left to try."""
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """The host a request goes to, and why (rule 5).
+
+    :ivar host: the host's name.
+    :ivar fit: the tier it was chosen from.
+    :ivar pick: ``primary`` or ``least-busy``; "" when the affinity ranking chose.
+    :ivar affinity: ``home``, ``spill`` or ``none`` (§Cache affinity).
+    """
+
+    host: str
+    fit: Fit
+    pick: str
+    affinity: str = "none"
+
+    @property
+    def why(self) -> str:
+        """The reason for the log line, e.g. ``loaded least-busy affinity=none`` or
+        ``loaded affinity=home``."""
+        return " ".join(p for p in (self.fit.value, self.pick, f"affinity={self.affinity}") if p)
+
+
+class Rotation:
+    """Round-robin among exact ties, per route: the host after the one last chosen,
+    in route order, so idle equal hosts take turns (rule 3)."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, str] = {}
+
+    def next(self, route: Route, tied: list[str]) -> str:
+        """One of ``tied`` (non-empty, in route order) for ``route``."""
+        last = self._last.get(route.name)
+        order = route.hosts
+        after = order.index(last) if last in order else -1
+        host = next((h for h in tied if order.index(h) > after), tied[0])
+        self._last[route.name] = host
+        return host
+
+
+def has_room(host: Host, inflight: int) -> bool:
+    """Rule 2: a host has room while its in-flight count is below its ``max_inflight``."""
+    return host.max_inflight is None or inflight < host.max_inflight
+
+
+def fit_tier(
+    candidates: Iterable[str], model: str | None, statuses: Mapping[str, HostStatus]
+) -> tuple[Fit, list[str]]:
+    """Rule 1: the best non-empty tier of ``candidates`` (healthy, untried, in route
+    order) for ``model``: those that have it loaded, else loading, else available,
+    else every candidate (the fallback). Load never enters into it."""
+    names = list(candidates)
+    if model is not None:
+        for fit, field in ((Fit.LOADED, "loaded"), (Fit.LOADING, "loading"), (Fit.AVAILABLE, "available")):
+            tier = [h for h in names if model in getattr(statuses[h], field)]
+            if tier:
+                return fit, tier
+    return Fit.FALLBACK, names
+
+
+def choose(
+    route: Route,
+    hosts: Mapping[str, Host],
+    statuses: Mapping[str, HostStatus],
+    inflight: Callable[[str], int],
+    model: str | None,
+    key: str | None,
+    rotation: Rotation,
+    exclude: Iterable[str] = (),
+) -> Chosen | Verdict:
+    """Choose a host of ``route`` for a request wanting ``model`` with affinity ``key``
+    (DESIGN.md §Choosing a host, rules 1-3, and §Cache affinity).
+
+    :param hosts: the config's hosts (weights, limits).
+    :param statuses: the health table's records.
+    :param inflight: host name -> requests in flight to it.
+    :param key: the request's affinity key, or None; ignored when the route's
+        ``affinity.key`` is ``none``.
+    :param exclude: hosts already tried for this request.
+    """
+    skip = set(exclude)
+    candidates = [
+        h for h in route.hosts
+        if h not in skip and h in hosts and h in statuses and statuses[h].healthy
+    ]
+    if not candidates:
+        # A host not polled yet (new, or reset by a reload: URL, tls or api_key changed)
+        # may be healthy in a moment: wait for its first poll rather than answer 503.
+        if any(h not in skip and h in hosts and h in statuses and not statuses[h].polled for h in route.hosts):
+            return Verdict.BUSY
+        return Verdict.NO_HOST
+    fit, tier = fit_tier(candidates, model, statuses)
+    load = {h: inflight(h) for h in tier}
+    roomy = [h for h in tier if has_room(hosts[h], load[h])]
+    if not roomy:
+        return Verdict.BUSY
+    if route.primary is not None and route.primary in roomy:
+        return Chosen(route.primary, fit, "primary")
+    if key is not None and route.affinity.key != "none":
+        pick = affinity.pick(
+            key,
+            [affinity.Candidate(h, hosts[h].weight, load[h], h in roomy) for h in tier],
+            route.affinity.balance,
+        )
+        if pick is not None:
+            return Chosen(pick.host, fit, "", pick.outcome)
+        # Every host with room is at its bound: the least busy of them takes it.
+        return Chosen(_least_busy(route, roomy, hosts, load, rotation), fit, "least-busy", "spill")
+    return Chosen(_least_busy(route, roomy, hosts, load, rotation), fit, "least-busy")
+
+
+def _least_busy(
+    route: Route, roomy: list[str], hosts: Mapping[str, Host], load: Mapping[str, int], rotation: Rotation
+) -> str:
+    """Rule 3: the host with the lowest (in-flight + 1) / weight; exact ties rotate."""
+    scores = {h: (load[h] + 1) / hosts[h].weight for h in roomy}
+    best = min(scores.values())
+    return rotation.next(route, [h for h in roomy if scores[h] == best])

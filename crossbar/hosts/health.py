@@ -1,0 +1,183 @@
+"""The health table: what crossbar believes about every host (DESIGN.md §The health table).
+
+The table is pure bookkeeping: it performs no I/O. The poller (:mod:`crossbar.hosts.poller`)
+feeds it poll results and the proxy feeds it :meth:`HealthTable.mark_down`. Readers get
+frozen :class:`HostStatus` records, so nothing a caller does changes the table (rule 8).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import Callable, Iterable, Mapping
+
+from twisted.logger import Logger
+
+from crossbar.config import one_line
+from crossbar.hosts.models import ModelList
+
+__all__ = ["HealthTable", "HostStatus"]
+
+
+@dataclass(frozen=True)
+class HostStatus:
+    """One host's state as last recorded.
+
+    :ivar healthy: whether the proxy may send requests to the host.
+    :ivar loaded: sorted unique ids of the models resident at the last good poll.
+    :ivar loading: sorted ids the host was loading at the last good poll (router mode).
+    :ivar available: sorted ids the host lists and can load on demand (router mode).
+    :ivar entries: id -> the host's ``/v1/models`` entry as JSON text, for the route
+        model list (DESIGN.md §The proxy, rule 10).
+    :ivar last_ok: POSIX time (seconds) of the last good poll, or None.
+    :ivar last_err: why the last poll or request failed; "" after a good poll.
+    :ivar consecutive: good polls in a row.
+    :ivar failures: failed polls in a row.
+    :ivar has_failed: the host has failed (a failed poll that took or kept it down, or a
+        mark-down) and has not been trusted since, so it needs ``recovery_polls`` good
+        polls in a row to be healthy (rules 3-5).
+    :ivar polled: at least one poll of the host has finished (good or failed).
+    """
+
+    healthy: bool = False
+    loaded: tuple[str, ...] = ()
+    loading: tuple[str, ...] = ()
+    available: tuple[str, ...] = ()
+    entries: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    last_ok: float | None = None
+    last_err: str = ""
+    consecutive: int = 0
+    failures: int = 0
+    has_failed: bool = False
+    polled: bool = False
+
+
+class HealthTable:
+    """Per-host health, updated by poll results and by the proxy's mark-downs.
+
+    :param hosts: the host names to track; every one starts unhealthy (rule 1).
+    :param recovery_polls: good polls in a row a host that has failed needs (>= 1).
+    :param failure_threshold: failed polls in a row before a healthy host goes down (>= 1).
+    :param now: a clock returning POSIX seconds, e.g. ``reactor.seconds``.
+    """
+
+    _log = Logger(namespace="crossbar.health")
+
+    def __init__(
+        self,
+        hosts: Iterable[str],
+        recovery_polls: int,
+        failure_threshold: int,
+        now: Callable[[], float],
+    ) -> None:
+        self._hosts: dict[str, HostStatus] = {name: HostStatus() for name in hosts}
+        self.recovery_polls = recovery_polls
+        self.failure_threshold = failure_threshold
+        self._now = now
+
+    def get(self, name: str) -> HostStatus | None:
+        """The status of ``name``, or None for a host the table does not track."""
+        return self._hosts.get(name)
+
+    def all(self) -> dict[str, HostStatus]:
+        """A snapshot of every host's status (a new dict; the records are frozen)."""
+        return dict(self._hosts)
+
+    def is_healthy(self, name: str) -> bool:
+        """Whether ``name`` is tracked and healthy."""
+        status = self._hosts.get(name)
+        return status is not None and status.healthy
+
+    def record_success(self, name: str, models: ModelList | Iterable[str]) -> None:
+        """A good poll of ``name`` that listed ``models`` (rule 3): a
+        :class:`~crossbar.hosts.models.ModelList`, or ids that are all loaded (empty ids and
+        duplicates are dropped and the rest sorted).
+        """
+        old = self._hosts.get(name)
+        if old is None:
+            return
+        listed = models if isinstance(models, ModelList) else ModelList.of_loaded(models)
+        consecutive = old.consecutive + 1
+        healthy = (not old.has_failed) or consecutive >= self.recovery_polls
+        new = replace(
+            old,
+            consecutive=consecutive,
+            failures=0,
+            last_ok=self._now(),
+            last_err="",
+            loaded=listed.loaded,
+            loading=listed.loading,
+            available=listed.available,
+            entries=listed.entries,
+            healthy=healthy,
+            # once trusted again it is judged like a host that never failed: a failed
+            # poll below failure_threshold followed by a good one keeps it healthy
+            has_failed=old.has_failed and not healthy,
+            polled=True,
+        )
+        self._set(name, old, new)
+
+    def record_failure(self, name: str, reason: str) -> None:
+        """A failed poll of ``name`` (rule 4); ``loaded`` is kept as last seen."""
+        old = self._hosts.get(name)
+        if old is None:
+            return
+        failures = old.failures + 1
+        goes_down = (not old.healthy) or failures >= self.failure_threshold
+        new = replace(
+            old,
+            failures=failures,
+            consecutive=0,
+            last_err=reason,
+            polled=True,
+            healthy=old.healthy and not goes_down,
+            has_failed=old.has_failed or goes_down,
+        )
+        self._set(name, old, new)
+
+    def mark_down(self, name: str, reason: str) -> None:
+        """A request to ``name`` really failed: take it out at once (rule 5).
+
+        Unknown names are ignored.
+        """
+        old = self._hosts.get(name)
+        if old is None:
+            return
+        new = replace(
+            old, healthy=False, has_failed=True, consecutive=0, last_err="marked down: " + reason
+        )
+        self._set(name, old, new)
+
+    def set_hosts(self, names: Iterable[str], reset: Iterable[str] = ()) -> None:
+        """Track exactly ``names``, in that order (a config reload, DESIGN.md §Operations).
+
+        A host already tracked and not in ``reset`` keeps its status; a new host, or
+        one in ``reset`` (its URL changed), starts afresh (rule 1); hosts not in
+        ``names`` are forgotten.
+        """
+        fresh = set(reset)
+        old = self._hosts
+        self._hosts = {
+            name: old[name] if name in old and name not in fresh else HostStatus() for name in names
+        }
+
+    def _set(self, name: str, old: HostStatus, new: HostStatus) -> None:
+        self._hosts[name] = new
+        if not old.polled and new.polled and not new.healthy and not old.healthy:
+            # Unhealthy from the start: no transition, but the operator must hear of it.
+            self._log.warn(
+                "host {host} is unhealthy: {reason}", host=name, healthy=False, reason=one_line(new.last_err)
+            )
+        elif old.healthy != new.healthy:
+            if new.healthy:
+                # Model ids are the host's text: escaped, so none can break the line, the
+                # terminal or the log file's encoding (a lone surrogate lost the line).
+                self._log.info(
+                    "host {host} is healthy: {reason} (models: {models})",
+                    host=name, healthy=True, reason=f"{new.consecutive} good poll(s) in a row",
+                    loaded=[one_line(m) for m in new.loaded], models=one_line(", ".join(new.loaded)) or "none",
+                )
+            else:
+                self._log.warn(
+                    "host {host} is unhealthy: {reason}", host=name, healthy=False, reason=one_line(new.last_err)
+                )

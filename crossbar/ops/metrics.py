@@ -1,0 +1,138 @@
+"""Prometheus metrics (DESIGN.md §Operations), on a registry of crossbar's own.
+
+Every crossbar service owns one :class:`Metrics`; nothing is registered globally, so
+several crossbars (tests) can live in one process. Counters and histograms are updated
+as things happen (by :class:`~crossbar.ops.record.RequestLog`, the poller, mark-downs);
+live values -- requests in flight, host health, models loaded -- are read at scrape
+time by :class:`LiveCollector` from the same objects status and choosing read, so no
+gauge is ever set by hand and none can drift.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Iterable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
+
+from crossbar.hosts.health import HostStatus
+
+__all__ = ["CONTENT_TYPE_LATEST", "LiveCollector", "Metrics"]
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+class LiveCollector(Collector):
+    """Gauges read at scrape time.
+
+    :param inflight: returns (route, host) -> requests in flight.
+    :param hosts: returns host name -> its current :class:`HostStatus`.
+    :param queued: returns route -> requests waiting in its queue.
+    :param affinity: returns (route, outcome) -> requests dispatched with that
+        affinity outcome (``home``, ``spill``, ``none``), a counter.
+    :param restarts: with workers, returns how many the supervisor restarted.
+    """
+
+    def __init__(
+        self,
+        inflight: Callable[[], Mapping[tuple[str, str], int]],
+        hosts: Callable[[], Mapping[str, HostStatus]],
+        queued: Callable[[], Mapping[str, int]],
+        affinity: Callable[[], Mapping[tuple[str, str], int]],
+        restarts: Callable[[], int] | None = None,
+    ) -> None:
+        self._inflight = inflight
+        self._hosts = hosts
+        self._queued = queued
+        self._affinity = affinity
+        self._restarts = restarts
+
+    def collect(self) -> Iterable[Metric]:
+        inflight = GaugeMetricFamily(
+            "crossbar_inflight_requests", "Requests in flight to a host.", labels=("route", "host")
+        )
+        for (route, host), count in sorted(self._inflight().items()):
+            inflight.add_metric((route, host), count)
+        healthy = GaugeMetricFamily("crossbar_host_healthy", "1 when the host is in rotation, else 0.", labels=("host",))
+        loaded = GaugeMetricFamily(
+            "crossbar_host_models_loaded", "Models resident on the host at its last good poll.", labels=("host",)
+        )
+        for name, status in self._hosts().items():
+            healthy.add_metric((name,), 1 if status.healthy else 0)
+            loaded.add_metric((name,), len(status.loaded))
+        queued = GaugeMetricFamily(
+            "crossbar_queued_requests", "Requests waiting in a route's queue for a host with room.", labels=("route",)
+        )
+        for route, count in sorted(self._queued().items()):
+            queued.add_metric((route,), count)
+        affinity = CounterMetricFamily(
+            "crossbar_affinity", "Requests dispatched by cache-affinity outcome.", labels=("route", "outcome")
+        )
+        for (route, outcome), count in sorted(self._affinity().items()):
+            affinity.add_metric((route, outcome), count)
+        families: list[Metric] = [inflight, healthy, loaded, queued, affinity]
+        if self._restarts is not None:
+            restarts = CounterMetricFamily("crossbar_worker_restarts", "Worker processes restarted after dying.")
+            restarts.add_metric((), self._restarts())
+            families.append(restarts)
+        return families
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # dynamic: described by collect() at scrape time only
+
+
+class Metrics:
+    """The collectors crossbar updates. Label values are config names, status codes
+    and fixed reason kinds only, so cardinality stays bounded."""
+
+    def __init__(self) -> None:
+        self._live: list[LiveCollector] = []
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "crossbar_requests", "Answered requests by route, host, status code and client key name.",
+            ("route", "host", "code", "key"), registry=r,
+        )
+        self.duration = Histogram(
+            "crossbar_request_duration_seconds", "Time from request received to answer ended.",
+            ("route", "host"), buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.ttfb = Histogram(
+            "crossbar_time_to_first_byte_seconds", "Time from request sent upstream to response headers.",
+            ("route", "host"), buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.queue_wait = Histogram(
+            "crossbar_queue_wait_seconds", "Time a request waited in its route's queue for a host with room.",
+            ("route",), buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.poll_duration = Histogram(
+            "crossbar_poll_duration_seconds", "Duration of one health poll of one host.",
+            ("host", "result"), buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30), registry=r,
+        )
+        self.mark_downs = Counter(
+            "crossbar_mark_downs", "Hosts taken out of rotation by a failed request.",
+            ("host", "reason"), registry=r,
+        )
+
+    def watch(self, collector: LiveCollector) -> None:
+        """Read ``collector``'s live gauges at every scrape."""
+        self._live.append(collector)
+        self.registry.register(collector)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every collector. With workers
+        (``$PROMETHEUS_MULTIPROC_DIR`` set by the supervisor), counters and histograms
+        are summed over every worker by prometheus_client's multiprocess mode, and the
+        live gauges read the fleet's shared counts (DESIGN.md §Workers)."""
+        directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if not directory:
+            return generate_latest(self.registry)
+        fleet = CollectorRegistry(auto_describe=False)
+        MultiProcessCollector(fleet, directory)
+        for collector in self._live:
+            fleet.register(collector)
+        return generate_latest(fleet)

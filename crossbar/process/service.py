@@ -1,0 +1,375 @@
+"""Assemble crossbar from a :class:`~crossbar.config.Config` (DESIGN.md §Shape), drain
+it on shutdown and reload it on SIGHUP (DESIGN.md §Operations).
+
+:func:`make_service` builds one :class:`CrossbarService` (a ``MultiService``): the
+health poller and the web service (a :class:`~crossbar.proxy.web.CrossbarSite` on the
+``listen`` endpoint), around one :class:`~crossbar.state.runtime.Runtime` that every part
+reads. Its ``stopService`` is the drain, so ``twistd`` (which waits for that Deferred on
+SIGTERM) gives in-flight requests their time without depending on trigger order.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import replace
+from typing import Any, Mapping
+
+from twisted.application.service import MultiService
+from twisted.internet.defer import CancelledError, Deferred, DeferredList, TimeoutError, ensureDeferred, gatherResults
+from twisted.internet.interfaces import IStreamServerEndpoint
+from twisted.internet.task import LoopingCall, deferLater
+from twisted.logger import Logger
+from twisted.web.client import Agent
+
+from crossbar.config import Config, ConfigError, load_config
+from crossbar.state.worker_counts import AFFINITY_OUTCOMES, Fleet
+from crossbar.hosts.health import HealthTable
+from crossbar.upstream.hosturl import host_url
+from crossbar.ops.metrics import LiveCollector, Metrics
+from crossbar.ops.app import OpsApp
+from crossbar.hosts.poller import HealthPoller, HTTPProbe
+from crossbar.proxy.exchange import ProxyResource
+from crossbar.ops.record import RequestLog
+from crossbar.process.reload import SIGHUPReload, catch_second_stop_signal, plan_reload
+from crossbar.state.runtime import Runtime
+from crossbar.upstream.tls import HostTLS
+from crossbar.ops.systemd import Notifier, SystemdNotifier, watchdog_interval
+from crossbar.upstream.twisted_private import quiet_pool
+from crossbar.upstream.pools import UpstreamEndpoints, UpstreamPools
+from crossbar.waiting import Condition
+from crossbar.process.listen import ListenService, listen_endpoint
+from crossbar.proxy.web import CrossbarSite, Root
+
+__all__ = ["CrossbarService", "ListenService", "make_service"]
+
+
+class CrossbarService(MultiService):
+    """The whole daemon: poller + web service around one :class:`Runtime`, with the
+    drain as ``stopService``, SIGHUP reload and systemd notification.
+
+    Attributes for tests and operations: :attr:`runtime` (config, table, in-flight
+    counts), :attr:`poller`, :attr:`proxy`, :attr:`ops`, :attr:`site`, :attr:`web`,
+    :attr:`pools`, :attr:`metrics`, :attr:`systemd` (None without ``$NOTIFY_SOCKET``).
+
+    :param config: the validated config.
+    :param reactor: the reactor.
+    :param environ: where ``NOTIFY_SOCKET`` / ``WATCHDOG_USEC`` are read (default
+        ``os.environ``).
+    :param handle_signals: install the SIGHUP handler while running, and during a drain
+        a SIGTERM/SIGINT handler that ends it at once (the twistd plugin does;
+        in-process tests need not).
+    :param listen: the server endpoint to listen on, instead of ``config.listen``'s (a
+        worker adopts its supervisor's socket, :mod:`crossbar.process.worker`).
+    :param fleet: with workers, the fleet-wide counts this worker publishes to and
+        reads from (DESIGN.md §Workers).
+    """
+
+    _log = Logger(namespace="crossbar")
+
+    def __init__(
+        self,
+        config: Config,
+        reactor: Any,
+        environ: Mapping[str, str] | None = None,
+        handle_signals: bool = True,
+        listen: IStreamServerEndpoint | None = None,
+        fleet: Fleet | None = None,
+    ) -> None:
+        super().__init__()
+        self.reactor = reactor
+        self.runtime = runtime = Runtime(config, reactor.seconds)
+        self._fleet_wake: LoopingCall | None = None
+        if fleet is not None:
+            runtime.attach(fleet)
+            # Another worker's freed slot is seen here within this period (§Workers:
+            # a waiting request goes within 20 ms of a slot freeing anywhere).
+            self._fleet_wake = LoopingCall(self._wake_if_waiting)
+            self._fleet_wake.clock = reactor
+        self.metrics = Metrics()
+        self.metrics.watch(LiveCollector(
+            self._inflight_series, runtime.table.all,
+            lambda: {name: runtime.queued(name) for name in runtime.config.routes},
+            lambda: {(r, o): runtime.affinity(r, o) for r in runtime.config.routes for o in AFFINITY_OUTCOMES},
+            restarts=(lambda: fleet.restarts()) if fleet is not None else None,
+        ))
+        self.requests = RequestLog(self.metrics)
+        tls = HostTLS.from_config(config)
+        self.pools = UpstreamPools(reactor, config.timeouts.connect, tls=tls)
+        self._poll_pool = quiet_pool(reactor, persistent=True)
+        self._poll_pool.maxPersistentPerHost = 1
+        health = config.health
+        self.poller = HealthPoller(
+            runtime.table, {name: h.url for name, h in config.hosts.items()}, self._probe(health.timeout, config, tls),
+            health.interval, health.timeout, reactor, on_poll=self._observe_poll,
+        )
+        self.poller.setServiceParent(self)
+        self.proxy = ProxyResource(runtime, self.pools, reactor, self.requests)
+        self.ops = OpsApp(runtime, self.metrics)
+        self.site = CrossbarSite(Root(self.ops.resource(), self.proxy), runtime, self.requests)
+        self.web = ListenService(listen if listen is not None else listen_endpoint(reactor, config), self.site)
+        self.web.setServiceParent(self)
+        self.systemd: SystemdNotifier | None = None
+        notifier = Notifier.from_environment(environ)
+        if notifier is not None:
+            self.systemd = SystemdNotifier(
+                notifier, reactor, ready=self._when_ready,
+                healthy=lambda: {name: s.healthy for name, s in runtime.table.all().items()},
+                watchdog=watchdog_interval(environ),
+            )
+            self.systemd.setServiceParent(self)
+        self._handle_signals = handle_signals
+        if handle_signals:
+            SIGHUPReload(self.reload, reactor).setServiceParent(self)
+        self._drain: Deferred[None] | None = None
+        self._drained = False
+        self._drain_over = Condition(lambda: self._drained)
+        self._drain_step: Deferred[Any] | None = None
+        self._hurried = False
+
+    @property
+    def config(self) -> Config:
+        """The current config (``runtime.config``)."""
+        return self.runtime.config
+
+    @property
+    def table(self) -> HealthTable:
+        """The health table (``runtime.table``)."""
+        return self.runtime.table
+
+    def _inflight_series(self) -> dict[tuple[str, str], int]:
+        """(route, host) -> in flight, for the metrics: hosts a reload removed drop out
+        once idle."""
+        hosts = self.runtime.config.hosts
+        return {key: n for key, n in self.runtime.inflight.by_route_host().items() if n or key[1] in hosts}
+
+    def _probe(self, timeout: float, config: Config, tls: HostTLS) -> HTTPProbe:
+        """The poller's probe for ``config``'s hosts: ``timeout`` bounds opening a
+        connection to a host, ``tls`` is how https hosts are checked."""
+        endpoints = UpstreamEndpoints(self.reactor, timeout, tls)
+        api_keys = {host_url(h.url).url: h.api_key for h in config.hosts.values() if h.api_key is not None}
+        return HTTPProbe(Agent.usingEndpointFactory(self.reactor, endpoints, pool=self._poll_pool), api_keys)
+
+    def _wake_if_waiting(self) -> None:
+        if len(self.runtime.queues):
+            self.runtime.queues.wake()
+
+    def when_ready(self) -> Deferred[object]:
+        """Fires once listening and every host's first poll is done."""
+        return self._when_ready()
+
+    def _when_ready(self) -> Deferred[object]:
+        both: list[Deferred[Any]] = [self.web.when_listening(), self.poller.when_first_round_done()]
+        return gatherResults(both)  # type: ignore[return-value]
+
+    def _observe_poll(self, host: str, seconds: float, ok: bool) -> None:
+        self.metrics.poll_duration.labels(host, "ok" if ok else "failed").observe(seconds)
+        self.runtime.queues.wake()  # a host that came back, or a model now loaded
+        if self.systemd is not None:
+            self.systemd.health_changed()
+
+    def startService(self) -> None:
+        super().startService()
+        if self._fleet_wake is not None:
+            self._fleet_wake.start(FLEET_WAKE_INTERVAL, now=False)
+        # Everything loaded so far (Twisted, TLS support, klein, prometheus_client: most of
+        # the heap) lives as long as the process: keep the cyclic GC from scanning it
+        # again on every full collection, which stalled requests for tens of ms.
+        gc.freeze()
+
+    def stopService(self) -> Deferred[Any]:
+        """Drain (see :meth:`drain`), then stop the poller and the listener and close
+        upstream connections. ``twistd`` waits for the returned Deferred on SIGTERM."""
+        return ensureDeferred(self._stop())
+
+    async def _stop(self) -> None:
+        await self.drain()
+        if self._fleet_wake is not None and self._fleet_wake.running:
+            self._fleet_wake.stop()
+        try:
+            await super().stopService()
+        finally:
+            if self.systemd is not None:
+                self.systemd.notifier.close()
+            await DeferredList([self.pools.close(), self._poll_pool.closeCachedConnections()])
+
+    def drain(self) -> Deferred[None]:
+        """Drain (DESIGN.md §Operations): readiness 503 at once, keep serving for
+        ``drain.delay`` s, stop accepting, give in-flight requests ``drain.grace`` s,
+        then abort what is left. Calling it again returns the drain under way; the
+        Deferred never fails."""
+        if self._drain is None:
+            self._drain = ensureDeferred(self._run_drain())
+            self._drain.addErrback(lambda f: self._log.failure("drain failed", failure=f))
+            self._drain.addBoth(self._drain_done)
+        return self._drain_over.wait()
+
+    def _drain_done(self, _: object) -> None:
+        self._drained = True
+        self._drain_over.check()
+
+    def hurry(self) -> None:
+        """End a drain at once (a second SIGTERM or Ctrl-C): stop waiting, abort what is
+        still in flight, and let the shutdown go on."""
+        if self._drain is None or self._drained or self._hurried:
+            return
+        self._hurried = True
+        self._log.warn("second stop signal: ending the drain now, aborting {count} requests in flight",
+                       count=len(self.runtime.active))
+        step, self._drain_step = self._drain_step, None
+        if step is not None:
+            step.cancel()
+
+    async def _wait_step(self, step: Deferred[Any]) -> None:
+        """Wait for one drain phase, unless :meth:`hurry` cancels it."""
+        if self._hurried:
+            step.cancel()
+        self._drain_step = step
+        try:
+            await step
+        except (CancelledError, TimeoutError):
+            pass
+        finally:
+            self._drain_step = None
+
+    async def _run_drain(self) -> None:
+        runtime = self.runtime
+        runtime.draining = True
+        self._catch_second_signal()
+        if self.systemd is not None:
+            self.systemd.draining()
+        delay, grace = runtime.config.drain.delay, runtime.config.drain.grace
+        self._log.info(
+            "draining: readiness is 503; accepting for {delay}s more, then {grace}s for "
+            "{count} in-flight requests", delay=delay, grace=grace, count=len(runtime.active),
+        )
+        await self._wait_step(deferLater(self.reactor, delay))
+        if self.web.running:
+            stopped = self.web.stopService()
+            if stopped is not None:
+                await stopped
+        idle = self.site.stop_keep_alive()  # keep-alive clients reconnect elsewhere
+        self._log.info(
+            "stopped accepting, closed {idle} idle connections; requests in flight: {count}",
+            idle=idle, count=len(runtime.active),
+        )
+        await self._wait_step(self.proxy.when_idle().addTimeout(grace, self.reactor))
+        if runtime.active:
+            if not self._hurried:
+                self._log.warn("drain grace over: aborting requests still in flight: {count}",
+                               count=len(runtime.active))
+            self.proxy.abort_all()
+        self._log.info("drained")
+
+    def _catch_second_signal(self) -> None:
+        if self._handle_signals:
+            catch_second_stop_signal(self.reactor, self.hurry)
+
+    def reload(self, text: str | None = None) -> bool:
+        """Re-read and validate the config file (SIGHUP, DESIGN.md §Operations); with
+        ``text``, validate that instead (a worker: the text its supervisor validated).
+
+        An invalid file is logged and the running config kept (returns False). A valid
+        one is swapped in with one assignment (returns True). In-flight requests finish
+        on the config they started with; hosts whose URL did not change keep their
+        health; new hosts are polled at once (and readiness waits for their first
+        poll). ``listen`` cannot change without a restart: that is logged and the old
+        listener kept.
+        """
+        old = self.runtime.config
+        path = old.source
+        try:
+            new = load_config(path, text=text)
+        except ConfigError as e:
+            self._log.error("reload refused, keeping the running config: {error}", error=str(e))
+            return False
+        plan = plan_reload(old, new)
+        if plan.listen_changed:
+            try:
+                listen_endpoint(self.reactor, new)  # a file start-up would refuse is refused
+            except ConfigError as e:
+                self._log.error("reload refused, keeping the running config: {error}", error=str(e))
+                return False
+            self._log.warn(
+                "reload: listen changed from {old} to {new}; a restart is needed to apply it",
+                old=old.listen, new=new.listen,
+            )
+            new = replace(new, listen=old.listen)
+        if new.workers != old.workers:
+            self._log.warn("reload: workers changed from {old} to {new}; a restart is needed to apply it",
+                           old=old.workers, new=new.workers)
+            new = replace(new, workers=old.workers)
+        # Everything that can still fail, before anything changes: a reload applies
+        # whole or not at all.
+        try:
+            tls = HostTLS.from_config(new)
+            probe = self._probe(new.health.timeout, new, tls)
+        except Exception as e:
+            self._log.error("reload refused, keeping the running config: {error}", error=f"{type(e).__name__}: {e}")
+            return False
+        health = new.health
+        table = self.runtime.table
+        table.recovery_polls = health.recovery_polls
+        table.failure_threshold = health.failure_threshold
+        table.set_hosts(new.hosts, reset=plan.fresh)
+        self.pools.tls = tls
+        if any(new.hosts[name].url.startswith("https:") for name in plan.fresh):
+            self.pools.close()  # no pooled connection made under the old TLS settings
+        self.pools.connect_timeout = new.timeouts.connect
+        self.runtime.config = new
+        if self.runtime.fleet is not None:
+            self.runtime.fleet.configure(new)
+            self.runtime.republish()
+        self.poller.probe = probe
+        if plan.fresh:
+            # A kept-alive poll connection was opened under the old settings (a CA that no
+            # longer holds would go on passing): new and changed hosts are polled anew.
+            self._poll_pool.closeCachedConnections()
+        self.poller.set_timing(health.interval, health.timeout)
+        self.poller.set_hosts({name: h.url for name, h in new.hosts.items()}, fresh=plan.fresh)
+        if self.systemd is not None:
+            self.systemd.health_changed()
+        self.runtime.queues.wake()  # new hosts, weights or limits may make room
+        self._log.info(
+            "reloaded {path}: {routes} routes, {hosts} hosts ({fresh} new or changed, {removed} removed)",
+            path=path, routes=len(new.routes), hosts=len(new.hosts), fresh=len(plan.fresh),
+            removed=len(plan.removed),
+        )
+        return True
+
+
+FLEET_WAKE_INTERVAL = 0.01
+"""Seconds between a worker's looks at the fleet's counts while requests wait."""
+
+
+def make_service(
+    config: Config, reactor: Any = None, environ: Mapping[str, str] | None = None, handle_signals: bool = False
+) -> CrossbarService:
+    """Build the crossbar service for ``config`` on ``reactor`` (default: the global one).
+
+    ``environ`` and ``handle_signals``: see :class:`CrossbarService` (the twistd plugin
+    passes ``handle_signals=True``).
+
+    :raises ConfigError: when ``listen`` is not a valid Twisted endpoint string.
+    """
+    if reactor is None:
+        from twisted.internet import reactor as global_reactor
+
+        reactor = global_reactor
+    return CrossbarService(config, reactor, environ=environ, handle_signals=handle_signals)
+
+
+def make_daemon(config: Config, twistd: Mapping[str, Any] | None = None) -> MultiService:
+    """What ``twistd crossbar`` runs for ``config``: one :class:`CrossbarService` with
+    signal handling, or with ``workers`` > 1 a :class:`~crossbar.process.supervisor.Supervisor`
+    of that many (DESIGN.md §Workers). ``twistd`` is twistd's own options: when its
+    ``--logger`` is :func:`crossbar.ops.jsonlog.observer`, workers log straight to the same
+    standard output.
+
+    :raises ConfigError: as :func:`make_service` and :class:`~crossbar.process.supervisor.Supervisor`.
+    """
+    if config.workers > 1:
+        from crossbar.process.supervisor import make_supervisor
+
+        logger = (twistd or {}).get("logger") or ""
+        return make_supervisor(config, log_through=logger == "crossbar.ops.jsonlog.observer")
+    return make_service(config, handle_signals=True)

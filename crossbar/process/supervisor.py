@@ -1,0 +1,480 @@
+"""The supervisor of a crossbar with ``workers: N`` (DESIGN.md §Workers).
+
+The twistd process opens the listener (so socket activation and privileged ports work),
+never accepts on it, and runs N worker processes (:mod:`crossbar.process.worker`) that all
+accept on that one socket: the kernel spreads connections over them. It only
+supervises:
+
+- a worker that dies is restarted (after a back-off when it dies young), logged and
+  counted (``crossbar_worker_restarts_total``); its in-flight counts are cleared. A
+  worker silent for :data:`STALL` seconds (no ``alive`` line: its reactor wedged, or
+  the process stopped) is killed, and so restarted;
+- SIGTERM drains every worker at once (each runs its own drain: readiness 503,
+  ``drain.delay``, ``drain.grace``); a second SIGTERM or Ctrl-C ends every drain now;
+- SIGHUP re-reads the config: an invalid file is logged and nothing changes, a valid
+  one is written to a snapshot and reloaded from it by every worker. Workers only ever
+  load the snapshot (the text the supervisor validated last): one restarted later runs
+  what the others run, whatever the file says by then;
+- under systemd, ``READY=1`` once every worker is ready, ``WATCHDOG=1`` from this
+  process's reactor, ``STOPPING=1`` when the drain starts: one voice for the set.
+
+Why one socket handed down rather than ``SO_REUSEPORT``: the supervisor keeps the
+only listening socket, so ``systemd:`` socket activation and ports below 1024 (opened
+before twistd drops privileges) work for workers too, and a worker that dies loses no
+queued connections (the socket's backlog belongs to everyone). A unix socket is refused
+with workers: Twisted's unix port of a worker that stops unlinks the socket's path and
+shuts the shared socket down for every worker.
+
+Every worker polls every host itself: the poll load is N x 2 requests per host per
+``health.interval``. Workers' log lines come to this process as JSON on their standard
+output and are logged here with a ``worker`` field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections import Counter
+from dataclasses import replace
+from typing import Any, Mapping
+
+from twisted.application.service import MultiService
+from twisted.internet.defer import Deferred, TimeoutError
+from twisted.internet.interfaces import IListeningPort
+from twisted.internet.protocol import ProcessProtocol, ServerFactory
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger, LogLevel, InvalidLogLevelError
+from twisted.python.failure import Failure
+
+from crossbar.config import Config, ConfigError, load_config
+from crossbar.state.worker_counts import AFFINITY_OUTCOMES, Fleet, check_capacity
+from crossbar.process.reload import SIGHUPReload, catch_second_stop_signal
+from crossbar.state.shared import SharedCounts
+from crossbar.ops.systemd import Notifier, SystemdNotifier, watchdog_interval
+from crossbar.waiting import Condition
+from crossbar.process.listen import ListenService, listen_endpoint
+
+__all__ = ["ListenerHolder", "Supervisor", "WorkerProcess", "make_supervisor", "relay_log_line"]
+
+_log = Logger(namespace="crossbar.supervisor")
+
+STOP_MARGIN = 15.0
+"""Seconds past ``drain.delay + drain.grace`` after which a worker that has not exited
+is killed."""
+
+STALL = 30.0
+"""Seconds without a line from a worker's reactor (it sends ``alive`` every
+:data:`crossbar.process.worker.HEARTBEAT`) after which the supervisor kills it."""
+
+_YOUNG = 10.0  # s: a worker that dies sooner is restarted after a growing back-off
+_MAX_BACKOFF = 30.0
+
+
+class ListenerHolder(ServerFactory):
+    """The supervisor's own factory for the listener: it never accepts (its port does
+    not read), and would refuse if it did."""
+
+    noisy = False
+
+    def buildProtocol(self, addr: Any) -> None:
+        return None
+
+
+def relay_log_line(line: bytes, worker: int) -> None:
+    """Log one line of a worker's JSON log (:mod:`crossbar.ops.jsonlog`) as this process's
+    own event: the worker's message, namespace, level and fields, plus ``worker``
+    (its index). The text log shows ``[namespace#level worker=N]``; the JSON log has
+    ``"worker": N``. A line that is not a JSON object is logged as the message."""
+    text = line.decode("utf-8", "replace").rstrip("\r")
+    if not text:
+        return
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        doc = None
+    if not isinstance(doc, dict):
+        doc = {"message": text}
+    try:
+        level = LogLevel.levelWithName(str(doc.pop("level", "info")))
+    except InvalidLogLevelError:
+        level = LogLevel.info
+    namespace = str(doc.pop("namespace", "") or "crossbar.worker")
+    message = str(doc.pop("message", ""))
+    # The worker's traceback (a string): into the message, so the text log shows it; never
+    # as a "failure" field, which legacy observers take for a Failure object.
+    failure = doc.pop("failure", None)
+    if isinstance(failure, str) and failure and failure not in message:
+        message = f"{message}\n{failure.rstrip()}"
+    doc.pop("time", None)  # the time it is relayed, within milliseconds
+    doc.pop("system", None)
+    fields = {k: v for k, v in doc.items() if isinstance(k, str) and not k.startswith("log_") and k != "format"}
+    fields["worker"] = worker
+    fields["log_system"] = f"{namespace}#{level.name} worker={worker}"
+    # The worker's message is already formatted: escape it so it is shown as it is.
+    Logger(namespace=namespace).emit(level, message.replace("{", "{{").replace("}", "}}"), **fields)
+
+
+class WorkerProcess(ProcessProtocol):
+    """The supervisor's end of one worker: its log, its readiness, its end.
+
+    :param supervisor: who is told when it is ready or ended.
+    :param index: the worker's number (its row in the shared counts).
+    """
+
+    def __init__(self, supervisor: Supervisor, index: int) -> None:
+        self.supervisor = supervisor
+        self.index = index
+        self.ready = False
+        self.ended = False
+        self.killed = False
+        self.started_at = 0.0
+        self.heard_at = 0.0
+        """Reactor seconds of its last status line (its start, before the first)."""
+        self._buffers: dict[int, bytes] = {1: b"", 2: b"", 4: b""}
+
+    def send(self, command: str) -> None:
+        """Write a command line to the worker (``drain``, ``hurry``, ``reload``)."""
+        if not self.ended and self.transport is not None:
+            try:
+                self.transport.writeToChild(0, command.encode("ascii") + b"\n")
+            except Exception:
+                pass  # it is exiting
+
+    def childDataReceived(self, childFD: int, data: bytes) -> None:
+        *lines, self._buffers[childFD] = (self._buffers.get(childFD, b"") + data).split(b"\n")
+        for line in lines:
+            if childFD == 1:
+                relay_log_line(line, self.index)
+            elif childFD == 2:
+                if line.strip():
+                    _log.warn("worker {worker}: {line}", worker=self.index, line=line.decode("utf-8", "replace"))
+            elif childFD == 4:
+                self.heard_at = self.supervisor.reactor.seconds()
+                if line.strip() == b"ready":
+                    self.ready = True
+                    self.supervisor.worker_ready(self)
+
+    def processEnded(self, reason: Failure) -> None:
+        self.ended = True
+        self.ready = False
+        self.supervisor.worker_ended(self, reason)
+
+
+class Supervisor(MultiService):
+    """Runs ``config.workers`` worker processes on one listener (see the module doc).
+
+    :param config: the validated config (``workers`` > 1).
+    :param reactor: the reactor (``IReactorProcess``).
+    :param environ: where ``NOTIFY_SOCKET``/``WATCHDOG_USEC`` and
+        ``RUNTIME_DIRECTORY`` (systemd's, for the state directory; else the temporary
+        directory) are read (default ``os.environ``).
+    :param handle_signals: install the SIGHUP handler, and during a drain the
+        second-signal handler (the twistd plugin does).
+    :param log_through: this process logs JSON lines to its standard output
+        (``twistd --logger crossbar.ops.jsonlog.observer``, as the systemd unit does): the
+        workers then write theirs to the same output directly, and nothing is relayed
+        (relaying costs the supervisor ~80 µs of CPU per request).
+    :raises ConfigError: ``listen`` is not a valid endpoint, is ``ssl:`` (a worker
+        adopts a plain socket: terminate TLS in front of crossbar, or run one worker)
+        or a unix socket (see the module doc), or the config needs more shared
+        counters than workers have (:func:`~crossbar.state.worker_counts.check_capacity`).
+    """
+
+    def __init__(
+        self, config: Config, reactor: Any, environ: Mapping[str, str] | None = None, handle_signals: bool = True,
+        log_through: bool = False,
+    ) -> None:
+        super().__init__()
+        self.log_through = log_through
+        self._environ = os.environ if environ is None else environ
+
+        kind = config.listen.split(":", 1)[0].lower()
+        if kind == "ssl":
+            raise ConfigError(config.source, "workers",
+                              "an ssl: listener needs workers: 1 (or TLS terminated in front of crossbar)")
+        if kind == "unix" or (kind == "systemd" and "domain=unix" in config.listen.lower()):
+            raise ConfigError(config.source, "workers",
+                              "a unix socket listener needs workers: 1 (or a tcp: listener for workers)")
+        check_capacity(config)
+        self.config = config
+        self.reactor = reactor
+        self.count = config.workers
+        self.workers: list[WorkerProcess | None] = [None] * self.count
+        self.restarts = 0
+        self._young_deaths = [0] * self.count
+        self._stopping = False
+        self._hurried = False
+        # The shared counts and metrics live in a directory made once the listener is
+        # open (startService): a start-up that fails leaves nothing behind.
+        self.directory = ""
+        self._shared_path = ""
+        self._snapshot_path = ""
+        self._stall_check: LoopingCall | None = None
+        self._folded: Counter[tuple[str, str]] = Counter()  # dead workers' affinity counts
+        self.metrics_directory = ""
+        self.fleet: Fleet | None = None
+        self.web = ListenService(listen_endpoint(reactor, config), ListenerHolder())
+        self.web.setServiceParent(self)
+        self._all_ended = Condition(lambda: all(w is None or w.ended for w in self.workers))
+        self._all_ready = Condition(lambda: all(w is not None and w.ready for w in self.workers))
+        self.systemd: SystemdNotifier | None = None
+        notifier = Notifier.from_environment(environ)
+        if notifier is not None:
+            self.systemd = SystemdNotifier(
+                notifier, reactor, ready=lambda: self._all_ready.wait(),  # type: ignore[arg-type,return-value]
+                healthy=lambda: {str(i): bool(w and w.ready) for i, w in enumerate(self.workers)},
+                watchdog=watchdog_interval(environ), noun="workers ready",
+            )
+            self.systemd.setServiceParent(self)
+        self._handle_signals = handle_signals
+        if handle_signals:
+            SIGHUPReload(self.reload, reactor).setServiceParent(self)
+
+    # -- start -----------------------------------------------------------------------
+
+    def startService(self) -> None:
+        super().startService()
+        port = self.web.port
+        assert port is not None, "the listener opens in privilegedStartService/startService"
+        # systemd's RuntimeDirectory= (contrib/systemd): never aged out by tmp cleaners
+        runtime = self._environ.get("RUNTIME_DIRECTORY", "").split(":")[0] or None
+        self.directory = tempfile.mkdtemp(prefix="crossbar-workers-", dir=runtime)
+        try:
+            self._shared_path = os.path.join(self.directory, "counts")
+            SharedCounts.create(self._shared_path, self.count + 1)
+            self.fleet = Fleet(SharedCounts(self._shared_path, self.count + 1, self.count), self.config)
+            self.metrics_directory = os.path.join(self.directory, "metrics")
+            os.mkdir(self.metrics_directory)
+            self._snapshot_path = os.path.join(self.directory, "config.yaml")
+            self._write_snapshot(self.config)
+        except OSError as e:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            raise ConfigError(self.config.source, "workers",
+                              f"cannot make the workers' shared files in {self.directory}: {e.strerror or e}") from None
+        _stop_accepting(port)
+        for index in range(self.count):
+            self._spawn(index)
+        self._stall_check = LoopingCall(self._kill_stalled)
+        self._stall_check.clock = self.reactor
+        self._stall_check.start(STALL / 6, now=False)
+
+    def _kill_stalled(self) -> None:
+        """Kill every worker silent for :data:`STALL` seconds (it is then restarted)."""
+        now = self.reactor.seconds()
+        for process in self.workers:
+            if process is None or process.ended or process.killed or now - process.heard_at < STALL:
+                continue
+            process.killed = True
+            _log.error("worker {worker} sent nothing for {seconds:.0f}s (wedged or stopped): killing it",
+                       worker=process.index, seconds=now - process.heard_at)
+            try:
+                process.transport.signalProcess("KILL")  # type: ignore[union-attr]
+            except Exception:
+                pass  # it has just exited
+
+    def _write_snapshot(self, config: Config) -> None:
+        """Make ``config``'s text the one workers load (replaced atomically).
+
+        :raises OSError: it cannot be written."""
+        if not self._snapshot_path:
+            return  # not started: workers are given the snapshot when it starts
+        temporary = self._snapshot_path + ".new"
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(config.text)
+        os.replace(temporary, self._snapshot_path)
+
+    def _spawn(self, index: int) -> None:
+        port = self.web.port
+        if self._stopping or port is None:
+            return
+        process = WorkerProcess(self, index)
+        process.started_at = process.heard_at = self.reactor.seconds()
+        env = dict(os.environ)
+        env.pop("NOTIFY_SOCKET", None)  # the supervisor speaks for the set
+        env["PROMETHEUS_MULTIPROC_DIR"] = self.metrics_directory
+        argv = [
+            sys.executable, "-m", "crossbar.process.worker", "--config", self.config.source,
+            "--snapshot", self._snapshot_path,
+            "--row", str(index), "--rows", str(self.count + 1), "--shared", self._shared_path,
+        ]
+        try:
+            self.reactor.spawnProcess(
+                process, sys.executable, argv, env=env,
+                childFDs={0: "w", 1: 1 if self.log_through else "r", 2: "r", 3: port.fileno(), 4: "r"},  # type: ignore[attr-defined]
+            )
+        except Exception as e:  # e.g. the interpreter gone after an upgrade, no file descriptors left
+            self.workers[index] = None
+            delay = self._backoff(index, young=True)
+            _log.error("worker {worker} could not be started ({error}); trying again in {delay}s",
+                       worker=index, error=f"{type(e).__name__}: {e}", delay=delay)
+            self.reactor.callLater(delay, self._spawn, index)
+            return
+        self.workers[index] = process
+        _log.info("worker {worker} started (pid {pid})", worker=index, pid=process.transport.pid)  # type: ignore[union-attr]
+
+    def _backoff(self, index: int, young: bool) -> float:
+        """Seconds before worker ``index`` is started again: 0 after a long life, then
+        0.5, 1, 2 ... up to 30 for one that keeps dying young."""
+        self._young_deaths[index] = self._young_deaths[index] + 1 if young else 0
+        return min(_MAX_BACKOFF, 0.5 * 2 ** (self._young_deaths[index] - 1)) if young else 0.0
+
+    def worker_ready(self, process: WorkerProcess) -> None:
+        """A worker listens and has polled every host once."""
+        _log.info("worker {worker} is ready", worker=process.index)
+        self._young_deaths[process.index] = 0 if self.reactor.seconds() - process.started_at > _YOUNG else \
+            self._young_deaths[process.index]
+        self._all_ready.check()
+        if self.systemd is not None:
+            self.systemd.health_changed()
+
+    def worker_ended(self, process: WorkerProcess, reason: Failure) -> None:
+        """A worker exited: counted and restarted unless crossbar is stopping."""
+        index = process.index
+        if self.fleet is not None:
+            # Its affinity counts are counters: this process keeps them (they must never
+            # go down); the rest of its row (in flight, waiting) is gone with it.
+            for name in self.config.routes:
+                for outcome in AFFINITY_OUTCOMES:
+                    self._folded[(name, outcome)] += self.fleet.affinity_of_row(name, outcome, index)
+            self.fleet.shared.clear_row(index)
+            self._publish_own()
+        self._all_ended.check()
+        if self.systemd is not None:
+            self.systemd.health_changed()
+        if self._stopping or self.workers[index] is not process:
+            return
+        self.restarts += 1
+        self._publish_own()
+        delay = self._backoff(index, young=self.reactor.seconds() - process.started_at < _YOUNG)
+        _log.warn("worker {worker} died ({reason}); restarting it in {delay}s (restarts: {restarts})",
+                  worker=index, reason=reason.getErrorMessage(), delay=delay, restarts=self.restarts)
+        self.reactor.callLater(delay, self._spawn, index)
+
+    def _publish_own(self) -> None:
+        """This process's row: restarts, and the affinity counts of dead workers."""
+        if self.fleet is not None:
+            self.fleet.publish_restarts(self.restarts)
+            for (name, outcome), count in self._folded.items():
+                self.fleet.publish_affinity(name, outcome, count)
+
+    # -- stop --------------------------------------------------------------------------
+
+    def stopService(self) -> Deferred[Any]:
+        """Drain every worker at once and wait for them to exit (killing any still
+        running ``drain.delay + drain.grace`` + :data:`STOP_MARGIN` seconds later),
+        then close the listener."""
+        self._stopping = True
+        if self._stall_check is not None and self._stall_check.running:
+            self._stall_check.stop()
+        if self.systemd is not None:
+            self.systemd.draining()
+        self._catch_second_signal()
+        for process in self.workers:
+            if process is not None:
+                process.send("drain")
+        drain = self.config.drain
+        waited = self._all_ended.wait()
+        waited.addTimeout(drain.delay + drain.grace + STOP_MARGIN, self.reactor)
+        waited.addErrback(self._kill_stragglers)
+        waited.addBoth(lambda _: super(Supervisor, self).stopService())
+        waited.addBoth(self._clean_up)
+        return waited
+
+    def _kill_stragglers(self, failure: Failure) -> None:
+        failure.trap(TimeoutError)
+        for process in self.workers:
+            if process is not None and not process.ended:
+                _log.warn("worker {worker} did not stop in time: killing it", worker=process.index)
+                try:
+                    process.transport.signalProcess("KILL")  # type: ignore[union-attr]
+                except Exception:
+                    pass
+
+    def _clean_up(self, result: object) -> object:
+        if self.systemd is not None:
+            self.systemd.notifier.close()
+        if self.directory:
+            shutil.rmtree(self.directory, ignore_errors=True)
+        return result
+
+    def hurry(self) -> None:
+        """A second stop signal: every worker ends its drain now."""
+        if self._hurried:
+            return
+        self._hurried = True
+        _log.warn("second stop signal: workers end their drain now")
+        for process in self.workers:
+            if process is not None:
+                process.send("hurry")
+
+    def _catch_second_signal(self) -> None:
+        if self._handle_signals:
+            catch_second_stop_signal(self.reactor, self.hurry)
+
+    # -- reload --------------------------------------------------------------------------
+
+    def reload(self) -> bool:
+        """SIGHUP: validate the file here, then have every worker reload it."""
+        try:
+            new = load_config(self.config.source)
+        except ConfigError as e:
+            _log.error("reload refused, keeping the running config: {error}", error=str(e))
+            return False
+        try:
+            check_capacity(replace(new, workers=self.count))
+        except ConfigError as e:
+            _log.error("reload refused, keeping the running config: {error}", error=str(e))
+            return False
+        if new.workers != self.count:
+            _log.warn("reload: workers changed from {old} to {new}; a restart is needed to apply it",
+                      old=self.count, new=new.workers)
+        if new.listen != self.config.listen:
+    
+            try:
+                listen_endpoint(self.reactor, new)  # a file start-up would refuse is refused
+            except ConfigError as e:
+                _log.error("reload refused, keeping the running config: {error}", error=str(e))
+                return False
+            _log.warn("reload: listen changed; a restart is needed to apply it")
+        try:
+            self._write_snapshot(new)
+        except OSError as e:
+            _log.error("reload refused, keeping the running config: cannot write the workers' snapshot: {error}",
+                       error=e.strerror or str(e))
+            return False
+        # What a restart would apply stays as running (as a worker's reload keeps listen).
+        self.config = replace(new, listen=self.config.listen, workers=self.count)
+        if self.fleet is not None:
+            self.fleet.configure(self.config)
+            self._publish_own()
+        for process in self.workers:
+            if process is not None:
+                process.send("reload")
+        return True
+
+    def when_all_ready(self) -> Deferred[None]:
+        """Fires once every worker has said it is ready."""
+        return self._all_ready.wait()
+
+
+def _stop_accepting(port: IListeningPort) -> None:
+    """The supervisor's listening port stays open for the workers but never accepts."""
+    stop = getattr(port, "stopReading", None)
+    if stop is not None:
+        stop()
+
+
+def make_supervisor(
+    config: Config, reactor: Any = None, handle_signals: bool = True, log_through: bool = False
+) -> Supervisor:
+    """The supervisor for ``config`` on ``reactor`` (default: the global one); see
+    :class:`Supervisor` for ``log_through``."""
+    if reactor is None:
+        from twisted.internet import reactor as global_reactor
+
+        reactor = global_reactor
+    return Supervisor(config, reactor, handle_signals=handle_signals, log_through=log_through)

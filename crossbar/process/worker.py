@@ -1,0 +1,232 @@
+"""One worker process of a crossbar with ``workers: N`` (DESIGN.md §Workers).
+
+The supervisor (:mod:`crossbar.process.supervisor`) starts each worker as
+``python -m crossbar.process.worker --config FILE --snapshot SNAPSHOT --row I --rows N+1
+--shared PATH`` with:
+
+- ``SNAPSHOT``: the config text the supervisor validated last (``FILE`` only names it
+  in messages and anchors relative ``tls`` paths): a worker started or reloaded later
+  runs what the supervisor accepted, never a file edited since without a SIGHUP;
+
+- fd 3: the listening socket the supervisor opened (the worker adopts it with
+  ``reactor.adoptStreamPort``: every worker accepts on the same socket);
+- fd 0: commands from the supervisor, one per line: ``drain`` (SIGTERM's drain),
+  ``hurry`` (a second signal: end the drain now), ``reload`` (SIGHUP: load the
+  snapshot again). End of file
+  (the supervisor is gone) drains too;
+- fd 1: its log, one JSON object per line (:mod:`crossbar.ops.jsonlog`) with a ``worker``
+  field: the supervisor's own standard output when it logs JSON there too (written
+  straight through, nothing relayed), else a pipe whose lines the supervisor logs as
+  its own;
+- fd 4: ``ready`` once the worker listens and its first poll round is done, and
+  ``alive`` every :data:`HEARTBEAT` seconds from its reactor (a worker whose reactor
+  is wedged or stopped goes silent, and the supervisor replaces it).
+
+Signals sent to a worker itself: SIGTERM or SIGINT drain it (the same drain as the
+``drain`` command: both together are one drain, as under systemd's
+``KillMode=control-group``; only ``hurry`` ends a drain early); SIGHUP reloads this
+worker alone (from the snapshot too).
+
+Each worker is a whole :class:`~crossbar.process.service.CrossbarService` (poller, proxy,
+operations) whose counts are published to, and read from, the shared counters
+(:class:`~crossbar.state.worker_counts.Fleet`). Workers run in their own process group, so a Ctrl-C
+at a terminal reaches the supervisor only, which tells each worker once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+from types import FrameType
+from typing import Any, Callable
+
+from twisted.internet import fdesc
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.error import ReactorNotRunning
+from twisted.internet.interfaces import IListeningPort, IProtocolFactory, IReadDescriptor, IStreamServerEndpoint
+from twisted.internet.main import CONNECTION_DONE
+from twisted.internet.task import LoopingCall
+from twisted.logger import ILogObserver, Logger, globalLogBeginner
+from zope.interface import implementer
+
+__all__ = ["AdoptedEndpoint", "main"]
+
+LISTEN_FD = 3
+STATUS_FD = 4
+HEARTBEAT = 5.0
+"""Seconds between a worker's ``alive`` lines."""
+
+_log = Logger(namespace="crossbar.worker")
+
+
+@implementer(IStreamServerEndpoint)
+class AdoptedEndpoint:
+    """A server endpoint for a listening socket opened by another process.
+
+    :param reactor: provides ``IReactorSocket.adoptStreamPort``.
+    :param fd: the listening socket's file descriptor (its family is read from it).
+    """
+
+    def __init__(self, reactor: Any, fd: int) -> None:
+        self._reactor = reactor
+        self._fd = fd
+
+    def listen(self, protocolFactory: IProtocolFactory) -> Deferred[IListeningPort]:
+        probe = socket.socket(fileno=self._fd)
+        family = probe.family
+        probe.detach()  # the fd stays open: the port adopts (a copy of) it
+        port = self._reactor.adoptStreamPort(self._fd, family, protocolFactory)
+        # Every worker is woken for a new connection; one accept each per wake-up (not
+        # Twisted's default of up to 100) spreads a burst over the workers.
+        if hasattr(port, "numberAccepts"):
+            port.numberAccepts = 1
+        return succeed(port)
+
+
+@implementer(IReadDescriptor)
+class _Commands:
+    """Reads command lines on ``fd`` and calls ``handle(command)``; ``handle("eof")``
+    when the supervisor closes it."""
+
+    def __init__(self, fd: int, handle: Callable[[str], None]) -> None:
+        self._fd = fd
+        self._handle = handle
+        self._buffer = b""
+        fdesc.setNonBlocking(fd)
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def logPrefix(self) -> str:
+        return "crossbar-worker-commands"
+
+    def doRead(self) -> Any:
+        try:
+            data = os.read(self._fd, 4096)
+        except BlockingIOError:
+            return None
+        except OSError:
+            return CONNECTION_DONE
+        if not data:
+            return CONNECTION_DONE
+        self._buffer += data
+        *lines, self._buffer = self._buffer.split(b"\n")
+        for line in lines:
+            self._handle(line.decode("ascii", "replace").strip())
+        return None
+
+    def connectionLost(self, reason: Any) -> None:
+        self._handle("eof")
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run one worker until it is told to drain (see the module docstring)."""
+    parser = argparse.ArgumentParser(prog="python -m crossbar.process.worker", description=__doc__.split("\n")[0])
+    parser.add_argument("--config", required=True, help="the config file's path (messages, relative tls paths)")
+    parser.add_argument("--snapshot", required=True, help="the config text the supervisor validated")
+    parser.add_argument("--row", type=int, required=True, help="this worker's row in the shared counters")
+    parser.add_argument("--rows", type=int, required=True, help="rows in the shared counters")
+    parser.add_argument("--shared", required=True, help="the shared counters' file")
+    args = parser.parse_args(argv)
+    os.setpgrp()  # a terminal's Ctrl-C goes to the supervisor, which tells us once
+
+    from crossbar.ops import jsonlog
+
+    write = jsonlog.observer_to(sys.stdout)
+
+    @implementer(ILogObserver)
+    def tagged(event: dict[str, Any]) -> None:  # every line says which worker wrote it
+        event["worker"] = args.row
+        write(event)
+
+    globalLogBeginner.beginLoggingTo([tagged], redirectStandardIO=False)
+
+    from twisted.internet import reactor as global_reactor
+
+    reactor: Any = global_reactor  # the running reactor: posix, with threads and signals
+
+    from crossbar.config import ConfigError, load_config, read_config_text
+    from crossbar.state.worker_counts import Fleet
+    from crossbar.process.reload import SIGHUPReload
+    from crossbar.process.service import CrossbarService
+    from crossbar.state.shared import SharedCounts
+
+    try:
+        config = load_config(args.config, text=read_config_text(args.snapshot))
+        fleet = Fleet(SharedCounts(args.shared, args.rows, args.row), config)
+    except (ConfigError, OSError, ValueError) as e:
+        _log.critical("worker cannot start: {error}", error=str(e))
+        raise SystemExit(1) from None
+    # Signals are the worker's own (not the service's): SIGTERM/SIGINT are the drain,
+    # never the "second signal" that ends it (only the supervisor's ``hurry`` does), so
+    # systemd's KillMode=control-group (SIGTERM to every process) plus the supervisor's
+    # ``drain`` command make one drain, not an aborted one.
+    service = CrossbarService(
+        config, reactor, environ={}, handle_signals=False, listen=AdoptedEndpoint(reactor, LISTEN_FD), fleet=fleet,
+    )
+
+    def reload() -> bool:
+        try:
+            text = read_config_text(args.snapshot)
+        except ConfigError as e:
+            _log.error("reload refused, keeping the running config: {error}", error=str(e))
+            return False
+        return service.reload(text=text)
+
+    SIGHUPReload(reload, reactor).setServiceParent(service)
+
+    def drain() -> None:
+        try:
+            reactor.stop()  # the drain is stopService
+        except ReactorNotRunning:
+            pass  # already draining: a signal and the supervisor's command are one drain
+
+    def command(name: str) -> None:
+        if name in ("drain", "eof"):
+            drain()
+        elif name == "hurry":
+            service.hurry()
+        elif name == "reload":
+            reload()
+        elif name:
+            _log.warn("unknown supervisor command {command!r}", command=name)
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        reactor.callFromThread(drain)
+
+    def status(line: bytes) -> None:
+        try:
+            os.write(STATUS_FD, line)
+        except OSError:
+            pass  # no supervisor listening (run by hand)
+
+    def ready(_: object) -> None:
+        status(b"ready\n")
+
+    heartbeat = LoopingCall(status, b"alive\n")
+    heartbeat.clock = reactor
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, on_signal)
+    reactor.addReader(_Commands(0, command))
+    def start() -> None:
+        try:
+            service.startService()
+        except Exception:
+            # A worker that cannot listen or start serves nobody: exit, and the
+            # supervisor starts another (with a back-off if this keeps happening).
+            _log.failure("worker cannot start")
+            os._exit(1)
+
+    reactor.callWhenRunning(start)
+    reactor.callWhenRunning(heartbeat.start, HEARTBEAT)
+    reactor.callWhenRunning(lambda: service.when_ready().addCallbacks(ready, lambda f: None))
+    reactor.addSystemEventTrigger("before", "shutdown", service.stopService)
+    reactor.run(installSignalHandlers=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Client keys of a route (DESIGN.md §Access): which key, if any, a request presents.
+
+:func:`authorize` looks only at the request head's ``Authorization`` value, so a keyed
+route can refuse a request before any of its body is read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from typing import Mapping, Sequence
+
+from crossbar.config import ClientKey, Config
+from crossbar.proxy.routing import split_route, split_target
+
+__all__ = ["authorize", "check_key"]
+
+_BEARER = b"bearer"
+
+
+def authorize(keys: Mapping[str, ClientKey], authorization: bytes | None) -> str | None:
+    """The name of the key in ``keys`` that ``authorization`` presents, or None.
+
+    :param keys: a route's keys (:attr:`crossbar.config.Route.keys`), name -> key.
+    :param authorization: the request's ``Authorization`` header value (bytes as
+        received), or None when it has none.
+    :returns: the key name for ``Bearer <secret>`` (the scheme in any case, whitespace
+        around the scheme and the secret tolerated) when ``<secret>`` is one of the
+        keys' secrets; None for no header, another scheme (``Basic``), an empty or
+        wrong secret, or a route without keys.
+
+    The SHA-256 of the presented secret is compared with :func:`hmac.compare_digest`
+    against the digest of *every* key, with no early exit: neither which key matched
+    nor how much of a secret matched, nor its length, shows in the time taken. (The
+    config refuses one secret under two names, so at most one key matches.)
+    """
+    if authorization is None or not keys:
+        return None
+    parts = authorization.strip().split(None, 1)
+    if len(parts) != 2 or parts[0].lower() != _BEARER:
+        return None
+    presented = hashlib.sha256(parts[1].strip()).digest()
+    found: str | None = None
+    for name, key in keys.items():
+        if hmac.compare_digest(presented, key.digest) and found is None:
+            found = name
+    return found
+
+
+def check_key(
+    config: Config, method: bytes, target: bytes, authorization: Sequence[bytes] | None, has_body: bool = False
+) -> str | None:
+    """Rule 2 of DESIGN.md §The proxy, on the request head: the name of the key the
+    request presents on a keyed route, "" where no key is needed (no such route, a
+    route without keys, a CORS preflight: ``OPTIONS`` without a body), None when the
+    request must be refused 401 (no valid key; more than one ``Authorization`` header).
+
+    :param config: the config the request is checked under.
+    :param method: the request method; :param target: the request target as sent.
+    :param authorization: every ``Authorization`` value of the request, or None.
+    :param has_body: the request announced a body (``Content-Length`` above 0, or
+        chunked): a preflight never has one, so such an ``OPTIONS`` needs a key.
+    """
+    path, _ = split_target(target)
+    split = split_route(path)
+    route = config.routes.get(split[0]) if split is not None else None
+    if route is None or not route.keys or (method == b"OPTIONS" and not has_body):
+        return ""
+    if authorization is None or len(authorization) != 1:
+        return None
+    return authorize(route.keys, authorization[0])

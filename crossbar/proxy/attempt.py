@@ -1,0 +1,259 @@
+"""One upstream request to one chosen host (DESIGN.md §The proxy, rules 6-7).
+
+An :class:`Attempt` sends the request, retries once on a fresh connection when a reused
+pooled connection turns out dead before any answer, and bounds the wait for the
+response head by ``timeouts.first_byte``. Its Deferred fires with an :class:`Answer`
+(the response head and when the request was sent) or fails with
+:class:`UpstreamFailed`, classified by :class:`FailureKind`, so the exchange's policy
+(mark down, fail over, 502, 504) is one decision on one value. Cancelling the Deferred
+cancels the upstream request (the client left).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Sequence
+
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.protocol import Protocol
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.client import RequestNotSent, RequestTransmissionFailed, ResponseNeverReceived  # type: ignore[attr-defined]  # re-exported by twisted.web.client
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import IBodyProducer, IResponse
+from zope.interface import implementer
+
+from crossbar.upstream.failures import describe_failure
+from crossbar.upstream.tls import tls_failure_reason
+from crossbar.upstream.pools import ConnectTracker, UpstreamPools
+
+__all__ = ["STALE_WINDOW", "Answer", "Attempt", "FailureKind", "UpstreamFailed"]
+
+_log = Logger(namespace="crossbar.proxy")
+
+STALE_WINDOW = 1.0
+"""Seconds after sending within which a reused pooled connection that dies before any
+answer counts as stale (closed by the host while idle) and is retried once on a fresh
+connection (DESIGN.md rule 7). Later, the host had the request long enough to have
+started the work: that is a host failure (mark_down, 502, no retry)."""
+
+
+class FailureKind(Enum):
+    """How an attempt failed; each kind has one rule-7 answer."""
+
+    CONNECT = "connect"
+    """No connection could be opened: mark down, choose another host."""
+    REQUEST = "request"
+    """The host failed after the request was sent, before the head: mark down, 502."""
+    FIRST_BYTE_TIMEOUT = "first_byte_timeout"
+    """No head within ``timeouts.first_byte``: mark down, 504."""
+
+
+class UpstreamFailed(Exception):
+    """An attempt failed: ``kind`` says how, ``reason`` is a one-line description
+    (for ``last_err`` and the log)."""
+
+    def __init__(self, kind: FailureKind, reason: str) -> None:
+        super().__init__(f"{kind.value}: {reason}")
+        self.kind = kind
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Answer:
+    """The host's response head.
+
+    :ivar response: the response (its body not read yet).
+    :ivar sent_at: reactor seconds when the request (body included) was handed to the
+        connection: time to first byte counts from here (DESIGN.md §Configuration).
+    """
+
+    response: IResponse
+    sent_at: float
+
+
+@implementer(IBodyProducer)
+class BytesProducer:
+    """A request body held in memory, written to the upstream connection in slices.
+
+    A body of at most :attr:`SLICE` bytes is written at once, with the request head
+    (no Cooperator tick as with FileBodyProducer). A longer one (a chat request carrying
+    an image: up to 16 MiB) is written :attr:`SLICE` bytes at a time, the next slice
+    when the transport asks for more (``resumeProducing``: Twisted registers the body
+    producer as a streaming producer of the connection). Written at once, Twisted would
+    join the head and the whole body into one new buffer in a single reactor turn
+    (measured: 2.5-8 ms for 15 MiB, every other stream stalled that long; bench (h),
+    DESIGN.md §"Quality bar"); in slices no reactor turn copies more than a slice.
+
+    :param body: the whole body, as one ``bytes`` or as the chunks it arrived in (a
+        sequence of ``bytes``: never joined into one buffer, DESIGN.md §Quality bar).
+    """
+
+    SLICE = 256 * 1024
+    """Bytes written per slice."""
+
+    def __init__(self, body: bytes | Sequence[bytes]) -> None:
+        self._pieces: list[bytes] = [body] if isinstance(body, bytes) else [p for p in body if p]
+        self.length = sum(len(p) for p in self._pieces)
+        self._index = 0
+        self._offset = 0
+        self._paused = False
+        self._consumer: Any = None
+        self._done: Deferred[None] | None = None
+
+    def startProducing(self, consumer: Any) -> Deferred[None]:
+        """Write the body to ``consumer`` (an ``IConsumer``); the Deferred fires once
+        all of it was handed to the consumer, and never after :meth:`stopProducing`."""
+        if self.length <= self.SLICE:
+            consumer.write(b"".join(self._pieces))
+            return succeed(None)
+        self._consumer = consumer
+        done: Deferred[None] = Deferred(lambda _: self.stopProducing())
+        self._done = done
+        self._produce()
+        return done
+
+    def _next_slice(self) -> bytes:
+        """Up to :attr:`SLICE` bytes from where the body stands (copies at most that)."""
+        out: list[bytes] = []
+        size = 0
+        pieces = self._pieces
+        while size < self.SLICE and self._index < len(pieces):
+            piece = pieces[self._index]
+            want = self.SLICE - size
+            if self._offset == 0 and len(piece) <= want:
+                part = piece
+            else:
+                part = piece[self._offset:self._offset + want]
+            out.append(part)
+            size += len(part)
+            self._offset += len(part)
+            if self._offset >= len(piece):
+                self._index += 1
+                self._offset = 0
+        return out[0] if len(out) == 1 else b"".join(out)
+
+    def _produce(self) -> None:
+        while not self._paused and self._consumer is not None and self._index < len(self._pieces):
+            self._consumer.write(self._next_slice())  # may call pauseProducing before it returns
+        if self._index >= len(self._pieces) and self._done is not None:
+            done, self._done, self._consumer = self._done, None, None
+            done.callback(None)
+
+    def pauseProducing(self) -> None:
+        self._paused = True
+
+    def resumeProducing(self) -> None:
+        self._paused = False
+        self._produce()
+
+    def stopProducing(self) -> None:
+        self._consumer = None
+        self._done = None
+
+
+class Attempt:
+    """Send ``method url`` with ``headers`` and ``body`` to one host.
+
+    :param pools: where connections come from.
+    :param clock: the reactor (timeouts run on it).
+    :param method: the request method.
+    :param url: the absolute upstream URL (bytes).
+    :param headers: the headers to send.
+    :param body: the body (bytes, or the chunks it arrived in), or None for none.
+    :param first_byte_timeout: seconds to wait for the response head after sending.
+    """
+
+    def __init__(
+        self,
+        pools: UpstreamPools,
+        clock: IReactorTime,
+        method: bytes,
+        url: bytes,
+        headers: Headers,
+        body: bytes | Sequence[bytes] | None,
+        first_byte_timeout: float,
+    ) -> None:
+        self._pools = pools
+        self._clock = clock
+        self._method = method
+        self._url = url
+        self._headers = headers
+        self._body = body
+        self._timeout = first_byte_timeout
+        self._current: Deferred[IResponse] | None = None
+        self._cancelled = False
+        self.result: Deferred[Answer] = Deferred(self._cancel)
+
+    def start(self) -> Deferred[Answer]:
+        """Send the request; returns :attr:`result`."""
+        self._send(fresh=False)
+        return self.result
+
+    def _send(self, fresh: bool) -> None:
+        agent, tracker = self._pools.agent(fresh=fresh)
+        producer = None if self._body is None else BytesProducer(self._body)
+        requested = self._clock.seconds()
+        d = agent.request(self._method, self._url, self._headers, producer)
+        self._current = d
+        d.addTimeout(self._timeout, self._clock, onTimeoutCancel=self._timed_out)
+        d.addCallbacks(self._answered, self._failed, callbackArgs=(tracker, requested),
+                       errbackArgs=(tracker, requested, fresh))
+
+    def _timed_out(self, result: IResponse | Failure, timeout: float) -> Failure:
+        if not isinstance(result, Failure):  # the head won the race with the cancel
+            result.deliverBody(_Discard())  # nobody reads it: close its connection
+        return Failure(UpstreamFailed(FailureKind.FIRST_BYTE_TIMEOUT, f"no response headers within {timeout:g}s"))
+
+    def _answered(self, response: IResponse, tracker: ConnectTracker, requested: float) -> None:
+        self._current = None
+        if self._cancelled:  # nobody wants the body
+            response.deliverBody(_Discard())
+            return
+        sent_at = tracker.connected_at if tracker.connected_at is not None else requested
+        self.result.callback(Answer(response, sent_at))
+
+    def _failed(self, failure: Failure, tracker: ConnectTracker, requested: float, fresh: bool) -> None:
+        self._current = None
+        if self._cancelled:
+            return  # cancelled by the exchange: says nothing about the host
+        if failure.check(UpstreamFailed):
+            self.result.errback(failure)
+        elif tracker.connect_failure is not None:
+            reason = f"connect: {describe_failure(tracker.connect_failure)}"
+            self.result.errback(UpstreamFailed(FailureKind.CONNECT, reason))
+        elif tls_failure_reason(failure) is not None:
+            # TLS 1.3: a host that refuses our client certificate says so after the
+            # handshake, before any answer: still a connect failure (rule 7, §Access).
+            self.result.errback(UpstreamFailed(FailureKind.CONNECT, f"connect: {describe_failure(failure)}"))
+        elif self._is_stale(failure, tracker, requested, fresh):
+            _log.debug("retrying {url} on a fresh connection", url=self._url.decode("latin-1"))
+            self._send(fresh=True)
+        else:
+            reason = f"request failed: {describe_failure(failure)}"
+            self.result.errback(UpstreamFailed(FailureKind.REQUEST, reason))
+
+    def _is_stale(self, failure: Failure, tracker: ConnectTracker, requested: float, fresh: bool) -> bool:
+        """Rule 7: a reused pooled connection (no new connection was opened) that died
+        within :data:`STALE_WINDOW` of sending, before any answer, on the first try."""
+        return (
+            not fresh
+            and tracker.connects == 0
+            and self._clock.seconds() - requested < STALE_WINDOW
+            and failure.check(RequestNotSent, RequestTransmissionFailed, ResponseNeverReceived) is not None
+        )
+
+    def _cancel(self, d: Deferred[Answer]) -> None:
+        self._cancelled = True  # result then fails with CancelledError
+        current, self._current = self._current, None
+        if current is not None:
+            current.cancel()
+
+
+class _Discard(Protocol):
+    """Drops an upstream body nobody wants and closes its connection."""
+
+    def makeConnection(self, transport: Any) -> None:
+        transport.stopProducing()

@@ -1,0 +1,162 @@
+"""The HTTP/1.1 server channel: Twisted's, with deadlines on each request head and body.
+
+Twisted's own ``timeOut`` (60 s) is an *idle* timeout: every byte restarts it, so a
+client trickling one header byte a minute (slowloris) would hold a connection for days.
+:class:`HeadDeadlineChannel` gives the whole request head -- request line and headers --
+:data:`HEAD_DEADLINE` seconds, counted from when the connection is ready for a request
+(opened, or the previous answer finished). An idle keep-alive connection is closed after
+the same time. The deadline does not run while a request is being answered, so long
+streams are unaffected. A request body then gets :data:`HEAD_DEADLINE` seconds plus one
+second per :data:`MIN_BODY_RATE` bytes of it (of the 16 MiB limit when it is chunked):
+a body trickled a byte a minute no longer holds a connection for days either.
+(DESIGN.md §The proxy, rule 9: no request can leave crossbar serving less.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twisted.internet.interfaces import IDelayedCall
+from twisted.internet.protocol import connectionDone
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.http import HTTPChannel
+
+from crossbar.errors import json_error_bytes
+from crossbar.proxy.request import MAX_BODY
+from crossbar.upstream.tcp import no_delay
+from crossbar.upstream.twisted_private import BadRequestHook
+
+__all__ = ["HEAD_DEADLINE", "MIN_BODY_RATE", "HeadDeadlineChannel", "body_deadline"]
+
+HEAD_DEADLINE = 60.0
+"""Seconds a connection gets to deliver a complete request head once it is ready for one."""
+
+MIN_BODY_RATE = 64 * 1024
+"""Bytes per second a request body must average (on top of :data:`HEAD_DEADLINE`)."""
+
+
+def body_deadline(length: int | None) -> float:
+    """Seconds a request body of ``length`` bytes (None: chunked) may take to arrive."""
+    return HEAD_DEADLINE + (MAX_BODY if length is None else length) / MIN_BODY_RATE
+
+_log = Logger(namespace="crossbar.channel")
+
+
+class HeadDeadlineChannel(BadRequestHook, HTTPChannel):
+    """An ``HTTPChannel`` that closes connections whose request head takes longer than
+    ``head_deadline`` seconds (default :data:`HEAD_DEADLINE`)."""
+
+    head_deadline = HEAD_DEADLINE
+    _head_timer: IDelayedCall | None = None
+    _awaiting_request_line = True
+    _method = b""
+    _target = b""
+    _version = b""
+
+    def connectionMade(self) -> None:
+        super().connectionMade()
+        no_delay(self.transport)
+        self._arm_head_deadline()
+        open_channels = getattr(getattr(self, "site", None), "open_channels", None)
+        if open_channels is not None:
+            open_channels.add(self)
+
+    def close_when_idle(self) -> bool:
+        """Stop keep-alive (a drain): close the connection now if no request is on it,
+        else right after the answer in progress. Returns whether it closed now."""
+        if self.transport is None:
+            return False
+        if self.requests:
+            self.persistent = False  # HTTPChannel closes after this answer
+            return False
+        self.transport.loseConnection()
+        return True
+
+    def request_line(self) -> tuple[bytes, bytes]:
+        """The method and target of the request line being read or answered, as sent
+        (``(b"", b"")`` before one arrived). Known from the line itself, before Twisted
+        sets ``request.method`` and ``request.uri`` (after the body): what an answer
+        made before a resource saw the request, such as the 413, is recorded with."""
+        return self._method, self._target
+
+    def request_version(self) -> bytes:
+        """The HTTP version of that request line, as sent (``b"HTTP/1.1"``)."""
+        return self._version
+
+    def lineReceived(self, line: bytes) -> None:
+        if self._awaiting_request_line and line:
+            # The method, even of a request line Twisted then refuses (for the 400), and
+            # the target (Twisted sets request.uri only after the body: for the 413).
+            parts = line.split(b" ", 2)
+            self._method = parts[0]
+            self._target = parts[1] if len(parts) > 1 else b""
+            self._version = parts[2] if len(parts) > 2 else b""
+            self._awaiting_request_line = False
+        super().lineReceived(line)
+
+    def allHeadersReceived(self) -> None:
+        self._disarm_head_deadline()
+        length = self.length  # Content-Length, None when chunked, 0 without a body
+        super().allHeadersReceived()
+        if length != 0:  # disarmed again by allContentReceived
+            self._head_timer = self.callLater(body_deadline(length), self._head_deadline_passed)
+
+    def allContentReceived(self) -> None:
+        self._disarm_head_deadline()
+        super().allContentReceived()
+
+    def requestDone(self, request: Any) -> None:
+        # Armed first: a pipelined request already buffered is parsed inside
+        # super().requestDone, and its allHeadersReceived disarms the deadline again.
+        self._arm_head_deadline()
+        self._awaiting_request_line = True
+        super().requestDone(request)
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        self._disarm_head_deadline()
+        open_channels = getattr(getattr(self, "site", None), "open_channels", None)
+        if open_channels is not None:
+            open_channels.discard(self)
+        super().connectionLost(reason)
+
+    def _arm_head_deadline(self) -> None:
+        self._disarm_head_deadline()
+        self._head_timer = self.callLater(self.head_deadline, self._head_deadline_passed)
+
+    def _disarm_head_deadline(self) -> None:
+        timer, self._head_timer = self._head_timer, None
+        if timer is not None and timer.active():
+            timer.cancel()
+
+    def lineLengthExceeded(self, line: bytes) -> None:
+        """A request line or header line over ``MAX_LENGTH`` (16 KiB): Twisted would
+        just close the connection; crossbar answers its JSON 400 and records it
+        (DESIGN.md §The proxy, rules 8-9)."""
+        self.respond_to_bad_request()
+
+    def respond_to_bad_request(self) -> None:
+        """Twisted's answer to a request it cannot parse (bad request line, header,
+        framing or size) is a bare ``400``; crossbar's error answers are JSON
+        (DESIGN.md §The proxy, rule 9) and recorded like any other answer (rule 8).
+        Called through :class:`~crossbar.upstream.twisted_private.BadRequestHook`; the tests in
+        tests/test_channel.py pin it."""
+        body = json_error_bytes("bad request")
+        head = self._method == b"HEAD"  # a HEAD answer carries no body
+        self.transport.write(  # type: ignore[union-attr]
+            b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\n"
+            b"Content-Length: " + str(len(body)).encode("ascii") + b"\r\n"
+            b"Connection: close\r\n\r\n" + (b"" if head else body)
+        )
+        self.loseConnection()
+        record = getattr(getattr(self, "site", None), "record_early_answer", None)
+        if record is not None:
+            record(self._method, self._target, 400, 0 if head else len(body))
+
+    def _head_deadline_passed(self) -> None:
+        self._head_timer = None
+        if self.transport is None:
+            return
+        peer = self.transport.getPeer()
+        _log.debug("closing {peer}: request head or body too slow", peer=str(peer))
+        self.transport.abortConnection()  # type: ignore[attr-defined]

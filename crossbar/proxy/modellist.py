@@ -1,0 +1,49 @@
+"""The route model list: ``GET /{route}/v1/models`` answered from the health table
+(DESIGN.md §The proxy, rule 10).
+
+Clients fill model pickers from ``/v1/models``; behind crossbar that list is every model
+a healthy host of the route has loaded, loading or available, not just what the one
+host a request lands on happens to list.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping
+
+from crossbar.config import Route
+from crossbar.hosts.health import HostStatus
+
+__all__ = ["route_models"]
+
+_STATES = ("loaded", "loading", "available")
+
+
+def route_models(route: Route, statuses: Mapping[str, HostStatus]) -> dict[str, Any] | None:
+    """The ``{"object": "list", "data": [...]}`` document for ``route``, or None when no
+    host of the route is healthy (the caller answers 503).
+
+    Each entry, sorted by id, is the one its first listing host (route order) reported,
+    plus ``"crossbar": {"hosts": {host: "loaded" | "loading" | "available"}}`` over the
+    healthy hosts that list it.
+    """
+    healthy = [h for h in route.hosts if h in statuses and statuses[h].healthy]
+    if not healthy:
+        return None
+    entries: dict[str, dict[str, Any]] = {}
+    where: dict[str, dict[str, str]] = {}
+    for host in healthy:
+        status = statuses[host]
+        for state in _STATES:
+            for model in getattr(status, state):
+                if model not in entries:
+                    text = status.entries.get(model)
+                    entry = json.loads(text) if text is not None else {"id": model}
+                    entries[model] = entry if isinstance(entry, dict) else {"id": model}
+                where.setdefault(model, {})[host] = state
+    data = []
+    for model in sorted(entries):
+        entry = dict(entries[model])
+        entry["crossbar"] = {"hosts": where[model]}
+        data.append(entry)
+    return {"object": "list", "data": data}

@@ -1,0 +1,97 @@
+"""In-flight requests per host: the one count that status, metrics and choosing read
+(DESIGN.md §Choosing a host, rule 2).
+
+A request counts against its host from the moment the host is chosen (connecting
+included) until its answer ends (streams included) or fails; a failover moves it.
+:class:`Inflight` keeps the counts per (route, host) (for the metrics' labels) and per
+host (for room and least-busy), never below zero; a :class:`Lease` is one request's
+claim and is released exactly once, however the request ends.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from crossbar.state.worker_counts import Fleet
+
+__all__ = ["Inflight", "Lease"]
+
+
+class Inflight:
+    """Requests in flight, by host and by (route, host).
+
+    :param on_release: called (no arguments) whenever a lease is released or moved
+        away from a host: a slot freed (the route queues listen here).
+    :ivar fleet: with workers, where this worker's counts are published and the
+        fleet's are read (DESIGN.md §Workers); None for one process.
+    """
+
+    def __init__(self, on_release: Callable[[], None] | None = None) -> None:
+        self._by_host: Counter[str] = Counter()
+        self._by_route_host: Counter[tuple[str, str]] = Counter()
+        self.on_release = on_release
+        self.fleet: Fleet | None = None
+
+    def host(self, host: str) -> int:
+        """Requests in flight to ``host`` over every route (0 for an unknown host),
+        from every worker when there are several."""
+        if self.fleet is not None:
+            return self.fleet.host(host)
+        return self._by_host.get(host, 0)
+
+    def publish(self) -> None:
+        """Write every count of this process to :attr:`fleet` (after a reload)."""
+        if self.fleet is not None:
+            for (route, host), n in self._by_route_host.items():
+                self.fleet.publish_inflight(route, host, n, self._by_host.get(host, 0))
+
+    def by_host(self) -> dict[str, int]:
+        """host -> requests in flight to it (hosts with none may be absent)."""
+        return {h: n for h, n in self._by_host.items() if n}
+
+    def by_route_host(self) -> dict[tuple[str, str], int]:
+        """(route, host) -> requests in flight, including pairs that went back to 0
+        (so a metric once seen reads 0 rather than vanishing); fleet-wide with
+        workers, for every pair of the config and any this process still counts (a
+        worker that served none of a pair's requests still reports the others')."""
+        if self.fleet is not None:
+            pairs = dict.fromkeys(self.fleet.pairs) | dict.fromkeys(self._by_route_host)
+            return {(r, h): self.fleet.route_host(r, h) for r, h in pairs}
+        return dict(self._by_route_host)
+
+    def enter(self, route: str, host: str) -> Lease:
+        """Count one request of ``route`` against ``host``; returns its lease."""
+        self._by_host[host] += 1
+        self._by_route_host[(route, host)] += 1
+        if self.fleet is not None:
+            self.fleet.publish_inflight(route, host, self._by_route_host[(route, host)], self._by_host[host])
+        return Lease(self, route, host)
+
+    def _leave(self, route: str, host: str) -> None:
+        if self._by_host.get(host, 0) > 0:
+            self._by_host[host] -= 1
+            if not self._by_host[host]:
+                del self._by_host[host]
+        if self._by_route_host.get((route, host), 0) > 0:
+            self._by_route_host[(route, host)] -= 1
+        if self.fleet is not None:
+            self.fleet.publish_inflight(route, host, self._by_route_host[(route, host)], self._by_host.get(host, 0))
+        if self.on_release is not None:
+            self.on_release()
+
+
+class Lease:
+    """One request's claim on a host; :meth:`release` is idempotent."""
+
+    def __init__(self, inflight: Inflight, route: str, host: str) -> None:
+        self._inflight = inflight
+        self.route = route
+        self.host: str | None = host
+
+    def release(self) -> None:
+        """Stop counting this request (its answer ended, or it failed)."""
+        host, self.host = self.host, None
+        if host is not None:
+            self._inflight._leave(self.route, host)

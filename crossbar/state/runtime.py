@@ -1,0 +1,158 @@
+"""The running state of one crossbar: one source of truth for each runtime fact.
+
+- the current :class:`~crossbar.config.Config`, one reference that a reload swaps (a
+  request keeps the config it started with, so it is served under one config);
+- the health table (and with it readiness: every host's first poll is in the table);
+- requests in flight per host (:class:`~crossbar.state.inflight.Inflight`), read by status,
+  metrics and choosing alike;
+- the requests crossbar is handling (for the drain) and whether it is draining.
+
+Status, metrics, readiness, systemd and the proxy all read these; nothing copies them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Callable
+
+from crossbar.hosts.balance import Rotation
+from crossbar.config import Config, Route
+from crossbar.state.worker_counts import Fleet
+from crossbar.hosts.health import HealthTable
+from crossbar.state.inflight import Inflight
+from crossbar.state.queue import RouteQueues
+from crossbar.waiting import Condition
+
+__all__ = ["Runtime"]
+
+
+class Runtime:
+    """The facts crossbar's parts share (see the module docstring).
+
+    :param config: the config to start with.
+    :param now: POSIX seconds (``reactor.seconds``), for the health table.
+    :ivar config: the current config; assign a new one to reload.
+    :ivar table: the health table.
+    :ivar inflight: requests in flight per host; a release wakes the queues.
+    :ivar queues: the requests waiting for a host with room, per route.
+    :ivar rotation: where round-robin among exact ties stands, per route.
+    :ivar affinity_counts: (route, ``home``/``spill``/``none``) -> requests dispatched.
+    :ivar key_inflight: (route, client key name) -> requests in flight or waiting.
+    :ivar fleet: with workers, the fleet-wide counts (:meth:`attach`); else None.
+    :ivar active: the requests being handled (proxy exchanges), until each ends.
+    :ivar draining: a drain has started (DESIGN.md §Operations).
+    :ivar idle: a :class:`Condition` that holds while no request is being handled.
+    """
+
+    def __init__(self, config: Config, now: Callable[[], float]) -> None:
+        self.config = config
+        self.now = now
+        health = config.health
+        self.table = HealthTable(config.hosts, health.recovery_polls, health.failure_threshold, now)
+        self.queues = RouteQueues(now)
+        self.inflight = Inflight(on_release=self.queues.wake)
+        self.rotation = Rotation()
+        self.affinity_counts: Counter[tuple[str, str]] = Counter()
+        self.key_inflight: Counter[tuple[str, str]] = Counter()
+        self.fleet: Fleet | None = None
+        self.active: set[Any] = set()
+        self.draining = False
+        self.idle = Condition(lambda: not self.active)
+
+    # -- counts that are fleet-wide with workers (DESIGN.md §Workers) ------------------
+
+    def attach(self, fleet: Fleet) -> None:
+        """Publish this process's counts to ``fleet`` and read the fleet's from now on."""
+        self.fleet = fleet
+        self.inflight.fleet = fleet
+        self.queues.on_change = self._publish_queue
+        self.republish()
+
+    def republish(self) -> None:
+        """Write every count of this process to the fleet again (after the fleet's
+        names changed with a reload)."""
+        if self.fleet is None:
+            return
+        self.inflight.publish()
+        for route in self.config.routes:
+            self._publish_queue(route)
+        for (route, outcome), n in self.affinity_counts.items():
+            self.fleet.publish_affinity(route, outcome, n)
+        for route, key in self.key_inflight:
+            self._publish_key(route, key)
+
+    def _publish_key(self, route: str, key: str) -> None:
+        if self.fleet is not None:
+            self.fleet.publish_key(route, key, self.key_inflight[(route, key)])
+
+    def _publish_queue(self, route: str) -> None:
+        if self.fleet is not None:
+            since = self.queues.oldest_since(route)
+            self.fleet.publish_queue(route, self.queues.queued(route), 0 if since is None else int(since * 1000) or 1)
+
+    def queued(self, route: str) -> int:
+        """Requests waiting in ``route``'s queue (every worker's)."""
+        return self.fleet.queued(route) if self.fleet is not None else self.queues.queued(route)
+
+    def oldest_wait(self, route: str) -> float | None:
+        """Seconds the oldest waiting request of ``route`` has waited (every worker's),
+        or None when none waits."""
+        now = self.now()
+        if self.fleet is not None:
+            since = self.fleet.oldest_queued_ms(route)
+            return None if since is None else max(0.0, now - since / 1000)
+        since_s = self.queues.oldest_since(route)
+        return None if since_s is None else now - since_s
+
+    def count_affinity(self, route: str, outcome: str) -> None:
+        """One request of ``route`` was dispatched with affinity ``outcome``."""
+        self.affinity_counts[(route, outcome)] += 1
+        if self.fleet is not None:
+            self.fleet.publish_affinity(route, outcome, self.affinity_counts[(route, outcome)])
+
+    def affinity(self, route: str, outcome: str) -> int:
+        """Requests of ``route`` dispatched with affinity ``outcome`` (every worker's)."""
+        if self.fleet is not None:
+            return self.fleet.affinity(route, outcome)
+        return self.affinity_counts[(route, outcome)]
+
+    def first_round_done(self) -> bool:
+        """Every configured host's first poll has finished (or timed out)."""
+        return all(s.polled for s in self.table.all().values())
+
+    @property
+    def ready(self) -> bool:
+        """Readiness (DESIGN.md §Operations): every host's first poll is done, some
+        host is healthy, and crossbar is not draining."""
+        if self.draining:
+            return False
+        statuses = self.table.all().values()
+        return all(s.polled for s in statuses) and any(s.healthy for s in statuses)
+
+    def key_admits(self, route: Route, key: str) -> bool:
+        """Whether a request with client key ``key`` of ``route`` may start: the key has
+        fewer than its ``max_inflight`` requests in flight or waiting (DESIGN.md §Access;
+        429 otherwise)."""
+        settings = route.keys.get(key)
+        limit = settings.max_inflight if settings is not None else None
+        if limit is None:
+            return True
+        if self.fleet is not None:  # every worker's requests of this key (§Workers)
+            return self.fleet.key(route.name, key) < limit
+        return self.key_inflight[(route.name, key)] < limit
+
+    def begin(self, exchange: Any) -> None:
+        """``exchange`` is being handled (the drain waits for it; its key counts)."""
+        self.active.add(exchange)
+        if exchange.key:
+            self.key_inflight[(exchange.route_name, exchange.key)] += 1
+            self._publish_key(exchange.route_name, exchange.key)
+
+    def end(self, exchange: Any) -> None:
+        """``exchange`` is over."""
+        if exchange in self.active:
+            self.active.discard(exchange)
+            if exchange.key:
+                self.key_inflight[(exchange.route_name, exchange.key)] -= 1
+                self._publish_key(exchange.route_name, exchange.key)
+        self.idle.check()

@@ -1,0 +1,139 @@
+"""The fleet-wide view of a crossbar's counts (DESIGN.md §Workers).
+
+One process (``workers: 1``) counts for itself and :class:`Fleet` is not used. With
+workers, each worker publishes its own counts -- requests in flight per host and per
+(route, host), requests waiting per route and since when, affinity outcomes, requests
+per client key -- into
+its row of a :class:`~crossbar.state.shared.SharedCounts`, and reads the fleet's totals from
+it: room, least-busy, the queue, a key's ``max_inflight``, status and metrics then see
+every worker's requests (a limit may be exceeded by at most N - 1: two workers may take
+the last slot at the same moment).
+"""
+
+from __future__ import annotations
+
+from crossbar.config import Config, ConfigError
+from crossbar.state.shared import CELLS, SharedCounts, cell_map
+
+__all__ = ["AFFINITY_OUTCOMES", "RESTARTS", "Fleet", "check_capacity"]
+
+AFFINITY_OUTCOMES = ("home", "spill", "none")
+RESTARTS = "restarts"
+"""The cell, in the supervisor's row, counting worker restarts."""
+
+
+def _names(config: Config) -> list[str]:
+    names = [RESTARTS]
+    names += [f"h\0{h}" for h in config.hosts]
+    for route in config.routes.values():
+        names += [f"q\0{route.name}", f"qt\0{route.name}"]
+        names += [f"rh\0{route.name}\0{h}" for h in route.hosts]
+        names += [f"a\0{route.name}\0{o}" for o in AFFINITY_OUTCOMES]
+        names += [f"k\0{route.name}\0{key}" for key in route.keys]
+    return names
+
+
+def check_capacity(config: Config) -> None:
+    """With workers, every count of ``config`` needs a shared cell.
+
+    :raises ConfigError: more counts (hosts, routes x their hosts, queues, affinity
+        outcomes, client keys) than :data:`~crossbar.state.shared.CELLS`.
+    """
+    needed = len(set(_names(config)))
+    if needed > CELLS:
+        raise ConfigError(config.source, "workers", f"this config needs {needed} shared counters and workers "
+                          f"have {CELLS}: list fewer hosts per route (or fewer routes or keys), or use workers: 1")
+
+
+class Fleet:
+    """Publishes this worker's counts and reads the fleet's.
+
+    :param shared: the shared counters (this worker's row is ``shared.row``).
+    :param config: the config whose names are counted (see :meth:`configure`).
+    """
+
+    def __init__(self, shared: SharedCounts, config: Config) -> None:
+        self.shared = shared
+        self._cells: dict[str, int] = {}
+        self.pairs: tuple[tuple[str, str], ...] = ()
+        """Every (route, host) pair of the config: the in-flight series each worker
+        reports, whichever requests it has seen itself."""
+        self.configure(config)
+
+    def configure(self, config: Config) -> None:
+        """Use the names of ``config`` (a reload); this worker's row is cleared: its
+        owners publish again (:meth:`Runtime.republish <crossbar.state.runtime.Runtime.republish>`)."""
+        self._cells = cell_map(_names(config))
+        self.pairs = tuple((route.name, h) for route in config.routes.values() for h in route.hosts)
+        self.shared.clear_row()
+
+    def _set(self, name: str, value: int) -> None:
+        cell = self._cells.get(name)
+        if cell is not None:
+            self.shared.set(cell, value)
+
+    def _total(self, name: str) -> int:
+        cell = self._cells.get(name)
+        return self.shared.total(cell) if cell is not None else 0
+
+    def publish_inflight(self, route: str, host: str, pair: int, host_total: int) -> None:
+        """This worker has ``pair`` requests of ``route`` and ``host_total`` in all in
+        flight to ``host``."""
+        self._set(f"rh\0{route}\0{host}", pair)
+        self._set(f"h\0{host}", host_total)
+
+    def host(self, host: str) -> int:
+        """Requests in flight to ``host`` from every worker."""
+        return self._total(f"h\0{host}")
+
+    def route_host(self, route: str, host: str) -> int:
+        """Requests of ``route`` in flight to ``host`` from every worker."""
+        return self._total(f"rh\0{route}\0{host}")
+
+    def publish_queue(self, route: str, queued: int, oldest_ms: int) -> None:
+        """This worker has ``queued`` requests waiting on ``route``, the oldest since
+        ``oldest_ms`` (POSIX milliseconds, 0 for none)."""
+        self._set(f"q\0{route}", queued)
+        self._set(f"qt\0{route}", oldest_ms)
+
+    def queued(self, route: str) -> int:
+        """Requests waiting on ``route`` in every worker."""
+        return self._total(f"q\0{route}")
+
+    def oldest_queued_ms(self, route: str) -> int | None:
+        """POSIX milliseconds since which the fleet's oldest waiting request of
+        ``route`` waits, or None."""
+        cell = self._cells.get(f"qt\0{route}")
+        return self.shared.smallest(cell) if cell is not None else None
+
+    def publish_affinity(self, route: str, outcome: str, count: int) -> None:
+        """This worker dispatched ``count`` requests of ``route`` with ``outcome``."""
+        self._set(f"a\0{route}\0{outcome}", count)
+
+    def affinity(self, route: str, outcome: str) -> int:
+        """Requests of ``route`` dispatched with ``outcome`` by every worker."""
+        return self._total(f"a\0{route}\0{outcome}")
+
+    def affinity_of_row(self, route: str, outcome: str, row: int) -> int:
+        """What the process of ``row`` published for ``route`` and ``outcome`` (the
+        supervisor keeps a dead worker's share of this counter)."""
+        cell = self._cells.get(f"a\0{route}\0{outcome}")
+        return self.shared.get(cell, row) if cell is not None else 0
+
+    def publish_key(self, route: str, key: str, count: int) -> None:
+        """This worker has ``count`` requests of client key ``key`` on ``route`` in
+        flight or waiting (DESIGN.md §Access: a key's ``max_inflight``)."""
+        self._set(f"k\0{route}\0{key}", count)
+
+    def key(self, route: str, key: str) -> int:
+        """Requests of client key ``key`` on ``route`` in flight or waiting in every
+        worker."""
+        return self._total(f"k\0{route}\0{key}")
+
+    def restarts(self) -> int:
+        """Worker restarts, as the supervisor counted them."""
+        return self._total(RESTARTS)
+
+    def publish_restarts(self, count: int) -> None:
+        """The supervisor has restarted ``count`` workers (it writes its own row)."""
+        self._set(RESTARTS, count)

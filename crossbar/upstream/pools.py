@@ -1,0 +1,165 @@
+"""Connections to upstream hosts for the proxy path (DESIGN.md §The proxy, rules 6-7).
+
+The proxy needs to know, for a request that failed, whether crossbar could not *open* a
+connection to the host (fail over to the next host) or whether a *reused* pooled
+connection turned out dead (retry once on a fresh connection, mark nothing down).
+An agent does not say; :class:`ConnectTracker` learns it from the public
+``IAgentEndpointFactory`` seam: ``connect()`` is only called for a new connection. The
+proxy's agent is crossbar's own HTTP/1.1 client (:mod:`crossbar.upstream.h1client`, issue 14);
+the poller keeps Twisted's ``Agent`` over :func:`quiet_pool`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twisted.internet.defer import Deferred
+from twisted.internet.abstract import isIPAddress, isIPv6Address
+from twisted.internet.endpoints import HostnameEndpoint, TCP4ClientEndpoint, TCP6ClientEndpoint
+from twisted.internet.interfaces import IProtocolFactory, IReactorTime, IStreamClientEndpoint
+from twisted.python.failure import Failure
+from twisted.web.client import URI
+from twisted.web.iweb import IAgent, IAgentEndpointFactory, IPolicyForHTTPS
+from zope.interface import implementer
+
+from crossbar.upstream.h1client import H1Agent, H1Pool
+from crossbar.upstream.tls import HandshakeFirstEndpoint, HostTLS
+from crossbar.upstream.twisted_private import MAX_RESPONSE_HEAD, ResponseHeadTooLarge, quiet_pool
+
+__all__ = [
+    "MAX_RESPONSE_HEAD", "ConnectTracker", "ResponseHeadTooLarge", "UpstreamEndpoints", "UpstreamPools", "quiet_pool",
+]
+
+_ATTEMPT_DELAY = 0.05
+"""Seconds between connection attempts to a name's successive addresses."""
+
+
+@implementer(IStreamClientEndpoint)
+class _TrackedEndpoint:
+    def __init__(self, wrapped: IStreamClientEndpoint, tracker: ConnectTracker) -> None:
+        self._wrapped = wrapped
+        self._tracker = tracker
+
+    def connect(self, protocolFactory: IProtocolFactory) -> Deferred[Any]:
+        tracker = self._tracker
+        tracker.connects += 1
+        d = self._wrapped.connect(protocolFactory)
+
+        def connected(protocol: Any) -> Any:
+            if tracker.clock is not None:
+                tracker.connected_at = tracker.clock.seconds()
+            return protocol
+
+        def failed(f: Failure) -> Failure:
+            tracker.connect_failure = f
+            return f
+
+        d.addCallbacks(connected, failed)
+        return d
+
+
+@implementer(IAgentEndpointFactory)
+class UpstreamEndpoints:
+    """How crossbar connects to a host URL (the proxy's and the poller's agents).
+
+    An IP literal gets a plain TCP endpoint: no name resolution (which Twisted does with
+    ``getaddrinfo`` on its thread pool) and a refused connection is known at once. A
+    name goes through ``HostnameEndpoint``. ``https`` wraps either in TLS that
+    completes its handshake before the connection counts as open
+    (:class:`crossbar.upstream.tls.HandshakeFirstEndpoint`, within ``connect_timeout`` more
+    seconds): a refused certificate is a connect failure with a short reason
+    (:func:`crossbar.upstream.tls.tls_failure_reason`), DESIGN.md §Access and rule 7.
+
+    :param reactor: the reactor.
+    :param connect_timeout: seconds to open a connection (and again for the handshake).
+    :param tls: the TLS policy per host for ``https`` hosts, e.g.
+        ``crossbar.upstream.tls.HostTLS.from_config(config)``; default: ``HostTLS({})``
+        (every host verified against the system trust store, name checked).
+    """
+
+    def __init__(self, reactor: Any, connect_timeout: float, tls: IPolicyForHTTPS | None = None) -> None:
+        self._reactor = reactor
+        self._timeout = connect_timeout
+        self._tls: IPolicyForHTTPS = tls if tls is not None else HostTLS({})
+
+    def endpointForURI(self, uri: URI) -> IStreamClientEndpoint:
+        host = uri.host.decode("ascii")
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]
+        endpoint: IStreamClientEndpoint
+        if isIPAddress(host):
+            endpoint = TCP4ClientEndpoint(self._reactor, host, uri.port, timeout=self._timeout)
+        elif isIPv6Address(host):
+            endpoint = TCP6ClientEndpoint(self._reactor, host, uri.port, timeout=self._timeout)
+        else:
+            # HostnameEndpoint waits attemptDelay (0.3 s by default) for further
+            # addresses even after the last attempt was refused: keep failover quick.
+            endpoint = HostnameEndpoint(
+                self._reactor, host, uri.port, timeout=self._timeout, attemptDelay=_ATTEMPT_DELAY
+            )
+        if uri.scheme == b"https":
+            creator = self._tls.creatorForNetloc(uri.host, uri.port)
+            endpoint = HandshakeFirstEndpoint(creator, endpoint, self._reactor, self._timeout)
+        return endpoint
+
+
+@implementer(IAgentEndpointFactory)
+class ConnectTracker:
+    """An endpoint factory for one proxied request that records its connection attempts.
+
+    :ivar connects: new connections opened (0 means a pooled connection was reused).
+    :ivar connect_failure: the failure of the last connection attempt, if it failed.
+    :ivar connected_at: reactor seconds when a new connection was opened (the request
+        is written on it at once), or None (none opened, or no ``clock`` given).
+    """
+
+    def __init__(self, endpoints: UpstreamEndpoints, clock: IReactorTime | None = None) -> None:
+        self._endpoints = endpoints
+        self.clock = clock
+        self.connects = 0
+        self.connect_failure: Failure | None = None
+        self.connected_at: float | None = None
+
+    def endpointForURI(self, uri: URI) -> IStreamClientEndpoint:
+        return _TrackedEndpoint(self._endpoints.endpointForURI(uri), self)
+
+
+class UpstreamPools:
+    """The proxy's connection pool: one persistent :class:`crossbar.upstream.h1client.H1Pool`
+    shared by all requests (a retry after a stale connection opens a fresh one outside it).
+
+    :param reactor: the reactor.
+    :param connect_timeout: seconds to open a connection (``timeouts.connect``).
+    :param max_per_host: idle persistent connections kept per host.
+    :param idle_seconds: how long an idle pooled connection is kept.
+    :param tls: the TLS policy per host (see :class:`UpstreamEndpoints`).
+    :ivar tls: that policy; assign a new one on reload (the next connection uses it;
+        close the pooled connections of hosts whose ``tls`` changed).
+    :ivar pool: the idle connections (``max_per_host`` and ``idle_seconds`` are its
+        attributes).
+    """
+
+    def __init__(
+        self, reactor: IReactorTime, connect_timeout: float, max_per_host: int = 64, idle_seconds: float = 60.0,
+        tls: IPolicyForHTTPS | None = None,
+    ) -> None:
+        self._reactor = reactor
+        self.connect_timeout = connect_timeout
+        self.tls: IPolicyForHTTPS = tls if tls is not None else HostTLS({})
+        # crossbar's own HTTP/1.1 client (crossbar/upstream/h1client.py, issue 14); a stale
+        # pooled connection is retried by the proxy itself (any method), once.
+        self.pool = H1Pool(reactor, max_per_host, idle_seconds)
+
+    def agent(self, fresh: bool = False) -> tuple[IAgent, ConnectTracker]:
+        """An agent for one attempt (:class:`crossbar.upstream.h1client.H1Agent`) and the
+        tracker of its connections.
+
+        ``fresh=True`` never reuses a pooled connection (the retry after a stale one):
+        a new connection, sent ``Connection: close``.
+        """
+        tracker = ConnectTracker(UpstreamEndpoints(self._reactor, self.connect_timeout, self.tls), self._reactor)
+        return H1Agent(tracker, None if fresh else self.pool), tracker
+
+    def close(self) -> Deferred[Any]:
+        """Close every idle pooled connection; fires once they are closed."""
+        return self.pool.close()

@@ -1,0 +1,60 @@
+"""The package's wings import only downwards (issue 17): a newcomer finds one DESIGN.md
+section's code in one folder, and no wing reaches into a wing that builds on it.
+
+Order, bottom to top: the core modules (``crossbar/*.py``), ``upstream`` (talking to
+hosts), ``hosts`` (health table, poller, model lists, balance, affinity), ``state``
+(runtime, in-flight counts, queues, counts shared by workers), ``ops`` (records, metrics,
+logs, systemd, the ops app), ``proxy`` (the request path), ``process`` (service,
+supervisor, workers, reload).
+"""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+from twisted.trial.unittest import SynchronousTestCase
+
+import crossbar
+
+WINGS = ["upstream", "hosts", "state", "ops", "proxy", "process"]
+ROOT = pathlib.Path(crossbar.__file__).parent
+
+
+def _wing(module: str) -> int:
+    """The level of a dotted ``crossbar...`` module name: 0 for a core module."""
+    parts = module.split(".")
+    if len(parts) > 1 and parts[1] in WINGS:
+        return 1 + WINGS.index(parts[1])
+    return 0
+
+
+def _imports(path: pathlib.Path) -> list[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    names: list[str] = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("crossbar"):
+            names.append(node.module)
+            if node.module in ("crossbar",) + tuple(f"crossbar.{w}" for w in WINGS):
+                names.extend(f"{node.module}.{a.name}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            names.extend(a.name for a in node.names if a.name.startswith("crossbar"))
+    return names
+
+
+class LayoutTests(SynchronousTestCase):
+    def test_every_module_is_in_a_known_place(self) -> None:
+        for path in ROOT.rglob("*.py"):
+            rel = path.relative_to(ROOT)
+            if len(rel.parts) > 1:
+                self.assertIn(rel.parts[0], WINGS, f"{rel}: a folder that is not a wing")
+
+    def test_no_wing_imports_a_wing_above_it(self) -> None:
+        upward = []
+        for path in ROOT.rglob("*.py"):
+            rel = path.relative_to(ROOT)
+            own = "crossbar." + ".".join(rel.with_suffix("").parts)
+            for name in _imports(path):
+                if _wing(name) > _wing(own):
+                    upward.append(f"{rel} imports {name}")
+        self.assertEqual(upward, [], "imports that run upwards")
