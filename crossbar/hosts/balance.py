@@ -18,7 +18,7 @@ from crossbar.hosts import affinity
 from crossbar.config import Host, Route
 from crossbar.hosts.health import HostStatus
 
-__all__ = ["Chosen", "Fit", "Rotation", "Verdict", "choose", "fit_tier", "has_room"]
+__all__ = ["Chosen", "Fit", "Rotation", "Verdict", "choose", "fit_tier", "has_room", "lists"]
 
 
 class Fit(Enum):
@@ -38,6 +38,9 @@ class Verdict(Enum):
     polled yet (new, or reset by a reload): wait in the route's queue (rule 4)."""
     NO_HOST = "no_host"
     """No healthy host of the route is left to try."""
+    NO_MODEL = "no_model"
+    """Every healthy host of the route is in router mode and none lists the model:
+    404 ``model not found`` (docs/design.md §Choosing a host rule 1)."""
 
 
 @dataclass(frozen=True)
@@ -84,19 +87,30 @@ def has_room(host: Host, inflight: int) -> bool:
     return host.max_inflight is None or inflight < host.max_inflight
 
 
+def lists(status: HostStatus, model: str, field: str) -> bool:
+    """Whether ``status`` has ``model`` in its ``field`` (``loaded``, ``loading`` or
+    ``available``), by id or by an alias the host reported for an id there (rule 1)."""
+    ids = getattr(status, field)
+    return model in ids or status.aliases.get(model, "") in ids
+
+
 def fit_tier(
     candidates: Iterable[str], model: str | None, statuses: Mapping[str, HostStatus]
 ) -> tuple[Fit, list[str]]:
     """Rule 1: the best non-empty tier of ``candidates`` (healthy, untried, in route
-    order) for ``model``: those that have it loaded, else loading, else available,
-    else every candidate (the fallback). Load never enters into it."""
+    order) for ``model``: those that list it loaded, else loading, else available, else
+    every candidate that is not in router mode (the fallback: a single-model host may
+    serve the model under another name; a router-mode host would answer 400). With no
+    model every candidate is the fallback. Load never enters into it. The tier may be
+    empty: every candidate is in router mode and none lists the model."""
     names = list(candidates)
-    if model is not None:
-        for fit, field in ((Fit.LOADED, "loaded"), (Fit.LOADING, "loading"), (Fit.AVAILABLE, "available")):
-            tier = [h for h in names if model in getattr(statuses[h], field)]
-            if tier:
-                return fit, tier
-    return Fit.FALLBACK, names
+    if model is None:
+        return Fit.FALLBACK, names
+    for fit, field in ((Fit.LOADED, "loaded"), (Fit.LOADING, "loading"), (Fit.AVAILABLE, "available")):
+        tier = [h for h in names if lists(statuses[h], model, field)]
+        if tier:
+            return fit, tier
+    return Fit.FALLBACK, [h for h in names if not statuses[h].router]
 
 
 def choose(
@@ -131,6 +145,8 @@ def choose(
             return Verdict.BUSY
         return Verdict.NO_HOST
     fit, tier = fit_tier(candidates, model, statuses)
+    if not tier:
+        return Verdict.NO_HOST if skip else Verdict.NO_MODEL
     load = {h: inflight(h) for h in tier}
     roomy = [h for h in tier if has_room(hosts[h], load[h])]
     if not roomy:

@@ -29,6 +29,9 @@ class HostStatus:
     :ivar available: sorted ids the host lists and can load on demand (router mode).
     :ivar entries: id -> the host's ``/v1/models`` entry as JSON text, for the route
         model list (DESIGN.md §The proxy, rule 10).
+    :ivar router: the host listed its models with a ``status`` (llama-server router
+        mode) at its last good poll: it never takes the fallback tier.
+    :ivar aliases: names the host reported as ``aliases`` of its entries -> the id.
     :ivar last_ok: POSIX time (seconds) of the last good poll, or None.
     :ivar last_err: why the last poll or request failed; "" after a good poll.
     :ivar consecutive: good polls in a row.
@@ -44,6 +47,8 @@ class HostStatus:
     loading: tuple[str, ...] = ()
     available: tuple[str, ...] = ()
     entries: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    router: bool = False
+    aliases: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     last_ok: float | None = None
     last_err: str = ""
     consecutive: int = 0
@@ -109,6 +114,8 @@ class HealthTable:
             loading=listed.loading,
             available=listed.available,
             entries=listed.entries,
+            router=listed.router,
+            aliases=listed.aliases,
             healthy=healthy,
             # once trusted again it is judged like a host that never failed: a failed
             # poll below failure_threshold followed by a good one keeps it healthy

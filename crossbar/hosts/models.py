@@ -31,12 +31,19 @@ class ModelList:
     :ivar available: ids the host lists and can load on demand.
     :ivar entries: id -> the host's entry for it, as compact JSON text (immutable; the
         route model list of rule 10 is made of these).
+    :ivar router: some entry carries a ``status``: the host is a llama-server in router
+        mode, which refuses a request naming no model or one it does not list
+        (docs/design.md §Choosing a host rule 1, §Model names).
+    :ivar aliases: a name the host reports in an entry's ``aliases`` -> that entry's id;
+        a request naming such an alias fits the host as the id does (§Model names).
     """
 
     loaded: tuple[str, ...] = ()
     loading: tuple[str, ...] = ()
     available: tuple[str, ...] = ()
     entries: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    router: bool = False
+    aliases: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
 
     @classmethod
     def of_loaded(cls, ids: Any) -> ModelList:
@@ -78,19 +85,31 @@ def parse_models(body: bytes) -> ModelList:
         raise ModelsError('"data" is not a list')
     states: dict[str, str] = {}
     entries: dict[str, str] = {}
+    reported: list[tuple[str, str]] = []
+    router = False
     for entry in data:
         if not isinstance(entry, dict):
             continue
         model_id = entry.get("id")
         if not isinstance(model_id, str) or not model_id or model_id in states:
             continue
+        router = router or "status" in entry
         states[model_id] = _state(entry)
         entries[model_id] = json.dumps(entry, separators=(",", ":"))
+        names = entry.get("aliases")
+        if isinstance(names, list):
+            reported.extend((a, model_id) for a in names if isinstance(a, str) and a)
+    aliases: dict[str, str] = {}
+    for alias, model_id in reported:  # an id wins over an alias; the first alias wins
+        if alias not in states and alias not in aliases:
+            aliases[alias] = model_id
     return ModelList(
         loaded=tuple(sorted(m for m, s in states.items() if s == "loaded")),
         loading=tuple(sorted(m for m, s in states.items() if s == "loading")),
         available=tuple(sorted(m for m, s in states.items() if s == "available")),
         entries=MappingProxyType(entries),
+        router=router,
+        aliases=MappingProxyType(aliases),
     )
 
 

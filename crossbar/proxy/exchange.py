@@ -282,12 +282,16 @@ class Exchange:
         verdict = self.choose()
         if isinstance(verdict, Chosen):
             return self.dispatch(verdict)
-        if verdict is Verdict.NO_HOST:
-            return self.no_host()
-        return self.enqueue()
+        if verdict is Verdict.BUSY:
+            return self.enqueue()
+        return self.no_host(verdict)
 
-    def no_host(self) -> None:
-        """No healthy host is left: 503, or 502 naming the last host tried (rule 7)."""
+    def no_host(self, verdict: Verdict) -> None:
+        """No host can take the request: 404 when every healthy host is in router mode
+        and none lists the model (§Choosing a host rule 1); else no healthy host is
+        left: 503, or 502 naming the last host tried (rule 7)."""
+        if verdict is Verdict.NO_MODEL:
+            return self.answer_error(404, "model not found")
         if self.tried:
             return self.answer_error(502, "upstream failed", host=self.tried[-1])
         return self.answer_error(503, "no healthy host")
@@ -348,7 +352,7 @@ class Exchange:
             self.dispatch(verdict)
         else:
             self.leave_queue()
-            self.no_host()
+            self.no_host(verdict)
         return True
 
     def adopt_current_config(self) -> None:
