@@ -18,6 +18,8 @@ from urllib.parse import unquote
 
 import yaml
 
+from crossbar.paths import is_forbidden
+
 __all__ = [
     "AffinitySettings",
     "ClientKey",
@@ -210,6 +212,11 @@ class Route:
 
     :ivar primary: the host that takes every request it has room for, or None.
     :ivar keys: key name -> :class:`ClientKey`; empty when the route is open.
+    :ivar aliases: client-facing model name or glob (``*`` matches any run of
+        characters) -> a model id of the fleet, in file order (docs/design.md §Model
+        names); see :meth:`resolve`.
+    :ivar paths: more upstream paths the route forwards: exact, or prefixes ending in
+        ``/`` (§The proxy, rule 3).
     """
 
     name: str
@@ -219,6 +226,28 @@ class Route:
     queue: QueueSettings = field(default_factory=QueueSettings)
     affinity: AffinitySettings = field(default_factory=AffinitySettings)
     keys: Mapping[str, ClientKey] = field(default_factory=lambda: _NO_KEYS)
+    aliases: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    paths: tuple[str, ...] = ()
+    _globs: tuple[tuple[re.Pattern[str], str], ...] = field(default=(), init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        globs = tuple(
+            (re.compile(".*".join(re.escape(part) for part in name.split("*")), re.DOTALL), target)
+            for name, target in self.aliases.items() if "*" in name
+        )
+        object.__setattr__(self, "_globs", globs)
+
+    def resolve(self, model: str) -> str:
+        """The model id a request naming ``model`` is chosen for: an exact alias's
+        target, else the first matching glob's (file order), else ``model`` itself
+        (§Model names)."""
+        target = self.aliases.get(model)
+        if target is not None and "*" not in model:
+            return target
+        for pattern, glob_target in self._globs:
+            if pattern.fullmatch(model):
+                return glob_target
+        return model
 
 
 @dataclass(frozen=True)
@@ -553,7 +582,7 @@ _ROUTE_NAME = re.compile(r"[A-Za-z0-9\-._~!$&'()*+,;=:@]+\Z")  # RFC 3986 pchar,
 _TOP_KEYS = ("listen", "health", "timeouts", "drain", "ops", "workers", "hosts", "routes")
 _HOST_KEYS = ("url", "weight", "max_inflight", "api_key", "tls")
 _TLS_KEYS = ("ca", "verify", "client_cert", "client_key")
-_ROUTE_KEYS = ("hosts", "default_model", "primary", "queue", "affinity", "keys")
+_ROUTE_KEYS = ("hosts", "default_model", "primary", "queue", "affinity", "keys", "aliases", "paths")
 _PRINTABLE_ASCII = re.compile(r"[\x21-\x7e]+\Z")  # what an HTTP request target may hold
 _URL = re.compile(r"(?P<scheme>https?)://(?P<authority>[^/?#\s]+)(?P<path>/[^?#\s]*)?\Z")
 
@@ -904,9 +933,50 @@ def _routes(c: _Checker, raw: Any, hosts: Mapping[str, Host]) -> dict[str, Route
         keys = _keys(c, f"{key}.keys", body.get("keys"), secrets)
         routes[name] = Route(
             name=name, hosts=tuple(seen), default_model=model, primary=primary, queue=queue, affinity=affinity,
-            keys=keys,
+            keys=keys, aliases=_aliases(c, f"{key}.aliases", body.get("aliases")),
+            paths=_paths(c, f"{key}.paths", body.get("paths")),
         )
     return routes
+
+
+def _aliases(c: _Checker, key: str, raw: Any) -> Mapping[str, str]:
+    """``aliases``: client-facing name or glob -> model id (docs/design.md §Model names)."""
+    if raw is None:
+        return MappingProxyType({})
+    body = c.mapping(key, raw)
+    aliases: dict[str, str] = {}
+    for name, target_raw in body.items():
+        akey = f"{key}.{name}"
+        if not isinstance(name, str) or not name:
+            raise c.fail(key, "an alias must be a non-empty model name")
+        target = c.string(akey, target_raw)
+        if not target or "*" in target:
+            raise c.fail(akey, "the target must be one model id (no '*')")
+        if name == target:
+            raise c.fail(akey, "an alias of itself")
+        aliases[name] = target
+    return MappingProxyType(aliases)
+
+
+def _paths(c: _Checker, key: str, raw: Any) -> tuple[str, ...]:
+    """``paths``: more forwarded paths, exact or prefixes ending in ``/`` (rule 3); a path
+    the forbidden list covers, or one with a dot-segment, query or fragment, is refused."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise c.fail(key, f"must be a list of paths, not {_kind(raw)}")
+    paths: list[str] = []
+    for i, value in enumerate(raw):
+        pkey = f"{key}[{i}]"
+        path = c.string(pkey, value)
+        if not path.startswith("/") or not _PRINTABLE_ASCII.match(path) or "?" in path or "#" in path:
+            raise c.fail(pkey, f"{path!r} is not a path (printable ASCII starting with '/', no query)")
+        if any(seg in (".", "..") for seg in path.split("/")):
+            raise c.fail(pkey, f"{path!r} has a dot-segment")
+        if is_forbidden(path.encode("ascii"), read=False):
+            raise c.fail(pkey, f"{path!r} is a forbidden path (it changes a host or shows other clients' data)")
+        paths.append(path)
+    return tuple(paths)
 
 
 def _affinity(c: _Checker, key: str, body: dict[str, Any]) -> AffinitySettings:

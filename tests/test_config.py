@@ -219,7 +219,7 @@ class StructureTests(_Case):
         self.assertRejected(
             doc(routes={"r": {"hosts": ["a"], "model": "m"}}),
             "x.yaml: routes.r.model: unknown key "
-            "(expected one of: hosts, default_model, primary, queue, affinity, keys)",
+            "(expected one of: hosts, default_model, primary, queue, affinity, keys, aliases, paths)",
         )
 
     def test_missing_listen(self) -> None:
@@ -1020,7 +1020,7 @@ class HostTLSTests(_FilesCase):
         self.assertEqual(c.hosts["a"].tls, c.hosts["b"].tls)
 
 
-class RouteBalancingKeyTests(_Case):
+class _RouteCase(_Case):
     def route(self, **body: object) -> Route:
         return parse(doc(hosts={"a": "http://a", "b": "http://b"}, routes={"r": {"hosts": ["a", "b"], **body}})).routes["r"]
 
@@ -1029,6 +1029,8 @@ class RouteBalancingKeyTests(_Case):
             doc(hosts={"a": "http://a", "b": "http://b"}, routes={"r": {"hosts": ["a", "b"], **body}}), f"x.yaml: routes.r.{key}: {problem}"
         )
 
+
+class RouteBalancingKeyTests(_RouteCase):
     def test_primary(self) -> None:
         self.assertEqual(self.route(primary="b").primary, "b")
 
@@ -1061,6 +1063,38 @@ class RouteBalancingKeyTests(_Case):
         self.rejected({"affinity": {"balance": 0.99}}, "affinity.balance", "must be a number of at least 1, not 0.99")
         self.rejected({"affinity": {"balance": "x"}}, "affinity.balance", "must be a number, not 'x'")
         self.rejected({"affinity": {"on": True}}, "affinity.on", "unknown key (expected one of: key, balance)")
+
+
+class ModelNameKeyTests(_RouteCase):
+    """``aliases`` and ``paths`` (docs/design.md §Model names, §The proxy rule 3)."""
+
+    def test_aliases_resolve_exact_before_globs_then_file_order(self) -> None:
+        route = self.route(aliases={"claude-*": "m1", "gpt-4o": "m2", "*": "m3", "claude-x": "m4"})
+        self.assertEqual(route.resolve("gpt-4o"), "m2")
+        self.assertEqual(route.resolve("claude-x"), "m4")  # exact wins over an earlier glob
+        self.assertEqual(route.resolve("claude-sonnet-4-5"), "m1")  # the first glob in file order
+        self.assertEqual(route.resolve("qwen"), "m3")
+        self.assertEqual(self.route().resolve("gpt-4o"), "gpt-4o")
+        self.assertEqual(self.route(aliases={"a.b*": "m"}).resolve("aXb"), "aXb")  # '.' is literal
+
+    def test_aliases_refused(self) -> None:
+        self.rejected({"aliases": ["a"]}, "aliases", "must be a mapping, not a list")
+        self.rejected({"aliases": {"a": 3}}, "aliases.a", "must be a string, not a number")
+        self.rejected({"aliases": {"a": "m*"}}, "aliases.a", "the target must be one model id (no '*')")
+        self.rejected({"aliases": {"a": "a"}}, "aliases.a", "an alias of itself")
+
+    def test_paths(self) -> None:
+        self.assertEqual(self.route(paths=["/score", "/extra/"]).paths, ("/score", "/extra/"))
+        self.assertEqual(self.route().paths, ())
+
+    def test_paths_refused(self) -> None:
+        self.rejected({"paths": "/score"}, "paths", "must be a list of paths, not a string")
+        self.rejected({"paths": ["score"]}, "paths[0]", "'score' is not a path (printable ASCII starting with '/', no query)")
+        self.rejected({"paths": ["/a?b"]}, "paths[0]", "'/a?b' is not a path (printable ASCII starting with '/', no query)")
+        self.rejected({"paths": ["/a/../slots"]}, "paths[0]", "'/a/../slots' has a dot-segment")
+        for forbidden in ("/slots", "/v1/slots/", "/metrics", "/models/load", "/props", "/%73lots"):
+            self.rejected({"paths": [forbidden]}, "paths[0]",
+                          f"{forbidden!r} is a forbidden path (it changes a host or shows other clients' data)")
 
 
 class ClientKeyTests(_Case):

@@ -12,8 +12,9 @@ from crossbar.hosts.balance import Chosen, Rotation, choose
 from crossbar.config import Host, Route
 from crossbar.hosts.health import HostStatus
 from crossbar.proxy.peek import peek
+from crossbar.paths import PathKind, classify_path
 from crossbar.proxy.routing import (
-    has_dot_segment, is_allowed, is_forwardable, split_route, split_target,
+    has_dot_segment, is_forwardable, split_route, split_target,
 )
 from tests.harness import TwoHosts, two_hosts, upstream_requests
 from tests.raw import parse_responses, raw_exchange, request_bytes
@@ -74,10 +75,49 @@ class DotSegmentTests(TestCase):
 
     def test_allowed(self) -> None:
         for rest in (b"/v1/chat/completions", b"/v1/", b"/health", b"/props", b"/v1/x%2Fy"):
-            self.assertTrue(is_allowed(rest), rest)
+            self.assertIs(classify_path(b"GET", rest), PathKind.FORWARD, rest)
         for rest in (b"/", b"/slots", b"/v1", b"/health/", b"/props/x", b"/healthz", b"/_crossbar/status",
                      b"//v1/x", b"/%761/x", b"/v2/x", b"/metrics"):
-            self.assertFalse(is_allowed(rest), rest)
+            self.assertIsNot(classify_path(b"GET", rest), PathKind.FORWARD, rest)
+
+    def test_forbidden_whatever_the_spelling(self) -> None:
+        """Rule 3: the forbidden list on the path with and without /v1, decoded and with
+        doubled slashes, whatever the route's own paths say."""
+        for method, rest in (
+            (b"GET", b"/slots"), (b"POST", b"/slots/0?action=save"), (b"GET", b"/v1/slots"), (b"GET", b"//slots"),
+            (b"GET", b"/%73lots"), (b"POST", b"/slots/0"), (b"POST", b"/models/load"), (b"POST", b"/v1/models/unload"),
+            (b"GET", b"/models/sse"), (b"POST", b"/models"), (b"DELETE", b"/v1/models/x"), (b"POST", b"/props"),
+            (b"POST", b"/v1/props"), (b"POST", b"/lora-adapters"), (b"GET", b"/metrics"), (b"GET", b"/v1/metrics"),
+            (b"POST", b"/tools"), (b"GET", b"/cors-proxy"), (b"GET", b"/v1//metrics"), (b"PUT", b"/models"),
+        ):
+            self.assertIs(classify_path(method, rest, ("/slots", "/metrics", "/models/")), PathKind.FORBIDDEN,
+                          (method, rest))
+
+    def test_native_endpoints(self) -> None:
+        for rest in (b"/completion", b"/completions", b"/infill", b"/tokenize", b"/detokenize", b"/embedding",
+                     b"/embeddings", b"/rerank", b"/reranking", b"/apply-template", b"/chat/completions",
+                     b"/responses"):
+            self.assertIs(classify_path(b"POST", rest), PathKind.FORWARD, rest)
+        for rest in (b"/health", b"/props", b"/lora-adapters"):
+            self.assertIs(classify_path(b"GET", rest), PathKind.FORWARD, rest)
+            self.assertIs(classify_path(b"HEAD", rest), PathKind.FORWARD, rest)
+        self.assertIs(classify_path(b"POST", b"/health"), PathKind.NOT_FOUND)
+        self.assertIs(classify_path(b"POST", b"/infill/x"), PathKind.NOT_FOUND)
+
+    def test_model_lists(self) -> None:
+        for rest in (b"/v1/models", b"/models"):
+            self.assertIs(classify_path(b"GET", rest), PathKind.MODEL_LIST)
+            self.assertIs(classify_path(b"HEAD", rest), PathKind.MODEL_LIST)
+        self.assertIs(classify_path(b"GET", b"/v1/models/tiny-a"), PathKind.FORWARD)
+        self.assertIs(classify_path(b"GET", b"/models/tiny-a"), PathKind.NOT_FOUND)
+
+    def test_route_paths(self) -> None:
+        paths = ("/score", "/extra/")
+        self.assertIs(classify_path(b"POST", b"/score", paths), PathKind.FORWARD)
+        self.assertIs(classify_path(b"POST", b"/score/x", paths), PathKind.NOT_FOUND)
+        self.assertIs(classify_path(b"POST", b"/extra/a/b", paths), PathKind.FORWARD)
+        self.assertIs(classify_path(b"POST", b"/extra", paths), PathKind.NOT_FOUND)
+        self.assertIs(classify_path(b"POST", b"/score"), PathKind.NOT_FOUND)
 
 
 def peek_model(body: bytes) -> str | None:
@@ -173,7 +213,9 @@ class ErrorAnswerTests(TestCase):
                 (b"/_crossbarx/v1/models", 404, "unknown route"),
                 (b"/r/v1/../slots", 400, "bad path"),
                 (b"/r/v1/%2e%2e/slots", 400, "bad path"),
-                (b"/r/slots", 404, "not found"),
+                (b"/r/slots", 403, "forbidden path"),  # rule 3: the forbidden list
+                (b"/r/v1/slots", 403, "forbidden path"),
+                (b"/r/metrics", 403, "forbidden path"),
                 (b"/r/_crossbar/status", 404, "not found"),
                 (b"/r/", 404, "not found"),
                 (b"/r", 404, "not found"),

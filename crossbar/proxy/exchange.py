@@ -36,10 +36,11 @@ from crossbar.ops.record import NO_ROUTE, RequestLog, RequestRecord
 from crossbar.proxy.relay import Relay, RelayEnd
 from crossbar.errors import json_error_bytes
 from crossbar.proxy.request import NO_BODY_METHODS
+from crossbar.paths import PathKind, classify_path
 from crossbar.proxy.modellist import route_models
 from crossbar.proxy.peek import Peeked, peek
 from crossbar.proxy.routing import (
-    has_dot_segment, is_allowed, is_forwardable, split_route, split_target,
+    has_dot_segment, is_forwardable, split_route, split_target,
 )
 from crossbar.state.runtime import Runtime
 from crossbar.upstream.pools import UpstreamPools
@@ -66,7 +67,6 @@ _REPLACED_UPSTREAM = frozenset(
     {b"host", b"content-length", b"expect", b"x-forwarded-for", b"x-forwarded-host",
      b"x-forwarded-proto", b"forwarded"}
 )
-MODELS_PATH = b"/v1/models"
 """Answered by crossbar from the health table (DESIGN.md §The proxy, rule 10)."""
 
 _NO_BODY_CODES = (204, 304)
@@ -231,11 +231,14 @@ class Exchange:
         self.route = route
         if has_dot_segment(self.rest) or not is_forwardable(request.method, self.rest + self.query):
             return self.answer_error(400, "bad path")
-        if not is_allowed(self.rest):
-            return self.answer_error(404, "not found")
         if request.method in REFUSED_METHODS:
             return self.answer_error(405, "method not allowed")
-        if self.rest == MODELS_PATH and request.method in NO_BODY_METHODS:
+        kind = classify_path(request.method, self.rest, route.paths)
+        if kind is PathKind.FORBIDDEN:
+            return self.answer_error(403, "forbidden path")
+        if kind is PathKind.NOT_FOUND:
+            return self.answer_error(404, "not found")
+        if kind is PathKind.MODEL_LIST:
             return self.answer_models()
         self.body, self.model = self.read_body()
         if self.model is None:

@@ -11,17 +11,12 @@ import re
 from urllib.parse import unquote_to_bytes
 
 __all__ = [
-    "ALLOWED_EXACT", "ALLOWED_PREFIX", "has_dot_segment", "is_allowed", "is_forwardable",
-    "split_route", "split_target",
+    "has_dot_segment", "is_forwardable", "split_route", "split_target",
 ]
 
 _ABSOLUTE_FORM = re.compile(rb"[Hh][Tt][Tt][Pp][Ss]?://[^/?#]*")
 _VISIBLE_ASCII = re.compile(rb"\A[\x21\x22\x24-\x7e]*\Z")  # no "#": a target has no fragment
 _TOKEN = re.compile(rb"\A[!#$%&'*+\-.^_`|~0-9A-Za-z]+\Z")
-ALLOWED_PREFIX = b"/v1/"
-ALLOWED_EXACT = (b"/health", b"/props")
-
-
 def split_target(target: bytes) -> tuple[bytes, bytes]:
     """Split a request target into (path, query) where query keeps its leading ``?``.
 
@@ -78,8 +73,3 @@ def is_forwardable(method: bytes, target: bytes) -> bool:
     (DESIGN.md §The proxy, rule 3) instead of being forwarded.
     """
     return _TOKEN.match(method) is not None and _VISIBLE_ASCII.match(target) is not None
-
-
-def is_allowed(rest: bytes) -> bool:
-    """Whether ``rest`` is an upstream path crossbar forwards: ``/v1/...``, ``/health``, ``/props``."""
-    return rest.startswith(ALLOWED_PREFIX) or rest in ALLOWED_EXACT
