@@ -199,3 +199,27 @@ class RouteModelsTests(SynchronousTestCase):
         self.assertEqual(doc["data"][0]["crossbar"], {"hosts": {"a": "loaded"}})
         again = route_models(Route("r", ("a",)), table)
         self.assertEqual(again, doc)
+
+
+class RouteModelAliasTests(SynchronousTestCase):
+    """§Model names: exact aliases whose target a healthy host lists are in the list."""
+
+    def test_exact_aliases_of_listed_targets(self) -> None:
+        route = Route("r", ("a", "b"), aliases=MappingProxyType(
+            {"gpt-4o": "m", "claude-*": "m", "ghost": "gone", "m2": "m", "z-alias": "n"}))
+        table = {"a": status(loaded=("m",), m=entry("m", owned_by="a")),
+                 "b": status(healthy=False, loaded=("n",)), }
+        doc = route_models(route, table)
+        assert doc is not None
+        self.assertEqual([e["id"] for e in doc["data"]], ["gpt-4o", "m", "m2"])  # no glob, no unlisted target
+        by_id = {e["id"]: e for e in doc["data"]}
+        self.assertEqual(by_id["gpt-4o"]["owned_by"], "a")
+        self.assertEqual(by_id["gpt-4o"]["crossbar"], {"alias_of": "m", "hosts": {"a": "loaded"}})
+        self.assertEqual(by_id["m"]["crossbar"], {"hosts": {"a": "loaded"}})
+
+    def test_a_real_id_wins_over_an_alias(self) -> None:
+        route = Route("r", ("a",), aliases=MappingProxyType({"n": "m"}))
+        table = {"a": status(loaded=("m", "n"))}
+        doc = route_models(route, table)
+        assert doc is not None
+        self.assertEqual(doc["data"][1], {"id": "n", "crossbar": {"hosts": {"a": "loaded"}}})

@@ -25,7 +25,9 @@ def route_models(route: Route, statuses: Mapping[str, HostStatus]) -> dict[str, 
 
     Each entry, sorted by id, is the one its first listing host (route order) reported,
     plus ``"crossbar": {"hosts": {host: "loaded" | "loading" | "available"}}`` over the
-    healthy hosts that list it.
+    healthy hosts that list it; each exact alias of the route whose target is listed
+    appears as the target's entry under the alias's id, with ``"alias_of"`` added
+    (docs/design.md §Model names).
     """
     healthy = [h for h in route.hosts if h in statuses and statuses[h].healthy]
     if not healthy:
@@ -41,9 +43,11 @@ def route_models(route: Route, statuses: Mapping[str, HostStatus]) -> dict[str, 
                     entry = json.loads(text) if text is not None else {"id": model}
                     entries[model] = entry if isinstance(entry, dict) else {"id": model}
                 where.setdefault(model, {})[host] = state
-    data = []
-    for model in sorted(entries):
-        entry = dict(entries[model])
-        entry["crossbar"] = {"hosts": where[model]}
-        data.append(entry)
-    return {"object": "list", "data": data}
+    listed: dict[str, dict[str, Any]] = {}
+    for model, entry in entries.items():
+        listed[model] = {**entry, "crossbar": {"hosts": where[model]}}
+    for alias, target in route.aliases.items():
+        # §Model names: an exact alias whose target some healthy host lists; a real id wins.
+        if "*" not in alias and target in entries and alias not in listed:
+            listed[alias] = {**entries[target], "id": alias, "crossbar": {"alias_of": target, "hosts": where[target]}}
+    return {"object": "list", "data": [listed[m] for m in sorted(listed)]}
