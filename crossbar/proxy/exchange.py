@@ -40,7 +40,7 @@ from crossbar.paths import PathKind, classify_path
 from crossbar.proxy.modellist import route_models
 from crossbar.proxy.peek import Peeked, peek
 from crossbar.proxy.routing import (
-    has_dot_segment, is_forwardable, split_route, split_target,
+    has_dot_segment, is_forwardable, query_model, replace_query_model, split_route, split_target,
 )
 from crossbar.state.runtime import Runtime
 from crossbar.upstream.pools import UpstreamPools
@@ -240,9 +240,13 @@ class Exchange:
             return self.answer_error(404, "not found")
         if kind is PathKind.MODEL_LIST:
             return self.answer_models()
-        self.body, self.model = self.read_body()
-        if self.model is None:
-            self.model = route.default_model
+        self.body, named = self.read_body()
+        if named is None and request.method in NO_BODY_METHODS:
+            named = query_model(self.query)
+            if named is not None and route.resolve(named) != named:  # §Model names: the query too
+                self.query = replace_query_model(self.query, route.resolve(named))
+        wanted = named if named is not None else route.default_model
+        self.model = None if wanted is None else route.resolve(wanted)
         if self.key and not self.runtime.key_admits(route, self.key):
             return self.answer_error(429, "too many requests", retry_after=True)
         self.runtime.begin(self)

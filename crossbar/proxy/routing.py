@@ -8,10 +8,10 @@ unit-tested on its own.
 from __future__ import annotations
 
 import re
-from urllib.parse import unquote_to_bytes
+from urllib.parse import quote, unquote_to_bytes
 
 __all__ = [
-    "has_dot_segment", "is_forwardable", "split_route", "split_target",
+    "has_dot_segment", "is_forwardable", "query_model", "replace_query_model", "split_route", "split_target",
 ]
 
 _ABSOLUTE_FORM = re.compile(rb"[Hh][Tt][Tt][Pp][Ss]?://[^/?#]*")
@@ -73,3 +73,31 @@ def is_forwardable(method: bytes, target: bytes) -> bool:
     (DESIGN.md §The proxy, rule 3) instead of being forwarded.
     """
     return _TOKEN.match(method) is not None and _VISIBLE_ASCII.match(target) is not None
+
+
+_MODEL_PARAM = re.compile(rb"(?:(?<=[?&])|\A)model=([^&]*)")
+
+
+def query_model(query: bytes) -> str | None:
+    """The ``model`` query parameter of a GET or HEAD (rule 4; llama.cpp's router mode
+    reads ``/props?model=X``): the first one, percent-decoded (``+`` as a space), or None
+    when there is none or it is empty or not UTF-8. ``query`` keeps its leading ``?``."""
+    found = _MODEL_PARAM.search(query)
+    if found is None:
+        return None
+    raw = unquote_to_bytes(found.group(1).replace(b"+", b" "))
+    try:
+        model = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return None
+    return model or None
+
+
+def replace_query_model(query: bytes, model: str) -> bytes:
+    """``query`` with the value of its first ``model`` parameter replaced by ``model``
+    (percent-encoded), every other byte kept (§Model names: an alias in a GET's query)."""
+    found = _MODEL_PARAM.search(query)
+    if found is None:
+        return query
+    value = quote(model, safe="").encode("ascii")
+    return query[:found.start(1)] + value + query[found.end(1):]
