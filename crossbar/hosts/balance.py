@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Collection, Iterable, Mapping
 
 from crossbar.hosts import affinity
 from crossbar.config import Host, Route
@@ -122,6 +122,7 @@ def choose(
     key: str | None,
     rotation: Rotation,
     exclude: Iterable[str] = (),
+    draining: Collection[str] = (),
 ) -> Chosen | Verdict:
     """Choose a host of ``route`` for a request wanting ``model`` with affinity ``key``
     (DESIGN.md §Choosing a host, rules 1-3, and §Cache affinity).
@@ -132,6 +133,9 @@ def choose(
     :param key: the request's affinity key, or None; ignored when the route's
         ``affinity.key`` is ``none``.
     :param exclude: hosts already tried for this request.
+    :param draining: hosts being drained (DESIGN.md §Operations): they take no new
+        request, as if they had no room, and pin no tier; a request whose only healthy
+        hosts are draining waits (:data:`Verdict.BUSY`) for another host.
     """
     skip = set(exclude)
     candidates = [
@@ -144,6 +148,10 @@ def choose(
         if any(h not in skip and h in hosts and h in statuses and not statuses[h].polled for h in route.hosts):
             return Verdict.BUSY
         return Verdict.NO_HOST
+    if draining:
+        candidates = [h for h in candidates if h not in draining]
+        if not candidates:
+            return Verdict.BUSY
     fit, tier = fit_tier(candidates, model, statuses)
     if not tier:
         return Verdict.NO_HOST if skip else Verdict.NO_MODEL

@@ -1,8 +1,12 @@
 """The operations app under ``/_crossbar`` (DESIGN.md §Operations), built on Klein.
 
-``status`` and ``metrics`` show topology and need the ops token when one is configured;
-the probes (``livez``, ``readyz``, ``healthz``) stay open and say nothing but ok / not.
-Readiness is read from memory only: a burst of probes touches no host.
+``status``, ``metrics`` and the dashboard's data (``dashboard.json``, the ``events``
+stream) show topology and need the ops token when one is configured; the host actions
+(``hosts/<name>/drain``, ``undrain``) are refused (403) unless a token is configured.
+The dashboard's page itself (``/_crossbar/``, :mod:`crossbar.ops.dashboard`) holds no
+data and is served to anyone. The probes (``livez``, ``readyz``, ``healthz``) stay open
+and say nothing but ok / not. Readiness is read from memory only: a burst of probes
+touches no host.
 """
 
 from __future__ import annotations
@@ -13,15 +17,22 @@ from datetime import datetime, timezone
 from typing import Any
 
 from klein import Klein
+from twisted.internet.defer import Deferred
+from twisted.internet.task import LoopingCall
 from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource
 
 from crossbar.state.worker_counts import AFFINITY_OUTCOMES
+from crossbar.ops.dashboard import CSP, load_static, snapshot
 from crossbar.ops.metrics import CONTENT_TYPE_LATEST, Metrics
+from crossbar.ops.recent import RecentRequests
 from crossbar.errors import json_error_bytes
 from crossbar.state.runtime import Runtime
 
-__all__ = ["OpsApp", "rfc3339"]
+__all__ = ["EVENT_INTERVAL", "OpsApp", "rfc3339"]
+
+EVENT_INTERVAL = 1.0
+"""Seconds between two events of the dashboard's stream (DESIGN.md: at least every 2 s)."""
 
 
 def rfc3339(seconds: float | None) -> str | None:
@@ -38,13 +49,22 @@ class OpsApp:
 
     :param runtime: the shared state (config, health table, in-flight counts, draining).
     :param metrics: the Prometheus collectors.
+    :param recent: the recent requests and token figures (the dashboard's data).
+    :param clock: the reactor (``IReactorTime``) the event stream is timed by.
     """
 
     app = Klein()
 
-    def __init__(self, runtime: Runtime, metrics: Metrics) -> None:
+    def __init__(
+        self, runtime: Runtime, metrics: Metrics, recent: RecentRequests | None = None, clock: Any = None,
+    ) -> None:
         self._runtime = runtime
         self._metrics = metrics
+        self._recent = recent if recent is not None else RecentRequests(runtime.now)
+        if clock is None:
+            from twisted.internet import reactor as clock
+        self._clock = clock
+        self._static = load_static()
 
     def resource(self) -> IResource:
         """The Klein resource to mount at ``/_crossbar``."""
@@ -61,6 +81,10 @@ class OpsApp:
         request.setHeader(b"Content-Type", b"application/json")
         return json_error_bytes(message)
 
+    def _unauthorized(self, request: IRequest) -> bytes:
+        request.setHeader(b"WWW-Authenticate", b'Bearer realm="crossbar"')
+        return self._error(request, 401, "unauthorized")
+
     def _authorized(self, request: IRequest) -> bool:
         token = self._runtime.config.ops.token
         if token is None:
@@ -75,8 +99,7 @@ class OpsApp:
     def status(self, request: IRequest) -> bytes:
         """``GET /_crossbar/status``: hosts and routes as JSON (token required when set)."""
         if not self._authorized(request):
-            request.setHeader(b"WWW-Authenticate", b'Bearer realm="crossbar"')
-            return self._error(request, 401, "unauthorized")
+            return self._unauthorized(request)
         runtime = self._runtime
         config = runtime.config
         hosts = {}
@@ -95,6 +118,15 @@ class OpsApp:
                 "inflight": runtime.inflight.host(name),
                 "weight": host.weight if host is not None else None,
                 "max_inflight": host.max_inflight if host is not None else None,
+                "draining": name in runtime.drained,
+                "leaving": False,
+            }
+        for name, n in sorted(runtime.leaving().items()):
+            # Removed by a reload, still answering: shown until its last request ends.
+            hosts[name] = {
+                "url": None, "healthy": False, "loaded": [], "loading": [], "available": [],
+                "last_ok": None, "last_err": None, "consecutive": 0, "failures": 0, "inflight": n,
+                "weight": None, "max_inflight": None, "draining": False, "leaving": True,
             }
         routes = {}
         for name, route in config.routes.items():
@@ -116,10 +148,106 @@ class OpsApp:
     def metrics(self, request: IRequest) -> bytes:
         """``GET /_crossbar/metrics``: the Prometheus text exposition (token required when set)."""
         if not self._authorized(request):
-            request.setHeader(b"WWW-Authenticate", b'Bearer realm="crossbar"')
-            return self._error(request, 401, "unauthorized")
+            return self._unauthorized(request)
         request.setHeader(b"Content-Type", CONTENT_TYPE_LATEST.encode("ascii"))
         return self._metrics.render()
+
+    # -- host drain (DESIGN.md §Operations) ----------------------------------------------
+
+    @app.route("/hosts/<name>/drain", methods=["POST"])
+    def drain(self, request: IRequest, name: str) -> bytes:
+        """``POST /_crossbar/hosts/<name>/drain``: the host takes no new requests while
+        its in-flight ones finish (403 without ``ops.token``; 401 without it given)."""
+        return self._host_action(request, name, True)
+
+    @app.route("/hosts/<name>/undrain", methods=["POST"])
+    def undrain(self, request: IRequest, name: str) -> bytes:
+        """``POST /_crossbar/hosts/<name>/undrain``: the host takes requests again."""
+        return self._host_action(request, name, False)
+
+    def _host_action(self, request: IRequest, name: str, draining: bool) -> bytes:
+        runtime = self._runtime
+        if runtime.config.ops.token is None:
+            return self._error(request, 403, "host actions need ops.token in the config")
+        if not self._authorized(request):
+            return self._unauthorized(request)
+        if not runtime.drain_host(name, draining):
+            return self._error(request, 404, "no such host")
+        return self._json(request, 200, {"host": name, "draining": draining, "inflight": runtime.inflight.host(name)})
+
+    # -- the dashboard (crossbar.ops.dashboard) -------------------------------------------
+
+    def _page(self, request: IRequest, path: str) -> bytes:
+        body, kind = self._static[path]
+        request.setHeader(b"Content-Type", kind.encode("ascii"))
+        request.setHeader(b"Content-Security-Policy", CSP.encode("ascii"))
+        request.setHeader(b"X-Content-Type-Options", b"nosniff")
+        request.setHeader(b"Referrer-Policy", b"no-referrer")
+        request.setHeader(b"X-Frame-Options", b"DENY")
+        request.setHeader(b"Cache-Control", b"no-cache")
+        return body
+
+    @app.route("/", methods=["GET", "HEAD"])
+    def dashboard(self, request: IRequest) -> bytes:
+        """``GET /_crossbar/``: the dashboard's page (no data: that needs the token)."""
+        return self._page(request, "")
+
+    @app.route("/app.js", methods=["GET", "HEAD"])
+    def dashboard_script(self, request: IRequest) -> bytes:
+        """The dashboard's script."""
+        return self._page(request, "app.js")
+
+    @app.route("/style.css", methods=["GET", "HEAD"])
+    def dashboard_style(self, request: IRequest) -> bytes:
+        """The dashboard's style sheet."""
+        return self._page(request, "style.css")
+
+    def _snapshot_bytes(self) -> bytes:
+        return json.dumps(snapshot(self._runtime, self._recent), separators=(",", ":")).encode("utf-8")
+
+    @app.route("/dashboard.json", methods=["GET"])
+    def dashboard_data(self, request: IRequest) -> bytes:
+        """``GET /_crossbar/dashboard.json``: the dashboard's data once (token required
+        when set)."""
+        if not self._authorized(request):
+            return self._unauthorized(request)
+        request.setHeader(b"Content-Type", b"application/json")
+        request.setHeader(b"Cache-Control", b"no-store")
+        return self._snapshot_bytes()
+
+    @app.route("/events", methods=["GET"])
+    def events(self, request: IRequest) -> Any:
+        """``GET /_crossbar/events``: the dashboard's data as server-sent events, one
+        every :data:`EVENT_INTERVAL` seconds, until the client leaves or crossbar
+        drains (token required when set: the page reads it with ``fetch``, which can
+        send the header, not with ``EventSource``)."""
+        if not self._authorized(request):
+            return self._unauthorized(request)
+        request.setHeader(b"Content-Type", b"text/event-stream")
+        request.setHeader(b"Cache-Control", b"no-store")
+        request.setHeader(b"X-Accel-Buffering", b"no")
+        loop: LoopingCall
+
+        def stop(_: object = None) -> None:
+            if loop.running:
+                loop.stop()
+
+        done: Deferred[None] = Deferred(canceller=stop)
+
+        def send() -> None:
+            if self._runtime.draining:
+                stop()
+                done.callback(None)  # the page reconnects, to another instance
+                return
+            try:
+                request.write(b"data: " + self._snapshot_bytes() + b"\n\n")
+            except Exception:
+                stop()  # the client is gone: Klein cancels ``done``
+
+        loop = LoopingCall(send)
+        loop.clock = self._clock
+        loop.start(EVENT_INTERVAL, now=True)
+        return done
 
     @app.route("/livez", methods=["GET", "HEAD"])
     def livez(self, request: IRequest) -> bytes:

@@ -11,7 +11,7 @@ gauge is ever set by hand and none can drift.
 from __future__ import annotations
 
 import os
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Collection, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -35,6 +35,7 @@ class LiveCollector(Collector):
     :param affinity: returns (route, outcome) -> requests dispatched with that
         affinity outcome (``home``, ``spill``, ``none``), a counter.
     :param restarts: with workers, returns how many the supervisor restarted.
+    :param draining: returns the hosts being drained (``crossbar_host_draining``).
     """
 
     def __init__(
@@ -44,7 +45,9 @@ class LiveCollector(Collector):
         queued: Callable[[], Mapping[str, int]],
         affinity: Callable[[], Mapping[tuple[str, str], int]],
         restarts: Callable[[], int] | None = None,
+        draining: Callable[[], Collection[str]] | None = None,
     ) -> None:
+        self._draining = draining
         self._inflight = inflight
         self._hosts = hosts
         self._queued = queued
@@ -61,9 +64,14 @@ class LiveCollector(Collector):
         loaded = GaugeMetricFamily(
             "crossbar_host_models_loaded", "Models resident on the host at its last good poll.", labels=("host",)
         )
+        draining = GaugeMetricFamily(
+            "crossbar_host_draining", "1 while the host is drained (takes no new requests), else 0.", labels=("host",)
+        )
+        drained = self._draining() if self._draining is not None else ()
         for name, status in self._hosts().items():
             healthy.add_metric((name,), 1 if status.healthy else 0)
             loaded.add_metric((name,), len(status.loaded))
+            draining.add_metric((name,), 1 if name in drained else 0)
         queued = GaugeMetricFamily(
             "crossbar_queued_requests", "Requests waiting in a route's queue for a host with room.", labels=("route",)
         )
@@ -74,7 +82,7 @@ class LiveCollector(Collector):
         )
         for (route, outcome), count in sorted(self._affinity().items()):
             affinity.add_metric((route, outcome), count)
-        families: list[Metric] = [inflight, healthy, loaded, queued, affinity]
+        families: list[Metric] = [inflight, healthy, loaded, draining, queued, affinity]
         if self._restarts is not None:
             restarts = CounterMetricFamily("crossbar_worker_restarts", "Worker processes restarted after dying.")
             restarts.add_metric((), self._restarts())

@@ -11,7 +11,7 @@ never from a request.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from twisted.logger import Logger
 
@@ -73,6 +73,10 @@ class RequestLog:
         self._requests: dict[tuple[str, str, str, str], Any] = {}
         self._durations: dict[tuple[str, str], tuple[Any, Any]] = {}
         self._metric_failures = 0
+        self.observers: list[Callable[[RequestRecord], None]] = []
+        """Called with every record after it is logged and counted (the dashboard's
+        bounded ring of recent requests, :mod:`crossbar.ops.recent`); each must be cheap
+        and must not raise."""
 
     def write(self, record: RequestRecord) -> None:
         """Log ``record`` (namespace ``crossbar.proxy.exchange``) and count it in the request
@@ -101,6 +105,8 @@ class RequestLog:
             if self._metric_failures in (1, 10, 100) or self._metric_failures % 1000 == 0:
                 _log.error("request metrics not recorded ({count} so far): {error}",
                            count=self._metric_failures, error=str(e))
+        for observe in self.observers:
+            observe(record)
 
     def _count(self, record: RequestRecord, route: str, host: str) -> None:
         m = self.metrics

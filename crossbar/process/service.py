@@ -11,6 +11,7 @@ SIGTERM) gives in-flight requests their time without depending on trigger order.
 from __future__ import annotations
 
 import gc
+import os
 from dataclasses import replace
 from typing import Any, Mapping
 
@@ -27,6 +28,7 @@ from crossbar.hosts.health import HealthTable
 from crossbar.upstream.hosturl import host_url
 from crossbar.ops.metrics import LiveCollector, Metrics
 from crossbar.ops.app import OpsApp
+from crossbar.ops.recent import TICK, RecentRequests
 from crossbar.hosts.poller import HealthPoller, HTTPProbe
 from crossbar.proxy.exchange import ProxyResource
 from crossbar.ops.record import RequestLog
@@ -91,8 +93,18 @@ class CrossbarService(MultiService):
             lambda: {name: runtime.queued(name) for name in runtime.config.routes},
             lambda: {(r, o): runtime.affinity(r, o) for r in runtime.config.routes for o in AFFINITY_OUTCOMES},
             restarts=(lambda: fleet.restarts()) if fleet is not None else None,
+            draining=lambda: runtime.drained,
         ))
         self.requests = RequestLog(self.metrics)
+        # The dashboard's recent requests: one append per request; with workers, every
+        # worker's are read from its file in the workers' state directory.
+        self.recent = RecentRequests(
+            reactor.seconds, os.path.dirname(fleet.shared.path) if fleet is not None else None,
+            fleet.shared.row if fleet is not None else 0,
+        )
+        self.requests.observers.append(self.recent.observe)
+        self._recent_tick = LoopingCall(self.recent.tick)
+        self._recent_tick.clock = reactor
         tls = HostTLS.from_config(config)
         self.pools = UpstreamPools(reactor, config.timeouts.connect, tls=tls)
         self._poll_pool = quiet_pool(reactor, persistent=True)
@@ -104,7 +116,7 @@ class CrossbarService(MultiService):
         )
         self.poller.setServiceParent(self)
         self.proxy = ProxyResource(runtime, self.pools, reactor, self.requests)
-        self.ops = OpsApp(runtime, self.metrics)
+        self.ops = OpsApp(runtime, self.metrics, self.recent, reactor)
         self.site = CrossbarSite(Root(self.ops.resource(), self.proxy), runtime, self.requests)
         self.web = ListenService(listen if listen is not None else listen_endpoint(reactor, config), self.site)
         self.web.setServiceParent(self)
@@ -171,6 +183,7 @@ class CrossbarService(MultiService):
         super().startService()
         if self._fleet_wake is not None:
             self._fleet_wake.start(FLEET_WAKE_INTERVAL, now=False)
+        self._recent_tick.start(TICK, now=False)
         # Everything loaded so far (Twisted, TLS support, klein, prometheus_client: most of
         # the heap) lives as long as the process: keep the cyclic GC from scanning it
         # again on every full collection, which stalled requests for tens of ms.
@@ -185,6 +198,8 @@ class CrossbarService(MultiService):
         await self.drain()
         if self._fleet_wake is not None and self._fleet_wake.running:
             self._fleet_wake.stop()
+        if self._recent_tick.running:
+            self._recent_tick.stop()
         try:
             await super().stopService()
         finally:
@@ -316,6 +331,7 @@ class CrossbarService(MultiService):
             self.pools.close()  # no pooled connection made under the old TLS settings
         self.pools.connect_timeout = new.timeouts.connect
         self.runtime.config = new
+        self.runtime.forget_removed_drains()  # drains of hosts still configured hold
         if self.runtime.fleet is not None:
             self.runtime.fleet.configure(new)
             self.runtime.republish()

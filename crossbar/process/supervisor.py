@@ -11,6 +11,10 @@ supervises:
   the process stopped) is killed, and so restarted;
 - SIGTERM drains every worker at once (each runs its own drain: readiness 503,
   ``drain.delay``, ``drain.grace``); a second SIGTERM or Ctrl-C ends every drain now;
+- a host drained through one worker (``POST /_crossbar/hosts/<name>/drain``) is
+  drained in every worker: that worker tells this process, which tells every worker and
+  keeps the set for workers it starts later (and across reloads, for hosts still
+  configured);
 - SIGHUP re-reads the config: an invalid file is logged and nothing changes, a valid
   one is written to a snapshot and reloaded from it by every worker. Workers only ever
   load the snapshot (the text the supervisor validated last): one restarted later runs
@@ -156,6 +160,13 @@ class WorkerProcess(ProcessProtocol):
                 if line.strip() == b"ready":
                     self.ready = True
                     self.supervisor.worker_ready(self)
+                elif line.startswith((b"host-drain ", b"host-undrain ")):
+                    verb, _, encoded = line.strip().partition(b" ")
+                    try:
+                        host = bytes.fromhex(encoded.decode("ascii")).decode("utf-8")
+                    except ValueError:
+                        continue
+                    self.supervisor.drain_host(host, verb == b"host-drain")
 
     def processEnded(self, reason: Failure) -> None:
         self.ended = True
@@ -215,6 +226,8 @@ class Supervisor(MultiService):
         self._stall_check: LoopingCall | None = None
         self._folded: Counter[tuple[str, str]] = Counter()  # dead workers' affinity counts
         self.metrics_directory = ""
+        self.drained: set[str] = set()
+        """Hosts drained at run time (every worker is told; see :meth:`drain_host`)."""
         self.fleet: Fleet | None = None
         self.web = ListenService(listen_endpoint(reactor, config), ListenerHolder())
         self.web.setServiceParent(self)
@@ -315,6 +328,22 @@ class Supervisor(MultiService):
             return
         self.workers[index] = process
         _log.info("worker {worker} started (pid {pid})", worker=index, pid=process.transport.pid)  # type: ignore[union-attr]
+        for host in sorted(self.drained):  # read once its reactor runs
+            process.send(_drain_command(host, True))
+
+    def drain_host(self, host: str, draining: bool) -> None:
+        """A worker drained (or undrained) ``host``: every worker does, and workers
+        started later are told (DESIGN.md §Operations)."""
+        if host not in self.config.hosts:
+            return
+        if draining:
+            self.drained.add(host)
+        else:
+            self.drained.discard(host)
+        _log.info("host {host} {what} in every worker", host=host, what="drained" if draining else "undrained")
+        for process in self.workers:
+            if process is not None:
+                process.send(_drain_command(host, draining))
 
     def _backoff(self, index: int, young: bool) -> float:
         """Seconds before worker ``index`` is started again: 0 after a long life, then
@@ -448,6 +477,7 @@ class Supervisor(MultiService):
             return False
         # What a restart would apply stays as running (as a worker's reload keeps listen).
         self.config = replace(new, listen=self.config.listen, workers=self.count)
+        self.drained.intersection_update(self.config.hosts)
         if self.fleet is not None:
             self.fleet.configure(self.config)
             self._publish_own()
@@ -459,6 +489,12 @@ class Supervisor(MultiService):
     def when_all_ready(self) -> Deferred[None]:
         """Fires once every worker has said it is ready."""
         return self._all_ready.wait()
+
+
+def _drain_command(host: str, draining: bool) -> str:
+    """The worker command that drains (or undrains) ``host`` (its name in hex: any
+    UTF-8 name fits one ASCII line)."""
+    return ("host-drain " if draining else "host-undrain ") + host.encode("utf-8").hex()
 
 
 def _stop_accepting(port: IListeningPort) -> None:

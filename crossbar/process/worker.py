@@ -12,7 +12,8 @@ The supervisor (:mod:`crossbar.process.supervisor`) starts each worker as
   ``reactor.adoptStreamPort``: every worker accepts on the same socket);
 - fd 0: commands from the supervisor, one per line: ``drain`` (SIGTERM's drain),
   ``hurry`` (a second signal: end the drain now), ``reload`` (SIGHUP: load the
-  snapshot again). End of file
+  snapshot again), ``host-drain HEX`` / ``host-undrain HEX`` (a host, its name's
+  UTF-8 in hex, is drained or undrained in every worker). End of file
   (the supervisor is gone) drains too;
 - fd 1: its log, one JSON object per line (:mod:`crossbar.ops.jsonlog`) with a ``worker``
   field: the supervisor's own standard output when it logs JSON there too (written
@@ -20,7 +21,10 @@ The supervisor (:mod:`crossbar.process.supervisor`) starts each worker as
   its own;
 - fd 4: ``ready`` once the worker listens and its first poll round is done, and
   ``alive`` every :data:`HEARTBEAT` seconds from its reactor (a worker whose reactor
-  is wedged or stopped goes silent, and the supervisor replaces it).
+  is wedged or stopped goes silent, and the supervisor replaces it); ``host-drain
+  HEX`` / ``host-undrain HEX`` when this worker was asked to drain a host
+  (``POST /_crossbar/hosts/<name>/drain``): the supervisor tells every worker, and
+  keeps the set for the workers it starts later.
 
 Signals sent to a worker itself: SIGTERM or SIGINT drain it (the same drain as the
 ``drain`` command: both together are one drain, as under systemd's
@@ -191,6 +195,14 @@ def main(argv: list[str] | None = None) -> None:
             service.hurry()
         elif name == "reload":
             reload()
+        elif name.startswith(("host-drain ", "host-undrain ")):
+            verb, _, encoded = name.partition(" ")
+            try:
+                host = bytes.fromhex(encoded).decode("utf-8")
+            except ValueError:
+                _log.warn("bad supervisor command {command!r}", command=name)
+                return
+            service.runtime.drain_host(host, verb == "host-drain", tell=False)
         elif name:
             _log.warn("unknown supervisor command {command!r}", command=name)
 
@@ -205,6 +217,12 @@ def main(argv: list[str] | None = None) -> None:
 
     def ready(_: object) -> None:
         status(b"ready\n")
+
+    def drain_changed(host: str, draining: bool) -> None:
+        verb = b"host-drain " if draining else b"host-undrain "
+        status(verb + host.encode("utf-8").hex().encode("ascii") + b"\n")
+
+    service.runtime.on_drain_change = drain_changed
 
     heartbeat = LoopingCall(status, b"alive\n")
     heartbeat.clock = reactor

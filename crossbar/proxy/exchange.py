@@ -280,7 +280,7 @@ class Exchange:
         runtime = self.runtime
         return choose(
             self.route, self.config.hosts, runtime.table.all(), runtime.inflight.host, self.model,
-            self.affinity_key, runtime.rotation, exclude=self.tried,
+            self.affinity_key, runtime.rotation, exclude=self.tried, draining=runtime.drained,
         )
 
     def forward(self) -> None:

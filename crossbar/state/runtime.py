@@ -41,6 +41,10 @@ class Runtime:
     :ivar fleet: with workers, the fleet-wide counts (:meth:`attach`); else None.
     :ivar active: the requests being handled (proxy exchanges), until each ends.
     :ivar draining: a drain has started (DESIGN.md §Operations).
+    :ivar drained: hosts being drained one by one (``POST /_crossbar/hosts/<name>/drain``):
+        they take no new request while their in-flight ones finish.
+    :ivar on_drain_change: called with (host, draining) when :meth:`drain_host` changes
+        :attr:`drained` (a worker tells its supervisor, which tells every worker).
     :ivar idle: a :class:`Condition` that holds while no request is being handled.
     """
 
@@ -57,6 +61,8 @@ class Runtime:
         self.fleet: Fleet | None = None
         self.active: set[Any] = set()
         self.draining = False
+        self.drained: set[str] = set()
+        self.on_drain_change: Callable[[str, bool], None] | None = None
         self.idle = Condition(lambda: not self.active)
 
     # -- counts that are fleet-wide with workers (DESIGN.md §Workers) ------------------
@@ -115,6 +121,35 @@ class Runtime:
         if self.fleet is not None:
             return self.fleet.affinity(route, outcome)
         return self.affinity_counts[(route, outcome)]
+
+    # -- host drain (DESIGN.md §Operations) -------------------------------------------
+
+    def drain_host(self, host: str, draining: bool, tell: bool = True) -> bool:
+        """Start (``draining``) or end the drain of configured ``host``; returns False
+        for a host the config does not name. An undrained host may take the requests
+        waiting at once. ``tell``: call :attr:`on_drain_change` (not when the change
+        came from the supervisor)."""
+        if host not in self.config.hosts:
+            return False
+        if draining:
+            self.drained.add(host)
+        else:
+            self.drained.discard(host)
+            self.queues.wake()
+        if tell and self.on_drain_change is not None:
+            self.on_drain_change(host, draining)
+        return True
+
+    def forget_removed_drains(self) -> None:
+        """After a reload: a host no longer configured is no longer draining (it is
+        leaving: :meth:`leaving`)."""
+        self.drained.intersection_update(self.config.hosts)
+
+    def leaving(self) -> dict[str, int]:
+        """Hosts a reload removed that still have requests in flight from this process:
+        host -> in flight (until each ends)."""
+        hosts = self.config.hosts
+        return {h: n for h, n in self.inflight.by_host().items() if h not in hosts}
 
     def first_round_done(self) -> bool:
         """Every configured host's first poll has finished (or timed out)."""

@@ -1,0 +1,125 @@
+"""The dashboard's page and data (DESIGN.md §Operations: ``GET /_crossbar/``).
+
+The page is three static files shipped in the package (``crossbar/ops/dashboard/``:
+``index.html``, ``app.js``, ``style.css``), read once and served with a
+Content-Security-Policy that allows scripts, styles and connections from crossbar
+itself only (no inline script, nothing fetched from elsewhere). They hold no data: with
+an ``ops.token`` the page shows its login form until the token is given.
+
+The data is one JSON document (:func:`snapshot`): the hosts, the routes, the recent
+requests and tokens/s per host over the last 15 minutes. It carries no URL, secret,
+body or query string; the page inserts every text as text.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from typing import Any
+
+from crossbar.ops.recent import BUCKET, KEEP, RecentRequests
+from crossbar.state.runtime import Runtime
+from crossbar.state.worker_counts import AFFINITY_OUTCOMES
+
+__all__ = ["CSP", "STATIC", "load_static", "snapshot"]
+
+CSP = (
+    "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self'; "
+    "base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
+"""The page's Content-Security-Policy: its own files only, no inline script or style."""
+
+STATIC = {
+    "": ("index.html", "text/html; charset=utf-8"),
+    "app.js": ("app.js", "text/javascript; charset=utf-8"),
+    "style.css": ("style.css", "text/css; charset=utf-8"),
+}
+"""Path under ``/_crossbar/`` -> (file in the package, content type)."""
+
+
+def load_static() -> dict[str, tuple[bytes, str]]:
+    """The page's files from the package: path -> (bytes, content type).
+
+    :raises OSError: a file is missing (a broken install)."""
+    folder = resources.files("crossbar.ops").joinpath("dashboard")
+    return {path: (folder.joinpath(name).read_bytes(), kind) for path, (name, kind) in STATIC.items()}
+
+
+def _rate(buckets: dict[int, dict[str, float]], now: float, seconds: float) -> dict[str, float]:
+    """Generated tokens per second per host over the last ``seconds``."""
+    since = now - seconds
+    sums: dict[str, float] = {}
+    for start, per_host in buckets.items():
+        if start + BUCKET > since:
+            for host, n in per_host.items():
+                sums[host] = sums.get(host, 0.0) + n
+    return {h: round(n / seconds, 2) for h, n in sums.items()}
+
+
+def snapshot(runtime: Runtime, recent: RecentRequests, limit: int = 200) -> dict[str, Any]:
+    """Everything the page shows, as one JSON-able document (see the module doc).
+
+    :param limit: recent requests to include, newest first."""
+    now = runtime.now()
+    config = runtime.config
+    entries, host_buckets, route_buckets = recent.view()
+    rates = _rate(host_buckets, now, 60.0)
+    hosts = []
+    for name, s in runtime.table.all().items():
+        host = config.hosts.get(name)
+        hosts.append({
+            "name": name,
+            "healthy": s.healthy,
+            "polled": s.polled,
+            "last_err": s.last_err,
+            "last_ok": s.last_ok,
+            "inflight": runtime.inflight.host(name),
+            "max_inflight": host.max_inflight if host is not None else None,
+            "loaded": list(s.loaded),
+            "loading": list(s.loading),
+            "available": list(s.available),
+            "draining": name in runtime.drained,
+            "leaving": False,
+            "tps": rates.get(name, 0.0),
+        })
+    for name, n in sorted(runtime.leaving().items()):
+        hosts.append({
+            "name": name, "healthy": False, "polled": True, "last_err": None, "last_ok": None,
+            "inflight": n, "max_inflight": None, "loaded": [], "loading": [], "available": [],
+            "draining": False, "leaving": True, "tps": rates.get(name, 0.0),
+        })
+    prompt: dict[str, list[float]] = {}
+    for per_route in route_buckets.values():
+        for route_name, (processed, cached) in per_route.items():
+            sums = prompt.setdefault(route_name, [0.0, 0.0])
+            sums[0] += processed
+            sums[1] += cached
+    routes = []
+    for name, route in config.routes.items():
+        oldest = runtime.oldest_wait(name)
+        processed, cached = prompt.get(name, (0.0, 0.0))
+        routes.append({
+            "name": name,
+            "hosts": list(route.hosts),
+            "queued": runtime.queued(name),
+            "oldest_wait_s": None if oldest is None else round(oldest, 3),
+            "affinity": {"key": route.affinity.key,
+                         **{outcome: runtime.affinity(name, outcome) for outcome in AFFINITY_OUTCOMES}},
+            "cached_share": None if processed + cached == 0 else round(cached / (processed + cached), 4),
+        })
+    first = int((now - KEEP) // BUCKET * BUCKET) + BUCKET
+    starts = list(range(first, int(now // BUCKET * BUCKET) + 1, BUCKET))
+    series: dict[str, list[float]] = {}
+    for name in [str(h["name"]) for h in hosts]:
+        points = []
+        for start in starts:
+            span = min(BUCKET, max(1.0, now - start))  # the bucket still filling
+            points.append(round(host_buckets.get(start, {}).get(name, 0.0) / span, 2))
+        series[name] = points
+    return {
+        "now": now,
+        "actions": config.ops.token is not None,
+        "hosts": hosts,
+        "routes": routes,
+        "recent": entries[:limit],
+        "chart": {"start": first, "step": BUCKET, "hosts": series},
+    }

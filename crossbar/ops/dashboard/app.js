@@ -1,0 +1,367 @@
+// crossbar's dashboard (GET /_crossbar/). No framework, no build step.
+//
+// Security: every text that comes from a host or a client (model ids, error texts,
+// key names, host names) is inserted with textContent, never as HTML. The ops token
+// (when crossbar has one) is kept in this tab's sessionStorage and sent as an
+// Authorization header with fetch(); it never goes into a URL (EventSource cannot
+// send headers, so the event stream is read from a fetch() body).
+"use strict";
+
+(function () {
+  var TOKEN_KEY = "crossbar-ops-token";
+  var STALE_MS = 5000; // no event for this long: the stream is dead, reconnect
+  var base = location.pathname.replace(/[^/]*$/, ""); // "/_crossbar/"
+  var token = sessionStorage.getItem(TOKEN_KEY) || "";
+  var controller = null;
+  var running = false;
+  var latest = null;
+  var cards = new Map();
+  var actions = false;
+
+  function $(id) { return document.getElementById(id); }
+
+  function el(tag, cls, text) {
+    var e = document.createElement(tag);
+    if (cls) { e.className = cls; }
+    if (text !== undefined && text !== null) { e.textContent = String(text); }
+    return e;
+  }
+
+  function sleep(ms) { return new Promise(function (resolve) { setTimeout(resolve, ms); }); }
+
+  function authHeaders() { return token ? { "Authorization": "Bearer " + token } : {}; }
+
+  function setConnection(text, live) {
+    var c = $("connection");
+    c.textContent = text;
+    c.className = "connection " + (live ? "live" : "down");
+  }
+
+  // -- login ------------------------------------------------------------------------
+
+  function showLogin(message) {
+    stop();
+    $("board").hidden = true;
+    $("logout").hidden = true;
+    $("login").hidden = false;
+    var error = $("login-error");
+    error.textContent = message || "";
+    error.hidden = !message;
+    setConnection("token needed", false);
+    $("token").focus();
+  }
+
+  function showBoard() {
+    $("login").hidden = true;
+    $("board").hidden = false;
+    $("logout").hidden = !token;
+  }
+
+  function forget(message) {
+    token = "";
+    sessionStorage.removeItem(TOKEN_KEY);
+    showLogin(message);
+  }
+
+  $("login-form").addEventListener("submit", function (event) {
+    event.preventDefault();
+    token = $("token").value.trim();
+    $("token").value = "";
+    if (token) { sessionStorage.setItem(TOKEN_KEY, token); }
+    start();
+  });
+
+  $("logout").addEventListener("click", function () { forget(""); });
+
+  // -- the event stream ---------------------------------------------------------------
+
+  function stop() {
+    running = false;
+    if (controller) { controller.abort(); controller = null; }
+  }
+
+  function start() {
+    stop();
+    running = true;
+    run();
+  }
+
+  async function run() {
+    var retry = 500;
+    var mine = {};
+    controller = new AbortController();
+    var own = controller;
+    while (running && controller === own) {
+      var response = null;
+      try {
+        response = await fetch(base + "events", { headers: authHeaders(), cache: "no-store", signal: own.signal });
+      } catch (e) {
+        response = null;
+      }
+      if (!running || controller !== own) { return; }
+      if (response && response.status === 401) {
+        forget(token ? "Wrong token." : "");
+        return;
+      }
+      if (response && response.ok && response.body) {
+        retry = 500;
+        await read(response.body, own);
+        if (!running || controller !== own) { return; }
+      }
+      setConnection("reconnecting…", false);
+      await sleep(retry);
+      retry = Math.min(retry * 2, 4000);
+    }
+    return mine;
+  }
+
+  async function read(body, own) {
+    var reader = body.getReader();
+    var decoder = new TextDecoder();
+    var buffer = "";
+    var timer = null;
+    function arm() {
+      if (timer) { clearTimeout(timer); }
+      timer = setTimeout(function () { reader.cancel().catch(function () {}); }, STALE_MS);
+    }
+    arm();
+    try {
+      for (;;) {
+        var chunk = await reader.read();
+        if (chunk.done) { break; }
+        arm();
+        buffer += decoder.decode(chunk.value, { stream: true });
+        var cut;
+        while ((cut = buffer.indexOf("\n\n")) >= 0) {
+          var block = buffer.slice(0, cut);
+          buffer = buffer.slice(cut + 2);
+          var data = block.split("\n").filter(function (line) { return line.indexOf("data:") === 0; })
+            .map(function (line) { return line.slice(5).replace(/^ /, ""); }).join("\n");
+          if (data && controller === own) {
+            showBoard();
+            setConnection("live", true);
+            render(JSON.parse(data));
+          }
+        }
+      }
+    } catch (e) {
+      // aborted, or the connection dropped: the caller reconnects
+    } finally {
+      if (timer) { clearTimeout(timer); }
+    }
+  }
+
+  // -- host actions -------------------------------------------------------------------
+
+  async function act(name, drain, button) {
+    button.disabled = true;
+    try {
+      var response = await fetch(base + "hosts/" + encodeURIComponent(name) + (drain ? "/drain" : "/undrain"),
+        { method: "POST", headers: authHeaders(), cache: "no-store" });
+      if (response.status === 401) { forget("Wrong token."); return; }
+      if (response.ok) {
+        var host = latest && latest.hosts.find(function (h) { return h.name === name; });
+        if (host) { host.draining = drain; renderHosts(latest); }
+      }
+    } catch (e) {
+      // crossbar unreachable: the stream shows it
+    } finally {
+      button.disabled = false;
+    }
+  }
+
+  // -- rendering ----------------------------------------------------------------------
+
+  function list(values) { return values && values.length ? values.join(", ") : "—"; }
+
+  function ms(seconds) {
+    if (seconds === null || seconds === undefined) { return "—"; }
+    return seconds < 10 ? Math.round(seconds * 1000) + " ms" : seconds.toFixed(1) + " s";
+  }
+
+  function num(value, digits) {
+    return value === null || value === undefined ? "—" : Number(value).toFixed(digits);
+  }
+
+  function hostState(h) {
+    if (h.leaving) { return ["leaving", "leaving"]; }
+    if (!h.polled) { return ["waiting", "first poll"]; }
+    if (!h.healthy) { return ["down", "down"]; }
+    if (h.draining) { return ["draining", "draining"]; }
+    return ["up", "up"];
+  }
+
+  function card(name) {
+    var parts = cards.get(name);
+    if (parts) { return parts; }
+    parts = { root: el("article", "host") };
+    parts.root.dataset.host = name;
+    var head = el("header");
+    parts.name = el("h3", "name", name);
+    parts.badge = el("span", "badge");
+    head.append(parts.name, parts.badge);
+    var facts = el("dl");
+    function fact(label, key) {
+      facts.append(el("dt", null, label));
+      parts[key] = el("dd", key);
+      facts.append(parts[key]);
+    }
+    fact("in flight", "inflight");
+    fact("tokens/s", "tps");
+    fact("loaded", "loaded");
+    fact("loading", "loading");
+    fact("available", "available");
+    fact("last error", "error");
+    parts.button = el("button", "drain");
+    parts.button.type = "button";
+    parts.button.addEventListener("click", function () {
+      act(name, parts.button.dataset.action === "drain", parts.button);
+    });
+    parts.root.append(head, facts, parts.button);
+    cards.set(name, parts);
+    return parts;
+  }
+
+  function renderHosts(doc) {
+    var box = $("hosts");
+    var seen = new Set();
+    doc.hosts.forEach(function (h) {
+      var parts = card(h.name);
+      seen.add(h.name);
+      var state = hostState(h);
+      parts.root.className = "host " + state[0];
+      parts.badge.textContent = state[1];
+      parts.inflight.textContent = h.inflight + " / " + (h.max_inflight === null ? "∞" : h.max_inflight);
+      parts.tps.textContent = num(h.tps, 1);
+      parts.loaded.textContent = list(h.loaded);
+      parts.loading.textContent = list(h.loading);
+      parts.available.textContent = list(h.available);
+      parts.error.textContent = h.last_err || "—";
+      parts.button.hidden = !doc.actions || h.leaving;
+      parts.button.dataset.action = h.draining ? "undrain" : "drain";
+      parts.button.textContent = h.draining ? "Undrain" : "Drain";
+      if (parts.root.parentNode !== box) { box.append(parts.root); }
+    });
+    cards.forEach(function (parts, name) {
+      if (!seen.has(name)) { parts.root.remove(); cards.delete(name); }
+    });
+    $("action-note").hidden = doc.actions;
+  }
+
+  function renderRoutes(doc) {
+    var body = $("routes").tBodies[0];
+    var rows = doc.routes.map(function (r) {
+      var tr = el("tr");
+      tr.dataset.route = r.name;
+      [r.name, list(r.hosts), r.queued, ms(r.oldest_wait_s), r.affinity.key, r.affinity.home, r.affinity.spill,
+        r.affinity.none, r.cached_share === null ? "—" : Math.round(r.cached_share * 100) + " %"]
+        .forEach(function (value) { tr.append(el("td", null, value)); });
+      return tr;
+    });
+    body.replaceChildren.apply(body, rows);
+  }
+
+  function syncOptions(select, values) {
+    var chosen = select.value;
+    var have = Array.prototype.map.call(select.options, function (o) { return o.value; });
+    values.forEach(function (v) {
+      if (v && have.indexOf(v) < 0) {
+        var option = el("option", null, v);
+        option.value = v;
+        select.append(option);
+      }
+    });
+    select.value = chosen;
+  }
+
+  function tokens(t) {
+    if (!t) { return "—"; }
+    function n(v) { return v === null || v === undefined ? "?" : String(Math.round(v)); }
+    return n(t.prompt) + "+" + n(t.cached) + "/" + n(t.generated);
+  }
+
+  function renderRecent(doc) {
+    var routes = doc.routes.map(function (r) { return r.name; });
+    var hosts = doc.hosts.map(function (h) { return h.name; });
+    doc.recent.forEach(function (e) {
+      if (routes.indexOf(e.route) < 0) { routes.push(e.route); }
+      if (e.host && hosts.indexOf(e.host) < 0) { hosts.push(e.host); }
+    });
+    syncOptions($("filter-route"), routes);
+    syncOptions($("filter-host"), hosts);
+    var route = $("filter-route").value;
+    var host = $("filter-host").value;
+    var status = $("filter-status").value;
+    var shown = doc.recent.filter(function (e) {
+      if (route && e.route !== route) { return false; }
+      if (host && e.host !== host) { return false; }
+      if (status === "err") { return e.status < 200 || e.status >= 300; }
+      if (status) { return String(e.status).charAt(0) === status; }
+      return true;
+    });
+    var rows = shown.map(function (e) {
+      var tr = el("tr", e.status >= 500 ? "bad" : e.status >= 400 ? "warn" : null);
+      var tps = e.tokens && e.tokens.tps !== null && e.tokens.tps !== undefined ? num(e.tokens.tps, 1) : "—";
+      [new Date(e.t * 1000).toLocaleTimeString(), e.route, e.key || "—", e.model || "—", e.host || "—", e.status,
+        e.ended || "—", e.why || "—", ms(e.ttfb), tokens(e.tokens), tps, ms(e.duration)]
+        .forEach(function (value) { tr.append(el("td", null, value)); });
+      return tr;
+    });
+    var body = $("recent").tBodies[0];
+    body.replaceChildren.apply(body, rows);
+    $("recent-count").textContent = shown.length + " of " + doc.recent.length;
+  }
+
+  var SVG = "http://www.w3.org/2000/svg";
+
+  function svg(tag, attrs, text) {
+    var e = document.createElementNS(SVG, tag);
+    Object.keys(attrs).forEach(function (k) { e.setAttribute(k, attrs[k]); });
+    if (text !== undefined) { e.textContent = String(text); }
+    return e;
+  }
+
+  function renderChart(doc) {
+    var W = 600, H = 180, L = 40, B = 20;
+    var names = Object.keys(doc.chart.hosts).sort();
+    var top = 1;
+    names.forEach(function (n) { doc.chart.hosts[n].forEach(function (v) { if (v > top) { top = v; } }); });
+    var picture = svg("svg", { viewBox: "0 0 " + W + " " + H, role: "img", "aria-label": "tokens per second per host" });
+    picture.append(svg("line", { x1: L, y1: H - B, x2: W, y2: H - B, "class": "axis" }));
+    picture.append(svg("line", { x1: L, y1: 0, x2: L, y2: H - B, "class": "axis" }));
+    picture.append(svg("text", { x: L - 4, y: 12, "class": "label end" }, num(top, 0)));
+    picture.append(svg("text", { x: L - 4, y: H - B, "class": "label end" }, "0"));
+    picture.append(svg("text", { x: L, y: H - 4, "class": "label" }, "−15 min"));
+    picture.append(svg("text", { x: W, y: H - 4, "class": "label end" }, "now"));
+    var legend = $("legend");
+    var items = [];
+    names.forEach(function (name, i) {
+      var values = doc.chart.hosts[name];
+      var span = Math.max(1, values.length - 1);
+      var points = values.map(function (v, j) {
+        return (L + (W - L) * j / span).toFixed(1) + "," + (H - B - (H - B - 4) * v / top).toFixed(1);
+      }).join(" ");
+      picture.append(svg("polyline", { points: points, "class": "series s" + (i % 8) }));
+      var item = el("li");
+      item.append(el("span", "swatch s" + (i % 8)), el("span", null, name));
+      items.push(item);
+    });
+    $("chart").replaceChildren(picture);
+    legend.replaceChildren.apply(legend, items);
+  }
+
+  function render(doc) {
+    latest = doc;
+    actions = doc.actions;
+    renderHosts(doc);
+    renderRoutes(doc);
+    renderRecent(doc);
+    renderChart(doc);
+  }
+
+  ["filter-route", "filter-host", "filter-status"].forEach(function (id) {
+    $(id).addEventListener("change", function () { if (latest) { renderRecent(latest); } });
+  });
+
+  start();
+}());

@@ -1,0 +1,284 @@
+"""The dashboard's memory: the recent requests and tokens/s per host over the last
+15 minutes (DESIGN.md §Operations, the dashboard).
+
+On the request path this costs one append to a bounded ring
+(:meth:`RecentRequests.observe`, a :class:`~crossbar.ops.record.RequestLog` observer):
+nothing is formatted, parsed or summed per request. A timer (:meth:`RecentRequests.tick`,
+every :data:`TICK` seconds) turns the new records into display entries and adds their
+tokens into 10-second buckets per host and per route.
+
+With workers, the view must be the same whichever worker answers: each worker writes
+its own entries and buckets to a small file in the workers' state directory
+(``dashboard-<row>.json``, replaced atomically), and the worker serving the dashboard
+reads every worker's file and merges them. A worker writes its file only while someone
+looks: the serving worker touches ``dashboard-watch`` in the same directory, and a
+worker whose last look at that file is older than :data:`WATCH_TTL` seconds writes
+nothing. A worker that restarts takes its row's file back (its history survives).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from collections import deque
+from typing import Any, Callable, Iterable, Mapping
+
+from twisted.logger import Logger
+
+from crossbar.ops.record import RequestRecord
+
+__all__ = ["BUCKET", "KEEP", "RECENT", "TICK", "WATCH_TTL", "RecentRequests", "entry", "token_figures"]
+
+RECENT = 300
+"""Entries kept per process (the page shows the newest of every process's)."""
+RING = 4096
+"""Raw records the ring holds between two ticks (more per tick are only partly counted)."""
+TICK = 0.5
+"""Seconds between folds of the ring (and, while watched, writes of the worker's file)."""
+BUCKET = 10
+"""Seconds per bucket of the tokens/s chart."""
+KEEP = 15 * 60
+"""Seconds of buckets kept: the chart's 15 minutes."""
+WATCH_TTL = 10.0
+"""Seconds a look at the dashboard keeps the workers writing their files."""
+_TEXT_MAX = 200  # characters of any text field shown (model ids, why, paths)
+
+_log = Logger(namespace="crossbar.ops")
+
+
+def _attr(source: Any, *names: str) -> Any:
+    """The first of ``names`` that ``source`` (an object or a mapping) has, not None."""
+    for name in names:
+        value = source.get(name) if isinstance(source, Mapping) else getattr(source, name, None)
+        if value is not None:
+            return value
+    return None
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def _text(value: Any) -> str:
+    return "" if value is None else str(value)[:_TEXT_MAX]
+
+
+def token_figures(record: RequestRecord) -> dict[str, float | None] | None:
+    """The token figures of ``record`` where it has them (DESIGN.md §What the answers
+    say): ``prompt`` (processed), ``cached``, ``generated`` and ``tps`` (generation
+    speed), read either from a ``tokens`` field (an object or mapping) or from flat
+    fields of the record; None when it has none."""
+    source = getattr(record, "tokens", None)
+    if source is None:
+        source = record
+    prompt = _number(_attr(source, "prompt", "prompt_tokens", "prompt_n", "processed"))
+    cached = _number(_attr(source, "cached", "cached_tokens", "cache_n"))
+    generated = _number(_attr(source, "generated", "generated_tokens", "predicted_n", "completion_tokens"))
+    tps = _number(_attr(source, "generation_tps", "tps", "predicted_per_second", "generation_speed"))
+    if prompt is None and cached is None and generated is None:
+        return None
+    return {"prompt": prompt, "cached": cached, "generated": generated, "tps": tps}
+
+
+def entry(at: float, record: RequestRecord) -> dict[str, Any]:
+    """One recent request as the dashboard shows it: no body, no query string, no
+    secret (the key's name only); texts cut to 200 characters."""
+    return {
+        "t": round(at, 3),
+        "route": _text(record.route),
+        "host": _text(record.host),
+        "key": _text(record.key),
+        "model": _text(_attr(record, "model")),
+        "method": _text(record.method),
+        "path": _text(record.path),
+        "status": record.status,
+        "ended": _text(_attr(record, "ended", "end", "outcome")),
+        "why": _text(record.why),
+        "ttfb": None if record.ttfb is None else round(record.ttfb, 4),
+        "queued": round(record.queued, 4),
+        "duration": round(record.duration, 4),
+        "tokens": token_figures(record),
+    }
+
+
+class RecentRequests:
+    """Recent requests and token buckets of this process, and (with workers) every
+    worker's.
+
+    :param now: POSIX seconds (``reactor.seconds``).
+    :param directory: with workers, the workers' state directory; None for one process.
+    :param row: this worker's row (names its file).
+    """
+
+    def __init__(self, now: Callable[[], float], directory: str | None = None, row: int = 0) -> None:
+        self._now = now
+        self._ring: deque[tuple[float, RequestRecord]] = deque(maxlen=RING)
+        self._appended = 0
+        self._folded = 0
+        self.entries: deque[dict[str, Any]] = deque(maxlen=RECENT)
+        # bucket start (POSIX s) -> host -> generated tokens; route -> [processed, cached]
+        self.host_tokens: dict[int, dict[str, float]] = {}
+        self.route_prompt: dict[int, dict[str, list[float]]] = {}
+        self.directory = directory
+        self.row = row
+        self._dirty = True
+        self._watch_checked = -1e18
+        self._watched_until = -1e18
+        self._touched = -1e18
+        if directory is not None:
+            self._load_own()
+
+    # -- the request path: one append --------------------------------------------------
+
+    def observe(self, record: RequestRecord) -> None:
+        """A :class:`~crossbar.ops.record.RequestLog` observer: remember ``record``."""
+        self._ring.append((self._now(), record))
+        self._appended += 1
+
+    # -- the timer -------------------------------------------------------------------
+
+    def tick(self) -> None:
+        """Fold the records appended since the last tick; with workers, write this
+        worker's file while someone looks. Never raises."""
+        try:
+            self.fold()
+            if self.directory is not None and self._dirty and self._watched():
+                self._write_own()
+        except Exception:
+            _log.failure("dashboard figures not updated")
+
+    def fold(self) -> None:
+        """Turn the new records into entries and bucket sums; drop old buckets."""
+        new = min(self._appended - self._folded, len(self._ring))
+        self._folded = self._appended
+        if new:
+            self._dirty = True
+            ring = self._ring
+            for i in range(len(ring) - new, len(ring)):
+                at, record = ring[i]
+                item = entry(at, record)
+                self.entries.append(item)
+                tokens = item["tokens"]
+                if tokens is None:
+                    continue
+                start = int(at // BUCKET * BUCKET)
+                if record.host and tokens["generated"]:
+                    hosts = self.host_tokens.setdefault(start, {})
+                    hosts[record.host] = hosts.get(record.host, 0.0) + tokens["generated"]
+                if tokens["prompt"] is not None or tokens["cached"] is not None:
+                    sums = self.route_prompt.setdefault(start, {}).setdefault(record.route, [0.0, 0.0])
+                    sums[0] += tokens["prompt"] or 0.0
+                    sums[1] += tokens["cached"] or 0.0
+        oldest = self._now() - KEEP - BUCKET
+        for buckets in (self.host_tokens, self.route_prompt):
+            for start in [s for s in buckets if s < oldest]:
+                del buckets[start]
+                self._dirty = True
+
+    # -- the fleet's view -------------------------------------------------------------
+
+    def view(self) -> tuple[list[dict[str, Any]], dict[int, dict[str, float]], dict[int, dict[str, list[float]]]]:
+        """Every process's recent entries (newest first), host token buckets and route
+        prompt buckets, merged. With workers this also says that someone looks (the
+        workers start writing their files within :data:`TICK` seconds)."""
+        self.fold()
+        if self.directory is None:
+            return list(reversed(self.entries)), self.host_tokens, self.route_prompt
+        self._touch_watch()
+        self._write_own()
+        entries: list[dict[str, Any]] = []
+        hosts: dict[int, dict[str, float]] = {}
+        routes: dict[int, dict[str, list[float]]] = {}
+        for doc in self._read_all():
+            entries.extend(e for e in doc.get("recent", ()) if isinstance(e, dict))
+            for start, per_host in doc.get("hosts", {}).items():
+                into = hosts.setdefault(int(start), {})
+                for host, n in per_host.items():
+                    into[host] = into.get(host, 0.0) + float(n)
+            for start, per_route in doc.get("routes", {}).items():
+                into_r = routes.setdefault(int(start), {})
+                for route, pair in per_route.items():
+                    sums = into_r.setdefault(route, [0.0, 0.0])
+                    sums[0] += float(pair[0])
+                    sums[1] += float(pair[1])
+        entries.sort(key=lambda e: e.get("t", 0), reverse=True)
+        return entries, hosts, routes
+
+    # -- the workers' files -------------------------------------------------------------
+
+    def _path(self, row: int | str) -> str:
+        assert self.directory is not None
+        return os.path.join(self.directory, f"dashboard-{row}.json")
+
+    def _watched(self) -> bool:
+        now = self._now()
+        if now - self._watch_checked >= 1.0:
+            self._watch_checked = now
+            try:
+                self._watched_until = os.stat(os.path.join(self.directory or "", "dashboard-watch")).st_mtime \
+                    + WATCH_TTL
+            except OSError:
+                self._watched_until = -1e18
+        return now < self._watched_until
+
+    def _touch_watch(self) -> None:
+        now = self._now()
+        if now - self._touched < 1.0:
+            return
+        self._touched = now
+        path = os.path.join(self.directory or "", "dashboard-watch")
+        try:
+            with open(path, "a"):
+                pass
+            os.utime(path, (now, now))
+        except OSError as e:
+            _log.warn("dashboard: cannot mark the workers' view as watched: {error}", error=e.strerror or str(e))
+
+    def _document(self) -> dict[str, Any]:
+        return {
+            "recent": list(self.entries),
+            "hosts": {str(s): v for s, v in self.host_tokens.items()},
+            "routes": {str(s): v for s, v in self.route_prompt.items()},
+        }
+
+    def _write_own(self) -> None:
+        if not self._dirty:
+            return
+        path = self._path(self.row)
+        temporary = f"{path}.{os.getpid()}.new"
+        try:
+            fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(self._document(), f, separators=(",", ":"))
+            os.replace(temporary, path)
+            self._dirty = False
+        except OSError as e:
+            _log.warn("dashboard: cannot write this worker's recent requests: {error}", error=e.strerror or str(e))
+
+    def _read_all(self) -> Iterable[dict[str, Any]]:
+        for path in sorted(glob.glob(os.path.join(glob.escape(self.directory or ""), "dashboard-*.json"))):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    doc = json.load(f)
+            except (OSError, ValueError):
+                continue  # a worker replacing it right now, or gone
+            if isinstance(doc, dict):
+                yield doc
+
+    def _load_own(self) -> None:
+        """A restarted worker takes back what its row's file held."""
+        try:
+            with open(self._path(self.row), encoding="utf-8") as f:
+                doc = json.load(f)
+        except (OSError, ValueError):
+            return
+        if not isinstance(doc, dict):
+            return
+        self.entries.extend(e for e in doc.get("recent", ()) if isinstance(e, dict))
+        for start, per_host in doc.get("hosts", {}).items():
+            self.host_tokens[int(start)] = {str(h): float(n) for h, n in per_host.items()}
+        for start, per_route in doc.get("routes", {}).items():
+            self.route_prompt[int(start)] = {str(r): [float(p[0]), float(p[1])] for r, p in per_route.items()}
