@@ -202,6 +202,11 @@ class OpsApp:
         """The dashboard's style sheet."""
         return self._page(request, "style.css")
 
+    @app.route("/favicon.svg", methods=["GET", "HEAD"])
+    def dashboard_icon(self, request: IRequest) -> bytes:
+        """The dashboard's icon."""
+        return self._page(request, "favicon.svg")
+
     def _snapshot_bytes(self) -> bytes:
         return json.dumps(snapshot(self._runtime, self._recent), separators=(",", ":")).encode("utf-8")
 

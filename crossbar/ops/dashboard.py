@@ -1,7 +1,7 @@
 """The dashboard's page and data (DESIGN.md §Operations: ``GET /_crossbar/``).
 
-The page is three static files shipped in the package (``crossbar/ops/dashboard/``:
-``index.html``, ``app.js``, ``style.css``), read once and served with a
+The page is four static files shipped in the package (``crossbar/ops/dashboard/``:
+``index.html``, ``app.js``, ``style.css``, ``favicon.svg``), read once and served with a
 Content-Security-Policy that allows scripts, styles and connections from crossbar
 itself only (no inline script, nothing fetched from elsewhere). They hold no data: with
 an ``ops.token`` the page shows its login form until the token is given.
@@ -32,6 +32,7 @@ STATIC = {
     "": ("index.html", "text/html; charset=utf-8"),
     "app.js": ("app.js", "text/javascript; charset=utf-8"),
     "style.css": ("style.css", "text/css; charset=utf-8"),
+    "favicon.svg": ("favicon.svg", "image/svg+xml"),
 }
 """Path under ``/_crossbar/`` -> (file in the package, content type)."""
 

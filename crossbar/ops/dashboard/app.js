@@ -88,7 +88,6 @@
 
   async function run() {
     var retry = 500;
-    var mine = {};
     controller = new AbortController();
     var own = controller;
     while (running && controller === own) {
@@ -112,7 +111,6 @@
       await sleep(retry);
       retry = Math.min(retry * 2, 4000);
     }
-    return mine;
   }
 
   async function read(body, own) {
@@ -211,7 +209,8 @@
     fact("loaded", "loaded");
     fact("loading", "loading");
     fact("available", "available");
-    fact("last error", "error");
+    fact("last error", "last-error");
+    parts.error = parts["last-error"];
     parts.button = el("button", "drain");
     parts.button.type = "button";
     parts.button.addEventListener("click", function () {
@@ -237,6 +236,7 @@
       parts.loading.textContent = list(h.loading);
       parts.available.textContent = list(h.available);
       parts.error.textContent = h.last_err || "—";
+      parts.error.classList.toggle("error", !!h.last_err);
       parts.button.hidden = !doc.actions || h.leaving;
       parts.button.dataset.action = h.draining ? "undrain" : "drain";
       parts.button.textContent = h.draining ? "Undrain" : "Drain";
@@ -322,7 +322,8 @@
   }
 
   function renderChart(doc) {
-    var W = 600, H = 180, L = 40, B = 20;
+    // Drawn at the box's own width: the labels keep their size on a phone and a laptop.
+    var W = Math.max(280, Math.round($("chart").clientWidth - 8)), H = 180, L = 40, B = 20;
     var names = Object.keys(doc.chart.hosts).sort();
     var top = 1;
     names.forEach(function (n) { doc.chart.hosts[n].forEach(function (v) { if (v > top) { top = v; } }); });

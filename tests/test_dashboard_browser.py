@@ -1,0 +1,235 @@
+"""The dashboard in a real headless Chromium (DESIGN.md §Operations): a real crossbar on
+loopback with loopback hosts, the page driven by selenium (tests/browser.py).
+
+What a user sees: the login form (and again after a wrong token), each host and route,
+a request appearing in the recent list within 2 s, a host going down turning red
+within one poll, the drain button draining, a hostile model id shown as text, no
+console error, the page live again after crossbar restarts, a phone-sized layout.
+A screenshot of each state is saved (tests/browser.py: ``$CROSSBAR_ARTIFACTS``)."""
+
+from __future__ import annotations
+
+import json
+import socket
+from typing import Any
+
+import treq
+from twisted.internet.defer import ensureDeferred
+from twisted.trial.unittest import TestCase
+
+from crossbar.config import parse_config
+from crossbar.process.service import CrossbarService, make_service
+from tests.browser import Browser, require_chromium
+from tests.harness import FakeLlama, http_client, listen, start_crossbar, wait_for
+
+TOKEN = "dash-token-5f1c"
+EVIL = "<img src=x onerror=alert(1)>"
+
+
+def _config(a: str, b: str, evil: str, token: bool = True) -> str:
+    return (
+        "health: {interval: 0.5, timeout: 1, recovery_polls: 1}\n"
+        + (f"ops: {{token: {TOKEN}}}\n" if token else "")
+        + f"hosts:\n  gpu-a: {a}\n  gpu-b: {b}\n  odd-host: {evil}\n"
+        + "routes:\n  chat:\n    hosts: [gpu-a, gpu-b]\n  odd:\n    hosts: [odd-host]\n"
+    )
+
+
+def _by(css: str) -> Any:
+    from selenium.webdriver.common.by import By
+
+    return By.CSS_SELECTOR, css
+
+
+def _visible(css: str) -> Any:
+    def look(d: Any) -> bool:
+        return bool(d.find_element(*_by(css)).is_displayed())
+    return look
+
+
+def _host_class(name: str) -> Any:
+    def look(d: Any) -> str:
+        return str(d.find_element(*_by(f'article.host[data-host="{name}"]')).get_attribute("class"))
+    return look
+
+
+def _recent_rows(d: Any) -> list[list[str]]:
+    rows = d.find_elements(*_by("#recent tbody tr"))
+    return [[td.text for td in row.find_elements(*_by("td"))] for row in rows]
+
+
+async def _chat(http: Any, base: str, model: str = "tiny-a", headers: dict[str, str] | None = None) -> int:
+    response = await http.post(
+        base + "/chat/v1/chat/completions?secret-query=zzz",
+        data=json.dumps({"model": model, "messages": [{"role": "user", "content": "body-secret"}]}).encode(),
+        headers={"Content-Type": "application/json", **(headers or {})},
+    )
+    await treq.content(response)
+    return int(response.code)
+
+
+class DashboardBrowserTests(TestCase):
+    timeout = 120
+
+    def setUp(self) -> None:
+        require_chromium(self)
+
+    async def _fleet(self, token: bool = True) -> tuple[CrossbarService, str, FakeLlama, FakeLlama]:
+        a, b = FakeLlama(models=["tiny-a"]), FakeLlama(models=["tiny-b"])
+        evil = FakeLlama(models=[EVIL])
+        urls = [await listen(self, u) for u in (a, b, evil)]
+        service, base = await start_crossbar(self, _config(*urls, token=token))
+        await service.poller.when_first_round_done()
+        return service, base, a, b
+
+    async def _browser(self, width: int = 1280, height: int = 900, phone: bool = False) -> Browser:
+        browser = await Browser.open(width, height, phone)
+        self.addCleanup(lambda: ensureDeferred(browser.close()))
+        return browser
+
+    def test_login_fleet_recent_drain_down_escaping(self) -> object:
+        async def go() -> None:
+            service, base, a, b = await self._fleet()
+            http = http_client(self)
+            browser = await self._browser()
+            await browser.get(base + "/_crossbar/")
+            # With a token configured and none given: the login form only.
+            await browser.wait(_visible("#login"), 5, "the login form")
+            self.assertFalse(await browser.call(lambda d: d.find_element(*_by("#board")).is_displayed()))
+            await browser.screenshot("login")
+
+            # A wrong token: the login form again, saying so.
+            async def log_in(token: str) -> None:
+                await browser.call(lambda d: d.find_element(*_by("#token")).send_keys(token))
+                await browser.call(lambda d: d.find_element(*_by("#login-form button")).click())
+
+            await log_in("not-the-token")
+            await browser.wait(lambda d: d.find_element(*_by("#login-error")).text == "Wrong token.", 5,
+                               "the wrong-token message")
+            self.assertFalse(await browser.call(lambda d: d.find_element(*_by("#board")).is_displayed()))
+            await browser.screenshot("wrong-token")
+
+            await log_in(TOKEN)
+            await browser.wait(_visible("#board"), 5, "the board")
+            # Each host and route.
+            for host in ("gpu-a", "gpu-b", "odd-host"):
+                await browser.wait(lambda d, h=host: "up" in _host_class(h)(d).split(), 5, f"{host} up")
+            routes = await browser.call(lambda d: [tr.get_attribute("data-route")
+                                                   for tr in d.find_elements(*_by("#routes tbody tr"))])
+            self.assertEqual(sorted(routes), ["chat", "odd"])
+
+            # A hostile model id is shown as text; nothing of it runs or becomes markup.
+            odd = await browser.call(lambda d: [dd.text for dd in d.find_elements(
+                *_by('article.host[data-host="odd-host"] dd.loaded, article.host[data-host="odd-host"] dd.available'))])
+            self.assertIn(EVIL, odd)
+            self.assertEqual(await browser.call(lambda d: len(d.find_elements(*_by("#board img")))), 0)
+            await browser.screenshot("fleet")
+
+            # A request made now is in the recent list within 2 s, with no query
+            # string, body or token on the page.
+            self.assertEqual(await _chat(http, base), 200)
+            rows = await browser.wait(lambda d: [r for r in _recent_rows(d) if r[1] == "chat"], 2,
+                                      "the request in the recent list")
+            self.assertEqual(rows[0][5], "200")
+            self.assertIn(rows[0][4], ("gpu-a", "gpu-b"))
+            page = await browser.call(lambda d: d.page_source)
+            for secret in ("secret-query", "zzz", "body-secret", TOKEN):
+                self.assertNotIn(secret, page)
+            await browser.screenshot("recent")
+
+            # Filter: a host the request did not go to shows none of it.
+            other = "gpu-b" if rows[0][4] == "gpu-a" else "gpu-a"
+
+            def choose_host(d: Any, name: str) -> None:
+                from selenium.webdriver.support.ui import Select
+                Select(d.find_element(*_by("#filter-host"))).select_by_value(name)
+
+            await browser.call(choose_host, other)
+            await browser.wait(lambda d: not [r for r in _recent_rows(d) if r[4] == rows[0][4]], 2, "the filter")
+            await browser.call(choose_host, "")
+
+            # The drain button drains: the card says so, status agrees, requests go
+            # to the other host.
+            button = 'article.host[data-host="gpu-a"] button.drain'
+            await browser.call(lambda d: d.find_element(*_by(button)).click())
+            await browser.wait(lambda d: "draining" in _host_class("gpu-a")(d).split(), 3, "gpu-a draining")
+            self.assertEqual(service.runtime.drained, {"gpu-a"})
+            seen_a = len(a.seen)
+            for _ in range(3):
+                self.assertEqual(await _chat(http, base, model="tiny-a"), 200)
+            self.assertEqual([s.uri for s in a.seen[seen_a:] if s.uri.startswith(b"/v1/chat")], [])
+            await browser.wait(lambda d: d.find_element(*_by(button)).text == "Undrain", 3, "the undrain button")
+            await browser.screenshot("drained")
+            await browser.call(lambda d: d.find_element(*_by(button)).click())
+            await browser.wait(lambda d: "up" in _host_class("gpu-a")(d).split(), 3, "gpu-a undrained")
+            self.assertEqual(service.runtime.drained, set())
+
+            # A host going down turns red within one poll (0.5 s) and one event (1 s).
+            b.health_code = 503
+            await browser.wait(lambda d: "down" in _host_class("gpu-b")(d).split(), 0.5 + 1.0 + 0.5,
+                               "gpu-b down")
+            error = await browser.call(
+                lambda d: d.find_element(*_by('article.host[data-host="gpu-b"] dd.last-error')).text)
+            self.assertNotEqual(error, "—")
+            await browser.screenshot("host-down")
+
+            # Nothing went wrong in the page but the refused wrong token.
+            errors = [e for e in await browser.console_errors() if "401" not in e]
+            self.assertEqual(errors, [])
+
+        return ensureDeferred(go())
+
+    def test_open_without_token_restart_and_phone(self) -> object:
+        async def go() -> None:
+            a, b, evil = FakeLlama(models=["tiny-a"]), FakeLlama(models=["tiny-b"]), FakeLlama(models=[EVIL])
+            urls = [await listen(self, u) for u in (a, b, evil)]
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            text = (f'listen: "tcp:{port}:interface=127.0.0.1"\ndrain: {{delay: 0.001, grace: 0.001}}\n'
+                    + _config(*urls, token=False))
+
+            async def start() -> CrossbarService:
+                service = make_service(parse_config(text, "test.yaml"))
+                service.startService()
+                await service.web.when_listening()
+                await service.poller.when_first_round_done()
+                return service
+
+            services = [await start()]
+
+            async def stop_all() -> None:
+                for s in services:
+                    if s.running:
+                        await s.stopService()
+
+            self.addCleanup(stop_all)
+            base = f"http://127.0.0.1:{port}"
+            browser = await self._browser(390, 844, phone=True)
+            await browser.get(base + "/_crossbar/")
+            await browser.wait(_visible("#board"), 5, "the board without a login")
+            self.assertFalse(await browser.call(lambda d: d.find_element(*_by("#login")).is_displayed()))
+            await browser.wait(lambda d: "up" in _host_class("gpu-a")(d).split(), 5, "gpu-a up")
+            # No token in the config: no drain button, a note saying why.
+            self.assertFalse(await browser.call(
+                lambda d: d.find_element(*_by('article.host[data-host="gpu-a"] button.drain')).is_displayed()))
+            self.assertTrue(await browser.call(lambda d: d.find_element(*_by("#action-note")).is_displayed()))
+            # One column: the page is no wider than the phone.
+            width = await browser.call(lambda d: d.execute_script("return document.documentElement.scrollWidth"))
+            self.assertLessEqual(width, 390)
+            await browser.screenshot("phone")
+            self.assertEqual(await browser.console_errors(), [])
+
+            # crossbar restarts: the page says it is reconnecting, then is live again.
+            await services[0].stopService()
+            await browser.wait(lambda d: "reconnecting" in d.find_element(*_by("#connection")).text, 8,
+                               "reconnecting")
+            await browser.screenshot("reconnecting")
+            services.append(await start())
+            http = http_client(self)
+            self.assertEqual(await _chat(http, base), 200)
+            await browser.wait(lambda d: d.find_element(*_by("#connection")).text == "live", 10, "live again")
+            await browser.wait(lambda d: [r for r in _recent_rows(d) if r[1] == "chat"], 3,
+                               "a request after the restart")
+
+        return ensureDeferred(go())
