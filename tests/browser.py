@@ -5,12 +5,14 @@ Selenium's calls block, and the crossbar under test runs on this process's react
 every browser call runs on a thread (:meth:`Browser.call`) so the reactor keeps
 serving. :func:`require_chromium` skips a test when no Chromium can be had, and fails it
 under ``CI=true``. Screenshots go to ``$CROSSBAR_ARTIFACTS/dashboard/`` (default
-``_trial_temp/artifacts/dashboard/``)."""
+``$TMPDIR/crossbar-artifacts/dashboard/``)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
+import tempfile
 from typing import Any, Callable, TypeVar
 
 from twisted.internet import reactor
@@ -35,9 +37,7 @@ def _first(paths: tuple[str, ...], name: str) -> str | None:
 
 
 def _skip_reason() -> str | None:
-    try:
-        import selenium  # noqa: F401
-    except ImportError:
+    if importlib.util.find_spec("selenium") is None:
         return "selenium is not installed (pip install '.[test]')"
     if _first(_CHROMIUM, "chromium") is None:
         return "no chromium (apt-get install chromium chromium-driver)"
@@ -58,7 +58,7 @@ def require_chromium(case: SynchronousTestCase) -> None:
 
 def artifacts_dir() -> str:
     """Where screenshots go (made if missing)."""
-    root = os.environ.get("CROSSBAR_ARTIFACTS") or os.path.join("_trial_temp", "artifacts")
+    root = os.environ.get("CROSSBAR_ARTIFACTS") or os.path.join(tempfile.gettempdir(), "crossbar-artifacts")
     path = os.path.abspath(os.path.join(root, "dashboard"))
     os.makedirs(path, exist_ok=True)
     return path

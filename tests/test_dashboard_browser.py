@@ -20,7 +20,7 @@ from twisted.trial.unittest import TestCase
 from crossbar.config import parse_config
 from crossbar.process.service import CrossbarService, make_service
 from tests.browser import Browser, require_chromium
-from tests.harness import FakeLlama, http_client, listen, start_crossbar, wait_for
+from tests.harness import FakeLlama, http_client, listen, start_crossbar
 
 TOKEN = "dash-token-5f1c"
 EVIL = "<img src=x onerror=alert(1)>"
@@ -172,6 +172,12 @@ class DashboardBrowserTests(TestCase):
                 lambda d: d.find_element(*_by('article.host[data-host="gpu-b"] dd.last-error')).text)
             self.assertNotEqual(error, "—")
             await browser.screenshot("host-down")
+
+            # The overview (the README's picture): one host draining, one down, a few requests.
+            await treq.content(await http.post(base + "/_crossbar/hosts/gpu-a/drain",
+                                               headers={"Authorization": f"Bearer {TOKEN}"}))
+            await browser.wait(lambda d: "draining" in _host_class("gpu-a")(d).split(), 3, "gpu-a draining")
+            await browser.screenshot("overview")
 
             # Nothing went wrong in the page but the refused wrong token.
             errors = [e for e in await browser.console_errors() if "401" not in e]
