@@ -218,6 +218,10 @@ class PageTests(TestCase):
                 self.assertNotIn("unsafe", csp)
                 self.assertEqual(response.headers.getRawHeaders(b"x-content-type-options"), [b"nosniff"])
                 self.assertEqual(body, load_static()[path][0])
+            # Without the slash: sent to the page's address (its links are relative).
+            response = await http.get(base + "/_crossbar", allow_redirects=False)
+            self.assertEqual((response.code, response.headers.getRawHeaders(b"location")), (308, [b"/_crossbar/"]))
+            await treq.content(response)
             html = (await treq.content(await http.get(base + "/_crossbar/"))).decode()
             scripts = _Scripts()
             scripts.feed(html)

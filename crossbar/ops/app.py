@@ -271,7 +271,14 @@ class OpsApp:
     def on_error(self, request: IRequest, failure: Any) -> bytes:
         """Any error in the ops app: a JSON 404, 405 or 500, never a traceback."""
         from werkzeug.exceptions import MethodNotAllowed, NotFound
+        from werkzeug.routing import RequestRedirect
 
+        if failure.check(RequestRedirect) and request.path == b"/_crossbar":
+            # The dashboard's address without its slash: its relative links need it.
+            request.setResponseCode(308)
+            request.setHeader(b"Location", b"/_crossbar/")
+            request.setHeader(b"Content-Type", b"application/json")
+            return json_error_bytes("see /_crossbar/")
         if failure.check(NotFound):
             return self._error(request, 404, "not found")
         if failure.check(MethodNotAllowed):
