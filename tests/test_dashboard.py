@@ -335,15 +335,19 @@ class RecentTests(SynchronousTestCase):
         clock.advance(10_000)
         recent = RecentRequests(clock.seconds)
         recent.observe(_record(tokens={"generated": 50, "prompt": 10, "cached": 30}))
-        self.assertEqual(list(recent.entries), [])  # nothing done per request but the append
+        self.assertEqual(recent.host_tokens, {})  # nothing done per request but the append
         recent.tick()
-        self.assertEqual(len(recent.entries), 1)
         self.assertEqual(recent.host_tokens, {10_000 // BUCKET * BUCKET: {"a": 50.0}})
         self.assertEqual(recent.route_prompt, {10_000 // BUCKET * BUCKET: {"r": [10.0, 30.0]}})
-        for _ in range(400):
-            recent.observe(_record())
+        self.assertEqual(list(recent.entries), [])  # entries only for someone who looks
+        entries, _, _ = recent.view()
+        self.assertEqual([e["tokens"]["generated"] for e in entries], [50.0])
+        for i in range(400):
+            recent.observe(_record(host=f"h{i}"))
         recent.tick()
-        self.assertEqual(len(recent.entries), 300)  # bounded
+        entries, _, _ = recent.view()
+        self.assertEqual(len(entries), 300)  # bounded: the newest first
+        self.assertEqual((entries[0]["host"], entries[-1]["host"]), ("h399", "h100"))
         clock.advance(15 * 60 + 2 * BUCKET)
         recent.tick()
         self.assertEqual(recent.host_tokens, {})  # older than the chart: dropped

@@ -4,8 +4,9 @@
 On the request path this costs one append to a bounded ring
 (:meth:`RecentRequests.observe`, a :class:`~crossbar.ops.record.RequestLog` observer):
 nothing is formatted, parsed or summed per request. A timer (:meth:`RecentRequests.tick`,
-every :data:`TICK` seconds) turns the new records into display entries and adds their
-tokens into 10-second buckets per host and per route.
+every :data:`TICK` seconds) adds the new records' tokens into 10-second buckets per host
+and per route (the chart's history must be there when someone opens the page). Display
+entries are made only while someone looks, from the newest records of the ring.
 
 With workers, the view must be the same whichever worker answers: each worker writes
 its own entries and buckets to a small file in the workers' state directory
@@ -22,7 +23,7 @@ import glob
 import json
 import os
 from collections import deque
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable
 
 from twisted.logger import Logger
 
@@ -48,9 +49,15 @@ _log = Logger(namespace="crossbar.ops")
 
 
 def _attr(source: Any, *names: str) -> Any:
-    """The first of ``names`` that ``source`` (an object or a mapping) has, not None."""
+    """The first of ``names`` that ``source`` (an object or a dict) has, not None."""
+    if isinstance(source, dict):
+        for name in names:
+            value = source.get(name)
+            if value is not None:
+                return value
+        return None
     for name in names:
-        value = source.get(name) if isinstance(source, Mapping) else getattr(source, name, None)
+        value = getattr(source, name, None)
         if value is not None:
             return value
     return None
@@ -66,18 +73,34 @@ def _text(value: Any) -> str:
     return "" if value is None else str(value)[:_TEXT_MAX]
 
 
+_NAMES = (
+    ("prompt", "prompt_tokens", "prompt_n", "processed"),
+    ("cached", "cached_tokens", "cache_n"),
+    ("generated", "generated_tokens", "predicted_n", "completion_tokens"),
+    ("generation_tps", "tps", "predicted_per_second", "generation_speed"),
+)
+"""Where a record's token figures may be: prompt processed, cached, generated, speed."""
+_HAS_FLAT: dict[type, bool] = {}
+
+
 def token_figures(record: RequestRecord) -> dict[str, float | None] | None:
     """The token figures of ``record`` where it has them (DESIGN.md §What the answers
     say): ``prompt`` (processed), ``cached``, ``generated`` and ``tps`` (generation
-    speed), read either from a ``tokens`` field (an object or mapping) or from flat
+    speed), read either from a ``tokens`` field (an object or dict) or from flat
     fields of the record; None when it has none."""
     source = getattr(record, "tokens", None)
     if source is None:
+        kind = type(record)
+        flat = _HAS_FLAT.get(kind)
+        if flat is None:  # looked up once per record class: most have no such field
+            flat = _HAS_FLAT[kind] = any(hasattr(record, n) for names in _NAMES for n in names)
+        if not flat:
+            return None
         source = record
-    prompt = _number(_attr(source, "prompt", "prompt_tokens", "prompt_n", "processed"))
-    cached = _number(_attr(source, "cached", "cached_tokens", "cache_n"))
-    generated = _number(_attr(source, "generated", "generated_tokens", "predicted_n", "completion_tokens"))
-    tps = _number(_attr(source, "generation_tps", "tps", "predicted_per_second", "generation_speed"))
+    prompt = _number(_attr(source, *_NAMES[0]))
+    cached = _number(_attr(source, *_NAMES[1]))
+    generated = _number(_attr(source, *_NAMES[2]))
+    tps = _number(_attr(source, *_NAMES[3]))
     if prompt is None and cached is None and generated is None:
         return None
     return {"prompt": prompt, "cached": cached, "generated": generated, "tps": tps}
@@ -118,6 +141,7 @@ class RecentRequests:
         self._ring: deque[tuple[float, RequestRecord]] = deque(maxlen=RING)
         self._appended = 0
         self._folded = 0
+        self._made = 0
         self.entries: deque[dict[str, Any]] = deque(maxlen=RECENT)
         # bucket start (POSIX s) -> host -> generated tokens; route -> [processed, cached]
         self.host_tokens: dict[int, dict[str, float]] = {}
@@ -141,29 +165,38 @@ class RecentRequests:
     # -- the timer -------------------------------------------------------------------
 
     def tick(self) -> None:
-        """Fold the records appended since the last tick; with workers, write this
-        worker's file while someone looks. Never raises."""
+        """Fold the records appended since the last tick into the buckets; with
+        workers, while someone looks, make their entries and write this worker's file.
+        Never raises."""
         try:
             self.fold()
-            if self.directory is not None and self._dirty and self._watched():
+            if self.directory is not None and self._watched():
+                self.make_entries()
                 self._write_own()
         except Exception:
             _log.failure("dashboard figures not updated")
 
-    def fold(self) -> None:
-        """Turn the new records into entries and bucket sums; drop old buckets."""
-        new = min(self._appended - self._folded, len(self._ring))
-        self._folded = self._appended
+    def make_entries(self) -> None:
+        """Display entries for the newest records not made yet (at most :data:`RECENT`)."""
+        new = min(self._appended - self._made, len(self._ring), RECENT)
+        self._made = self._appended
         if new:
             self._dirty = True
             ring = self._ring
+            self.entries.extend(entry(*ring[i]) for i in range(len(ring) - new, len(ring)))
+
+    def fold(self) -> None:
+        """Add the new records' tokens into the buckets; drop old buckets."""
+        new = min(self._appended - self._folded, len(self._ring))
+        self._folded = self._appended
+        if new:
+            ring = self._ring
             for i in range(len(ring) - new, len(ring)):
                 at, record = ring[i]
-                item = entry(at, record)
-                self.entries.append(item)
-                tokens = item["tokens"]
+                tokens = token_figures(record)
                 if tokens is None:
                     continue
+                self._dirty = True
                 start = int(at // BUCKET * BUCKET)
                 if record.host and tokens["generated"]:
                     hosts = self.host_tokens.setdefault(start, {})
@@ -185,6 +218,7 @@ class RecentRequests:
         prompt buckets, merged. With workers this also says that someone looks (the
         workers start writing their files within :data:`TICK` seconds)."""
         self.fold()
+        self.make_entries()
         if self.directory is None:
             return list(reversed(self.entries)), self.host_tokens, self.route_prompt
         self._touch_watch()
