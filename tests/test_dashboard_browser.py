@@ -10,6 +10,7 @@ A screenshot of each state is saved (tests/browser.py: ``$CROSSBAR_ARTIFACTS``).
 from __future__ import annotations
 
 import json
+import re
 import socket
 from typing import Any
 
@@ -19,8 +20,10 @@ from twisted.trial.unittest import TestCase
 
 from crossbar.config import parse_config
 from crossbar.process.service import CrossbarService, make_service
+from crossbar.ops.recent import token_figures
 from tests.browser import Browser, require_chromium
-from tests.harness import FakeLlama, http_client, listen, start_crossbar
+from tests.harness import FakeLlama, http_client, listen, require_llama_server, start_crossbar
+from tools.llama_server import LlamaServer
 
 TOKEN = "dash-token-5f1c"
 EVIL = "<img src=x onerror=alert(1)>"
@@ -237,5 +240,52 @@ class DashboardBrowserTests(TestCase):
             await browser.wait(lambda d: d.find_element(*_by("#connection")).text == "live", 10, "live again")
             await browser.wait(lambda d: [r for r in _recent_rows(d) if r[1] == "chat"], 3,
                                "a request after the restart")
+
+        return ensureDeferred(go())
+
+
+class RealHostBrowserTests(TestCase):
+    """The dashboard over a real llama-server host."""
+
+    timeout = 180
+
+    def setUp(self) -> None:
+        require_chromium(self)
+        require_llama_server(self)
+        self.server = LlamaServer("single")
+        self.addCleanup(self.server.stop)
+        self.server.start(timeout=90)  # blocking, before any reactor work of the test
+
+    def test_real_host_and_a_real_answer_in_the_recent_list(self) -> object:
+        async def go() -> None:
+            service, base = await start_crossbar(self, (
+                "health: {interval: 0.5, timeout: 5}\n"
+                f"hosts:\n  llama: {self.server.url}\nroutes:\n  chat:\n    hosts: [llama]\n"))
+            await service.poller.when_first_round_done()
+            seen: list[Any] = []
+            service.requests.observers.append(seen.append)
+            browser = await Browser.open()
+            self.addCleanup(lambda: ensureDeferred(browser.close()))
+            await browser.get(base + "/_crossbar/")
+            await browser.wait(lambda d: "up" in _host_class("llama")(d).split(), 5, "llama up")
+            loaded = await browser.call(
+                lambda d: d.find_element(*_by('article.host[data-host="llama"] dd.loaded')).text)
+            self.assertEqual(loaded, "tiny-a")  # what the real server lists
+            http = http_client(self)
+            response = await http.post(base + "/chat/v1/chat/completions", json={
+                "model": "tiny-a", "max_tokens": 8, "messages": [{"role": "user", "content": "Say hi"}]})
+            self.assertEqual(response.code, 200)
+            await treq.content(response)
+            rows = await browser.wait(lambda d: [r for r in _recent_rows(d) if r[1] == "chat"], 2,
+                                      "the real answer in the recent list")
+            self.assertEqual((rows[0][4], rows[0][5]), ("llama", "200"))
+            # Its tokens as the record has them (DESIGN.md §What the answers say), else "—".
+            figures = token_figures(seen[-1])
+            if figures is None:
+                self.assertEqual(rows[0][9], "—")
+            else:
+                self.assertRegex(rows[0][9], re.compile(r"^\d+\+\d+/\d+$"))
+            await browser.screenshot("real-host")
+            self.assertEqual(await browser.console_errors(), [])
 
         return ensureDeferred(go())
