@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from dataclasses import dataclass
 from html.parser import HTMLParser
 from typing import Any
@@ -28,7 +29,7 @@ from crossbar.ops.recent import BUCKET, RecentRequests, entry, token_figures
 from crossbar.ops.record import RequestRecord
 from tests.test_balance import NAMES, cases
 from tests.harness import FakeLlama, http_client, listen, start_crossbar, wait_for
-from tests.test_workers import start_workers
+from tests.test_workers import start_workers, worker_pids
 
 TOKEN = "drain-token-9a7e"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -415,6 +416,17 @@ class WorkerTests(TestCase):
                 data = await treq.json_content(await http.get(proc.base + "/_crossbar/dashboard.json", headers=AUTH))
                 self.assertEqual([h["draining"] for h in data["hosts"]], [True, False])
                 self.assertEqual(len([e for e in data["recent"] if e["route"] == "r"]), 12)
+            # A worker that dies is restarted drained: the supervisor tells it.
+            ready = lambda: len([line for line in proc.out if '"message": "worker 0 is ready"' in line])  # noqa: E731
+            readies = ready()
+            os.kill(worker_pids(proc)[0], signal.SIGKILL)
+            await wait_for(lambda: ready() > readies, 30, "worker 0 restarted")
+            before = len(a.seen)
+            for _ in range(12):
+                response = await _chat(http, proc.base)
+                self.assertEqual(response.code, 200)
+                await treq.content(response)
+            self.assertEqual([s.uri for s in a.seen[before:] if s.uri.startswith(b"/v1/chat")], [])
             # A reload keeps the drain in every worker.
             with open(proc.config_path, "a") as f:
                 f.write("  s:\n    hosts: [a, b]\n")
