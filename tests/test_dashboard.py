@@ -71,6 +71,12 @@ class DrainTests(TestCase):
                 self.assertEqual(response.code, 401)
                 await treq.content(response)
             self.assertEqual(service.runtime.drained, set())
+            # Any configured name, as the page sends it (percent-encoded UTF-8).
+            odd_url = await listen(self, FakeLlama())
+            odd_service, odd_base = await start_crossbar(self, _config({"gpü:1@x": odd_url}, {"r": ["gpü:1@x"]}))
+            response = await http.post(odd_base + "/_crossbar/hosts/gp%C3%BC%3A1%40x/drain", headers=AUTH)
+            self.assertEqual(await treq.json_content(response), {"host": "gpü:1@x", "draining": True, "inflight": 0})
+            self.assertEqual(odd_service.runtime.drained, {"gpü:1@x"})
             response = await http.post(base + "/_crossbar/hosts/nowhere/drain", headers=AUTH)
             self.assertEqual((response.code, await treq.json_content(response)), (404, {"error": "no such host"}))
             response = await http.get(base + "/_crossbar/hosts/a/drain", headers=AUTH)
@@ -301,6 +307,22 @@ class PageTests(TestCase):
             self.assertFalse(events[0][1]["actions"])
             service.runtime.draining = True  # crossbar drains: the stream ends, the page reconnects
             await done
+
+        return ensureDeferred(go())
+
+    def test_events_end_when_a_reload_changes_the_token(self) -> object:
+        async def go() -> None:
+            url = await listen(self, FakeLlama())
+            service, base = await start_crossbar(self, _config({"a": url}, {"r": ["a"]}))
+            http = http_client(self)
+            response = await http.get(base + "/_crossbar/events", headers=AUTH)
+            self.assertEqual(response.code, 200)
+            got: list[bytes] = []
+            done = treq.collect(response, got.append)
+            await wait_for(lambda: got, 3, "the first event")
+            new = 'listen: "tcp:0:interface=127.0.0.1"\n' + _config({"a": url}, {"r": ["a"]}).replace(TOKEN, "new-token")
+            self.assertTrue(service.reload(new))
+            await done.addTimeout(3, reactor)  # ended within one event
 
         return ensureDeferred(go())
 

@@ -240,9 +240,11 @@ class OpsApp:
         done: Deferred[None] = Deferred(canceller=stop)
 
         def send() -> None:
-            if self._runtime.draining:
+            # Draining: the page reconnects, to another instance. The token changed by a
+            # reload: the page reconnects and is asked for the new one.
+            if self._runtime.draining or not self._authorized(request):
                 stop()
-                done.callback(None)  # the page reconnects, to another instance
+                done.callback(None)
                 return
             try:
                 request.write(b"data: " + self._snapshot_bytes() + b"\n\n")
