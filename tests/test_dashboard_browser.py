@@ -99,6 +99,7 @@ class DashboardBrowserTests(TestCase):
             # With a token configured and none given: the login form only.
             await browser.wait(_visible("#login"), 5, "the login form")
             self.assertFalse(await browser.call(lambda d: d.find_element(*_by("#board")).is_displayed()))
+            self.assertEqual(await browser.console_errors(), [])  # no data asked for before the token
             await browser.screenshot("login")
 
             # A wrong token: the login form again, saying so.

@@ -65,6 +65,7 @@ class OpsApp:
             from twisted.internet import reactor as clock
         self._clock = clock
         self._static = load_static()
+        self._login_page = self._static[""][0].replace(b"<body>", b'<body data-login="required">', 1)
 
     def resource(self) -> IResource:
         """The Klein resource to mount at ``/_crossbar``."""
@@ -179,6 +180,10 @@ class OpsApp:
 
     def _page(self, request: IRequest, path: str) -> bytes:
         body, kind = self._static[path]
+        if path == "" and self._runtime.config.ops.token is not None:
+            # The page asks for the token before it asks for any data (which a 401 would
+            # only tell it, with an error in the browser's console).
+            body = self._login_page
         request.setHeader(b"Content-Type", kind.encode("ascii"))
         request.setHeader(b"Content-Security-Policy", CSP.encode("ascii"))
         request.setHeader(b"X-Content-Type-Options", b"nosniff")

@@ -364,5 +364,10 @@
     $(id).addEventListener("change", function () { if (latest) { renderRecent(latest); } });
   });
 
-  start();
+  // With an ops.token the page says so (data-login): ask for it before any request.
+  if (document.body.dataset.login === "required" && !token) {
+    showLogin("");
+  } else {
+    start();
+  }
 }());
