@@ -8,7 +8,9 @@ timing every ``feed`` and the ``finish``; then times ``json.loads`` of the whole
 the proxy did before, in one reactor turn) and both on a small 90-byte chat request (the
 per-request cost in bench (a)). Prints medians over rounds. A few seconds at most.
 ``--shapes`` also times bodies made of many small tokens (what a hostile client can
-send: yajl's own work per token is the floor there), once each, about 15 s.
+send: yajl's own work per token is the floor there), once each, about 15 s, with CPU
+per byte against a plain prompt of the same size (issue 20 item 8: the worst shape was
+400,000 ``system`` messages before the first ``user`` message, 12 MiB).
 """
 
 from __future__ import annotations
@@ -59,9 +61,20 @@ def feed_times(body: bytes, chunk: int, check: bool = True) -> tuple[float, floa
     return longest, done, total + done, feeds
 
 
+def plain_prompt(mib: float) -> bytes:
+    """A completion request whose prompt is ``mib`` MiB of ordinary source text."""
+    line = 'the quick brown fox jumps over the lazy dog, then writes:\n\tdef f(x): return "x"\n'
+    n = int(mib * 1024 * 1024)
+    return json.dumps({"model": "m1", "prompt": (line * (n // len(line) + 1))[:n]}).encode()
+
+
 def shapes(mib: float) -> dict[str, bytes]:
     n = int(mib * 1024 * 1024)
     return {
+        "plain prompt": plain_prompt(mib),
+        "system msgs before user": json.dumps({"model": "m1", "messages": [
+            {"role": "system", "content": "s"}] * int(400_000 * mib / 15) + [{"role": "user", "content": "go"}]},
+            separators=(",", ":")).encode(),
         "ints [0,0,...]": b'{"model":"m1","x":[' + b"0," * (n // 2) + b"0]}",
         "objects [{..},...]": b'{"model":"m1","x":[' + b'{"a":1},' * (n // 8) + b"{}]}",
         "top-level keys": b'{"model":"m1",' + b'"a":{},' * (n // 7) + b'"z":1}',
@@ -107,14 +120,19 @@ def main() -> None:
     print(f"small {len(small)} B chat body: peek {per_call(peek, small) * 1e6:.1f} us, "
           f"json.loads {per_call(json.loads, small) * 1e6:.1f} us per call")
     if args.shapes:
-        print("many small tokens (one pass each): longest feed / all feeds / json.loads at once")
+        print("many small tokens (one pass each): longest feed / all feeds / json.loads at once; "
+              "CPU per byte (process time) and its ratio to the plain prompt")
+        plain = 0.0
         for name, body in shapes(args.mib).items():
+            cpu = time.process_time()
             longest, _, total, _ = feed_times(body, args.chunk, check=False)
+            per_byte = (time.process_time() - cpu) / len(body)
+            plain = plain or per_byte
             t = time.perf_counter()
             json.loads(body)
             loads = time.perf_counter() - t
             print(f"  {name:28s} {len(body) / 2**20:4.1f} MiB  {longest * 1e3:6.2f} ms / {total * 1e3:7.1f} ms / "
-                  f"{loads * 1e3:6.1f} ms")
+                  f"{loads * 1e3:6.1f} ms  {per_byte * 1e9:6.1f} ns/B {per_byte / plain:5.1f}x")
 
 
 if __name__ == "__main__":

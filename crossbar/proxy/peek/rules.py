@@ -166,6 +166,10 @@ def infill_key(filename: object, text: object) -> str:
     return "i:" + _digest(_utf8(filename), _utf8(text)[:PROMPT_BYTES])
 
 
+_TOP_VALUES: Final = ("model", "user", "prompt_cache_key", "input_prefix")
+"""Top-level members whose last value the rules keep."""
+
+
 class _Found:
     """What the rules took from a body so far, and the answer (:meth:`result`).
 
@@ -187,7 +191,7 @@ class _Found:
     def top_value(self, key: object, value: object) -> None:
         """A top-level member ``key``'s value (a scalar, ``[]`` for a list, None for an
         object): the last one wins, as with duplicate keys in ``json.loads``."""
-        if key in ("model", "user", "prompt_cache_key", "input_prefix"):
+        if key in _TOP_VALUES:
             assert isinstance(key, str)
             self.top[key] = value
         elif key == "messages":
@@ -505,12 +509,13 @@ def rules_of(top: dict[str, Any]) -> _Found:
     ``role``, a content part's ``type`` or ``text``, a chunk's ``text`` or ``filename``)."""
     found = _Found()
     found.members = len(top)
-    for key, value in top.items():  # in document order (the first place of each key)
-        found.top_value(key, value if not isinstance(value, (dict, list)) else
-                        (None if isinstance(value, dict) else []))
     found.model_key = "model" in top
+    for name in _TOP_VALUES:  # what top_value keeps (a container stands for itself: not a string)
+        if name in top:
+            found.top[name] = top[name]
     messages = top.get("messages")
     if isinstance(messages, list):
+        found.messages = _hasher()
         for message in messages:
             if not isinstance(message, dict):
                 continue
@@ -547,7 +552,11 @@ def rules_of(top: dict[str, Any]) -> _Found:
                 found.infill = infill_key(filename, text)
                 break
     prompt = top.get("prompt")
-    if isinstance(prompt, list):
+    if isinstance(prompt, str):
+        found.prompt = bytearray()
+        found.prompt_item(prompt)
+    elif isinstance(prompt, list):
+        found.prompt = bytearray()
         for item in prompt:
             if any(found.prompt_item(value) for value in (item if isinstance(item, list) else (item,))):
                 break
