@@ -261,3 +261,25 @@ class KeyWorkBoundTests(SynchronousTestCase):
                 self.assertEqual(got.model, "m1", body[:40])
                 self.assertLessEqual(p._keys.steps, KEY_EVENTS + 1, body[:40])
             self.assertEqual(fed(body, 65536)[0], fed(body, 4099)[0], body[:40])
+
+
+class MostEventsTests(SynchronousTestCase):
+    """The small-body walk is used only where the bound cannot be met: most_events is
+    never below the events yajl makes of a body."""
+
+    @settings(max_examples=300, deadline=None)
+    @given(encoded())
+    def test_an_upper_bound(self, case: tuple[dict[str, Any], bytes]) -> None:
+        import ijson
+
+        from crossbar.proxy.peek.rules import most_events
+        _, body = case
+        body = body.removeprefix(b"\xef\xbb\xbf")
+        events = sum(1 for _ in ijson.basic_parse(body, use_float=True))
+        self.assertGreaterEqual(most_events(body), events, body)
+
+    def test_a_body_past_the_bound_goes_incremental(self) -> None:
+        body = json.dumps({"model": "m1", "prompt": [0] * (KEY_EVENTS + 1)}, separators=(",", ":")).encode()
+        self.assertLess(len(body), 65536)
+        self.assertIsNone(peek_small(body))
+        self.assertEqual(peek(body), fed(body, 1)[0])
