@@ -123,7 +123,7 @@ class BodyPeek:
         self._decoder: codecs.IncrementalDecoder | None = None  # UTF-16/32 bodies
         self._events: list[tuple[str, Any]] = sendable_list()
         self._coro: Any = None
-        self._keys = EventRules()
+        self._keys: EventRules  # made when parsing starts (a small body never needs one)
         self._fed = 0  # bytes given to _feed so far
         self._next = 0  # absolute offset just past what _scan was given (UTF-8 bodies)
         self._open_at = 0  # absolute offset of the opening quote of the string under way
@@ -248,10 +248,11 @@ class BodyPeek:
         encoding = json.detect_encoding(head)
         if encoding not in ("utf-8", "utf-8-sig"):
             self._decoder = codecs.getincrementaldecoder(encoding)("surrogatepass")
-        else:  # the head ends at _fed; whitespace dropped before '{' leaves no gap after it
-            self._keys.brace = self._fed - len(stripped)
+        self._keys = EventRules()
         self._coro = _BACKEND.basic_parse_coro(self._events)
         self._started = True
+        if self._decoder is None:  # where '{' is: the head ends at _fed, no gap after '{'
+            self._keys.brace = self._fed - len(stripped)
         return True
 
     def _send(self, data: bytes, at: int, span: tuple[int, int] | None = None) -> None:
@@ -474,16 +475,17 @@ def peek_small(body: bytes) -> Peeked | None:
     """
     if (body[:1] != b"{" or b"\x00" in body[:4]  # else not UTF-8 (json.detect_encoding)
             or body.count(b"{") + body.count(b"[") >= MAX_DEPTH or _SURROGATE.search(body)
-            or most_events(body) > KEY_EVENTS):  # the walk over a dict knows no bound
+            or (len(body) > KEY_EVENTS and most_events(body) > KEY_EVENTS)):  # the dict walk knows no bound
         return None
     try:
         found = rules_of(_DECODER.decode(body.decode("utf-8")))
         found.brace = 0
         if isinstance(found.top.get("model"), str):
             # "model" spelt once and never escaped (a letter of it as \u006x): that one is the key
-            if body.count(b'"model"') != 1 or b"\\u006" in body:
+            at = body.find(b'"model"')
+            if body.find(b'"model"', at + 7) >= 0 or b"\\u006" in body:
                 return None
-            member = _MODEL_MEMBER.search(body)
+            member = _MODEL_MEMBER.match(body, at)
             if member is None:
                 return None
             found.spot = Spot(member.start(1), member.end(1), SpotKind.VALUE)

@@ -240,9 +240,8 @@ class _Found:
     def _key(self) -> str | None:
         for name, tag in (("prompt_cache_key", "k"), ("user", "u")):
             value = self.top.get(name)
-            text = _text(value) if value != "" else None
-            if text is not None:
-                return tag + ":" + text.hex()
+            if isinstance(value, (str, _Long)) and value != "":
+                return tag + ":" + _text(value).hex()  # type: ignore[union-attr]
         if self.message_count:
             return "m:" + self.messages.hexdigest()
         if self.infill is not None:
