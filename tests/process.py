@@ -44,13 +44,14 @@ _TWISTD = (
 )
 
 
-def twistd_argv(config_path: str, options: Sequence[str] = ("-n", "--pidfile="), logger: str | None = None) -> list[str]:
-    """The command line of ``twistd OPTIONS [--logger=LOGGER] crossbar --config FILE``
-    for this checkout."""
+def twistd_argv(config_path: str, options: Sequence[str] = ("-n", "--pidfile="), logger: str | None = None,
+                plugin_options: Sequence[str] = ()) -> list[str]:
+    """The command line of ``twistd OPTIONS [--logger=LOGGER] crossbar --config FILE
+    PLUGIN_OPTIONS`` for this checkout."""
     args = [sys.executable, "-c", _TWISTD, os.path.join(ROOT, "twisted", "plugins"), *options]
     if logger:
         args.append(f"--logger={logger}")
-    return args + ["crossbar", "--config", config_path]
+    return args + ["crossbar", "--config", config_path, *plugin_options]
 
 
 def twistd_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -157,9 +158,11 @@ async def start_twistd(
     ready: bool = True,
     child_fds: dict[int, Any] | None = None,
     argv_prefix: list[str] | None = None,
+    plugin_options: Sequence[str] = (),
 ) -> Twistd:
     """Spawn crossbar under twistd for ``config_yaml`` (``listen`` defaults to a free
-    loopback port). Waits for the listening line and, if ``ready``, for readyz 200."""
+    loopback port), with ``plugin_options`` after ``--config FILE`` (e.g.
+    ``--worker-stall``). Waits for the listening line and, if ``ready``, for readyz 200."""
     if not any(line.startswith("listen:") for line in config_yaml.splitlines()):
         config_yaml = 'listen: "tcp:0:interface=127.0.0.1"\n' + config_yaml
     directory = os.path.abspath(case.mktemp())
@@ -169,7 +172,7 @@ async def start_twistd(
         f.write(config_yaml)
     proc = Twistd()
     proc.config_path = path
-    args = (argv_prefix or []) + twistd_argv(path, logger=logger)
+    args = (argv_prefix or []) + twistd_argv(path, logger=logger, plugin_options=plugin_options)
     reactor.spawnProcess(  # type: ignore[attr-defined]
         proc, args[0], args, env=twistd_env(env), path=ROOT,
         childFDs=child_fds or {0: "w", 1: "r", 2: "r"},

@@ -1,6 +1,6 @@
 """The counts workers share (DESIGN.md §Workers): :class:`SharedCounts` rows in one
 mapped file, :func:`cell_map` naming cells the same in every process, and
-:class:`Fleet` publishing one worker's counts and reading the fleet's."""
+:class:`WorkerCounts` publishing one worker's counts and reading the fleet's."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import random
 from twisted.trial.unittest import SynchronousTestCase
 
 from crossbar.config import parse_config
-from crossbar.state.worker_counts import Fleet
+from crossbar.state.worker_counts import WorkerCounts
 from crossbar.state.inflight import Inflight
 from crossbar.state.shared import CELLS, SharedCounts, cell_map
 
@@ -109,9 +109,9 @@ class FleetTests(SynchronousTestCase):
         self.config = parse_config(_CONFIG, "test.yaml")
         path = os.path.join(self.mktemp() + "-counts")
         SharedCounts.create(path, 3)
-        self.one = Fleet(SharedCounts(path, 3, 0), self.config)
-        self.two = Fleet(SharedCounts(path, 3, 1), self.config)
-        self.supervisor = Fleet(SharedCounts(path, 3, 2), self.config)
+        self.one = WorkerCounts(SharedCounts(path, 3, 0), self.config)
+        self.two = WorkerCounts(SharedCounts(path, 3, 1), self.config)
+        self.supervisor = WorkerCounts(SharedCounts(path, 3, 2), self.config)
 
     def test_inflight_summed_over_workers(self) -> None:
         self.one.publish_inflight("r", "b", 1, 2)

@@ -42,6 +42,10 @@ from tests.harness import FakeLlama, listen, wait_for
 from tests.process import ClientStream, Twistd, start_twistd
 
 JSONLOG = "crossbar.ops.jsonlog.observer"
+TEST_STALL = 6.0
+"""Seconds of a worker's silence before it is killed, in the test of a wedged worker
+(production's :data:`~crossbar.process.supervisor.STALL` is 30): long enough that a
+worker starting on a loaded machine is not taken for a wedged one."""
 
 
 def fresh(case: TestCase) -> HTTPClient:
@@ -710,16 +714,16 @@ class SignalTests(TestCase):
         self.assertEqual(await counted(), 12)
 
     async def test_a_stopped_worker_is_replaced(self) -> None:
-        """SIGSTOP one worker (as a wedged reactor would look): after STALL seconds of
-        silence the supervisor kills it and a new one serves; the other worker, which
-        kept sending ``alive``, is left alone."""
+        """SIGSTOP one worker (as a wedged reactor would look): after ``--worker-stall``
+        seconds of silence the supervisor kills it and a new one serves; the other
+        worker, which kept sending ``alive``, is left alone."""
         upstream = FakeLlama()
         url = await listen(self, upstream)
-        proc = await start_workers(self, host_yaml(url))
+        proc = await start_workers(self, host_yaml(url), plugin_options=["--worker-stall", str(TEST_STALL)])
         pids = worker_pids(proc)
         os.kill(pids[0], signal.SIGSTOP)
         self.addCleanup(lambda: os.kill(pids[0], signal.SIGCONT) if os.path.exists(f"/proc/{pids[0]}") else None)
-        await proc.line(lambda line: "worker 0 sent nothing" in line, timeout=STALL + 15)
+        await proc.line(lambda line: "worker 0 sent nothing" in line, timeout=TEST_STALL + 15)
         await wait_for(lambda: len([line for line in proc.out if '"message": "worker 0 is ready"' in line]) >= 2,
                        20, "worker 0 ready again")
         self.assertNotEqual(worker_pids(proc)[0], pids[0])

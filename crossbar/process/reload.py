@@ -1,4 +1,13 @@
-"""Configuration reload on SIGHUP (DESIGN.md §Operations).
+"""Configuration reload on SIGHUP (DESIGN.md §Operations), one path for both process
+models.
+
+:func:`next_config` decides whether a reload happens and with which config, for the
+single process (:meth:`CrossbarService.reload <crossbar.process.service.CrossbarService.reload>`),
+the workers' supervisor (:meth:`Supervisor.reload <crossbar.process.supervisor.Supervisor.reload>`)
+and each worker alike: an invalid file is refused (logged, the running config kept),
+and what only a restart can apply (``listen``, ``workers``) is logged and kept as it
+runs. What a process then does with the accepted config is its own: the single process
+and a worker swap it in, the supervisor hands it to its workers.
 
 :func:`plan_reload` is the pure part: what changes between the running and the new
 :class:`~crossbar.config.Config`. :class:`SIGHUPReload` is the service that turns a
@@ -12,16 +21,55 @@ from __future__ import annotations
 
 import signal
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import FrameType
 from typing import Any, Callable
 
 from twisted.application.service import Service
 from twisted.logger import Logger
 
-from crossbar.config import Config
+from crossbar.config import Config, ConfigError, load_config
+from crossbar.process.listen import listen_endpoint
 
-__all__ = ["ReloadPlan", "SIGHUPReload", "catch_second_stop_signal", "plan_reload"]
+__all__ = ["ReloadPlan", "SIGHUPReload", "catch_second_stop_signal", "next_config", "plan_reload"]
+
+REFUSED = "reload refused, keeping the running config: {error}"
+"""The log line of every refused reload (the running config stays)."""
+
+
+def next_config(
+    running: Config, reactor: Any, log: Logger, text: str | None = None,
+    check: Callable[[Config], None] | None = None,
+) -> Config | None:
+    """The config a reload of ``running`` swaps in, or None when it is refused.
+
+    Reads ``running.source`` again (or validates ``text``: a worker's snapshot of what
+    its supervisor accepted). Refused, with one error line on ``log``: a file that does
+    not load, a new ``listen`` that start-up would refuse, or what ``check`` raises
+    (:class:`~crossbar.config.ConfigError`) for the config to be swapped in. ``listen``
+    and ``workers`` apply only at a restart: a change is logged as a warning and the
+    running value kept (DESIGN.md §Operations).
+
+    :param reactor: parses a new ``listen`` (:func:`~crossbar.process.listen.listen_endpoint`).
+    :param log: where the refusal and the warnings go (the caller's namespace).
+    """
+    try:
+        new = load_config(running.source, text=text)
+        if new.listen != running.listen:
+            listen_endpoint(reactor, new)  # a file start-up would refuse is refused
+        kept = replace(new, listen=running.listen, workers=running.workers)
+        if check is not None:
+            check(kept)
+    except ConfigError as e:
+        log.error(REFUSED, error=str(e))
+        return None
+    if new.listen != running.listen:
+        log.warn("reload: listen changed from {old} to {new}; a restart is needed to apply it",
+                 old=running.listen, new=new.listen)
+    if new.workers != running.workers:
+        log.warn("reload: workers changed from {old} to {new}; a restart is needed to apply it",
+                 old=running.workers, new=new.workers)
+    return kept
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import gc
 import os
-from dataclasses import replace
 from typing import Any, Mapping
 
 from twisted.application.service import MultiService
@@ -22,8 +21,8 @@ from twisted.internet.task import LoopingCall, deferLater
 from twisted.logger import Logger
 from twisted.web.client import Agent
 
-from crossbar.config import Config, ConfigError, load_config
-from crossbar.state.worker_counts import AFFINITY_OUTCOMES, Fleet
+from crossbar.config import Config
+from crossbar.state.worker_counts import AFFINITY_OUTCOMES, WorkerCounts
 from crossbar.hosts.health import HealthTable
 from crossbar.upstream.hosturl import host_url
 from crossbar.ops.metrics import LiveCollector, Metrics
@@ -32,7 +31,7 @@ from crossbar.ops.recent import TICK, RecentRequests
 from crossbar.hosts.poller import HealthPoller, HTTPProbe
 from crossbar.proxy.exchange import ProxyResource
 from crossbar.ops.record import RequestLog
-from crossbar.process.reload import SIGHUPReload, catch_second_stop_signal, plan_reload
+from crossbar.process.reload import REFUSED, SIGHUPReload, catch_second_stop_signal, next_config, plan_reload
 from crossbar.state.runtime import Runtime
 from crossbar.upstream.tls import HostTLS
 from crossbar.ops.systemd import Notifier, SystemdNotifier, watchdog_interval
@@ -62,8 +61,8 @@ class CrossbarService(MultiService):
         in-process tests need not).
     :param listen: the server endpoint to listen on, instead of ``config.listen``'s (a
         worker adopts its supervisor's socket, :mod:`crossbar.process.worker`).
-    :param fleet: with workers, the fleet-wide counts this worker publishes to and
-        reads from (DESIGN.md §Workers).
+    :param worker_counts: with workers, the counts shared by every worker, which this
+        worker publishes to and reads from (DESIGN.md §Workers).
     """
 
     _log = Logger(namespace="crossbar")
@@ -75,32 +74,32 @@ class CrossbarService(MultiService):
         environ: Mapping[str, str] | None = None,
         handle_signals: bool = True,
         listen: IStreamServerEndpoint | None = None,
-        fleet: Fleet | None = None,
+        worker_counts: WorkerCounts | None = None,
     ) -> None:
         super().__init__()
         self.reactor = reactor
         self.runtime = runtime = Runtime(config, reactor.seconds)
-        self._fleet_wake: LoopingCall | None = None
-        if fleet is not None:
-            runtime.attach(fleet)
+        self._others_wake: LoopingCall | None = None
+        if worker_counts is not None:
+            runtime.attach(worker_counts)
             # Another worker's freed slot is seen here within this period (§Workers:
             # a waiting request goes within 20 ms of a slot freeing anywhere).
-            self._fleet_wake = LoopingCall(self._wake_if_waiting)
-            self._fleet_wake.clock = reactor
+            self._others_wake = LoopingCall(self._wake_if_waiting)
+            self._others_wake.clock = reactor
         self.metrics = Metrics()
         self.metrics.watch(LiveCollector(
             self._inflight_series, runtime.table.all,
             lambda: {name: runtime.queued(name) for name in runtime.config.routes},
             lambda: {(r, o): runtime.affinity(r, o) for r in runtime.config.routes for o in AFFINITY_OUTCOMES},
-            restarts=(lambda: fleet.restarts()) if fleet is not None else None,
+            restarts=worker_counts.restarts if worker_counts is not None else None,
             draining=lambda: runtime.drained,
         ))
         self.requests = RequestLog(self.metrics)
         # The dashboard's recent requests: one append per request; with workers, every
         # worker's are read from its file in the workers' state directory.
         self.recent = RecentRequests(
-            reactor.seconds, os.path.dirname(fleet.shared.path) if fleet is not None else None,
-            fleet.shared.row if fleet is not None else 0,
+            reactor.seconds, os.path.dirname(worker_counts.shared.path) if worker_counts is not None else None,
+            worker_counts.shared.row if worker_counts is not None else 0,
         )
         self.requests.observers.append(self.recent.observe)
         self._recent_tick = LoopingCall(self.recent.tick)
@@ -181,8 +180,8 @@ class CrossbarService(MultiService):
 
     def startService(self) -> None:
         super().startService()
-        if self._fleet_wake is not None:
-            self._fleet_wake.start(FLEET_WAKE_INTERVAL, now=False)
+        if self._others_wake is not None:
+            self._others_wake.start(WORKERS_WAKE_INTERVAL, now=False)
         self._recent_tick.start(TICK, now=False)
         # Everything loaded so far (Twisted, TLS support, klein, prometheus_client: most of
         # the heap) lives as long as the process: keep the cyclic GC from scanning it
@@ -196,8 +195,8 @@ class CrossbarService(MultiService):
 
     async def _stop(self) -> None:
         await self.drain()
-        if self._fleet_wake is not None and self._fleet_wake.running:
-            self._fleet_wake.stop()
+        if self._others_wake is not None and self._others_wake.running:
+            self._others_wake.stop()
         if self._recent_tick.running:
             self._recent_tick.stop()
         try:
@@ -292,34 +291,17 @@ class CrossbarService(MultiService):
         """
         old = self.runtime.config
         path = old.source
-        try:
-            new = load_config(path, text=text)
-        except ConfigError as e:
-            self._log.error("reload refused, keeping the running config: {error}", error=str(e))
+        new = next_config(old, self.reactor, self._log, text=text)
+        if new is None:
             return False
         plan = plan_reload(old, new)
-        if plan.listen_changed:
-            try:
-                listen_endpoint(self.reactor, new)  # a file start-up would refuse is refused
-            except ConfigError as e:
-                self._log.error("reload refused, keeping the running config: {error}", error=str(e))
-                return False
-            self._log.warn(
-                "reload: listen changed from {old} to {new}; a restart is needed to apply it",
-                old=old.listen, new=new.listen,
-            )
-            new = replace(new, listen=old.listen)
-        if new.workers != old.workers:
-            self._log.warn("reload: workers changed from {old} to {new}; a restart is needed to apply it",
-                           old=old.workers, new=new.workers)
-            new = replace(new, workers=old.workers)
         # Everything that can still fail, before anything changes: a reload applies
         # whole or not at all.
         try:
             tls = HostTLS.from_config(new)
             probe = self._probe(new.health.timeout, new, tls)
         except Exception as e:
-            self._log.error("reload refused, keeping the running config: {error}", error=f"{type(e).__name__}: {e}")
+            self._log.error(REFUSED, error=f"{type(e).__name__}: {e}")
             return False
         health = new.health
         table = self.runtime.table
@@ -353,8 +335,8 @@ class CrossbarService(MultiService):
         return True
 
 
-FLEET_WAKE_INTERVAL = 0.01
-"""Seconds between a worker's looks at the fleet's counts while requests wait."""
+WORKERS_WAKE_INTERVAL = 0.01
+"""Seconds between a worker's looks at the other workers' counts while requests wait."""
 
 
 def make_service(
@@ -374,18 +356,20 @@ def make_service(
     return CrossbarService(config, reactor, environ=environ, handle_signals=handle_signals)
 
 
-def make_daemon(config: Config, twistd: Mapping[str, Any] | None = None) -> MultiService:
+def make_daemon(config: Config, twistd: Mapping[str, Any] | None = None, stall: float | None = None) -> MultiService:
     """What ``twistd crossbar`` runs for ``config``: one :class:`CrossbarService` with
     signal handling, or with ``workers`` > 1 a :class:`~crossbar.process.supervisor.Supervisor`
     of that many (DESIGN.md §Workers). ``twistd`` is twistd's own options: when its
     ``--logger`` is :func:`crossbar.ops.jsonlog.observer`, workers log straight to the same
-    standard output.
+    standard output. ``stall``: seconds a worker may be silent before it is killed (the
+    plugin's ``--worker-stall``; default :data:`~crossbar.process.supervisor.STALL`).
 
     :raises ConfigError: as :func:`make_service` and :class:`~crossbar.process.supervisor.Supervisor`.
     """
     if config.workers > 1:
-        from crossbar.process.supervisor import make_supervisor
+        from crossbar.process.supervisor import WorkerTimings, make_supervisor
 
         logger = (twistd or {}).get("logger") or ""
-        return make_supervisor(config, log_through=logger == "crossbar.ops.jsonlog.observer")
+        timings = WorkerTimings() if stall is None else WorkerTimings.with_stall(stall)
+        return make_supervisor(config, log_through=logger == "crossbar.ops.jsonlog.observer", timings=timings)
     return make_service(config, handle_signals=True)

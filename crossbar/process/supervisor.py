@@ -1,14 +1,16 @@
 """The supervisor of a crossbar with ``workers: N`` (DESIGN.md §Workers).
 
-The twistd process opens the listener (so socket activation and privileged ports work),
-never accepts on it, and runs N worker processes (:mod:`crossbar.process.worker`) that all
-accept on that one socket: the kernel spreads connections over them. It only
-supervises:
+The twistd process opens the listening sockets before it drops privileges (so ports
+below 1024 work), never accepts on them, and runs N worker processes
+(:mod:`crossbar.process.worker`), each accepting on its own ``SO_REUSEPORT`` socket
+(:class:`~crossbar.process.listen.WorkerListeners`): the kernel spreads connections,
+a burst's too, evenly over the workers. A ``systemd:`` socket (socket activation) is
+one socket and stays shared by every worker. It only supervises:
 
 - a worker that dies is restarted (after a back-off when it dies young), logged and
   counted (``crossbar_worker_restarts_total``); its in-flight counts are cleared. A
-  worker silent for :data:`STALL` seconds (no ``alive`` line: its reactor wedged, or
-  the process stopped) is killed, and so restarted;
+  worker silent for :data:`STALL` seconds (:class:`WorkerTimings`; no ``alive`` line:
+  its reactor wedged, or the process stopped) is killed, and so restarted;
 - SIGTERM drains every worker at once (each runs its own drain: readiness 503,
   ``drain.delay``, ``drain.grace``); a second SIGTERM or Ctrl-C ends every drain now;
 - a host drained through one worker (``POST /_crossbar/hosts/<name>/drain``) is
@@ -22,12 +24,12 @@ supervises:
 - under systemd, ``READY=1`` once every worker is ready, ``WATCHDOG=1`` from this
   process's reactor, ``STOPPING=1`` when the drain starts: one voice for the set.
 
-Why one socket handed down rather than ``SO_REUSEPORT``: the supervisor keeps the
-only listening socket, so ``systemd:`` socket activation and ports below 1024 (opened
-before twistd drops privileges) work for workers too, and a worker that dies loses no
-queued connections (the socket's backlog belongs to everyone). A unix socket is refused
-with workers: Twisted's unix port of a worker that stops unlinks the socket's path and
-shuts the shared socket down for every worker.
+Every socket stays open in this process, so a worker that dies loses no connection:
+what the kernel gave its socket meanwhile waits in the backlog for its replacement
+(a second or so; up to the back-off for one that keeps dying, and up to ``stall`` for
+one that is wedged: the price of an even split). A
+unix socket is refused with workers: Twisted's unix port of a worker that stops
+unlinks the socket's path and shuts the shared socket down for every worker.
 
 Every worker polls every host itself: the poll load is N x 2 requests per host per
 ``health.interval``. Workers' log lines come to this process as JSON on their standard
@@ -42,26 +44,26 @@ import shutil
 import sys
 import tempfile
 from collections import Counter
-from dataclasses import replace
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 from twisted.application.service import MultiService
 from twisted.internet.defer import Deferred, TimeoutError
-from twisted.internet.interfaces import IListeningPort
-from twisted.internet.protocol import ProcessProtocol, ServerFactory
+from twisted.internet.protocol import ProcessProtocol
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger, LogLevel, InvalidLogLevelError
 from twisted.python.failure import Failure
 
-from crossbar.config import Config, ConfigError, load_config
-from crossbar.state.worker_counts import AFFINITY_OUTCOMES, Fleet, check_capacity
-from crossbar.process.reload import SIGHUPReload, catch_second_stop_signal
+from crossbar.config import Config, ConfigError
+from crossbar.state.worker_counts import AFFINITY_OUTCOMES, WorkerCounts, check_capacity
+from crossbar.process.reload import REFUSED, SIGHUPReload, catch_second_stop_signal, next_config
 from crossbar.state.shared import SharedCounts
 from crossbar.ops.systemd import Notifier, SystemdNotifier, watchdog_interval
 from crossbar.waiting import Condition
-from crossbar.process.listen import ListenService, listen_endpoint
+from crossbar.process.listen import WorkerListeners
+from crossbar.process.worker import HEARTBEAT
 
-__all__ = ["ListenerHolder", "Supervisor", "WorkerProcess", "make_supervisor", "relay_log_line"]
+__all__ = ["Supervisor", "WorkerTimings", "WorkerProcess", "make_supervisor", "relay_log_line"]
 
 _log = Logger(namespace="crossbar.supervisor")
 
@@ -73,18 +75,30 @@ STALL = 30.0
 """Seconds without a line from a worker's reactor (it sends ``alive`` every
 :data:`crossbar.process.worker.HEARTBEAT`) after which the supervisor kills it."""
 
-_YOUNG = 10.0  # s: a worker that dies sooner is restarted after a growing back-off
-_MAX_BACKOFF = 30.0
 
+@dataclass(frozen=True)
+class WorkerTimings:
+    """The supervisor's waits, in seconds; the defaults are production's.
 
-class ListenerHolder(ServerFactory):
-    """The supervisor's own factory for the listener: it never accepts (its port does
-    not read), and would refuse if it did."""
+    :ivar stall: silence after which a worker is killed (:data:`STALL`).
+    :ivar heartbeat: how often a worker says ``alive`` (:data:`~crossbar.process.worker.HEARTBEAT`).
+    :ivar stop_margin: :data:`STOP_MARGIN`.
+    :ivar young: a worker that dies sooner after its start is restarted after a
+        growing back-off (from ``first_backoff``, doubling, up to ``max_backoff``).
+    """
 
-    noisy = False
+    stall: float = STALL
+    heartbeat: float = HEARTBEAT
+    stop_margin: float = STOP_MARGIN
+    young: float = 10.0
+    first_backoff: float = 0.5
+    max_backoff: float = 30.0
 
-    def buildProtocol(self, addr: Any) -> None:
-        return None
+    @classmethod
+    def with_stall(cls, stall: float) -> WorkerTimings:
+        """Production's timings with ``stall`` seconds (a worker says ``alive`` six
+        times a ``stall``, as in production)."""
+        return cls(stall=stall, heartbeat=stall / 6)
 
 
 def relay_log_line(line: bytes, worker: int) -> None:
@@ -196,9 +210,10 @@ class Supervisor(MultiService):
 
     def __init__(
         self, config: Config, reactor: Any, environ: Mapping[str, str] | None = None, handle_signals: bool = True,
-        log_through: bool = False,
+        log_through: bool = False, timings: WorkerTimings = WorkerTimings(),
     ) -> None:
         super().__init__()
+        self.timings = timings
         self.log_through = log_through
         self._environ = os.environ if environ is None else environ
 
@@ -228,8 +243,8 @@ class Supervisor(MultiService):
         self.metrics_directory = ""
         self.drained: set[str] = set()
         """Hosts drained at run time (every worker is told; see :meth:`drain_host`)."""
-        self.fleet: Fleet | None = None
-        self.web = ListenService(listen_endpoint(reactor, config), ListenerHolder())
+        self.counts: WorkerCounts | None = None
+        self.web = WorkerListeners(reactor, config, self.count)
         self.web.setServiceParent(self)
         self._all_ended = Condition(lambda: all(w is None or w.ended for w in self.workers))
         self._all_ready = Condition(lambda: all(w is not None and w.ready for w in self.workers))
@@ -250,15 +265,13 @@ class Supervisor(MultiService):
 
     def startService(self) -> None:
         super().startService()
-        port = self.web.port
-        assert port is not None, "the listener opens in privilegedStartService/startService"
         # systemd's RuntimeDirectory= (contrib/systemd): never aged out by tmp cleaners
         runtime = self._environ.get("RUNTIME_DIRECTORY", "").split(":")[0] or None
         self.directory = tempfile.mkdtemp(prefix="crossbar-workers-", dir=runtime)
         try:
             self._shared_path = os.path.join(self.directory, "counts")
             SharedCounts.create(self._shared_path, self.count + 1)
-            self.fleet = Fleet(SharedCounts(self._shared_path, self.count + 1, self.count), self.config)
+            self.counts = WorkerCounts(SharedCounts(self._shared_path, self.count + 1, self.count), self.config)
             self.metrics_directory = os.path.join(self.directory, "metrics")
             os.mkdir(self.metrics_directory)
             self._snapshot_path = os.path.join(self.directory, "config.yaml")
@@ -267,18 +280,17 @@ class Supervisor(MultiService):
             shutil.rmtree(self.directory, ignore_errors=True)
             raise ConfigError(self.config.source, "workers",
                               f"cannot make the workers' shared files in {self.directory}: {e.strerror or e}") from None
-        _stop_accepting(port)
         for index in range(self.count):
             self._spawn(index)
         self._stall_check = LoopingCall(self._kill_stalled)
         self._stall_check.clock = self.reactor
-        self._stall_check.start(STALL / 6, now=False)
+        self._stall_check.start(self.timings.stall / 6, now=False)
 
     def _kill_stalled(self) -> None:
-        """Kill every worker silent for :data:`STALL` seconds (it is then restarted)."""
+        """Kill every worker silent for ``timings.stall`` seconds (it is then restarted)."""
         now = self.reactor.seconds()
         for process in self.workers:
-            if process is None or process.ended or process.killed or now - process.heard_at < STALL:
+            if process is None or process.ended or process.killed or now - process.heard_at < self.timings.stall:
                 continue
             process.killed = True
             _log.error("worker {worker} sent nothing for {seconds:.0f}s (wedged or stopped): killing it",
@@ -301,8 +313,7 @@ class Supervisor(MultiService):
         os.replace(temporary, self._snapshot_path)
 
     def _spawn(self, index: int) -> None:
-        port = self.web.port
-        if self._stopping or port is None:
+        if self._stopping or not self.web.running:
             return
         process = WorkerProcess(self, index)
         process.started_at = process.heard_at = self.reactor.seconds()
@@ -313,11 +324,12 @@ class Supervisor(MultiService):
             sys.executable, "-m", "crossbar.process.worker", "--config", self.config.source,
             "--snapshot", self._snapshot_path,
             "--row", str(index), "--rows", str(self.count + 1), "--shared", self._shared_path,
-        ]
+            "--heartbeat", str(self.timings.heartbeat),
+        ] + (["--shared-listener"] if self.web.shared else [])
         try:
             self.reactor.spawnProcess(
                 process, sys.executable, argv, env=env,
-                childFDs={0: "w", 1: 1 if self.log_through else "r", 2: "r", 3: port.fileno(), 4: "r"},  # type: ignore[attr-defined]
+                childFDs={0: "w", 1: 1 if self.log_through else "r", 2: "r", 3: self.web.fileno(index), 4: "r"},
             )
         except Exception as e:  # e.g. the interpreter gone after an upgrade, no file descriptors left
             self.workers[index] = None
@@ -347,14 +359,15 @@ class Supervisor(MultiService):
 
     def _backoff(self, index: int, young: bool) -> float:
         """Seconds before worker ``index`` is started again: 0 after a long life, then
-        0.5, 1, 2 ... up to 30 for one that keeps dying young."""
+        0.5, 1, 2 ... up to 30 (``timings``) for one that keeps dying young."""
         self._young_deaths[index] = self._young_deaths[index] + 1 if young else 0
-        return min(_MAX_BACKOFF, 0.5 * 2 ** (self._young_deaths[index] - 1)) if young else 0.0
+        timings = self.timings
+        return min(timings.max_backoff, timings.first_backoff * 2 ** (self._young_deaths[index] - 1)) if young else 0.0
 
     def worker_ready(self, process: WorkerProcess) -> None:
         """A worker listens and has polled every host once."""
         _log.info("worker {worker} is ready", worker=process.index)
-        self._young_deaths[process.index] = 0 if self.reactor.seconds() - process.started_at > _YOUNG else \
+        self._young_deaths[process.index] = 0 if self.reactor.seconds() - process.started_at > self.timings.young else \
             self._young_deaths[process.index]
         self._all_ready.check()
         if self.systemd is not None:
@@ -363,13 +376,13 @@ class Supervisor(MultiService):
     def worker_ended(self, process: WorkerProcess, reason: Failure) -> None:
         """A worker exited: counted and restarted unless crossbar is stopping."""
         index = process.index
-        if self.fleet is not None:
+        if self.counts is not None:
             # Its affinity counts are counters: this process keeps them (they must never
             # go down); the rest of its row (in flight, waiting) is gone with it.
             for name in self.config.routes:
                 for outcome in AFFINITY_OUTCOMES:
-                    self._folded[(name, outcome)] += self.fleet.affinity_of_row(name, outcome, index)
-            self.fleet.shared.clear_row(index)
+                    self._folded[(name, outcome)] += self.counts.affinity_of_row(name, outcome, index)
+            self.counts.shared.clear_row(index)
             self._publish_own()
         self._all_ended.check()
         if self.systemd is not None:
@@ -378,23 +391,23 @@ class Supervisor(MultiService):
             return
         self.restarts += 1
         self._publish_own()
-        delay = self._backoff(index, young=self.reactor.seconds() - process.started_at < _YOUNG)
+        delay = self._backoff(index, young=self.reactor.seconds() - process.started_at < self.timings.young)
         _log.warn("worker {worker} died ({reason}); restarting it in {delay}s (restarts: {restarts})",
                   worker=index, reason=reason.getErrorMessage(), delay=delay, restarts=self.restarts)
         self.reactor.callLater(delay, self._spawn, index)
 
     def _publish_own(self) -> None:
         """This process's row: restarts, and the affinity counts of dead workers."""
-        if self.fleet is not None:
-            self.fleet.publish_restarts(self.restarts)
+        if self.counts is not None:
+            self.counts.publish_restarts(self.restarts)
             for (name, outcome), count in self._folded.items():
-                self.fleet.publish_affinity(name, outcome, count)
+                self.counts.publish_affinity(name, outcome, count)
 
     # -- stop --------------------------------------------------------------------------
 
     def stopService(self) -> Deferred[Any]:
         """Drain every worker at once and wait for them to exit (killing any still
-        running ``drain.delay + drain.grace`` + :data:`STOP_MARGIN` seconds later),
+        running ``drain.delay + drain.grace`` + ``timings.stop_margin`` seconds later),
         then close the listener."""
         self._stopping = True
         if self._stall_check is not None and self._stall_check.running:
@@ -407,7 +420,7 @@ class Supervisor(MultiService):
                 process.send("drain")
         drain = self.config.drain
         waited = self._all_ended.wait()
-        waited.addTimeout(drain.delay + drain.grace + STOP_MARGIN, self.reactor)
+        waited.addTimeout(drain.delay + drain.grace + self.timings.stop_margin, self.reactor)
         waited.addErrback(self._kill_stragglers)
         waited.addBoth(lambda _: super(Supervisor, self).stopService())
         waited.addBoth(self._clean_up)
@@ -447,39 +460,21 @@ class Supervisor(MultiService):
     # -- reload --------------------------------------------------------------------------
 
     def reload(self) -> bool:
-        """SIGHUP: validate the file here, then have every worker reload it."""
-        try:
-            new = load_config(self.config.source)
-        except ConfigError as e:
-            _log.error("reload refused, keeping the running config: {error}", error=str(e))
+        """SIGHUP: validate the file here (:func:`~crossbar.process.reload.next_config`,
+        with room in the shared counters), then have every worker reload it from the
+        snapshot."""
+        new = next_config(self.config, self.reactor, _log, check=check_capacity)
+        if new is None:
             return False
-        try:
-            check_capacity(replace(new, workers=self.count))
-        except ConfigError as e:
-            _log.error("reload refused, keeping the running config: {error}", error=str(e))
-            return False
-        if new.workers != self.count:
-            _log.warn("reload: workers changed from {old} to {new}; a restart is needed to apply it",
-                      old=self.count, new=new.workers)
-        if new.listen != self.config.listen:
-    
-            try:
-                listen_endpoint(self.reactor, new)  # a file start-up would refuse is refused
-            except ConfigError as e:
-                _log.error("reload refused, keeping the running config: {error}", error=str(e))
-                return False
-            _log.warn("reload: listen changed; a restart is needed to apply it")
         try:
             self._write_snapshot(new)
         except OSError as e:
-            _log.error("reload refused, keeping the running config: cannot write the workers' snapshot: {error}",
-                       error=e.strerror or str(e))
+            _log.error(REFUSED, error=f"cannot write the workers' snapshot: {e.strerror or e}")
             return False
-        # What a restart would apply stays as running (as a worker's reload keeps listen).
-        self.config = replace(new, listen=self.config.listen, workers=self.count)
+        self.config = new
         self.drained.intersection_update(self.config.hosts)
-        if self.fleet is not None:
-            self.fleet.configure(self.config)
+        if self.counts is not None:
+            self.counts.configure(self.config)
             self._publish_own()
         for process in self.workers:
             if process is not None:
@@ -497,20 +492,14 @@ def _drain_command(host: str, draining: bool) -> str:
     return ("host-drain " if draining else "host-undrain ") + host.encode("utf-8").hex()
 
 
-def _stop_accepting(port: IListeningPort) -> None:
-    """The supervisor's listening port stays open for the workers but never accepts."""
-    stop = getattr(port, "stopReading", None)
-    if stop is not None:
-        stop()
-
-
 def make_supervisor(
-    config: Config, reactor: Any = None, handle_signals: bool = True, log_through: bool = False
+    config: Config, reactor: Any = None, handle_signals: bool = True, log_through: bool = False,
+    timings: WorkerTimings = WorkerTimings(),
 ) -> Supervisor:
     """The supervisor for ``config`` on ``reactor`` (default: the global one); see
-    :class:`Supervisor` for ``log_through``."""
+    :class:`Supervisor` for ``log_through`` and ``timings``."""
     if reactor is None:
         from twisted.internet import reactor as global_reactor
 
         reactor = global_reactor
-    return Supervisor(config, reactor, handle_signals=handle_signals, log_through=log_through)
+    return Supervisor(config, reactor, handle_signals=handle_signals, log_through=log_through, timings=timings)

@@ -2,14 +2,16 @@
 
 The supervisor (:mod:`crossbar.process.supervisor`) starts each worker as
 ``python -m crossbar.process.worker --config FILE --snapshot SNAPSHOT --row I --rows N+1
---shared PATH`` with:
+--shared PATH --heartbeat SECONDS [--shared-listener]`` with:
 
 - ``SNAPSHOT``: the config text the supervisor validated last (``FILE`` only names it
   in messages and anchors relative ``tls`` paths): a worker started or reloaded later
   runs what the supervisor accepted, never a file edited since without a SIGHUP;
 
-- fd 3: the listening socket the supervisor opened (the worker adopts it with
-  ``reactor.adoptStreamPort``: every worker accepts on the same socket);
+- fd 3: the listening socket the supervisor opened for it (the worker adopts it with
+  ``reactor.adoptStreamPort``): its own ``SO_REUSEPORT`` socket for a TCP listener, or
+  with ``--shared-listener`` (a ``systemd:`` socket) the one every worker accepts on
+  (:class:`~crossbar.process.listen.WorkerListeners`);
 - fd 0: commands from the supervisor, one per line: ``drain`` (SIGTERM's drain),
   ``hurry`` (a second signal: end the drain now), ``reload`` (SIGHUP: load the
   snapshot again), ``host-drain HEX`` / ``host-undrain HEX`` (a host, its name's
@@ -20,11 +22,11 @@ The supervisor (:mod:`crossbar.process.supervisor`) starts each worker as
   straight through, nothing relayed), else a pipe whose lines the supervisor logs as
   its own;
 - fd 4: ``ready`` once the worker listens and its first poll round is done, and
-  ``alive`` every :data:`HEARTBEAT` seconds from its reactor (a worker whose reactor
-  is wedged or stopped goes silent, and the supervisor replaces it); ``host-drain
-  HEX`` / ``host-undrain HEX`` when this worker was asked to drain a host
-  (``POST /_crossbar/hosts/<name>/drain``): the supervisor tells every worker, and
-  keeps the set for the workers it starts later.
+  ``alive`` every ``--heartbeat`` seconds (:data:`HEARTBEAT` in production) from its
+  reactor (a worker whose reactor is wedged or stopped goes silent, and the supervisor
+  replaces it); ``host-drain HEX`` / ``host-undrain HEX`` when this worker was asked to
+  drain a host (``POST /_crossbar/hosts/<name>/drain``): the supervisor tells every
+  worker, and keeps the set for the workers it starts later.
 
 Signals sent to a worker itself: SIGTERM or SIGINT drain it (the same drain as the
 ``drain`` command: both together are one drain, as under systemd's
@@ -33,7 +35,7 @@ worker alone (from the snapshot too).
 
 Each worker is a whole :class:`~crossbar.process.service.CrossbarService` (poller, proxy,
 operations) whose counts are published to, and read from, the shared counters
-(:class:`~crossbar.state.worker_counts.Fleet`). Workers run in their own process group, so a Ctrl-C
+(:class:`~crossbar.state.worker_counts.WorkerCounts`). Workers run in their own process group, so a Ctrl-C
 at a terminal reaches the supervisor only, which tells each worker once.
 """
 
@@ -72,20 +74,24 @@ class AdoptedEndpoint:
 
     :param reactor: provides ``IReactorSocket.adoptStreamPort``.
     :param fd: the listening socket's file descriptor (its family is read from it).
+    :param shared: other processes accept on the same socket.
     """
 
-    def __init__(self, reactor: Any, fd: int) -> None:
+    def __init__(self, reactor: Any, fd: int, shared: bool = False) -> None:
         self._reactor = reactor
         self._fd = fd
+        self._shared = shared
 
     def listen(self, protocolFactory: IProtocolFactory) -> Deferred[IListeningPort]:
         probe = socket.socket(fileno=self._fd)
         family = probe.family
         probe.detach()  # the fd stays open: the port adopts (a copy of) it
+        fdesc.setNonBlocking(self._fd)  # as adoptStreamPort requires: accept until EAGAIN
         port = self._reactor.adoptStreamPort(self._fd, family, protocolFactory)
-        # Every worker is woken for a new connection; one accept each per wake-up (not
-        # Twisted's default of up to 100) spreads a burst over the workers.
-        if hasattr(port, "numberAccepts"):
+        # On a shared socket every worker is woken for a new connection; one accept each
+        # per wake-up (not Twisted's default of up to 100) spreads a burst over the
+        # workers a little. A socket of its own keeps Twisted's default.
+        if self._shared and hasattr(port, "numberAccepts"):
             port.numberAccepts = 1
         return succeed(port)
 
@@ -134,6 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--row", type=int, required=True, help="this worker's row in the shared counters")
     parser.add_argument("--rows", type=int, required=True, help="rows in the shared counters")
     parser.add_argument("--shared", required=True, help="the shared counters' file")
+    parser.add_argument("--heartbeat", type=float, default=HEARTBEAT, help="seconds between 'alive' lines")
+    parser.add_argument("--shared-listener", action="store_true", help="fd 3 is shared with the other workers")
     args = parser.parse_args(argv)
     os.setpgrp()  # a terminal's Ctrl-C goes to the supervisor, which tells us once
 
@@ -153,14 +161,14 @@ def main(argv: list[str] | None = None) -> None:
     reactor: Any = global_reactor  # the running reactor: posix, with threads and signals
 
     from crossbar.config import ConfigError, load_config, read_config_text
-    from crossbar.state.worker_counts import Fleet
+    from crossbar.state.worker_counts import WorkerCounts
     from crossbar.process.reload import SIGHUPReload
     from crossbar.process.service import CrossbarService
     from crossbar.state.shared import SharedCounts
 
     try:
         config = load_config(args.config, text=read_config_text(args.snapshot))
-        fleet = Fleet(SharedCounts(args.shared, args.rows, args.row), config)
+        counts = WorkerCounts(SharedCounts(args.shared, args.rows, args.row), config)
     except (ConfigError, OSError, ValueError) as e:
         _log.critical("worker cannot start: {error}", error=str(e))
         raise SystemExit(1) from None
@@ -169,7 +177,8 @@ def main(argv: list[str] | None = None) -> None:
     # systemd's KillMode=control-group (SIGTERM to every process) plus the supervisor's
     # ``drain`` command make one drain, not an aborted one.
     service = CrossbarService(
-        config, reactor, environ={}, handle_signals=False, listen=AdoptedEndpoint(reactor, LISTEN_FD), fleet=fleet,
+        config, reactor, environ={}, handle_signals=False,
+        listen=AdoptedEndpoint(reactor, LISTEN_FD, shared=args.shared_listener), worker_counts=counts,
     )
 
     def reload() -> bool:
@@ -240,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
             os._exit(1)
 
     reactor.callWhenRunning(start)
-    reactor.callWhenRunning(heartbeat.start, HEARTBEAT)
+    reactor.callWhenRunning(heartbeat.start, args.heartbeat)
     reactor.callWhenRunning(lambda: service.when_ready().addCallbacks(ready, lambda f: None))
     reactor.addSystemEventTrigger("before", "shutdown", service.stopService)
     reactor.run(installSignalHandlers=False)

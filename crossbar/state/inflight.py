@@ -14,7 +14,7 @@ from collections import Counter
 from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
-    from crossbar.state.worker_counts import Fleet
+    from crossbar.state.worker_counts import WorkerCounts
 
 __all__ = ["Inflight", "Lease"]
 
@@ -32,7 +32,7 @@ class Inflight:
         self._by_host: Counter[str] = Counter()
         self._by_route_host: Counter[tuple[str, str]] = Counter()
         self.on_release = on_release
-        self.fleet: Fleet | None = None
+        self.fleet: WorkerCounts | None = None
 
     def host(self, host: str) -> int:
         """Requests in flight to ``host`` over every route (0 for an unknown host),

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from crossbar.hosts.balance import Rotation
 from crossbar.config import Config, Route
-from crossbar.state.worker_counts import Fleet
+from crossbar.state.worker_counts import WorkerCounts
 from crossbar.hosts.health import HealthTable
 from crossbar.state.inflight import Inflight
 from crossbar.state.queue import RouteQueues
@@ -58,7 +58,7 @@ class Runtime:
         self.rotation = Rotation()
         self.affinity_counts: Counter[tuple[str, str]] = Counter()
         self.key_inflight: Counter[tuple[str, str]] = Counter()
-        self.fleet: Fleet | None = None
+        self.fleet: WorkerCounts | None = None
         self.active: set[Any] = set()
         self.draining = False
         self.drained: set[str] = set()
@@ -67,7 +67,7 @@ class Runtime:
 
     # -- counts that are fleet-wide with workers (DESIGN.md §Workers) ------------------
 
-    def attach(self, fleet: Fleet) -> None:
+    def attach(self, fleet: WorkerCounts) -> None:
         """Publish this process's counts to ``fleet`` and read the fleet's from now on."""
         self.fleet = fleet
         self.inflight.fleet = fleet

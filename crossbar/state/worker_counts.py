@@ -1,10 +1,15 @@
-"""The fleet-wide view of a crossbar's counts (DESIGN.md §Workers).
+"""The counts the workers of one crossbar share (DESIGN.md §Workers): what
+``workers: N`` needs so that room, least-busy, the queue, key limits, status and
+metrics see every worker's requests, not one process's.
 
-One process (``workers: 1``) counts for itself and :class:`Fleet` is not used. With
-workers, each worker publishes its own counts -- requests in flight per host and per
+(Not the "fleet" of DESIGN.md, which is the hosts: this module counts requests of the
+crossbar's own worker processes, on one machine.)
+
+One process (``workers: 1``) counts for itself and :class:`WorkerCounts` is not used.
+With workers, each worker publishes its own counts -- requests in flight per host and per
 (route, host), requests waiting per route and since when, affinity outcomes, requests
 per client key -- into
-its row of a :class:`~crossbar.state.shared.SharedCounts`, and reads the fleet's totals from
+its row of a :class:`~crossbar.state.shared.SharedCounts`, and reads every worker's totals from
 it: room, least-busy, the queue, a key's ``max_inflight``, status and metrics then see
 every worker's requests (a limit may be exceeded by at most N - 1: two workers may take
 the last slot at the same moment).
@@ -15,7 +20,7 @@ from __future__ import annotations
 from crossbar.config import Config, ConfigError
 from crossbar.state.shared import CELLS, SharedCounts, cell_map
 
-__all__ = ["AFFINITY_OUTCOMES", "RESTARTS", "Fleet", "check_capacity"]
+__all__ = ["AFFINITY_OUTCOMES", "RESTARTS", "WorkerCounts", "check_capacity"]
 
 AFFINITY_OUTCOMES = ("home", "spill", "none")
 RESTARTS = "restarts"
@@ -45,8 +50,10 @@ def check_capacity(config: Config) -> None:
                           f"have {CELLS}: list fewer hosts per route (or fewer routes or keys), or use workers: 1")
 
 
-class Fleet:
-    """Publishes this worker's counts and reads the fleet's.
+class WorkerCounts:
+    """Publishes this process's counts into its row of the shared counters and reads
+    every worker's totals (the supervisor has a row too: restarts, and the affinity
+    counts of workers that died).
 
     :param shared: the shared counters (this worker's row is ``shared.row``).
     :param config: the config whose names are counted (see :meth:`configure`).
@@ -101,7 +108,7 @@ class Fleet:
         return self._total(f"q\0{route}")
 
     def oldest_queued_ms(self, route: str) -> int | None:
-        """POSIX milliseconds since which the fleet's oldest waiting request of
+        """POSIX milliseconds since which the oldest waiting request (of any worker) of
         ``route`` waits, or None."""
         cell = self._cells.get(f"qt\0{route}")
         return self.shared.smallest(cell) if cell is not None else None

@@ -13,7 +13,17 @@ from zope.interface import implementer
 
 
 class Options(usage.Options):
-    optParameters = [["config", "c", "crossbar.yaml", "Path to the crossbar YAML configuration."]]
+    optParameters = [
+        ["config", "c", "crossbar.yaml", "Path to the crossbar YAML configuration."],
+        ["worker-stall", None, None,
+         "With workers: seconds a worker may send nothing before it is killed and restarted (default 30).",
+         float],
+    ]
+
+    def postOptions(self) -> None:
+        stall = self["worker-stall"]
+        if stall is not None and not 0 < stall < 86400:
+            raise usage.UsageError("--worker-stall: seconds, more than 0")
 
     def opt_version(self) -> None:
         """Print crossbar's version (and Twisted's) and exit."""
@@ -40,7 +50,7 @@ class CrossbarServiceMaker:
         # a reload (SIGHUP) or a worker reads the file again later.
         path = os.path.abspath(options["config"])
         try:
-            service = make_daemon(load_config(path), getattr(options, "parent", None))
+            service = make_daemon(load_config(path), getattr(options, "parent", None), stall=options["worker-stall"])
             return StartupGuard(service, path, twistd=getattr(options, "parent", None))
         except ConfigError as e:
             report_and_exit(e, sys.stderr, log=False)
