@@ -30,7 +30,7 @@ from tests.harness import http_client, wait_for
 __all__ = ["Twistd", "start_twistd", "twistd_argv", "twistd_env"]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-_LISTENING = re.compile(r"listening on 127\.0\.0\.1:(\d+)")
+_LISTENING = re.compile(r"listening on (?:127\.0\.0\.1|::1):(\d+)")
 
 
 # ``python -m twisted`` is the newer ``twist`` runner (no -n, no --logger): run twistd's
@@ -190,7 +190,7 @@ async def start_twistd(
     await proc.line(lambda line: _LISTENING.search(line) is not None or '"listening on' in line, timeout=30)
     if proc.port is None:  # JSON log: the address is a field
         for line in proc.out:
-            m = re.search(r'"address": "127\.0\.0\.1:(\d+)"', line)
+            m = re.search(r'"address": "(?:127\.0\.0\.1|::1):(\d+)"', line)
             if m:
                 proc.port = int(m.group(1))
     assert proc.port is not None, proc.text()

@@ -8,6 +8,7 @@ every relayed line carries ``worker``.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import re
@@ -16,6 +17,7 @@ import signal
 import socket
 import struct
 import tempfile
+from collections import Counter
 from dataclasses import replace
 from typing import Any
 
@@ -1034,6 +1036,85 @@ class RelayTests(SynchronousTestCase):
         relay_log_line(json.dumps({"level": "critical", "namespace": "twisted", "message": "it broke",
                                    "failure": "Traceback (most recent call last):\nValueError: x\n"}).encode(), 0)
         self.assertEqual(formatEvent(seen[0]), "it broke\nTraceback (most recent call last):\nValueError: x")
+
+
+def held_by_worker(proc: Twistd, socks: list[socket.socket]) -> Counter[int]:
+    """worker index -> how many of the client connections ``socks`` it holds the
+    server end of (read from ``/proc``: which worker accepted each)."""
+    assert proc.port is not None
+    inodes = {_socket_inode(proc.port, sock.getsockname()[1]) for sock in socks}
+    held: Counter[int] = Counter()
+    for index, pid in worker_pids(proc).items():
+        links = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+        held[index] = sum(1 for inode in inodes if f"socket:[{inode}]" in links)
+    return held
+
+
+def burst_split(proc: Twistd, connections: int, rounds: int = 1) -> Counter[int]:
+    """Open ``connections`` connections to crossbar at once (a burst), send
+    ``GET /_crossbar/livez`` ``rounds`` times on each (kept alive, each answered 200),
+    and count which worker accepted each."""
+    assert proc.port is not None
+    clients = [http.client.HTTPConnection("127.0.0.1", proc.port, timeout=30) for _ in range(connections)]
+    try:
+        for client in clients:
+            client.connect()
+        for _ in range(rounds):
+            for client in clients:
+                client.request("GET", "/_crossbar/livez")
+                response = client.getresponse()
+                response.read()
+                assert response.status == 200, response.status
+        return held_by_worker(proc, [client.sock for client in clients])
+    finally:
+        for client in clients:
+            client.close()
+
+
+class BurstTests(TestCase):
+    """Workers share a burst (DESIGN.md §Workers, issue 23): each has its own
+    ``SO_REUSEPORT`` socket, so the kernel spreads connections evenly, however fast
+    they come (one shared socket gave most of a burst to whichever worker woke first)."""
+
+    timeout = 120
+
+    async def test_a_burst_of_connections_is_shared_evenly(self) -> None:
+        proc = await start_workers(self, host_yaml("http://127.0.0.1:9"), ready=False)
+        burst = await deferToThread(burst_split, proc, 100)
+        self.assertEqual(sum(burst.values()), 100, burst)
+        self.assertGreaterEqual(min(burst[0], burst[1]), 25,
+                                f"a burst of 100 connections split {burst[0]}/{burst[1]} over 2 workers")
+        kept = await deferToThread(burst_split, proc, 16, 5)
+        self.assertEqual(sum(kept.values()), 16, kept)
+        self.assertGreaterEqual(min(kept[0], kept[1]), 1,
+                                f"16 kept-alive connections split {kept[0]}/{kept[1]} over 2 workers")
+
+    async def test_each_worker_accepts_on_its_own_socket(self) -> None:
+        """The supervisor bound one listening socket per worker (the same address, tcp6
+        too) and hands each worker its own: no socket is open in two workers."""
+        if not socket.has_ipv6:
+            self.skipTest("no IPv6 on this machine")
+        proc = await start_workers(self, r"listen: 'tcp6:0:interface=\:\:1'" + "\n" + host_yaml("http://127.0.0.1:9"),
+                                   ready=False)
+        sockets = _listening_inodes(proc)
+        listening = {}
+        for index, pid in worker_pids(proc).items():
+            links = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+            listening[index] = links & sockets
+        self.assertEqual(len(sockets), 2, "one listening socket per worker")
+        self.assertTrue(listening[0] and listening[1], listening)
+        self.assertFalse(listening[0] & listening[1], f"workers share a listening socket: {listening}")
+
+
+def _listening_inodes(proc: Twistd) -> set[str]:
+    """``socket:[inode]`` of every listening TCP socket on crossbar's port (v4 and v6)."""
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in open(table).read().splitlines()[1:]:
+            fields = line.split()
+            if int(fields[1].rsplit(":", 1)[1], 16) == proc.port and fields[3] == "0A":  # LISTEN
+                out.add(f"socket:[{fields[9]}]")
+    return out
 
 
 class ControlGroupTests(TestCase):
