@@ -123,27 +123,30 @@ class Twistd(ProcessProtocol):
     def text(self) -> str:
         return "\n".join(self.out + ["--- stderr ---"] + self.err)
 
-    def line(self, predicate: Callable[[str], bool], timeout: float = 20.0) -> Deferred[str]:
-        """Fires with the first output line (already seen or future) ``predicate`` accepts."""
+    def line(self, predicate: Callable[[str], bool], timeout: float = 20.0, what: str = "") -> Deferred[str]:
+        """Fires with the first output line (already seen or future) ``predicate`` accepts;
+        fails naming ``what`` it waited for (when given) if none comes within
+        ``timeout`` seconds or the process ends."""
         for line in self.out + self.err:
             if predicate(line):
                 d: Deferred[str] = Deferred()
                 d.callback(line)
                 return d
         d = Deferred()
+        waited = f" (waiting for: {what})" if what else ""
         if self.exit is not None:
-            d.errback(AssertionError("twistd ended; output:\n" + self.text()))
+            d.errback(AssertionError(f"twistd ended{waited}; output:\n" + self.text()))
             return d
         self._watchers.append((predicate, d))
-        timer = reactor.callLater(timeout, self._expire, d)  # type: ignore[attr-defined]
+        timer = reactor.callLater(timeout, self._expire, d, f"no line of {what} within {timeout}s" if what else "")  # type: ignore[attr-defined]
         d.addBoth(lambda r: (timer.cancel() if timer.active() else None, r)[1])
         return d
 
-    def _expire(self, d: Deferred[str]) -> None:
+    def _expire(self, d: Deferred[str], what: str) -> None:
         for watcher in list(self._watchers):
             if watcher[1] is d:
                 self._watchers.remove(watcher)
-                d.errback(AssertionError("no such line in time; output:\n" + self.text()))
+                d.errback(AssertionError((what or "no such line in time") + "; output:\n" + self.text()))
 
     def signal(self, sig: int) -> None:
         assert self.transport is not None
