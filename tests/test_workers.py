@@ -1132,6 +1132,36 @@ class BurstTests(TestCase):
         self.assertFalse(listening[0] & listening[1], f"workers share a listening socket: {listening}")
 
 
+class SocketActivationTests(TestCase):
+    """``systemd:`` socket activation with workers: the one inherited socket cannot be
+    split, so every worker accepts on it (README, "Workers")."""
+
+    timeout = 120
+
+    async def test_workers_share_the_inherited_socket(self) -> None:
+        upstream = FakeLlama()
+        url = await listen(self, upstream)
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(16)
+        self.addCleanup(sock.close)
+        port = sock.getsockname()[1]
+        proc = await start_workers(
+            self, 'listen: "systemd:domain=INET:index=0"\n' + host_yaml(url),
+            env={"LISTEN_FDS": "1", "LISTEN_FDNAMES": "crossbar.socket"},
+            child_fds={0: "w", 1: "r", 2: "r", 3: sock.fileno()},
+            argv_prefix=["/bin/sh", "-c", 'LISTEN_PID=$$; export LISTEN_PID; exec "$@"', "sh"],
+        )
+        self.assertEqual(proc.port, port)
+        inherited = f"socket:[{os.fstat(sock.fileno()).st_ino}]"
+        for index, pid in worker_pids(proc).items():
+            links = {os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")}
+            self.assertIn(inherited, links, f"worker {index} does not accept on the inherited socket")
+        http = fresh(self)
+        lines = await until_both_workers_served(self, proc, http, "r")
+        self.assertEqual({e["worker"] for e in lines}, {0, 1})
+
+
 def _listening_inodes(proc: Twistd) -> set[str]:
     """``socket:[inode]`` of every listening TCP socket on crossbar's port (v4 and v6)."""
     out = set()
