@@ -38,13 +38,13 @@ from treq.client import HTTPClient
 from zope.interface import implementer
 
 from crossbar.config import MAX_WORKERS, ConfigError, load_config, parse_config, usable_cpus
-from crossbar.process.supervisor import STALL, Supervisor, relay_log_line
+from crossbar.process.supervisor import STALL, Supervisor, WorkerTimings, relay_log_line
 from crossbar.process.worker import HEARTBEAT
 from tests.harness import FakeLlama, listen, port_of, wait_for
 from tests.process import ClientStream, Twistd, start_twistd
 
 JSONLOG = "crossbar.ops.jsonlog.observer"
-TEST_STALL = 6.0
+TEST_STALL = 8.0
 """Seconds of a worker's silence before it is killed, in the test of a wedged worker
 (production's :data:`~crossbar.process.supervisor.STALL` is 30): long enough that a
 worker starting on a loaded machine is not taken for a wedged one."""
@@ -992,6 +992,24 @@ class SupervisorRuleTests(SynchronousTestCase):
         silent.processEnded(Failure(ProcessTerminated(signal=9)))
         reactor.advance(30)
         self.assertIsNot(supervisor.workers[1], silent)  # restarted
+
+    def test_a_late_supervisor_judges_no_worker_until_it_has_read_them(self) -> None:
+        """When the supervisor's own reactor ran late (a loaded machine, a paused VM),
+        its workers' lines wait unread: nobody is killed at that check, only at the
+        next one if they are still silent."""
+        reactor = _SpawnReactor(failures=0)
+        supervisor = Supervisor(self.config(), reactor, environ={}, handle_signals=False,
+                                timings=WorkerTimings.with_stall(6.0))
+        supervisor.startService()
+        self.addCleanup(shutil.rmtree, supervisor.directory, True)
+        talking, silent = supervisor.workers
+        assert talking is not None and silent is not None
+        reactor.advance(30)  # one late check, five periods after the last
+        self.assertEqual((talking.transport.signals, silent.transport.signals), ([], []))  # type: ignore[union-attr]
+        talking.childDataReceived(4, b"alive\n")  # read now
+        reactor.advance(1)  # the next check, on time
+        self.assertEqual(talking.transport.signals, [])  # type: ignore[union-attr]
+        self.assertEqual(silent.transport.signals, ["KILL"])  # type: ignore[union-attr]
 
 
 class _SpawnReactor(MemoryReactorClock):

@@ -27,9 +27,9 @@ one socket and stays shared by every worker. It only supervises:
 Every socket stays open in this process, so a worker that dies loses no connection:
 what the kernel gave its socket meanwhile waits in the backlog for its replacement
 (a second or so; up to the back-off for one that keeps dying, and up to ``stall`` for
-one that is wedged: the price of an even split). A
-unix socket is refused with workers: Twisted's unix port of a worker that stops
-unlinks the socket's path and shuts the shared socket down for every worker.
+one that is wedged: the price of an even split). A unix socket is refused with
+workers: Twisted's unix port of a worker that stops unlinks the socket's path and
+shuts the shared socket down for every worker.
 
 Every worker polls every host itself: the poll load is N x 2 requests per host per
 ``health.interval``. Workers' log lines come to this process as JSON on their standard
@@ -282,12 +282,18 @@ class Supervisor(MultiService):
                               f"cannot make the workers' shared files in {self.directory}: {e.strerror or e}") from None
         for index in range(self.count):
             self._spawn(index)
-        self._stall_check = LoopingCall(self._kill_stalled)
+        self._stall_check = LoopingCall.withCount(self._kill_stalled)
         self._stall_check.clock = self.reactor
         self._stall_check.start(self.timings.stall / 6, now=False)
 
-    def _kill_stalled(self) -> None:
-        """Kill every worker silent for ``timings.stall`` seconds (it is then restarted)."""
+    def _kill_stalled(self, intervals: int) -> None:
+        """Kill every worker silent for ``timings.stall`` seconds (it is then restarted).
+
+        ``intervals``: check periods since the last check. More than one: this process
+        was not running either (a loaded machine, a paused VM) and has not read what
+        workers sent meanwhile, so nobody is judged until the next check."""
+        if intervals > 1:
+            return
         now = self.reactor.seconds()
         for process in self.workers:
             if process is None or process.ended or process.killed or now - process.heard_at < self.timings.stall:
