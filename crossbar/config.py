@@ -23,6 +23,8 @@ from crossbar.paths import is_forbidden
 __all__ = [
     "AffinitySettings",
     "ClientKey",
+    "ClusterSettings",
+    "KeyLimits",
     "Config",
     "ConfigError",
     "DrainSettings",
@@ -31,6 +33,7 @@ __all__ = [
     "HostTLSSettings",
     "OpsSettings",
     "QueueSettings",
+    "RedisURL",
     "Route",
     "Timeouts",
     "MAX_WORKERS",
@@ -183,6 +186,58 @@ class AffinitySettings:
 
 
 @dataclass(frozen=True)
+class KeyLimits:
+    """``routes.<r>.keys.<k>.limits:`` (DESIGN.md §Access); each None when absent (off).
+
+    :ivar requests_per_minute: requests admitted in any sliding 60 s.
+    :ivar tokens_per_minute: tokens (prompt + generated, as the hosts report them)
+        spent in any sliding 60 s, beyond which no new request is admitted.
+    :ivar tokens_per_day: tokens spent in one UTC day, likewise.
+    """
+
+    requests_per_minute: int | None = None
+    tokens_per_minute: int | None = None
+    tokens_per_day: int | None = None
+
+    def __bool__(self) -> bool:
+        return any(v is not None for v in (self.requests_per_minute, self.tokens_per_minute, self.tokens_per_day))
+
+
+@dataclass(frozen=True)
+class RedisURL:
+    """Where the Redis of ``cluster.redis`` is (DESIGN.md §Several crossbars).
+
+    :ivar tls: ``rediss://`` (verified against the system trust store).
+    :ivar host: its host name or address; :ivar port: its TCP port (default 6379).
+    :ivar db: the database number (the URL's path, default 0).
+    :ivar username: for Redis 6 ACLs, or None; :ivar password: or None; left out of
+        ``repr()``.
+    """
+
+    tls: bool
+    host: str
+    port: int = 6379
+    db: int = 0
+    username: str | None = field(default=None, repr=False)
+    password: str | None = field(default=None, repr=False)
+
+    def display(self) -> str:
+        """The URL without its credentials (for logs and status)."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{'rediss' if self.tls else 'redis'}://{host}:{self.port}/{self.db}"
+
+
+@dataclass(frozen=True)
+class ClusterSettings:
+    """``cluster:`` (DESIGN.md §Several crossbars): several crossbars share counts.
+
+    :ivar redis: the Redis they share them through.
+    """
+
+    redis: RedisURL
+
+
+@dataclass(frozen=True)
 class ClientKey:
     """One client key of a route (DESIGN.md §Access).
 
@@ -190,6 +245,7 @@ class ClientKey:
     :ivar secret: what clients send as ``Authorization: Bearer <secret>``; left out of
         ``repr()``.
     :ivar max_inflight: this key's requests in flight or waiting at once, or None.
+    :ivar limits: requests and tokens per minute, tokens per day (all off by default).
     :ivar digest: SHA-256 of the UTF-8 secret (what :func:`crossbar.proxy.access.authorize`
         compares, so the comparison's time does not depend on the secret's length).
     """
@@ -197,6 +253,7 @@ class ClientKey:
     name: str
     secret: str = field(repr=False)
     max_inflight: int | None = None
+    limits: KeyLimits = field(default_factory=KeyLimits)
     digest: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -256,6 +313,7 @@ class Config:
 
     :ivar workers: processes sharing the listener (``auto`` already resolved to the
         usable CPUs, DESIGN.md §Workers).
+    :ivar cluster: where several crossbars share their counts, or None (one box).
     :ivar warnings: one line each for settings that load but are probably mistakes (a
         host URL ending in ``/v1``, ``tls.verify: false``); :func:`load_config` logs them.
     :ivar text: the YAML text this config was parsed from (with ``workers``, the
@@ -272,6 +330,7 @@ class Config:
     ops: OpsSettings = field(default_factory=OpsSettings)
     source: str = "<config>"
     workers: int = 1
+    cluster: ClusterSettings | None = None
     warnings: tuple[str, ...] = field(default=(), compare=False)
     text: str = field(default="", compare=False, repr=False)
 
@@ -579,7 +638,7 @@ def _join(key: str, sub: str) -> str:
 
 _ROUTE_CHARS = "letters, digits and -._~!$&'()*+,;=:@ only"
 _ROUTE_NAME = re.compile(r"[A-Za-z0-9\-._~!$&'()*+,;=:@]+\Z")  # RFC 3986 pchar, no %-escapes
-_TOP_KEYS = ("listen", "health", "timeouts", "drain", "ops", "workers", "hosts", "routes")
+_TOP_KEYS = ("listen", "health", "timeouts", "drain", "ops", "workers", "cluster", "hosts", "routes")
 _HOST_KEYS = ("url", "weight", "max_inflight", "api_key", "tls")
 _TLS_KEYS = ("ca", "verify", "client_cert", "client_key")
 _ROUTE_KEYS = ("hosts", "default_model", "primary", "queue", "affinity", "keys", "aliases", "paths")
@@ -680,6 +739,7 @@ def parse_config(text: str, path: str = "<config>", environ: Mapping[str, str] |
     ops = OpsSettings(token=None if token_raw is None else c.header_secret("ops.token", token_raw))
 
     workers = _workers(c, top.get("workers", 1))
+    cluster = _cluster(c, top)
     hosts = _hosts(c, top["hosts"])
     routes = _routes(c, top["routes"], hosts)
     return Config(
@@ -692,6 +752,7 @@ def parse_config(text: str, path: str = "<config>", environ: Mapping[str, str] |
         ops=ops,
         source=path,
         workers=workers,
+        cluster=cluster,
         warnings=tuple(c.warnings),
         text=text,
     )
@@ -713,6 +774,73 @@ def _workers(c: _Checker, raw: Any) -> int:
     if workers > MAX_WORKERS:
         raise c.fail("workers", f"must be at most {MAX_WORKERS}, not {workers}")
     return workers
+
+
+def _cluster(c: _Checker, top: dict[str, Any]) -> ClusterSettings | None:
+    """``cluster: {redis: URL}`` (DESIGN.md §Several crossbars); None when absent."""
+    if top.get("cluster") is None:
+        return None
+    body = c.mapping("cluster", top["cluster"])
+    c.known_keys("cluster", body, ("redis",))
+    if body.get("redis") is None:
+        raise c.fail("cluster.redis", "is required (a redis:// or rediss:// URL)")
+    return ClusterSettings(redis=_redis_url(c, "cluster.redis", body["redis"]))
+
+
+_REDIS_URL = re.compile(
+    r"(?P<scheme>rediss?)://(?:(?P<userinfo>[^@/?#\s]*)@)?(?P<host>\[[^\]/]*\]|[^:/?#@\s\[\]]+)"
+    r"(?::(?P<port>[^/?#]*))?(?:/(?P<db>[^?#]*))?\Z"
+)
+
+
+def _redis_url(c: _Checker, key: str, raw: Any) -> RedisURL:
+    """``redis://[[user]:password@]host[:port][/db]`` or ``rediss://...``. The URL (its
+    password in particular) is never quoted back: it may hold a secret from ``${VAR}``."""
+    text = c.string(key, raw).strip()
+    m = _REDIS_URL.match(text)
+    if m is None:
+        raise c.fail(key, "must be redis://[:password@]host[:port][/db] or rediss://... "
+                          "(the URL is not quoted here: it may hold a password)")
+    host = m.group("host")
+    if host.startswith("["):
+        host = host[1:-1]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise c.fail(key, "the host in brackets is not an IPv6 address") from None
+    port = 6379
+    if m.group("port"):
+        if not m.group("port").isdigit() or not 0 < int(m.group("port")) < 65536:
+            raise c.fail(key, "the port must be a number from 1 to 65535")
+        port = int(m.group("port"))
+    db = 0
+    if m.group("db"):
+        if not m.group("db").isdigit() or int(m.group("db")) > 10000:
+            raise c.fail(key, "the database (the URL's path) must be a whole number such as /0")
+        db = int(m.group("db"))
+    username: str | None = None
+    password: str | None = None
+    userinfo = m.group("userinfo")
+    if userinfo:
+        user, colon, secret = userinfo.partition(":")
+        if colon:
+            password = unquote(secret) or None
+            username = unquote(user) or None
+        else:  # redis://secret@host: the common shorthand for a password alone
+            password = unquote(user) or None
+    return RedisURL(tls=m.group("scheme") == "rediss", host=host, port=port, db=db, username=username,
+                    password=password)
+
+
+def _limits(c: _Checker, key: str, raw: Any) -> KeyLimits:
+    """``keys.<k>.limits`` (DESIGN.md §Access): each a whole number of at least 1."""
+    if raw is None:
+        return KeyLimits()
+    body = c.mapping(key, raw)
+    names = ("requests_per_minute", "tokens_per_minute", "tokens_per_day")
+    c.known_keys(key, body, names)
+    values = {n: None if body.get(n) is None else c.count(f"{key}.{n}", body[n]) for n in names}
+    return KeyLimits(**values)
 
 
 def _hosts(c: _Checker, raw: Any) -> dict[str, Host]:
@@ -1012,19 +1140,22 @@ def _keys(
         if not name or not all(ch.isprintable() and not ch.isspace() for ch in name):
             raise c.fail(kkey, "a key name must be non-empty, without spaces or control characters")
         max_inflight: int | None = None
+        limits = KeyLimits()
         if isinstance(value, dict):
             entry = c.mapping(kkey, value)
-            c.known_keys(kkey, entry, ("secret", "max_inflight"))
+            c.known_keys(kkey, entry, ("secret", "max_inflight", "limits"))
             if entry.get("secret") is None:
                 raise c.fail(f"{kkey}.secret", "is required")
             secret = c.header_secret(f"{kkey}.secret", entry["secret"])
             if entry.get("max_inflight") is not None:
                 max_inflight = c.count(f"{kkey}.max_inflight", entry["max_inflight"])
+            limits = _limits(c, f"{kkey}.limits", entry.get("limits"))
         elif isinstance(value, str):
             secret = c.header_secret(kkey, value)
         else:
-            raise c.fail(kkey, f"must be a secret (a string) or a mapping with secret and max_inflight, not {_kind(value)}")
-        client_key = ClientKey(name=name, secret=secret, max_inflight=max_inflight)
+            raise c.fail(kkey, f"must be a secret (a string) or a mapping with secret, max_inflight and limits, "
+                               f"not {_kind(value)}")
+        client_key = ClientKey(name=name, secret=secret, max_inflight=max_inflight, limits=limits)
         earlier = secrets.setdefault(client_key.digest, (kkey, name))
         if earlier[1] != name:
             raise c.fail(kkey, f"has the same secret as {earlier[0]} (a secret names one key in the whole config)")

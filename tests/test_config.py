@@ -188,7 +188,7 @@ class StructureTests(_Case):
     def test_unknown_top_level_key(self) -> None:
         self.assertRejected(
             MINIMAL + "lissen: tcp:1\n",
-            "x.yaml: lissen: unknown key (expected one of: listen, health, timeouts, drain, ops, workers, hosts, routes)",
+            "x.yaml: lissen: unknown key (expected one of: listen, health, timeouts, drain, ops, workers, cluster, hosts, routes)",
         )
 
     def test_unknown_key_in_health(self) -> None:
@@ -615,7 +615,7 @@ class YAMLTests(_Case):
     def test_control_characters_in_keys_stay_on_one_line(self) -> None:
         self.assertRejected(
             MINIMAL + '"a\\nb": 1\n',
-            "x.yaml: a\\nb: unknown key (expected one of: listen, health, timeouts, drain, ops, workers, hosts, routes)",
+            "x.yaml: a\\nb: unknown key (expected one of: listen, health, timeouts, drain, ops, workers, cluster, hosts, routes)",
         )
 
 
@@ -1129,10 +1129,10 @@ class ClientKeyTests(_Case):
         self.rejected({"al ice": "s-1"}, ".al ice", "a key name must be non-empty, without spaces or control characters")
 
     def test_type_errors(self) -> None:
-        self.rejected({"alice": 1234}, ".alice", "must be a secret (a string) or a mapping with secret and max_inflight, not a number")
+        self.rejected({"alice": 1234}, ".alice", "must be a secret (a string) or a mapping with secret, max_inflight and limits, not a number")
         self.rejected({"alice": {"secret": 1234}}, ".alice.secret", "must be a string, not a number")
         self.rejected({"alice": {"secret": "s", "max_inflight": 0}}, ".alice.max_inflight", "must be at least 1, not 0")
-        self.rejected({"alice": {"secret": "s", "limit": 1}}, ".alice.limit", "unknown key (expected one of: secret, max_inflight)")
+        self.rejected({"alice": {"secret": "s", "limit": 1}}, ".alice.limit", "unknown key (expected one of: secret, max_inflight, limits)")
         self.rejected(["alice"], "", "must be a mapping, not a list")
 
     def test_same_secret_under_two_names(self) -> None:

@@ -127,7 +127,7 @@ class BadConfigTests(_TwistdCase):
         self.assertStartupFails(
             path,
             f"crossbar: {path}: helth: unknown key "
-            "(expected one of: listen, health, timeouts, drain, ops, workers, hosts, routes)",
+            "(expected one of: listen, health, timeouts, drain, ops, workers, cluster, hosts, routes)",
         )
 
     def test_unknown_host_in_route(self) -> None:

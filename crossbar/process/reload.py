@@ -46,8 +46,8 @@ def next_config(
     Reads ``running.source`` again (or validates ``text``: a worker's snapshot of what
     its supervisor accepted). Refused, with one error line on ``log``: a file that does
     not load, a new ``listen`` that start-up would refuse, or what ``check`` raises
-    (:class:`~crossbar.config.ConfigError`) for the config to be swapped in. ``listen``
-    and ``workers`` apply only at a restart: a change is logged as a warning and the
+    (:class:`~crossbar.config.ConfigError`) for the config to be swapped in. ``listen``,
+    ``workers`` and ``cluster`` apply only at a restart: a change is logged as a warning and the
     running value kept (DESIGN.md §Operations).
 
     :param reactor: parses a new ``listen`` (:func:`~crossbar.process.listen.listen_endpoint`).
@@ -57,7 +57,7 @@ def next_config(
         new = load_config(running.source, text=text)
         if new.listen != running.listen:
             listen_endpoint(reactor, new)  # a file start-up would refuse is refused
-        kept = replace(new, listen=running.listen, workers=running.workers)
+        kept = replace(new, listen=running.listen, workers=running.workers, cluster=running.cluster)
         if check is not None:
             check(kept)
     except ConfigError as e:
@@ -69,6 +69,8 @@ def next_config(
     if new.workers != running.workers:
         log.warn("reload: workers changed from {old} to {new}; a restart is needed to apply it",
                  old=running.workers, new=new.workers)
+    if new.cluster != running.cluster:
+        log.warn("reload: cluster changed; a restart is needed to apply it")
     return kept
 
 

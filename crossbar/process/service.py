@@ -32,6 +32,7 @@ from crossbar.hosts.poller import HealthPoller, HTTPProbe
 from crossbar.proxy.exchange import ProxyResource
 from crossbar.ops.record import RequestLog
 from crossbar.process.reload import REFUSED, SIGHUPReload, catch_second_stop_signal, next_config, plan_reload
+from crossbar.state.cluster import ClusterCollector, RedisCluster
 from crossbar.state.runtime import Runtime
 from crossbar.upstream.tls import HostTLS
 from crossbar.ops.systemd import Notifier, SystemdNotifier, watchdog_interval
@@ -94,6 +95,11 @@ class CrossbarService(MultiService):
             restarts=worker_counts.restarts if worker_counts is not None else None,
             draining=lambda: runtime.drained,
         ))
+        self.cluster: RedisCluster | None = None
+        if config.cluster is not None:  # DESIGN.md §Several crossbars
+            self.cluster = RedisCluster(config.cluster.redis, reactor, on_change=runtime.others_changed)
+            runtime.join(self.cluster)
+            self.metrics.registry.register(ClusterCollector(self.cluster))
         self.requests = RequestLog(self.metrics)
         # The dashboard's recent requests: one append per request; with workers, every
         # worker's are read from its file in the workers' state directory.
@@ -183,6 +189,8 @@ class CrossbarService(MultiService):
         if self._others_wake is not None:
             self._others_wake.start(WORKERS_WAKE_INTERVAL, now=False)
         self._recent_tick.start(TICK, now=False)
+        if self.cluster is not None:
+            self.cluster.start()
         # Everything loaded so far (Twisted, TLS support, klein, prometheus_client: most of
         # the heap) lives as long as the process: keep the cyclic GC from scanning it
         # again on every full collection, which stalled requests for tens of ms.
@@ -199,6 +207,8 @@ class CrossbarService(MultiService):
             self._others_wake.stop()
         if self._recent_tick.running:
             self._recent_tick.stop()
+        if self.cluster is not None:
+            await self.cluster.stop()
         try:
             await super().stopService()
         finally:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     from crossbar.state.worker_counts import WorkerCounts
+    from crossbar.state.cluster import ClusterView
 
 __all__ = ["Inflight", "Lease"]
 
@@ -26,6 +27,8 @@ class Inflight:
         away from a host: a slot freed (the route queues listen here).
     :ivar fleet: with workers, where this worker's counts are published and the
         fleet's are read (DESIGN.md §Workers); None for one process.
+    :ivar cluster: with ``cluster.redis``, the other instances' counts and where this
+        one's go (DESIGN.md §Several crossbars); None without.
     """
 
     def __init__(self, on_release: Callable[[], None] | None = None) -> None:
@@ -33,16 +36,29 @@ class Inflight:
         self._by_route_host: Counter[tuple[str, str]] = Counter()
         self.on_release = on_release
         self.fleet: WorkerCounts | None = None
+        self.cluster: ClusterView | None = None
 
     def host(self, host: str) -> int:
         """Requests in flight to ``host`` over every route (0 for an unknown host),
-        from every worker when there are several."""
+        from every worker when there are several, from every instance with a cluster
+        that answers (each worker is an instance of its own there)."""
+        cluster = self.cluster
+        if cluster is not None and cluster.joined:
+            name = f"h\0{host}"
+            n = self._by_host.get(host, 0) + cluster.others(name)
+            # Until Redis has this instance's latest rise, each other instance may have
+            # taken a slot unseen (DESIGN.md: max_inflight exceeded by at most instances - 1).
+            return n + cluster.instances() - 1 if cluster.unsettled(name) else n
         if self.fleet is not None:
             return self.fleet.host(host)
         return self._by_host.get(host, 0)
 
     def publish(self) -> None:
-        """Write every count of this process to :attr:`fleet` (after a reload)."""
+        """Write every count of this process to :attr:`fleet` (after a reload) and to
+        :attr:`cluster`."""
+        if self.cluster is not None:
+            for host, n in self._by_host.items():
+                self.cluster.set(f"h\0{host}", n)
         if self.fleet is not None:
             for (route, host), n in self._by_route_host.items():
                 self.fleet.publish_inflight(route, host, n, self._by_host.get(host, 0))
@@ -67,6 +83,8 @@ class Inflight:
         self._by_route_host[(route, host)] += 1
         if self.fleet is not None:
             self.fleet.publish_inflight(route, host, self._by_route_host[(route, host)], self._by_host[host])
+        if self.cluster is not None:
+            self.cluster.set(f"h\0{host}", self._by_host[host])
         return Lease(self, route, host)
 
     def _leave(self, route: str, host: str) -> None:
@@ -78,6 +96,8 @@ class Inflight:
             self._by_route_host[(route, host)] -= 1
         if self.fleet is not None:
             self.fleet.publish_inflight(route, host, self._by_route_host[(route, host)], self._by_host.get(host, 0))
+        if self.cluster is not None:
+            self.cluster.set(f"h\0{host}", self._by_host.get(host, 0))
         if self.on_release is not None:
             self.on_release()
 

@@ -18,6 +18,7 @@ from typing import Any, Callable
 from crossbar.hosts.balance import Rotation
 from crossbar.config import Config, Route
 from crossbar.state.worker_counts import WorkerCounts
+from crossbar.state.cluster import ClusterView
 from crossbar.hosts.health import HealthTable
 from crossbar.state.inflight import Inflight
 from crossbar.state.queue import RouteQueues
@@ -59,6 +60,7 @@ class Runtime:
         self.affinity_counts: Counter[tuple[str, str]] = Counter()
         self.key_inflight: Counter[tuple[str, str]] = Counter()
         self.fleet: WorkerCounts | None = None
+        self.cluster: ClusterView | None = None
         self.active: set[Any] = set()
         self.draining = False
         self.drained: set[str] = set()
@@ -74,6 +76,20 @@ class Runtime:
         self.queues.on_change = self._publish_queue
         self.republish()
 
+    def join(self, cluster: ClusterView) -> None:
+        """Share this process's in-flight counts (per host, per client key) with the
+        other instances of ``cluster`` and count theirs (DESIGN.md §Several crossbars)."""
+        self.cluster = cluster
+        self.inflight.cluster = cluster
+        self.inflight.publish()
+        for route, key in self.key_inflight:
+            self._publish_key(route, key)
+
+    def others_changed(self) -> None:
+        """Another instance's counts changed: a slot may have freed there."""
+        if len(self.queues):
+            self.queues.wake()
+
     def republish(self) -> None:
         """Write every count of this process to the fleet again (after the fleet's
         names changed with a reload)."""
@@ -88,6 +104,8 @@ class Runtime:
             self._publish_key(route, key)
 
     def _publish_key(self, route: str, key: str) -> None:
+        if self.cluster is not None:
+            self.cluster.set(f"k\0{route}\0{key}", self.key_inflight[(route, key)])
         if self.fleet is not None:
             self.fleet.publish_key(route, key, self.key_inflight[(route, key)])
 
@@ -172,6 +190,9 @@ class Runtime:
         limit = settings.max_inflight if settings is not None else None
         if limit is None:
             return True
+        cluster = self.cluster
+        if cluster is not None and cluster.joined:  # every instance's (§Several crossbars)
+            return self.key_inflight[(route.name, key)] + cluster.others(f"k\0{route.name}\0{key}") < limit
         if self.fleet is not None:  # every worker's requests of this key (§Workers)
             return self.fleet.key(route.name, key) < limit
         return self.key_inflight[(route.name, key)] < limit

@@ -1,0 +1,417 @@
+"""Counts shared by several crossbars through Redis (DESIGN.md §Several crossbars).
+
+Each crossbar process (an *instance*: a whole crossbar, or one worker of one) keeps its
+own counts -- requests in flight per host, per (route, host) and per client key -- in
+one Redis hash of its own, ``crossbar:inst:<id>``, that expires :data:`TTL` seconds
+after the instance last renewed it, and is listed in the sorted set ``crossbar:live``
+(score: when it expires). Every write also PUBLISHes the changed fields (with a sequence
+number) on one channel, so every other instance's view follows within a reactor turn
+and a slot freed anywhere wakes the requests waiting everywhere (§Choosing a host,
+rule 4). Every :data:`RESYNC` seconds an instance reads every live hash back (one Lua
+script): this drops an instance that died (its hash expired) and mends anything a
+lost message missed.
+
+Nothing on the request path waits for Redis: :meth:`RedisCluster.set` only notes the
+new value (it is written at the end of the reactor turn), :meth:`RedisCluster.others`
+reads the cached view. A reply that takes longer than :data:`BOUND` seconds, or a
+connection that is gone, turns the instance *alone*: it logs it once, drops the other
+instances' counts (room and limits then count this instance alone, as without
+``cluster``), stays ready, and rejoins -- writing its whole state again -- once a read
+succeeds.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Callable, Iterable, Protocol
+
+import txredisapi
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from twisted.internet.defer import Deferred, DeferredList, fail, succeed
+from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
+from twisted.internet.ssl import optionsForClientTLS
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from crossbar.config import RedisURL
+
+__all__ = ["BOUND", "HEARTBEAT", "RESYNC", "TTL", "ClusterCollector", "ClusterView", "RedisCluster"]
+
+_log = Logger(namespace="crossbar.cluster")
+
+TTL = 6.0
+"""Seconds an instance's counts outlive its last renewal (a crashed instance's requests
+stop counting within TTL + RESYNC < 10 s)."""
+HEARTBEAT = 2.0
+"""Seconds between renewals of this instance's hash."""
+RESYNC = 1.0
+"""Seconds between full reads of every live instance's counts."""
+BOUND = 0.05
+"""Seconds a Redis reply may take before the instance goes on alone (§Several crossbars)."""
+
+_SEQ = "#seq"
+
+_WRITE = """
+redis.call('HSET', KEYS[1], '#seq', ARGV[3], unpack(ARGV, 5))
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+local t = redis.call('TIME')
+redis.call('ZADD', KEYS[2], tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[1]), ARGV[2])
+if #ARGV > 4 then redis.call('PUBLISH', KEYS[3], ARGV[4]) end
+return 1
+"""
+"""KEYS: own hash, live set, channel; ARGV: ttl ms, instance, seq, message, field,
+value, ... (HSET with several pairs: Redis >= 4)."""
+
+_READ = """
+local t = redis.call('TIME')
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
+local ids = redis.call('ZRANGE', KEYS[1], 0, -1)
+local out = {}
+for _, id in ipairs(ids) do
+  out[#out + 1] = id
+  out[#out + 1] = redis.call('HGETALL', ARGV[1] .. id)
+end
+return out
+"""
+"""KEYS: live set; ARGV: the hashes' prefix. Returns id, [field, value, ...], ..."""
+
+_LEAVE = """
+redis.call('DEL', KEYS[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('PUBLISH', KEYS[3], ARGV[2])
+return 1
+"""
+
+
+class ClusterView(Protocol):
+    """What the counts of :mod:`crossbar.state.inflight` and the runtime need of a
+    cluster: a view of the other instances' counts and a place to put this one's."""
+
+    @property
+    def joined(self) -> bool:
+        """True while the other instances' counts are known (Redis answers)."""
+
+    def others(self, name: str) -> int:
+        """The sum of count ``name`` over every other live instance (0 when alone)."""
+
+    def set(self, name: str, value: int) -> None:
+        """This instance's count ``name`` is now ``value`` (never waits)."""
+
+    def unsettled(self, name: str) -> bool:
+        """This instance raised count ``name`` and Redis has not acknowledged it yet
+        (the other instances may not have seen it, nor this one theirs)."""
+
+    def instances(self) -> int:
+        """Live instances known, this one included (1 when alone)."""
+
+
+class RedisCluster:
+    """This instance's share of the counts of several crossbars (see the module doc).
+
+    :param url: the Redis (``cluster.redis``).
+    :param reactor: the reactor (connections, timers).
+    :param on_change: called (no arguments) when another instance's counts changed:
+        a slot may have freed (the runtime wakes its queues).
+    :param instance: this instance's id (default: a fresh random one).
+    :ivar joined: see :class:`ClusterView`.
+    :ivar lost: how many times this instance went on alone (for the metrics).
+    """
+
+    def __init__(self, url: RedisURL, reactor: Any, on_change: Callable[[], None] | None = None,
+                 instance: str | None = None) -> None:
+        self.url = url
+        self.reactor = reactor
+        self.on_change = on_change
+        self.instance = instance or uuid.uuid4().hex
+        prefix = "crossbar:"
+        self._hash_prefix = prefix + "inst:"
+        self._hash = self._hash_prefix + self.instance
+        self._live = prefix + "live"
+        self._channel = f"{prefix}{url.db}:changes"
+        self.joined = False
+        self.lost = 0
+        self._mine: dict[str, int] = {}
+        self._dirty: set[str] = set()
+        self._rising: set[str] = set()
+        self._pending: dict[str, int] = {}
+        self._flush_call: Any = None
+        self._seq = 0
+        self._views: dict[str, tuple[int, dict[str, int]]] = {}
+        self._totals: dict[str, int] = {}
+        self._factory: Any = None
+        self._subscriber: Any = None
+        self._resync = LoopingCall(self.resync)
+        self._resync.clock = reactor
+        self._heartbeat = LoopingCall(self._renew)
+        self._heartbeat.clock = reactor
+        self._reading = False
+        self._said_alone = False
+
+    # -- the view -------------------------------------------------------------------
+
+    def others(self, name: str) -> int:
+        """See :class:`ClusterView`."""
+        return self._totals.get(name, 0) if self.joined else 0
+
+    def instances(self) -> int:
+        """Live instances known, this one included (1 when alone)."""
+        return len(self._views) + 1 if self.joined else 1
+
+    def unsettled(self, name: str) -> bool:
+        """See :class:`ClusterView`. While a host's count is unsettled, the runtime
+        counts one more request for each other instance (one each may have taken a
+        slot this instance cannot see yet): so a burst on every instance at once
+        exceeds ``max_inflight`` by at most the number of instances - 1."""
+        return self.joined and (name in self._rising or name in self._pending)
+
+    def set(self, name: str, value: int) -> None:
+        """See :class:`ClusterView`: written to Redis at the end of this reactor turn."""
+        old = self._mine.get(name, 0)
+        if old == value and name not in self._dirty:
+            return
+        if value > old and self.joined:
+            self._rising.add(name)
+        self._mine[name] = value
+        self._dirty.add(name)
+        if self._flush_call is None and self.joined:
+            self._flush_call = self.reactor.callLater(0, self._flush)
+
+    # -- connecting -----------------------------------------------------------------
+
+    def start(self) -> None:
+        """Connect (in the background) and keep the view fresh."""
+        url = self.url
+        endpoint = self._endpoint()
+        factory = txredisapi.RedisFactory(
+            f"{url.host}:{url.port}", url.db, 1, isLazy=True, charset="utf-8", password=url.password,
+            replyTimeout=None, convertNumbers=False, username=url.username,
+        )
+        factory.maxDelay = 1.0  # rejoin within about a second of Redis answering again
+        factory.initialDelay = 0.1
+        factory.startConnecting(endpoint)
+        self._factory = factory
+        subscriber = _SubscriberFactory(self)
+        subscriber.password = url.password
+        subscriber.username = url.username
+        subscriber.maxDelay = 1.0
+        subscriber.initialDelay = 0.1
+        subscriber.startConnecting(self._endpoint())
+        self._subscriber = subscriber
+        self._resync.start(RESYNC, now=False)
+        self._heartbeat.start(HEARTBEAT, now=False)
+        self.reactor.callLater(0, self.resync)
+
+    def _endpoint(self) -> Any:
+        url = self.url
+        endpoint: Any = HostnameEndpoint(self.reactor, url.host, url.port, timeout=max(BOUND * 20, 1.0))
+        if url.tls:
+            endpoint = wrapClientTLS(optionsForClientTLS(url.host), endpoint)
+        return endpoint
+
+    def stop(self) -> Deferred[Any]:
+        """Remove this instance's counts from Redis (best effort) and disconnect."""
+        for loop in (self._resync, self._heartbeat):
+            if loop.running:
+                loop.stop()
+        if self._flush_call is not None and self._flush_call.active():
+            self._flush_call.cancel()
+        self._flush_call = None
+        def disconnect(_: object) -> Deferred[Any]:
+            ds = [f.disconnect() for f in (self._factory, self._subscriber) if f is not None]
+            return DeferredList(ds, consumeErrors=True)
+
+        if self._factory is None:
+            return succeed(None)
+        leave: Deferred[Any] = succeed(None)
+        if self.joined and self._factory.size:
+            gone = json.dumps([self.instance, -1, None])
+            leave = self._command("eval", _LEAVE, [self._hash, self._live, self._channel], [self.instance, gone])
+            leave.addErrback(lambda _: None)
+        self.joined = False
+        return leave.addCallback(disconnect)
+
+    # -- Redis commands -------------------------------------------------------------
+
+    def _command(self, name: str, *args: Any) -> Deferred[Any]:
+        """Run one command with the :data:`BOUND` on its reply; errbacks with
+        ConnectionError at once when no connection is up (nothing queues up)."""
+        factory = self._factory
+        if factory is None or not factory.size:
+            return fail(txredisapi.ConnectionError("not connected"))
+        d: Deferred[Any] = getattr(factory.handler, name)(*args)
+        d.addTimeout(BOUND, self.reactor)
+        return d
+
+    def _flush(self) -> None:
+        self._flush_call = None
+        if not self.joined or not self._dirty:
+            return
+        fields = {name: self._mine[name] for name in self._dirty}
+        self._dirty.clear()
+        self._write(fields)
+
+    def _write(self, fields: dict[str, int]) -> None:
+        self._seq += 1
+        seq = self._seq
+        for name in self._rising:
+            self._pending[name] = seq
+        self._rising.clear()
+        message = json.dumps([self.instance, self._seq, fields]) if fields else ""
+        args: list[Any] = [int(TTL * 1000), self.instance, self._seq, message]
+        for name, value in fields.items():
+            args += [name, value]
+        d = self._command("eval", _WRITE, [self._hash, self._live, self._channel], args)
+        d.addCallbacks(self._written, self._failed, callbackArgs=(seq,), errbackArgs=("write",))
+
+    def _written(self, _: object, seq: int) -> None:
+        settled = [name for name, at in self._pending.items() if at <= seq]
+        for name in settled:
+            del self._pending[name]
+        if settled:
+            self._changed()  # room held back for the acknowledgement is free again
+
+    def _renew(self) -> None:
+        if self.joined:
+            self._write({})
+
+    def resync(self) -> None:
+        """Read every live instance's counts (and find out whether Redis answers)."""
+        if self._reading:
+            return
+        self._reading = True
+        d = self._command("eval", _READ, [self._live], [self._hash_prefix])
+        d.addCallbacks(self._read, self._failed, errbackArgs=("read",))
+        d.addBoth(self._read_done)
+
+    def _read_done(self, result: object) -> None:
+        self._reading = False
+
+    def _read(self, reply: list[Any]) -> None:
+        views: dict[str, tuple[int, dict[str, int]]] = {}
+        for i in range(0, len(reply) - 1, 2):
+            instance = _text(reply[i])
+            if instance == self.instance:
+                continue
+            flat = reply[i + 1] or []
+            fields = {_text(flat[j]): int(flat[j + 1]) for j in range(0, len(flat) - 1, 2)}
+            seq = fields.pop(_SEQ, 0)
+            known = self._views.get(instance)
+            views[instance] = known if known is not None and known[0] > seq else (seq, fields)
+        self._views = views
+        self._recount()
+        if not self.joined:
+            self.joined = True
+            self._said_alone = False
+            _log.info("cluster: sharing counts through Redis at {url} ({n} other instances)",
+                      url=self.url.display(), n=len(views))
+            self._dirty.update(self._mine)
+            self._write(dict(self._mine))
+            self._dirty.clear()
+        self._changed()
+
+    def _failed(self, failure: Failure, what: str) -> None:
+        if self.joined or not self._said_alone:
+            self._said_alone = True
+            _log.warn("cluster: Redis at {url} did not answer a {what} within {bound} ms ({error}); "
+                      "counting this instance's requests alone until it does",
+                      url=self.url.display(), what=what, bound=int(BOUND * 1000),
+                      error=failure.getErrorMessage() or repr(failure.value))
+        if self.joined:
+            self.lost += 1
+            self.joined = False
+            self._views = {}
+            self._totals = {}
+            self._pending.clear()
+            self._rising.clear()
+            self._changed()
+
+    # -- messages from other instances ----------------------------------------------
+
+    def message(self, data: str | bytes) -> None:
+        """One message on the channel (the subscriber's call)."""
+        if not self.joined:
+            return
+        try:
+            instance, seq, fields = json.loads(data)
+        except (ValueError, TypeError):
+            return
+        if instance == self.instance:
+            return
+        if fields is None:  # an instance that stopped
+            self._views.pop(instance, None)
+        else:
+            known = self._views.get(instance)
+            if known is not None and known[0] >= seq:
+                return
+            values = dict(known[1]) if known is not None else {}
+            values.update({str(k): int(v) for k, v in fields.items()})
+            self._views[instance] = (int(seq), values)
+        self._recount()
+        self._changed()
+
+    def _recount(self) -> None:
+        totals: dict[str, int] = {}
+        for _, fields in self._views.values():
+            for name, value in fields.items():
+                if value:
+                    totals[name] = totals.get(name, 0) + value
+        self._totals = totals
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change()
+
+
+def _text(value: str | bytes) -> str:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
+class _SubscriberFactory(txredisapi.SubscriberFactory):  # type: ignore[misc]
+    """txredisapi's subscriber, subscribed on every (re)connection, messages to the
+    cluster."""
+
+    def __init__(self, cluster: RedisCluster) -> None:
+        super().__init__(isLazy=True)
+        self.cluster = cluster
+
+    def buildProtocol(self, addr: Any) -> Any:
+        protocol = super().buildProtocol(addr)
+        cluster = self.cluster
+        protocol.messageReceived = lambda pattern, channel, message: cluster.message(message)
+
+        def subscribe(p: Any) -> Any:
+            d = p.subscribe(cluster._channel)
+            d.addErrback(lambda _: None)
+            # Whatever was published while the subscriber was away is mended by a read.
+            cluster.reactor.callLater(0, cluster.resync)
+            return p
+
+        protocol.whenConnected().addCallback(subscribe)
+        return protocol
+
+
+
+class ClusterCollector(Collector):
+    """The cluster's gauges, read at scrape time: ``crossbar_cluster_up`` (1 while
+    this instance shares counts through Redis, 0 while it goes on alone),
+    ``crossbar_cluster_instances`` (live instances seen, this one included) and
+    ``crossbar_cluster_lost_total`` (times it went on alone)."""
+
+    def __init__(self, cluster: RedisCluster) -> None:
+        self._cluster = cluster
+
+    def collect(self) -> Iterable[Metric]:
+        c = self._cluster
+        up = GaugeMetricFamily("crossbar_cluster_up", "1 while counts are shared through Redis, 0 while alone.")
+        up.add_metric((), 1 if c.joined else 0)
+        instances = GaugeMetricFamily("crossbar_cluster_instances", "Live crossbar instances seen, this one included.")
+        instances.add_metric((), c.instances())
+        lost = CounterMetricFamily("crossbar_cluster_lost", "Times this instance lost Redis and went on alone.")
+        lost.add_metric((), c.lost)
+        return [up, instances, lost]
+
+    def describe(self) -> Iterable[Metric]:
+        return self.collect()

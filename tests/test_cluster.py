@@ -1,0 +1,215 @@
+"""Several crossbars sharing counts through a real Redis (DESIGN.md §Several crossbars).
+
+Two crossbar services (two instances, each with its own id in Redis) in front of one
+loopback host with ``max_inflight: 2``; Debian's ``redis-server`` is started on a free
+port per test (:mod:`tests.redis_server`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred, DeferredList
+from twisted.internet.task import deferLater
+from twisted.trial.unittest import TestCase
+from twisted.web.server import NOT_DONE_YET, Request
+
+from crossbar.config import ConfigError, parse_config
+from crossbar.process.service import CrossbarService
+from crossbar.state.cluster import RESYNC, TTL
+from tests.harness import FakeLlama, http_client, listen, start_crossbar, wait_for
+from tests.redis_server import RedisServer, start_redis
+
+
+class Held:
+    """A chat handler that answers the head and one event, then holds the stream open
+    until :meth:`end` (a request's host slot stays taken meanwhile).
+
+    :ivar open: the streams not ended yet; :ivar most: the most open at once.
+    :ivar arrived: reactor seconds at which each request arrived.
+    """
+
+    def __init__(self) -> None:
+        self.open: list[Request] = []
+        self.most = 0
+        self.arrived: list[float] = []
+
+    def __call__(self, request: Request, body: bytes) -> Any:
+        self.arrived.append(reactor.seconds())
+        request.setHeader(b"content-type", b"text/event-stream")
+        request.write(b'data: {"choices": []}\n\n')
+        self.open.append(request)
+        self.most = max(self.most, len(self.open))
+        request.notifyFinish().addBoth(lambda _: request in self.open and self.open.remove(request))
+        return NOT_DONE_YET
+
+    def end(self, n: int = 1) -> None:
+        """Finish the ``n`` oldest open streams."""
+        for request in self.open[:n]:
+            request.write(b"data: [DONE]\n\n")
+            request.finish()
+
+
+def config(host_url: str, redis_url: str, queue_timeout: float = 30) -> str:
+    return (
+        f"cluster:\n  redis: {redis_url}\n"
+        "health: {interval: 60, timeout: 5}\n"
+        f"hosts:\n  h:\n    url: {host_url}\n    max_inflight: 2\n"
+        f"routes:\n  r:\n    hosts: [h]\n    queue: {{max: 50, timeout: {queue_timeout}}}\n"
+    )
+
+
+class ConfigTests(TestCase):
+    """``cluster.redis`` in the config: one-line errors, the password never quoted."""
+
+    def parse(self, url: str, environ: dict[str, str] | None = None) -> Any:
+        text = (f"listen: tcp:0\ncluster:\n  redis: {url}\nhosts:\n  h: http://127.0.0.1:1\n"
+                "routes:\n  r:\n    hosts: [h]\n")
+        return parse_config(text, "c.yaml", environ or {})
+
+    def test_urls(self) -> None:
+        r = self.parse("redis://10.0.0.2:6380/3").cluster.redis
+        self.assertEqual((r.tls, r.host, r.port, r.db, r.password), (False, "10.0.0.2", 6380, 3, None))
+        r = self.parse("rediss://:${PW}@cache.example/0", {"PW": "s3cr%40t"}).cluster.redis
+        self.assertEqual((r.tls, r.host, r.port, r.password), (True, "cache.example", 6379, "s3cr@t"))
+        self.assertNotIn("s3cr", repr(r))
+        r = self.parse("redis://user:pw@[::1]:7000").cluster.redis
+        self.assertEqual((r.host, r.port, r.username, r.password, r.db), ("::1", 7000, "user", "pw", 0))
+        self.assertEqual(r.display(), "redis://[::1]:7000/0")
+        self.assertIsNone(parse_config("listen: tcp:0\nhosts:\n  h: http://h:1\nroutes:\n  r:\n    hosts: [h]\n",
+                                       "c.yaml", {}).cluster)
+
+    def test_errors(self) -> None:
+        for url, problem in [
+            ("http://h:1", "must be redis://"),
+            ("redis://:hunter2@h:0/0", "the port must be a number from 1 to 65535"),
+            ("redis://:hunter2@h:1/x", "the database"),
+            ("redis://:${NOPE}@h", "environment variable NOPE is not set"),
+        ]:
+            with self.assertRaises(ConfigError) as e:
+                self.parse(url)
+            self.assertIn("c.yaml: cluster.redis: ", str(e.exception))
+            self.assertIn(problem, str(e.exception))
+            self.assertNotIn("hunter2", str(e.exception))
+            self.assertNotIn("\n", str(e.exception))
+        with self.assertRaises(ConfigError) as e:
+            parse_config("listen: tcp:0\ncluster: {url: x}\nhosts:\n  h: http://h:1\nroutes:\n  r:\n    hosts: [h]\n",
+                         "c.yaml", {})
+        self.assertIn("cluster.url: unknown key", str(e.exception))
+
+
+class TwoInstances(TestCase):
+    """Two instances, one Redis, one host with ``max_inflight: 2``."""
+
+    timeout = 60
+
+    async def start(self, queue_timeout: float = 30, password: str | None = None
+                    ) -> tuple[RedisServer, Held, list[tuple[CrossbarService, str]]]:
+        redis = start_redis(self, password)
+        fake = FakeLlama(["m"])
+        held = Held()
+        fake.handlers[b"/v1/chat/completions"] = held
+        url = await listen(self, fake)
+        instances = [await start_crossbar(self, config(url, redis.url, queue_timeout)) for _ in range(2)]
+        for service, _ in instances:
+            await service.poller.when_first_round_done()
+        await wait_for(lambda: all(s.cluster is not None and s.cluster.joined and s.cluster.instances() == 2
+                                   for s, _ in instances), what="both instances joined")
+        return redis, held, instances
+
+    def post(self, base: str) -> Deferred[Any]:
+        client = http_client(self)
+        return client.post(base + "/r/v1/chat/completions", json={"model": "m", "stream": True})
+
+    async def test_room_is_shared(self) -> None:
+        """Requests spread over both instances never put more than 2 + (2 - 1) at the
+        host; the rest wait (in either instance's queue) and all are served."""
+        redis, held, instances = await self.start()
+        answers = [self.post(instances[i % 2][1]) for i in range(8)]
+        await wait_for(lambda: len(held.arrived) >= 2, what="the first requests")
+        await deferLater(reactor, 0.3)
+        self.assertLessEqual(held.most, 3)
+        self.assertGreaterEqual(sum(len(s.runtime.queues) for s, _ in instances), 5)
+        while len(held.arrived) < 8:
+            held.end(1)
+            await deferLater(reactor, 0.05)
+            self.assertLessEqual(held.most, 3)
+        held.end(len(held.open))
+        results = await DeferredList(answers, consumeErrors=True)
+        codes = [r.code for ok, r in results if ok]
+        self.assertEqual(codes, [200] * 8)
+        for r in [r for ok, r in results if ok]:
+            await r.content()
+        self.assertLessEqual(held.most, 3)
+
+    async def test_freed_slot_wakes_the_other_instance(self) -> None:
+        """A slot freed on B dispatches the request waiting on A within 20 ms."""
+        redis, held, (a, b) = await self.start()
+        first = [self.post(b[1]) for _ in range(2)]
+        await wait_for(lambda: a[0].runtime.inflight.host("h") == 2, what="A sees B's two requests")
+        waiting = self.post(a[1])
+        await wait_for(lambda: len(a[0].runtime.queues) == 1, what="A's request waits")
+        self.assertEqual(len(held.arrived), 2)
+        released: list[float] = []
+        dispatched: list[float] = []
+        b_release = b[0].runtime.inflight.on_release
+        b[0].runtime.inflight.on_release = lambda: (released.append(reactor.seconds()), b_release and b_release())
+        a_enter = a[0].runtime.inflight.enter
+        a[0].runtime.inflight.enter = lambda r, h: (dispatched.append(reactor.seconds()), a_enter(r, h))[1]
+        held.end(1)
+        await wait_for(lambda: dispatched, what="A dispatches")
+        self.assertLess(dispatched[0] - released[0], 0.02)
+        held.end(len(held.open))
+        for d in [*first, waiting]:
+            await (await d).content()
+
+    async def test_dead_instance_stops_counting(self) -> None:
+        """An instance that dies without a word (its connections cut, nothing removed):
+        its requests stop counting at the other within 10 s."""
+        redis, held, (a, b) = await self.start()
+        answers = [self.post(b[1]) for _ in range(2)]
+        await wait_for(lambda: a[0].runtime.inflight.host("h") == 2, what="A sees B's requests")
+        cluster = b[0].cluster
+        assert cluster is not None
+        for loop in (cluster._resync, cluster._heartbeat):
+            loop.stop()
+        cluster.joined = False  # like a process gone: nothing more is written or removed
+        cluster._factory.disconnect()
+        cluster._subscriber.disconnect()
+        started = reactor.seconds()
+        await wait_for(lambda: a[0].runtime.inflight.host("h") == 0, timeout=10, what="B's counts expire", step=0.1)
+        self.assertLess(reactor.seconds() - started, TTL + RESYNC + 0.5)
+        held.end(len(held.open))
+        for d in answers:
+            await (await d).content()
+
+    async def test_redis_down_and_back(self) -> None:
+        """Redis stopped mid-load: no request fails, each instance goes on alone
+        (metric 0, still ready); after Redis is back both agree on the counts again."""
+        redis, held, (a, b) = await self.start(password="pw-1")
+        first = [self.post(a[1]), self.post(b[1])]
+        await wait_for(lambda: a[0].runtime.inflight.host("h") == 2 == b[0].runtime.inflight.host("h"),
+                       what="both see both")
+        redis.stop()
+        await wait_for(lambda: not a[0].cluster.joined and not b[0].cluster.joined,  # type: ignore[union-attr]
+                       what="both alone")
+        self.assertTrue(a[0].runtime.ready and b[0].runtime.ready)
+        self.assertIn(b"crossbar_cluster_up 0.0", a[0].metrics.render())
+        # Alone, each counts its own one request: each takes one more.
+        more = [self.post(a[1]), self.post(b[1])]
+        await wait_for(lambda: len(held.arrived) == 4, what="served while Redis is down")
+        self.assertEqual(a[0].runtime.inflight.host("h"), 2)
+        redis.start()
+        await wait_for(lambda: a[0].cluster.joined and b[0].cluster.joined,  # type: ignore[union-attr]
+                       timeout=10, what="both rejoined")
+        await wait_for(lambda: a[0].runtime.inflight.host("h") == 4 == b[0].runtime.inflight.host("h"),
+                       what="the counts agree again")
+        self.assertIn(b"crossbar_cluster_up 1.0", a[0].metrics.render())
+        held.end(len(held.open))
+        results = await DeferredList([*first, *more], consumeErrors=True)
+        self.assertEqual([r.code for ok, r in results if ok], [200] * 4)
+        for _, r in results:
+            await r.content()
+        await wait_for(lambda: a[0].runtime.inflight.host("h") == 0 == b[0].runtime.inflight.host("h"),
+                       what="all released")
