@@ -33,6 +33,7 @@ from crossbar.proxy.exchange import ProxyResource
 from crossbar.ops.record import RequestLog
 from crossbar.process.reload import REFUSED, SIGHUPReload, catch_second_stop_signal, next_config, plan_reload
 from crossbar.state.cluster import ClusterCollector, RedisCluster
+from crossbar.state.limits import LimitsCollector, RedisLimits
 from crossbar.state.runtime import Runtime
 from crossbar.upstream.tls import HostTLS
 from crossbar.ops.systemd import Notifier, SystemdNotifier, watchdog_interval
@@ -99,7 +100,9 @@ class CrossbarService(MultiService):
         if config.cluster is not None:  # DESIGN.md §Several crossbars
             self.cluster = RedisCluster(config.cluster.redis, reactor, on_change=runtime.others_changed)
             runtime.join(self.cluster)
+            runtime.limits.fleet = RedisLimits(self.cluster)
             self.metrics.registry.register(ClusterCollector(self.cluster))
+        self.metrics.registry.register(LimitsCollector(runtime.limits))
         self.requests = RequestLog(self.metrics)
         # The dashboard's recent requests: one append per request; with workers, every
         # worker's are read from its file in the workers' state directory.

@@ -32,6 +32,7 @@ from crossbar.hosts.balance import Chosen, Verdict, choose
 from crossbar.config import Config, Route
 from crossbar.upstream.hosturl import host_url
 from crossbar.state.inflight import Lease
+from crossbar.state.limits import retry_after_header
 from crossbar.ops.record import NO_ROUTE, RequestLog, RequestRecord
 from crossbar.proxy.relay import Relay, RelayEnd
 from crossbar.errors import json_error_bytes
@@ -249,6 +250,26 @@ class Exchange:
         self.model = None if wanted is None else route.resolve(wanted)
         if self.key and not self.runtime.key_admits(route, self.key):
             return self.answer_error(429, "too many requests", retry_after=True)
+        if self.key and route.keys[self.key].limits:
+            # DESIGN.md §Access: the key's limits (fleet-wide with cluster.redis, where
+            # the answer may take up to 50 ms).
+            limited = self.runtime.check_limits(route, self.key)
+            limited.addCallback(self.on_limits_checked)
+            limited.addErrback(self.on_bug)
+            return
+        self.admitted()
+
+    def on_limits_checked(self, wait: float) -> None:
+        """The key's limits answered: 429 with ``Retry-After`` saying when the window
+        allows the next request, else go on (unless the client left meanwhile)."""
+        if self.phase is not Phase.ROUTING:
+            return
+        if wait > 0:
+            return self.answer_error(429, "too many requests", retry_after=retry_after_header(wait))
+        self.admitted()
+
+    def admitted(self) -> None:
+        """The request may start: it counts from now (the drain, its key) and goes."""
         self.runtime.begin(self)
         self.phase = Phase.FORWARDING
         self.forward()
@@ -534,9 +555,9 @@ class Exchange:
         if transport is not None:
             transport.abortConnection()
 
-    def answer_error(self, code: int, message: str, retry_after: bool = False, **extra: str) -> None:
+    def answer_error(self, code: int, message: str, retry_after: bool | int = False, **extra: str) -> None:
         """Answer with crossbar's own JSON error (DESIGN.md rule 9) and end;
-        ``retry_after`` adds ``Retry-After: 1`` (busy answers)."""
+        ``retry_after`` adds ``Retry-After: 1`` (busy answers), or that many seconds."""
         if self.phase is Phase.ENDED:
             return
         self.answer_json(code, json_error_bytes(message, **extra), retry_after)
@@ -549,14 +570,15 @@ class Exchange:
             return self.answer_error(503, "no healthy host")
         self.answer_json(200, json.dumps(doc).encode("utf-8"))
 
-    def answer_json(self, code: int, body: bytes, retry_after: bool = False) -> None:
-        """Answer ``code`` with the JSON ``body`` and end."""
+    def answer_json(self, code: int, body: bytes, retry_after: bool | int = False) -> None:
+        """Answer ``code`` with the JSON ``body`` and end; ``retry_after``: True for
+        ``Retry-After: 1``, or a number of seconds."""
         request = self.request
         self.status = code
         request.setResponseCode(code, _PHRASES.get(code))
         request.responseHeaders.removeHeader(b"server")
         if retry_after:
-            request.setHeader(b"Retry-After", b"1")
+            request.setHeader(b"Retry-After", str(int(retry_after)).encode("ascii"))
         request.setHeader(b"Content-Type", b"application/json")
         request.setHeader(b"Content-Length", str(len(body)).encode("ascii"))
         self.close_if_draining()
@@ -581,6 +603,9 @@ class Exchange:
         self.phase = Phase.ENDED
         self.release_host()
         self.runtime.end(self)
+        # Key limits (DESIGN.md §Access): once an answer's token figures are read
+        # (§"What the answers say"), its tokens are counted here with
+        # self.runtime.spend(route name, self.key, prompt + generated tokens).
         self.proxy.requests.write(RequestRecord(
             route=self.route.name if self.route is not None else NO_ROUTE,
             host=self.host or "",

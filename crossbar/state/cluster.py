@@ -228,14 +228,14 @@ class RedisCluster:
         leave: Deferred[Any] = succeed(None)
         if self.joined and self._factory.size:
             gone = json.dumps([self.instance, -1, None])
-            leave = self._command("eval", _LEAVE, [self._hash, self._live, self._channel], [self.instance, gone])
+            leave = self.command("eval", _LEAVE, [self._hash, self._live, self._channel], [self.instance, gone])
             leave.addErrback(lambda _: None)
         self.joined = False
         return leave.addCallback(disconnect)
 
     # -- Redis commands -------------------------------------------------------------
 
-    def _command(self, name: str, *args: Any) -> Deferred[Any]:
+    def command(self, name: str, *args: Any) -> Deferred[Any]:
         """Run one command with the :data:`BOUND` on its reply; errbacks with
         ConnectionError at once when no connection is up (nothing queues up)."""
         factory = self._factory
@@ -263,7 +263,7 @@ class RedisCluster:
         args: list[Any] = [int(TTL * 1000), self.instance, self._seq, message]
         for name, value in fields.items():
             args += [name, value]
-        d = self._command("eval", _WRITE, [self._hash, self._live, self._channel], args)
+        d = self.command("eval", _WRITE, [self._hash, self._live, self._channel], args)
         d.addCallbacks(self._written, self._failed, callbackArgs=(seq,), errbackArgs=("write",))
 
     def _written(self, _: object, seq: int) -> None:
@@ -282,7 +282,7 @@ class RedisCluster:
         if self._reading:
             return
         self._reading = True
-        d = self._command("eval", _READ, [self._live], [self._hash_prefix])
+        d = self.command("eval", _READ, [self._live], [self._hash_prefix])
         d.addCallbacks(self._read, self._failed, errbackArgs=("read",))
         d.addBoth(self._read_done)
 

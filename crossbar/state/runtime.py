@@ -15,10 +15,13 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Callable
 
+from twisted.internet.defer import Deferred, succeed
+
 from crossbar.hosts.balance import Rotation
 from crossbar.config import Config, Route
 from crossbar.state.worker_counts import WorkerCounts
 from crossbar.state.cluster import ClusterView
+from crossbar.state.limits import KeyLimiter
 from crossbar.hosts.health import HealthTable
 from crossbar.state.inflight import Inflight
 from crossbar.state.queue import RouteQueues
@@ -40,6 +43,8 @@ class Runtime:
     :ivar affinity_counts: (route, ``home``/``spill``/``none``) -> requests dispatched.
     :ivar key_inflight: (route, client key name) -> requests in flight or waiting.
     :ivar fleet: with workers, the fleet-wide counts (:meth:`attach`); else None.
+    :ivar cluster: with ``cluster.redis``, the other instances' counts (:meth:`join`).
+    :ivar limits: the client keys' request and token limits (DESIGN.md §Access).
     :ivar active: the requests being handled (proxy exchanges), until each ends.
     :ivar draining: a drain has started (DESIGN.md §Operations).
     :ivar drained: hosts being drained one by one (``POST /_crossbar/hosts/<name>/drain``):
@@ -61,6 +66,7 @@ class Runtime:
         self.key_inflight: Counter[tuple[str, str]] = Counter()
         self.fleet: WorkerCounts | None = None
         self.cluster: ClusterView | None = None
+        self.limits = KeyLimiter(now)
         self.active: set[Any] = set()
         self.draining = False
         self.drained: set[str] = set()
@@ -196,6 +202,22 @@ class Runtime:
         if self.fleet is not None:  # every worker's requests of this key (§Workers)
             return self.fleet.key(route.name, key) < limit
         return self.key_inflight[(route.name, key)] < limit
+
+    def check_limits(self, route: Route, key: str) -> Deferred[float]:
+        """A key's ``limits`` for a request arriving now (DESIGN.md §Access): fires with
+        0 when it may start (it is counted), else with the seconds until the window
+        allows the next one (429 with that ``Retry-After``). At once without
+        ``cluster``; within 50 ms with it. Never fails."""
+        settings = route.keys.get(key)
+        if settings is None or not settings.limits:
+            return succeed(0.0)
+        return self.limits.check(route.name, key, settings.limits)
+
+    def spend(self, route: str, key: str, tokens: int) -> None:
+        """Client key ``key`` of ``route`` spent ``tokens`` (prompt + generated, as the
+        host reported them) with an answer that just ended: counted against its
+        ``tokens_per_minute`` and ``tokens_per_day`` (fleet-wide with ``cluster``)."""
+        self.limits.spend(route, key, tokens)
 
     def begin(self, exchange: Any) -> None:
         """``exchange`` is being handled (the drain waits for it; its key counts)."""

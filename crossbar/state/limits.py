@@ -1,0 +1,317 @@
+"""A client key's limits (DESIGN.md §Access): requests and tokens per minute, tokens per
+UTC day, checked when a request arrives.
+
+:class:`KeyLimiter` keeps what each (route, key) has been admitted and has spent in
+this process: a sliding 60 s window of admitted requests and of spent tokens, and the
+tokens of the current UTC day. A request is refused while the key is at
+``requests_per_minute``, or has already spent ``tokens_per_minute`` in the last 60 s
+or ``tokens_per_day`` today; the refusal says in how many seconds the window allows
+the next one (the ``Retry-After``).
+
+With ``cluster.redis`` (:class:`RedisLimits`) the same check runs in Redis, in one Lua
+script over counters every instance shares (a sorted set of admitted requests, per-
+second buckets of tokens, a counter per UTC day), so the limits hold fleet-wide. The
+check waits for Redis at most :data:`~crossbar.state.cluster.BOUND`; a Redis that is
+down or slow leaves the decision to this process's own counts (which are always kept,
+for that). Without ``cluster`` the limits hold per process: with ``workers: N``, per
+worker.
+
+Tokens are reported by :meth:`KeyLimiter.spend` when an answer ends (the token figures
+of §"What the answers say").
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from twisted.internet.defer import Deferred, succeed
+
+from crossbar.config import KeyLimits
+
+if TYPE_CHECKING:
+    from crossbar.state.cluster import RedisCluster
+
+__all__ = ["MINUTE", "KeyLimiter", "LimitsCollector", "RedisLimits", "Spending", "retry_after_header"]
+
+MINUTE = 60.0
+_DAY = 86400
+
+
+def _day(now: float) -> int:
+    """The UTC day number of POSIX seconds ``now``."""
+    return int(now // _DAY)
+
+
+def _to_midnight(now: float) -> float:
+    """Seconds from ``now`` to the next UTC midnight."""
+    return (_day(now) + 1) * _DAY - now
+
+
+def retry_after_header(seconds: float) -> int:
+    """The whole seconds a ``Retry-After`` says for a wait of ``seconds`` (at least 1)."""
+    return max(1, math.ceil(seconds - 1e-9))
+
+
+@dataclass(frozen=True)
+class Spending:
+    """What one key has been admitted and has spent (status and metrics).
+
+    :ivar requests_minute: requests admitted in the last 60 s.
+    :ivar tokens_minute: tokens spent in the last 60 s.
+    :ivar tokens_day: tokens spent this UTC day.
+    """
+
+    requests_minute: int
+    tokens_minute: int
+    tokens_day: int
+
+
+class _Window:
+    """One (route, key)'s counts in this process."""
+
+    __slots__ = ("requests", "tokens", "tokens_sum", "day", "day_tokens")
+
+    def __init__(self) -> None:
+        self.requests: deque[float] = deque()
+        self.tokens: deque[tuple[float, int]] = deque()
+        self.tokens_sum = 0
+        self.day = 0
+        self.day_tokens = 0
+
+    def trim(self, now: float) -> None:
+        edge = now - MINUTE
+        while self.requests and self.requests[0] <= edge:
+            self.requests.popleft()
+        while self.tokens and self.tokens[0][0] <= edge:
+            self.tokens_sum -= self.tokens.popleft()[1]
+        if self.day != _day(now):
+            self.day, self.day_tokens = _day(now), 0
+
+
+class KeyLimiter:
+    """Admissions and spending per (route, key) in this process (see the module doc).
+
+    :param now: POSIX seconds (``reactor.seconds``; a test's clock).
+    :ivar fleet: with ``cluster.redis``, the fleet-wide check (:class:`RedisLimits`).
+    """
+
+    def __init__(self, now: Callable[[], float]) -> None:
+        self.now = now
+        self._windows: dict[tuple[str, str], _Window] = {}
+        self.fleet: RedisLimits | None = None
+
+    def _window(self, route: str, key: str) -> _Window:
+        window = self._windows.get((route, key))
+        if window is None:
+            window = self._windows[(route, key)] = _Window()
+        return window
+
+    def wait(self, route: str, key: str, limits: KeyLimits) -> float:
+        """Seconds until this process's counts allow a request of ``key`` (0: now)."""
+        now = self.now()
+        window = self._window(route, key)
+        window.trim(now)
+        wait = 0.0
+        if limits.tokens_per_day is not None and window.day_tokens >= limits.tokens_per_day:
+            wait = max(wait, _to_midnight(now))
+        if limits.tokens_per_minute is not None and window.tokens_sum >= limits.tokens_per_minute:
+            left = window.tokens_sum
+            for at, tokens in window.tokens:
+                left -= tokens
+                if left < limits.tokens_per_minute:
+                    wait = max(wait, at + MINUTE - now)
+                    break
+        rpm = limits.requests_per_minute
+        if rpm is not None and len(window.requests) >= rpm:
+            wait = max(wait, window.requests[len(window.requests) - rpm] + MINUTE - now)
+        return wait
+
+    def admitted(self, route: str, key: str) -> None:
+        """Count one request of ``key`` admitted now."""
+        now = self.now()
+        window = self._window(route, key)
+        window.trim(now)
+        window.requests.append(now)
+
+    def check(self, route: str, key: str, limits: KeyLimits) -> Deferred[float]:
+        """Whether a request of ``key`` on ``route`` may start now (DESIGN.md §Access):
+        fires with 0 when it may (and counts it), else with the seconds until the
+        window allows the next one (429). Fires at once without ``cluster``; with it,
+        within :data:`~crossbar.state.cluster.BOUND` (this process's own counts decide
+        when Redis does not answer in time). Never fails."""
+        if not limits:
+            return succeed(0.0)
+        fleet = self.fleet
+        if fleet is None or not fleet.cluster.joined:
+            return succeed(self._local(route, key, limits))
+        d = fleet.check(route, key, limits, self.now())
+
+        def answered(wait: float) -> float:
+            if not wait:
+                self.admitted(route, key)
+            return wait
+
+        return d.addCallbacks(answered, lambda _: self._local(route, key, limits))
+
+    def _local(self, route: str, key: str, limits: KeyLimits) -> float:
+        wait = self.wait(route, key, limits)
+        if not wait:
+            self.admitted(route, key)
+        return wait
+
+    def spend(self, route: str, key: str, tokens: int) -> None:
+        """``key`` on ``route`` spent ``tokens`` (prompt + generated, as the host
+        reported them) with an answer that ended now. Never waits; with ``cluster``
+        the fleet's counters are raised too."""
+        if tokens <= 0 or not key:
+            return
+        now = self.now()
+        window = self._window(route, key)
+        window.trim(now)
+        window.tokens.append((now, tokens))
+        window.tokens_sum += tokens
+        window.day_tokens += tokens
+        if self.fleet is not None and self.fleet.cluster.joined:
+            self.fleet.spend(route, key, tokens, now)
+
+    def spending(self) -> dict[tuple[str, str], Spending]:
+        """(route, key) -> what this process admitted and counted for it."""
+        now = self.now()
+        out = {}
+        for (route, key), window in self._windows.items():
+            window.trim(now)
+            out[(route, key)] = Spending(len(window.requests), window.tokens_sum, window.day_tokens)
+        return out
+
+
+_CHECK = """
+local now = tonumber(ARGV[1])
+local rpm, tpm, tpd = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local wait = 0
+if tpd > 0 then
+  local spent = tonumber(redis.call('GET', KEYS[3]) or '0')
+  if spent >= tpd then wait = math.max(wait, tonumber(ARGV[6])) end
+end
+if tpm > 0 then
+  local h = redis.call('HGETALL', KEYS[2])
+  local buckets = {}
+  local sum = 0
+  for i = 1, #h, 2 do
+    local sec = tonumber(h[i])
+    if (sec + 1) * 1000 + 60000 <= now then
+      redis.call('HDEL', KEYS[2], h[i])
+    else
+      sum = sum + tonumber(h[i + 1])
+      buckets[#buckets + 1] = {sec, tonumber(h[i + 1])}
+    end
+  end
+  if sum >= tpm then
+    table.sort(buckets, function(a, b) return a[1] < b[1] end)
+    for _, b in ipairs(buckets) do
+      sum = sum - b[2]
+      if sum < tpm then wait = math.max(wait, (b[1] + 1) * 1000 + 60000 - now); break end
+    end
+  end
+end
+if rpm > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - 60000)
+  local n = redis.call('ZCARD', KEYS[1])
+  if n >= rpm then
+    local oldest = redis.call('ZRANGE', KEYS[1], n - rpm, n - rpm, 'WITHSCORES')
+    wait = math.max(wait, tonumber(oldest[2]) + 60000 - now)
+  end
+end
+if wait > 0 then return wait end
+redis.call('ZADD', KEYS[1], now, ARGV[5])
+redis.call('PEXPIRE', KEYS[1], 61000)
+return 0
+"""
+"""KEYS: requests (sorted set, score ms), tokens per second (hash), tokens today;
+ARGV: now ms, rpm, tpm, tpd (0: off), a unique member, ms to midnight. Returns the ms
+to wait (0: admitted and counted)."""
+
+_SPEND = """
+redis.call('HINCRBY', KEYS[1], ARGV[1], ARGV[2])
+redis.call('PEXPIRE', KEYS[1], 62000)
+redis.call('INCRBY', KEYS[2], ARGV[2])
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+return 1
+"""
+
+
+class RedisLimits:
+    """The fleet-wide check and spending of :class:`KeyLimiter` (``cluster.redis``).
+
+    :param cluster: the instance's Redis connection and state.
+    """
+
+    def __init__(self, cluster: RedisCluster) -> None:
+        self.cluster = cluster
+        self._ids = itertools.count()
+
+    def _keys(self, route: str, key: str, now: float) -> list[str]:
+        base = f"crossbar:limit:{route}\0{key}:"
+        day = time.strftime("%Y-%m-%d", time.gmtime(now))
+        return [base + "requests", base + "tokens", base + "day:" + day]
+
+    def check(self, route: str, key: str, limits: KeyLimits, now: float) -> Deferred[float]:
+        """Fires with the seconds to wait (0: admitted and counted fleet-wide); fails
+        when Redis does not answer within the bound."""
+        ms = int(now * 1000)
+        member = f"{self.cluster.instance}:{next(self._ids)}"
+        args = [ms, limits.requests_per_minute or 0, limits.tokens_per_minute or 0, limits.tokens_per_day or 0,
+                member, int(_to_midnight(now) * 1000)]
+        d = self.cluster.command("eval", _CHECK, self._keys(route, key, now), args)
+        return d.addCallback(lambda wait: int(wait) / 1000)
+
+    def spend(self, route: str, key: str, tokens: int, now: float) -> None:
+        """Add ``tokens`` to the fleet's counters (not waited for)."""
+        keys = self._keys(route, key, now)[1:]
+        expire = int(_to_midnight(now)) + _DAY
+        d = self.cluster.command("eval", _SPEND, keys, [int(now), tokens, expire])
+        d.addErrback(lambda _: None)
+
+    def spending(self, route: str, key: str, now: float) -> Deferred[Spending]:
+        """The fleet's counts for ``key`` (status)."""
+        keys = self._keys(route, key, now)
+
+        def read(reply: list[Any]) -> Spending:
+            count, buckets, day = reply
+            edge = now - MINUTE
+            tokens = sum(int(buckets[i + 1]) for i in range(0, len(buckets), 2) if int(buckets[i]) + 1 > edge)
+            return Spending(int(count), tokens, int(day or 0))
+
+        script = ("return {redis.call('ZCOUNT', KEYS[1], ARGV[1], '+inf'), redis.call('HGETALL', KEYS[2]), "
+                  "redis.call('GET', KEYS[3])}")
+        d = self.cluster.command("eval", script, keys, [int((now - MINUTE) * 1000) + 1])
+        return d.addCallback(read)
+
+
+class LimitsCollector(Collector):
+    """``crossbar_key_spent`` per route, key and ``window`` (``requests_minute``,
+    ``tokens_minute``, ``tokens_day``), as this process counted them."""
+
+    def __init__(self, limiter: KeyLimiter) -> None:
+        self._limiter = limiter
+
+    def collect(self) -> Iterable[Metric]:
+        spent = GaugeMetricFamily(
+            "crossbar_key_spent", "What a client key was admitted (requests) and spent (tokens) in a window, "
+            "as this process counted it.", labels=("route", "key", "window"),
+        )
+        for (route, key), s in sorted(self._limiter.spending().items()):
+            spent.add_metric((route, key, "requests_minute"), s.requests_minute)
+            spent.add_metric((route, key, "tokens_minute"), s.tokens_minute)
+            spent.add_metric((route, key, "tokens_day"), s.tokens_day)
+        return [spent]
+
+    def describe(self) -> Iterable[Metric]:
+        return self.collect()
+
