@@ -196,6 +196,8 @@ class TwoInstances(TestCase):
                        what="both alone")
         self.assertTrue(a[0].runtime.ready and b[0].runtime.ready)
         self.assertIn(b"crossbar_cluster_up 0.0", a[0].metrics.render())
+        status = await (await http_client(self).get(a[1] + "/_crossbar/status")).json()
+        self.assertEqual(status["cluster"], {"shared": False, "instances": 1})
         # Alone, each counts its own one request: each takes one more.
         more = [self.post(a[1]), self.post(b[1])]
         await wait_for(lambda: len(held.arrived) == 4, what="served while Redis is down")
@@ -206,6 +208,9 @@ class TwoInstances(TestCase):
         await wait_for(lambda: a[0].runtime.inflight.host("h") == 4 == b[0].runtime.inflight.host("h"),
                        what="the counts agree again")
         self.assertIn(b"crossbar_cluster_up 1.0", a[0].metrics.render())
+        status = await (await http_client(self).get(a[1] + "/_crossbar/status")).json()
+        self.assertEqual(status["cluster"], {"shared": True, "instances": 2})
+        self.assertEqual(status["hosts"]["h"]["inflight"], 4)
         held.end(len(held.open))
         results = await DeferredList([*first, *more], consumeErrors=True)
         self.assertEqual([r.code for ok, r in results if ok], [200] * 4)

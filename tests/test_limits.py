@@ -148,6 +148,13 @@ class ThroughCrossbar(TestCase):
         self.assertEqual(await self.call(base), (429, "57"))
         self.assertIn(b'crossbar_key_spent{key="ci",route="r",window="requests_minute"} 3.0',
                       service.metrics.render())
+        service.runtime.spend("r", "ci", 42)
+        status = await (await http_client(self).get(base + "/_crossbar/status")).json()
+        self.assertEqual(status["routes"]["r"]["keys"]["ci"], {
+            "limits": {"requests_per_minute": 3, "tokens_per_minute": 1000, "tokens_per_day": 5000},
+            "requests_minute": 3, "tokens_minute": 42, "tokens_day": 42,
+        })
+        self.assertNotIn("cluster", status)
         clock.now += 57
         self.assertEqual((await self.call(base))[0], 200)
 

@@ -142,8 +142,13 @@ class OpsApp:
                     "balance": route.affinity.balance,
                     **{outcome: runtime.affinity(name, outcome) for outcome in AFFINITY_OUTCOMES},
                 },
+                "keys": runtime.key_status(route),
             }
-        return self._json(request, 200, {"hosts": hosts, "routes": routes})
+        doc: dict[str, Any] = {"hosts": hosts, "routes": routes}
+        cluster = runtime.cluster
+        if cluster is not None:  # DESIGN.md §Several crossbars
+            doc["cluster"] = {"shared": cluster.joined, "instances": cluster.instances()}
+        return self._json(request, 200, doc)
 
     @app.route("/metrics", methods=["GET"])
     def metrics(self, request: IRequest) -> bytes:

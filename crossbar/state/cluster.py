@@ -55,15 +55,30 @@ BOUND = 0.05
 _SEQ = "#seq"
 
 _WRITE = """
-redis.call('HSET', KEYS[1], '#seq', ARGV[3], unpack(ARGV, 5))
+redis.call('HSET', KEYS[1], '#seq', ARGV[3], unpack(ARGV, 6))
 redis.call('PEXPIRE', KEYS[1], ARGV[1])
 local t = redis.call('TIME')
-redis.call('ZADD', KEYS[2], tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + tonumber(ARGV[1]), ARGV[2])
-if #ARGV > 4 then redis.call('PUBLISH', KEYS[3], ARGV[4]) end
-return 1
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+redis.call('ZADD', KEYS[2], now + tonumber(ARGV[1]), ARGV[2])
+local out = {}
+if #ARGV > 5 then
+  redis.call('PUBLISH', KEYS[3], ARGV[4])
+  local fields = {'#seq'}
+  for i = 6, #ARGV, 2 do fields[#fields + 1] = ARGV[i] end
+  for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], now, '+inf')) do
+    if id ~= ARGV[2] then
+      out[#out + 1] = id
+      out[#out + 1] = redis.call('HMGET', ARGV[5] .. id, unpack(fields))
+    end
+  end
+end
+return out
 """
-"""KEYS: own hash, live set, channel; ARGV: ttl ms, instance, seq, message, field,
-value, ... (HSET with several pairs: Redis >= 4)."""
+"""KEYS: own hash, live set, channel; ARGV: ttl ms, instance, seq, message, the hashes'
+prefix, field, value, ... (HSET with several pairs: Redis >= 4). Returns, for the
+fields written, every other live instance's values as Redis holds them now: id,
+[seq, value, ...], ... -- in Redis's one order of writes, of two instances raising a
+count at once the second learns of the first."""
 
 _READ = """
 local t = redis.call('TIME')
@@ -139,7 +154,8 @@ class RedisCluster:
         self._pending: dict[str, int] = {}
         self._flush_call: Any = None
         self._seq = 0
-        self._views: dict[str, tuple[int, dict[str, int]]] = {}
+        self._views: dict[str, dict[str, tuple[int, int]]] = {}
+        """other instance -> field -> (the instance's seq when it had it, value)"""
         self._totals: dict[str, int] = {}
         self._factory: Any = None
         self._subscriber: Any = None
@@ -260,18 +276,35 @@ class RedisCluster:
             self._pending[name] = seq
         self._rising.clear()
         message = json.dumps([self.instance, self._seq, fields]) if fields else ""
-        args: list[Any] = [int(TTL * 1000), self.instance, self._seq, message]
-        for name, value in fields.items():
-            args += [name, value]
+        args: list[Any] = [int(TTL * 1000), self.instance, self._seq, message, self._hash_prefix]
+        names = list(fields)
+        for name in names:
+            args += [name, fields[name]]
         d = self.command("eval", _WRITE, [self._hash, self._live, self._channel], args)
-        d.addCallbacks(self._written, self._failed, callbackArgs=(seq,), errbackArgs=("write",))
+        d.addCallbacks(self._written, self._failed, callbackArgs=(seq, names), errbackArgs=("write",))
 
-    def _written(self, _: object, seq: int) -> None:
+    def _written(self, reply: list[Any], seq: int, names: list[str]) -> None:
+        if not self.joined:
+            return
+        for i in range(0, len(reply) - 1, 2):
+            values = reply[i + 1] or []
+            if not values or values[0] is None:
+                continue  # expired meanwhile
+            self._apply(_text(reply[i]), int(values[0]),
+                        {n: int(v) for n, v in zip(names, values[1:]) if v is not None})
         settled = [name for name, at in self._pending.items() if at <= seq]
         for name in settled:
             del self._pending[name]
-        if settled:
-            self._changed()  # room held back for the acknowledgement is free again
+        self._recount()
+        self._changed()  # room held back for the acknowledgement is free again
+
+    def _apply(self, instance: str, seq: int, fields: dict[str, int]) -> None:
+        """``instance`` had ``fields`` at its ``seq``: keep each unless newer is known."""
+        view = self._views.setdefault(instance, {})
+        for name, value in fields.items():
+            known = view.get(name)
+            if known is None or known[0] < seq:
+                view[name] = (seq, value)
 
     def _renew(self) -> None:
         if self.joined:
@@ -290,7 +323,7 @@ class RedisCluster:
         self._reading = False
 
     def _read(self, reply: list[Any]) -> None:
-        views: dict[str, tuple[int, dict[str, int]]] = {}
+        views: dict[str, dict[str, tuple[int, int]]] = {}
         for i in range(0, len(reply) - 1, 2):
             instance = _text(reply[i])
             if instance == self.instance:
@@ -298,8 +331,12 @@ class RedisCluster:
             flat = reply[i + 1] or []
             fields = {_text(flat[j]): int(flat[j + 1]) for j in range(0, len(flat) - 1, 2)}
             seq = fields.pop(_SEQ, 0)
-            known = self._views.get(instance)
-            views[instance] = known if known is not None and known[0] > seq else (seq, fields)
+            known = self._views.get(instance, {})
+            view = {name: (seq, value) for name, value in fields.items()}
+            for name, (at, value) in known.items():  # newer news by message or write reply
+                if at > seq:
+                    view[name] = (at, value)
+            views[instance] = view
         self._views = views
         self._recount()
         if not self.joined:
@@ -343,19 +380,14 @@ class RedisCluster:
         if fields is None:  # an instance that stopped
             self._views.pop(instance, None)
         else:
-            known = self._views.get(instance)
-            if known is not None and known[0] >= seq:
-                return
-            values = dict(known[1]) if known is not None else {}
-            values.update({str(k): int(v) for k, v in fields.items()})
-            self._views[instance] = (int(seq), values)
+            self._apply(str(instance), int(seq), {str(k): int(v) for k, v in fields.items()})
         self._recount()
         self._changed()
 
     def _recount(self) -> None:
         totals: dict[str, int] = {}
-        for _, fields in self._views.values():
-            for name, value in fields.items():
+        for fields in self._views.values():
+            for name, (_, value) in fields.items():
                 if value:
                     totals[name] = totals.get(name, 0) + value
         self._totals = totals

@@ -213,6 +213,23 @@ class Runtime:
             return succeed(0.0)
         return self.limits.check(route.name, key, settings.limits)
 
+    def key_status(self, route: Route) -> dict[str, Any]:
+        """Status of ``route``'s keys that have ``limits``: the limits and what each has
+        been admitted and spent, as this process counted it (DESIGN.md §Access)."""
+        spending = self.limits.spending()
+        out: dict[str, Any] = {}
+        for name, key in route.keys.items():
+            if not key.limits:
+                continue
+            s = spending.get((route.name, name))
+            out[name] = {
+                "limits": {k: v for k, v in vars(key.limits).items() if v is not None},
+                "requests_minute": s.requests_minute if s else 0,
+                "tokens_minute": s.tokens_minute if s else 0,
+                "tokens_day": s.tokens_day if s else 0,
+            }
+        return out
+
     def spend(self, route: str, key: str, tokens: int) -> None:
         """Client key ``key`` of ``route`` spent ``tokens`` (prompt + generated, as the
         host reported them) with an answer that just ended: counted against its
