@@ -218,3 +218,68 @@ class TwoInstances(TestCase):
             await r.content()
         await wait_for(lambda: a[0].runtime.inflight.host("h") == 0 == b[0].runtime.inflight.host("h"),
                        what="all released")
+
+
+class Processes(TestCase):
+    """Real ``twistd crossbar`` processes: one with ``workers: 2`` (each worker an
+    instance of its own) and one alone, over one Redis; the lone one is killed -9."""
+
+    timeout = 90
+
+    async def test_workers_and_kill_9(self) -> None:
+        from tests.process import start_twistd
+
+        redis = start_redis(self)
+        fake = FakeLlama(["m"])
+        held = Held()
+        fake.handlers[b"/v1/chat/completions"] = held
+        url = await listen(self, fake)
+        text = "drain: {delay: 0.01, grace: 0.01}\n" + config(url, redis.url)
+        x = await start_twistd(self, "workers: 2\n" + text)
+        y = await start_twistd(self, text)
+        await wait_for(lambda: redis.command("ZCARD", "crossbar:live") == 3, timeout=20, what="three instances")
+        http = http_client(self)
+
+        def post(base: str) -> Deferred[Any]:
+            return http.post(base + "/r/v1/chat/completions", json={"model": "m", "stream": True})
+
+        answers = [post((x, y)[i % 2].base) for i in range(8)]
+        await wait_for(lambda: len(held.arrived) >= 2, what="the first requests")
+        while len(held.arrived) < 8:
+            await deferLater(reactor, 0.2)
+            self.assertLessEqual(held.most, 2 + 2)  # max_inflight + (instances - 1)
+            held.end(1)
+        held.end(len(held.open))
+        for d in answers:
+            response = await d
+            self.assertEqual(response.code, 200)
+            await response.content()
+
+        async def status(base: str) -> Any:
+            return await (await http.get(base + "/_crossbar/status")).json()
+
+        # Two requests through y; x's next request waits for room.
+        on_y = [post(y.base), post(y.base)]
+        await wait_for(lambda: len(held.arrived) == 10, what="y's two requests")
+
+        async def x_sees_two() -> bool:
+            return all([(await status(x.base))["hosts"]["h"]["inflight"] == 2 for _ in range(4)])
+
+        await wait_for(x_sees_two, what="both of x's workers see y's requests")
+        waiting = post(x.base)
+        await deferLater(reactor, 0.3)
+        self.assertEqual(len(held.arrived), 10)
+        killed_at = reactor.seconds()
+        y.signal("KILL")
+        await wait_for(lambda: len(held.arrived) == 11, timeout=12, what="x's request dispatched", step=0.1)
+        self.assertLess(held.arrived[-1] - killed_at, 10)
+        held.end(len(held.open))
+        self.assertEqual((await waiting).code, 200)
+        for d in on_y:
+            d.addErrback(lambda _: None)
+        # x's kept-alive connections to the host close with it (and its workers),
+        # before the test ends.
+        x.signal("TERM")
+        await x.ended
+        await y.ended
+        await deferLater(reactor, 0.2)
