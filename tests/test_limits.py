@@ -202,3 +202,23 @@ class ThroughCrossbar(TestCase):
         await wait_for(lambda: not a.cluster.joined and not b.cluster.joined, what="alone")  # type: ignore[union-attr]
         codes: list[Any] = [(await self.call(base_b))[0] for _ in range(4)]
         self.assertEqual(codes, [200, 200, 200, 429])
+
+    async def test_redis_slow_waits_at_most_the_bound(self) -> None:
+        """Redis stopped (SIGSTOP: the connection stays, nothing answers): a limited
+        key's request waits for it at most 50 ms, then this process's counts decide."""
+        from twisted.internet import reactor
+
+        redis = start_redis(self)
+        clock = Clock()
+        [(a, base)] = await self.instances(1, redis.url, clock)
+        self.assertEqual((await self.call(base))[0], 200)
+        redis.pause()
+        self.addCleanup(redis.resume)
+        started = reactor.seconds()
+        self.assertEqual((await self.call(base))[0], 200)
+        self.assertLess(reactor.seconds() - started, 0.25)
+        await wait_for(lambda: not a.cluster.joined, what="alone")  # type: ignore[union-attr]
+        self.assertEqual((await self.call(base))[0], 200)
+        self.assertEqual((await self.call(base))[0], 429)  # 3 a minute, counted here alone
+        redis.resume()
+        await wait_for(lambda: a.cluster.joined, timeout=10, what="rejoined")  # type: ignore[union-attr]
