@@ -283,3 +283,74 @@ class Processes(TestCase):
         await x.ended
         await y.ended
         await deferLater(reactor, 0.2)
+
+
+class BehindHAProxy(TestCase):
+    """The issue's scenario: two crossbar processes sharing a Redis behind the shipped
+    ``contrib/haproxy/haproxy.cfg``, two hosts with 2 slots each (``max_inflight: 2``),
+    four streams with one prompt (one affinity key): they spread over both hosts
+    instead of four at the first (which is what the same test gives without
+    ``cluster``: [0, 4])."""
+
+    timeout = 90
+
+    async def test_four_streams_one_prompt(self) -> None:
+        from tests.process import Twistd, start_twistd, twistd_env
+        from tests.test_contrib_haproxy import CONFIG, free_port, require_haproxy
+
+        executable = require_haproxy(self)
+        redis = start_redis(self)
+        held = {name: Held() for name in ("a", "b")}
+        urls = {}
+        for name, handler in held.items():
+            fake = FakeLlama(["m"])
+            fake.handlers[b"/v1/chat/completions"] = handler
+            urls[name] = await listen(self, fake)
+        text = (
+            f"drain: {{delay: 0.01, grace: 0.01}}\ncluster:\n  redis: {redis.url}\n"
+            "health: {interval: 60, timeout: 5}\nhosts:\n"
+            + "".join(f"  {n}: {{url: {u}, max_inflight: 2}}\n" for n, u in urls.items())
+            + "routes:\n  r:\n    hosts: [a, b]\n"
+        )
+        cb = [await start_twistd(self, text) for _ in range(2)]
+        lb_port = free_port()
+        lb = Twistd()
+        reactor.spawnProcess(lb, executable, [executable, "-db", "-f", CONFIG], env={**twistd_env(), **{
+            "CROSSBAR_LB_BIND": f"127.0.0.1:{lb_port}", "CROSSBAR_1": f"127.0.0.1:{cb[0].port}",
+            "CROSSBAR_2": f"127.0.0.1:{cb[1].port}", "CROSSBAR_LB_LOG": "stdout"}})
+
+        async def stop_lb() -> None:
+            if lb.exit is None:
+                lb.signal("KILL")
+                await lb.ended
+
+        self.addCleanup(stop_lb)
+        base = f"http://127.0.0.1:{lb_port}"
+        http = http_client(self)
+
+        async def lb_ready() -> bool:
+            try:
+                response = await http.get(base + "/_crossbar/readyz")
+            except Exception:
+                return False
+            await response.content()
+            return bool(response.code == 200)
+
+        await wait_for(lb_ready, 20, "HAProxy answering")
+        await wait_for(lambda: redis.command("ZCARD", "crossbar:live") == 2, what="both instances in Redis")
+        prompt = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "the same prompt"}]}
+        streams = []
+        for i in range(4):
+            streams.append(http.post(base + "/r/v1/chat/completions", json=prompt))
+            await wait_for(lambda: sum(len(h.arrived) for h in held.values()) == i + 1, what=f"stream {i} at a host")
+        self.assertEqual(sorted(len(h.open) for h in held.values()), [2, 2])
+        for h in held.values():
+            h.end(len(h.open))
+        for d in streams:
+            response = await d
+            self.assertEqual(response.code, 200)
+            await response.content()
+        for proc in [*cb, lb]:
+            proc.signal("TERM")
+            await proc.ended
+        await deferLater(reactor, 0.2)
