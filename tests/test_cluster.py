@@ -18,6 +18,9 @@ from twisted.web.server import NOT_DONE_YET, Request
 from crossbar.config import ConfigError, parse_config
 from crossbar.process.service import CrossbarService
 from crossbar.state.cluster import RESYNC, TTL
+from twisted.logger import formatEvent
+
+from tests.logs import LogCapture
 from tests.harness import FakeLlama, http_client, listen, start_crossbar, wait_for
 from tests.redis_server import RedisServer, start_redis
 
@@ -188,6 +191,7 @@ class TwoInstances(TestCase):
         """Redis stopped mid-load: no request fails, each instance goes on alone
         (metric 0, still ready); after Redis is back both agree on the counts again."""
         redis, held, (a, b) = await self.start(password="pw-1")
+        logs = LogCapture(self)
         first = [self.post(a[1]), self.post(b[1])]
         await wait_for(lambda: a[0].runtime.inflight.host("h") == 2 == b[0].runtime.inflight.host("h"),
                        what="both see both")
@@ -198,6 +202,13 @@ class TwoInstances(TestCase):
         self.assertIn(b"crossbar_cluster_up 0.0", a[0].metrics.render())
         status = await (await http_client(self).get(a[1] + "/_crossbar/status")).json()
         self.assertEqual(status["cluster"], {"shared": False, "instances": 1})
+        await deferLater(reactor, 2.5)  # reconnection attempts meanwhile
+        said = [formatEvent(e) for e in logs.events if e.get("log_namespace") == "crossbar.cluster"]
+        self.assertEqual(len(said), 2, said)  # one line per instance
+        self.assertIn("counting this instance's requests alone", said[0])
+        self.assertNotIn("pw-1", " ".join(formatEvent(e) or "" for e in logs.events))
+        self.assertEqual(logs.errors(), [])
+        self.assertFalse([e for e in logs.events if "retry" in (formatEvent(e) or "").lower()])
         # Alone, each counts its own one request: each takes one more.
         more = [self.post(a[1]), self.post(b[1])]
         await wait_for(lambda: len(held.arrived) == 4, what="served while Redis is down")

@@ -29,11 +29,12 @@ from typing import Any, Callable, Iterable, Protocol
 import txredisapi
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from twisted.application.internet import ClientService
 from twisted.internet.defer import Deferred, DeferredList, fail, succeed
 from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
 from twisted.internet.ssl import optionsForClientTLS
 from twisted.internet.task import LoopingCall
-from twisted.logger import Logger
+from twisted.logger import LogPublisher, Logger
 from twisted.python.failure import Failure
 
 from crossbar.config import RedisURL
@@ -207,14 +208,14 @@ class RedisCluster:
         )
         factory.maxDelay = 1.0  # rejoin within about a second of Redis answering again
         factory.initialDelay = 0.1
-        factory.startConnecting(endpoint)
+        _connect_quietly(factory, endpoint)
         self._factory = factory
         subscriber = _SubscriberFactory(self)
         subscriber.password = url.password
         subscriber.username = url.username
         subscriber.maxDelay = 1.0
         subscriber.initialDelay = 0.1
-        subscriber.startConnecting(self._endpoint())
+        _connect_quietly(subscriber, self._endpoint())
         self._subscriber = subscriber
         self._resync.start(RESYNC, now=False)
         self._heartbeat.start(HEARTBEAT, now=False)
@@ -395,6 +396,26 @@ class RedisCluster:
     def _changed(self) -> None:
         if self.on_change is not None:
             self.on_change()
+
+
+class _QuietClientService(ClientService):
+    """txredisapi's reconnecting service without a log line per attempt: while Redis is
+    away the cluster says so once (:meth:`RedisCluster._failed`), not every second."""
+
+    _log = Logger(observer=LogPublisher())  # no observers: every event dropped
+
+
+def _connect_quietly(factory: Any, endpoint: Any) -> None:
+    """What ``RedisFactory.startConnecting`` does (txredisapi 1.6), each connection
+    kept by a :class:`_QuietClientService`."""
+    for _ in range(factory.poolsize):
+        slot = txredisapi._PoolSlot(factory, endpoint, factory.reconnect)
+        slot.service = _QuietClientService(
+            endpoint, txredisapi._SlotFactory(factory, slot), retryPolicy=slot._retryDelay,
+            prepareConnection=slot._prepareConnection,
+        )
+        factory.slots.append(slot)
+        slot.start()
 
 
 def _text(value: str | bytes) -> str:
