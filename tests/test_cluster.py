@@ -231,6 +231,47 @@ class TwoInstances(TestCase):
                        what="all released")
 
 
+class AffinityBound(TestCase):
+    """The affinity bound counts both instances' requests (DESIGN.md §Cache affinity):
+    four requests of one conversation, alternately through two instances, hosts without
+    limits, ``balance: 1.25``. The bound ceil(1.25 x (tier's in-flight + 1) / 2) over
+    the fleet's load sends the third to the other host: 3 + 1 (alone, each instance
+    would see only its own 2 and keep all four home: 4 + 0)."""
+
+    timeout = 60
+
+    async def test_bound_over_both(self) -> None:
+        redis = start_redis(self)
+        held = {name: Held() for name in ("a", "b")}
+        urls = {}
+        for name, handler in held.items():
+            fake = FakeLlama(["m"])
+            fake.handlers[b"/v1/chat/completions"] = handler
+            urls[name] = await listen(self, fake)
+        text = (f"cluster:\n  redis: {redis.url}\nhealth: {{interval: 60, timeout: 5}}\nhosts:\n"
+                + "".join(f"  {n}: {u}\n" for n, u in urls.items()) + "routes:\n  r:\n    hosts: [a, b]\n")
+        instances = [await start_crossbar(self, text) for _ in range(2)]
+        for service, _ in instances:
+            await service.poller.when_first_round_done()
+        await wait_for(lambda: all(s.cluster is not None and s.cluster.instances() == 2 for s, _ in instances),
+                       what="joined")
+        http = http_client(self)
+        prompt = {"model": "m", "stream": True, "messages": [{"role": "user", "content": "one conversation"}]}
+        answers = []
+        for i in range(4):
+            answers.append(http.post(instances[i % 2][1] + "/r/v1/chat/completions", json=prompt))
+            await wait_for(lambda: sum(len(h.arrived) for h in held.values()) == i + 1, what=f"request {i}")
+            await wait_for(lambda: all(s.runtime.inflight.host("a") + s.runtime.inflight.host("b") == i + 1
+                                       for s, _ in instances), what="both instances see it")
+        self.assertEqual(sorted(len(h.open) for h in held.values()), [1, 3])
+        spills = sum(s.runtime.affinity("r", "spill") for s, _ in instances)
+        self.assertEqual(spills, 1)
+        for h in held.values():
+            h.end(len(h.open))
+        for d in answers:
+            await (await d).content()
+
+
 class Processes(TestCase):
     """Real ``twistd crossbar`` processes: one with ``workers: 2`` (each worker an
     instance of its own) and one alone, over one Redis; the lone one is killed -9."""
