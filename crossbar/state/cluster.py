@@ -296,16 +296,17 @@ class RedisCluster:
         settled = [name for name, at in self._pending.items() if at <= seq]
         for name in settled:
             del self._pending[name]
-        self._recount()
         self._changed()  # room held back for the acknowledgement is free again
 
     def _apply(self, instance: str, seq: int, fields: dict[str, int]) -> None:
         """``instance`` had ``fields`` at its ``seq``: keep each unless newer is known."""
         view = self._views.setdefault(instance, {})
+        totals = self._totals
         for name, value in fields.items():
             known = view.get(name)
             if known is None or known[0] < seq:
                 view[name] = (seq, value)
+                totals[name] = totals.get(name, 0) + value - (known[1] if known is not None else 0)
 
     def _renew(self) -> None:
         if self.joined:
@@ -379,10 +380,10 @@ class RedisCluster:
         if instance == self.instance:
             return
         if fields is None:  # an instance that stopped
-            self._views.pop(instance, None)
+            if self._views.pop(instance, None) is not None:
+                self._recount()
         else:
             self._apply(str(instance), int(seq), {str(k): int(v) for k, v in fields.items()})
-        self._recount()
         self._changed()
 
     def _recount(self) -> None:

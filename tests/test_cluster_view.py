@@ -1,0 +1,72 @@
+"""The rules the runtime applies to a cluster's view (DESIGN.md §Several crossbars),
+over a fake :class:`~crossbar.state.cluster.ClusterView` (the real one, over Redis, is
+tested in tests/test_cluster.py)."""
+
+from __future__ import annotations
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from crossbar.config import parse_config
+from crossbar.state.cluster import ClusterView
+from crossbar.state.inflight import Inflight
+from crossbar.state.runtime import Runtime
+
+
+class FakeCluster:
+    """A :class:`ClusterView` whose other instances' counts a test sets."""
+
+    def __init__(self, instances: int = 2) -> None:
+        self.joined = True
+        self.totals: dict[str, int] = {}
+        self.mine: dict[str, int] = {}
+        self.rising: set[str] = set()
+        self.n = instances
+
+    def others(self, name: str) -> int:
+        return self.totals.get(name, 0) if self.joined else 0
+
+    def set(self, name: str, value: int) -> None:
+        if value > self.mine.get(name, 0):
+            self.rising.add(name)
+        self.mine[name] = value
+
+    def unsettled(self, name: str) -> bool:
+        return self.joined and name in self.rising
+
+    def instances(self) -> int:
+        return self.n if self.joined else 1
+
+
+class InflightOverCluster(SynchronousTestCase):
+    def test_counts(self) -> None:
+        cluster = FakeCluster(instances=3)
+        view: ClusterView = cluster
+        inflight = Inflight()
+        inflight.cluster = view
+        cluster.totals["h\0a"] = 4
+        self.assertEqual(inflight.host("a"), 4)
+        lease = inflight.enter("r", "a")
+        self.assertEqual(cluster.mine, {"h\0a": 1})
+        # Not yet acknowledged: one more for each of the 2 other instances.
+        self.assertEqual(inflight.host("a"), 1 + 4 + 2)
+        cluster.rising.clear()
+        self.assertEqual(inflight.host("a"), 5)
+        lease.release()
+        self.assertEqual(cluster.mine, {"h\0a": 0})
+        self.assertEqual(inflight.host("a"), 4)
+        cluster.joined = False  # Redis away: this instance's own counts only
+        self.assertEqual(inflight.host("a"), 0)
+
+    def test_key_max_inflight(self) -> None:
+        config = parse_config(
+            "listen: tcp:0\nhosts:\n  h: http://h:1\nroutes:\n  r:\n    hosts: [h]\n"
+            "    keys:\n      ci: {secret: s-1, max_inflight: 2}\n", "c.yaml", {})
+        runtime = Runtime(config, lambda: 0.0)
+        cluster = FakeCluster()
+        runtime.join(cluster)
+        route = config.routes["r"]
+        self.assertTrue(runtime.key_admits(route, "ci"))
+        cluster.totals["k\0r\0ci"] = 2
+        self.assertFalse(runtime.key_admits(route, "ci"))
+        cluster.joined = False
+        self.assertTrue(runtime.key_admits(route, "ci"))
