@@ -39,7 +39,7 @@ from twisted.python.failure import Failure
 
 from crossbar.config import RedisURL
 
-__all__ = ["BOUND", "HEARTBEAT", "RESYNC", "TTL", "ClusterCollector", "ClusterView", "RedisCluster"]
+__all__ = ["BOUND", "FLUSH", "HEARTBEAT", "RESYNC", "TTL", "ClusterCollector", "ClusterView", "RedisCluster"]
 
 _log = Logger(namespace="crossbar.cluster")
 
@@ -52,8 +52,13 @@ RESYNC = 1.0
 """Seconds between full reads of every live instance's counts."""
 BOUND = 0.05
 """Seconds a Redis reply may take before the instance goes on alone (§Several crossbars)."""
+FLUSH = 0.002
+"""Seconds this instance's changes gather before one write takes them all to Redis (and
+the other instances): under load one write carries many requests' changes."""
 
 _SEQ = "#seq"
+_CONNECTING = 2.5
+"""Seconds after start during which "not connected yet" is not news worth a log line."""
 
 _WRITE = """
 redis.call('HSET', KEYS[1], '#seq', ARGV[3], unpack(ARGV, 6))
@@ -67,32 +72,29 @@ if #ARGV > 5 then
   local fields = {'#seq'}
   for i = 6, #ARGV, 2 do fields[#fields + 1] = ARGV[i] end
   for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], now, '+inf')) do
-    if id ~= ARGV[2] then
-      out[#out + 1] = id
-      out[#out + 1] = redis.call('HMGET', ARGV[5] .. id, unpack(fields))
-    end
+    if id ~= ARGV[2] then out[id] = redis.call('HMGET', ARGV[5] .. id, unpack(fields)) end
   end
 end
-return out
+return cjson.encode(out)
 """
 """KEYS: own hash, live set, channel; ARGV: ttl ms, instance, seq, message, the hashes'
 prefix, field, value, ... (HSET with several pairs: Redis >= 4). Returns, for the
-fields written, every other live instance's values as Redis holds them now: id,
-[seq, value, ...], ... -- in Redis's one order of writes, of two instances raising a
-count at once the second learns of the first."""
+fields written, every other live instance's values as Redis holds them now, as one
+JSON text ``{id: [seq, value, ...]}`` (missing: false) -- in Redis's one order of
+writes, of two instances raising a count at once the second learns of the first.
+Every reply is one string: txredisapi parses each element of an array reply in a
+reactor turn of its own, which under load would stretch a reply past the bound."""
 
 _READ = """
 local t = redis.call('TIME')
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
-local ids = redis.call('ZRANGE', KEYS[1], 0, -1)
 local out = {}
-for _, id in ipairs(ids) do
-  out[#out + 1] = id
-  out[#out + 1] = redis.call('HGETALL', ARGV[1] .. id)
+for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  out[id] = redis.call('HGETALL', ARGV[1] .. id)
 end
-return out
+return cjson.encode(out)
 """
-"""KEYS: live set; ARGV: the hashes' prefix. Returns id, [field, value, ...], ..."""
+"""KEYS: live set; ARGV: the hashes' prefix. Returns JSON ``{id: [field, value, ...]}``."""
 
 _LEAVE = """
 redis.call('DEL', KEYS[1])
@@ -166,6 +168,7 @@ class RedisCluster:
         self._heartbeat.clock = reactor
         self._reading = False
         self._said_alone = False
+        self._started_at: float | None = None
 
     # -- the view -------------------------------------------------------------------
 
@@ -194,7 +197,7 @@ class RedisCluster:
         self._mine[name] = value
         self._dirty.add(name)
         if self._flush_call is None and self.joined:
-            self._flush_call = self.reactor.callLater(0, self._flush)
+            self._flush_call = self.reactor.callLater(FLUSH, self._flush)
 
     # -- connecting -----------------------------------------------------------------
 
@@ -217,6 +220,7 @@ class RedisCluster:
         subscriber.initialDelay = 0.1
         _connect_quietly(subscriber, self._endpoint())
         self._subscriber = subscriber
+        self._started_at = self.reactor.seconds()
         self._resync.start(RESYNC, now=False)
         self._heartbeat.start(HEARTBEAT, now=False)
         self.reactor.callLater(0, self.resync)
@@ -256,9 +260,12 @@ class RedisCluster:
         """Run one command with the :data:`BOUND` on its reply; errbacks with
         ConnectionError at once when no connection is up (nothing queues up)."""
         factory = self._factory
-        if factory is None or not factory.size:
+        connection = factory.pool[0] if factory is not None and factory.pool else None
+        if connection is None or not connection.connected:
             return fail(txredisapi.ConnectionError("not connected"))
-        d: Deferred[Any] = getattr(factory.handler, name)(*args)
+        # The pool's one connection itself: txredisapi's pool handler adds a generator
+        # and a queue per command, for nothing with one connection.
+        d: Deferred[Any] = getattr(connection, name)(*args)
         d.addTimeout(BOUND, self.reactor)
         return d
 
@@ -284,15 +291,14 @@ class RedisCluster:
         d = self.command("eval", _WRITE, [self._hash, self._live, self._channel], args)
         d.addCallbacks(self._written, self._failed, callbackArgs=(seq, names), errbackArgs=("write",))
 
-    def _written(self, reply: list[Any], seq: int, names: list[str]) -> None:
+    def _written(self, reply: str | bytes, seq: int, names: list[str]) -> None:
         if not self.joined:
             return
-        for i in range(0, len(reply) - 1, 2):
-            values = reply[i + 1] or []
-            if not values or values[0] is None:
+        others = _object(reply)
+        for instance, values in others.items():
+            if not isinstance(values, list) or not values or not values[0]:
                 continue  # expired meanwhile
-            self._apply(_text(reply[i]), int(values[0]),
-                        {n: int(v) for n, v in zip(names, values[1:]) if v is not None})
+            self._apply(instance, int(values[0]), {n: int(v) for n, v in zip(names, values[1:]) if v})
         settled = [name for name, at in self._pending.items() if at <= seq]
         for name in settled:
             del self._pending[name]
@@ -324,14 +330,12 @@ class RedisCluster:
     def _read_done(self, result: object) -> None:
         self._reading = False
 
-    def _read(self, reply: list[Any]) -> None:
+    def _read(self, reply: str | bytes) -> None:
         views: dict[str, dict[str, tuple[int, int]]] = {}
-        for i in range(0, len(reply) - 1, 2):
-            instance = _text(reply[i])
-            if instance == self.instance:
+        for instance, flat in _object(reply).items():
+            if instance == self.instance or not isinstance(flat, list):
                 continue
-            flat = reply[i + 1] or []
-            fields = {_text(flat[j]): int(flat[j + 1]) for j in range(0, len(flat) - 1, 2)}
+            fields = {str(flat[j]): int(flat[j + 1]) for j in range(0, len(flat) - 1, 2)}
             seq = fields.pop(_SEQ, 0)
             known = self._views.get(instance, {})
             view = {name: (seq, value) for name, value in fields.items()}
@@ -352,6 +356,9 @@ class RedisCluster:
         self._changed()
 
     def _failed(self, failure: Failure, what: str) -> None:
+        starting = self._started_at is not None and self.reactor.seconds() - self._started_at < _CONNECTING
+        if starting and not self.joined and failure.check(txredisapi.ConnectionError):
+            return  # the first connection is still being made
         if self.joined or not self._said_alone:
             self._said_alone = True
             _log.warn("cluster: Redis at {url} did not answer a {what} within {bound} ms ({error}); "
@@ -411,16 +418,38 @@ def _connect_quietly(factory: Any, endpoint: Any) -> None:
     kept by a :class:`_QuietClientService`."""
     for _ in range(factory.poolsize):
         slot = txredisapi._PoolSlot(factory, endpoint, factory.reconnect)
+
+        def prepare(protocol: Any, slot: Any = slot) -> Any:
+            _no_delay(protocol)
+            return slot._prepareConnection(protocol)
+
         slot.service = _QuietClientService(
             endpoint, txredisapi._SlotFactory(factory, slot), retryPolicy=slot._retryDelay,
-            prepareConnection=slot._prepareConnection,
+            prepareConnection=prepare,
         )
         factory.slots.append(slot)
         slot.start()
 
 
-def _text(value: str | bytes) -> str:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+def _no_delay(protocol: Any) -> None:
+    """TCP_NODELAY on the connection under ``protocol`` (through a TLS layer): without
+    it Nagle's algorithm holds a command written while the previous one is unacknowledged
+    until Redis's delayed ACK, ~40 ms -- most of the 50 ms bound."""
+    transport = getattr(protocol, "transport", None)
+    for _ in range(4):
+        if transport is None:
+            return
+        set_no_delay = getattr(transport, "setTcpNoDelay", None)
+        if set_no_delay is not None:
+            set_no_delay(True)
+            return
+        transport = getattr(transport, "transport", None)
+
+
+def _object(reply: str | bytes) -> dict[str, Any]:
+    """A script's JSON reply as a dict (Lua's cjson writes an empty table as ``{}``)."""
+    doc = json.loads(reply)
+    return doc if isinstance(doc, dict) else {}
 
 
 class _SubscriberFactory(txredisapi.SubscriberFactory):  # type: ignore[misc]

@@ -278,21 +278,6 @@ class RedisLimits:
         d = self.cluster.command("eval", _SPEND, keys, [int(now), tokens, expire])
         d.addErrback(lambda _: None)
 
-    def spending(self, route: str, key: str, now: float) -> Deferred[Spending]:
-        """The fleet's counts for ``key`` (status)."""
-        keys = self._keys(route, key, now)
-
-        def read(reply: list[Any]) -> Spending:
-            count, buckets, day = reply
-            edge = now - MINUTE
-            tokens = sum(int(buckets[i + 1]) for i in range(0, len(buckets), 2) if int(buckets[i]) + 1 > edge)
-            return Spending(int(count), tokens, int(day or 0))
-
-        script = ("return {redis.call('ZCOUNT', KEYS[1], ARGV[1], '+inf'), redis.call('HGETALL', KEYS[2]), "
-                  "redis.call('GET', KEYS[3])}")
-        d = self.cluster.command("eval", script, keys, [int((now - MINUTE) * 1000) + 1])
-        return d.addCallback(read)
-
 
 class LimitsCollector(Collector):
     """``crossbar_key_spent`` per route, key and ``window`` (``requests_minute``,
