@@ -5,14 +5,14 @@ own counts -- requests in flight per host, per (route, host) and per client key 
 one Redis hash of its own, ``crossbar:inst:<id>``, that expires :data:`TTL` seconds
 after the instance last renewed it, and is listed in the sorted set ``crossbar:live``
 (score: when it expires). Every write also PUBLISHes the changed fields (with a sequence
-number) on one channel, so every other instance's view follows within a reactor turn
+number) on one channel, so every other instance's view follows within milliseconds
 and a slot freed anywhere wakes the requests waiting everywhere (§Choosing a host,
 rule 4). Every :data:`RESYNC` seconds an instance reads every live hash back (one Lua
 script): this drops an instance that died (its hash expired) and mends anything a
 lost message missed.
 
 Nothing on the request path waits for Redis: :meth:`RedisCluster.set` only notes the
-new value (it is written at the end of the reactor turn), :meth:`RedisCluster.others`
+new value (the changes of :data:`FLUSH` seconds go in one write), :meth:`RedisCluster.others`
 reads the cached view. A reply that takes longer than :data:`BOUND` seconds, or a
 connection that is gone, turns the instance *alone*: it logs it once, drops the other
 instances' counts (room and limits then count this instance alone, as without
@@ -188,7 +188,7 @@ class RedisCluster:
         return self.joined and (name in self._rising or name in self._pending)
 
     def set(self, name: str, value: int) -> None:
-        """See :class:`ClusterView`: written to Redis at the end of this reactor turn."""
+        """See :class:`ClusterView`: written to Redis within :data:`FLUSH` seconds."""
         old = self._mine.get(name, 0)
         if old == value and name not in self._dirty:
             return
