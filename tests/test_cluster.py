@@ -292,6 +292,15 @@ class Processes(TestCase):
         await wait_for(lambda: redis.command("ZCARD", "crossbar:live") == 3, timeout=20, what="three instances")
         http = http_client(self)
 
+        async def all_see_three() -> bool:
+            for base in (x.base, x.base, x.base, x.base, y.base):
+                doc = await (await http.get(base + "/_crossbar/status")).json()
+                if doc["cluster"] != {"shared": True, "instances": 3}:
+                    return False
+            return True
+
+        await wait_for(all_see_three, timeout=10, what="every instance sees three")
+
         def post(base: str) -> Deferred[Any]:
             return http.post(base + "/r/v1/chat/completions", json={"model": "m", "stream": True})
 

@@ -53,8 +53,9 @@ RESYNC = 1.0
 BOUND = 0.05
 """Seconds a Redis reply may take before the instance goes on alone (§Several crossbars)."""
 FLUSH = 0.002
-"""Seconds this instance's changes gather before one write takes them all to Redis (and
-the other instances): under load one write carries many requests' changes."""
+"""Seconds this instance's rising counts gather before one write takes them all to Redis
+(and the other instances): under load one write carries many requests' changes. A
+falling count (a freed slot) is written at the end of the reactor turn."""
 
 _SEQ = "#seq"
 _CONNECTING = 2.5
@@ -66,20 +67,19 @@ redis.call('PEXPIRE', KEYS[1], ARGV[1])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZADD', KEYS[2], now + tonumber(ARGV[1]), ARGV[2])
+if #ARGV > 5 then redis.call('PUBLISH', KEYS[3], ARGV[4]) end
+local fields = {'#seq'}
+for i = 6, #ARGV, 2 do fields[#fields + 1] = ARGV[i] end
 local out = {}
-if #ARGV > 5 then
-  redis.call('PUBLISH', KEYS[3], ARGV[4])
-  local fields = {'#seq'}
-  for i = 6, #ARGV, 2 do fields[#fields + 1] = ARGV[i] end
-  for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], now, '+inf')) do
-    if id ~= ARGV[2] then out[id] = redis.call('HMGET', ARGV[5] .. id, unpack(fields)) end
-  end
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], now, '+inf')) do
+  if id ~= ARGV[2] then out[id] = redis.call('HMGET', ARGV[5] .. id, unpack(fields)) end
 end
 return cjson.encode(out)
 """
 """KEYS: own hash, live set, channel; ARGV: ttl ms, instance, seq, message, the hashes'
-prefix, field, value, ... (HSET with several pairs: Redis >= 4). Returns, for the
-fields written, every other live instance's values as Redis holds them now, as one
+prefix, field, value, ... (HSET with several pairs: Redis >= 4). Returns every other
+live instance (so each write, heartbeats included, tells how many there are) and, for
+the fields written, its values as Redis holds them now, as one
 JSON text ``{id: [seq, value, ...]}`` (missing: false) -- in Redis's one order of
 writes, of two instances raising a count at once the second learns of the first.
 Every reply is one string: txredisapi parses each element of an array reply in a
@@ -196,8 +196,17 @@ class RedisCluster:
             self._rising.add(name)
         self._mine[name] = value
         self._dirty.add(name)
-        if self._flush_call is None and self.joined:
-            self._flush_call = self.reactor.callLater(FLUSH, self._flush)
+        if not self.joined:
+            return
+        # A freed slot goes out at once (requests wait for it on other instances, §Choosing
+        # a host rule 4); rises gather for FLUSH (they count as unsettled meanwhile).
+        delay = 0.0 if value < old else FLUSH
+        call = self._flush_call
+        if call is not None and call.active() and delay < FLUSH and call.getTime() > self.reactor.seconds():
+            call.cancel()
+            call = None
+        if call is None or not call.active():
+            self._flush_call = self.reactor.callLater(delay, self._flush)
 
     # -- connecting -----------------------------------------------------------------
 
@@ -298,6 +307,7 @@ class RedisCluster:
         for instance, values in others.items():
             if not isinstance(values, list) or not values or not values[0]:
                 continue  # expired meanwhile
+            # An instance that has counted nothing yet still counts in instances().
             self._apply(instance, int(values[0]), {n: int(v) for n, v in zip(names, values[1:]) if v})
         settled = [name for name, at in self._pending.items() if at <= seq]
         for name in settled:
