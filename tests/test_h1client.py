@@ -24,7 +24,9 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH, IResponse
 
 from crossbar.proxy.attempt import BytesProducer
-from crossbar.upstream.h1client import BodyTruncated, H1Agent, H1Connection, H1Pool, H1Response
+from crossbar.upstream.h1client import (
+    MAX_RESPONSE_HEAD, BodyTruncated, H1Agent, H1Connection, H1Pool, H1Response, ResponseHeadTooLarge, UnrelayableStatus,
+)
 from crossbar.upstream.pools import ConnectTracker, UpstreamEndpoints
 
 URL = b"http://127.0.0.1:8080/v1/chat/completions"
@@ -537,3 +539,84 @@ class HostileAnswerTests(_ClientCase):
         self.assertTrue(transport.disconnecting)
         self.assertIsNone(self.pool.take(connection.key))
         self.assertEqual(self.reactor.getDelayedCalls(), [])
+
+
+class HeadRuleTests(SynchronousTestCase):
+    """The head rules polls and requests share (issue 17: they were Twisted's
+    ``_newclient`` subclass's for polls): the ``Connection`` values kept, ``101`` and
+    statuses outside 100-599 refused, the head bounded by :data:`MAX_RESPONSE_HEAD`
+    per answer, body bytes never counted as head. One connection over a transport."""
+
+    def setUp(self) -> None:
+        self.pool = H1Pool(MemoryReactorClock())
+        self.connection = H1Connection(self.pool, (b"http", b"upstream", 80), True)
+        self.transport = _Transport()
+        self.connection.makeConnection(self.transport)
+
+    def send(self) -> Deferred[IResponse]:
+        return self.connection.send(b"GET", b"/v1/models", Headers({b"host": [b"upstream"]}), None)
+
+    def answer(self, data: bytes) -> Deferred[IResponse]:
+        d = self.send()
+        self.connection.dataReceived(data)
+        return d
+
+    def test_records_upstream_connection(self) -> None:
+        d = self.answer(b"HTTP/1.1 200 OK\r\nConnection: keep-alive\r\nConnection: X-A, X-B\r\nContent-Length: 0\r\n\r\n")
+        self.assertEqual(self.successResultOf(d).upstream_connection, (b"keep-alive", b"X-A, X-B"))  # type: ignore[attr-defined]
+
+    def refused(self, status: bytes) -> None:
+        d = self.answer(b"HTTP/1.1 " + status + b"\r\nContent-Length: 0\r\n\r\n")
+        failure = self.failureResultOf(d, ResponseFailed)
+        self.assertTrue(failure.value.reasons[0].check(UnrelayableStatus), failure.value.reasons)
+        self.assertIn("status code crossbar cannot relay", str(failure.value.reasons[0].value))
+        self.assertTrue(self.transport.aborted)
+
+    def test_refuses_101(self) -> None:
+        self.refused(b"101 Switching Protocols")
+
+    def test_refuses_status_600(self) -> None:
+        self.refused(b"600 Beyond")
+
+    def test_refuses_status_below_100(self) -> None:
+        self.refused(b"099 Below")
+
+    def test_relays_every_status_in_range(self) -> None:
+        for code in (100, 200, 204, 418, 599):
+            self.setUp()
+            head = b"HTTP/1.1 %d X\r\nContent-Length: 0\r\n\r\n" % code
+            if code == 100:  # interim: skipped, the next head is the answer
+                head += b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
+            self.assertEqual(self.successResultOf(self.answer(head)).code, 200 if code == 100 else code)
+
+    def test_gives_up_on_a_head_over_the_limit(self) -> None:
+        d = self.send()
+        self.connection.dataReceived(b"HTTP/1.1 200 OK\r\n")
+        sent = len(b"HTTP/1.1 200 OK\r\n")
+        line = b"X-Filler: " + b"a" * 500 + b"\r\n"
+        while not d.called:
+            self.connection.dataReceived(line)
+            sent += len(line)
+        failure = self.failureResultOf(d, ResponseFailed)
+        self.assertTrue(failure.value.reasons[0].check(ResponseHeadTooLarge))
+        self.assertTrue(self.transport.aborted)  # aborted, not a polite close
+        self.assertGreater(sent, MAX_RESPONSE_HEAD)
+        self.assertLessEqual(sent, MAX_RESPONSE_HEAD + len(line))  # at the first chunk over
+
+    def test_head_count_restarts_per_request(self) -> None:
+        """On a persistent connection each answer's head gets the whole limit."""
+        line = b"X-Filler: " + b"a" * 500 + b"\r\n"
+        head = b"HTTP/1.1 200 OK\r\n" + line * (MAX_RESPONSE_HEAD // len(line) - 4) + b"Content-Length: 0\r\n\r\n"
+        for _ in range(3):
+            self.assertEqual(self.successResultOf(self.answer(head)).code, 200)
+        self.assertFalse(self.transport.disconnecting)
+
+    def test_body_bytes_are_not_head(self) -> None:
+        size = 2 * MAX_RESPONSE_HEAD
+        response = self.successResultOf(self.answer(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size))
+        body = _Body()
+        response.deliverBody(body)
+        self.connection.dataReceived(b"a" * size)
+        self.assertEqual(b"".join(body.chunks), b"a" * size)
+        self.assertTrue(body.reason is not None and body.reason.check(ResponseDone))
+        self.assertFalse(self.transport.disconnecting)

@@ -39,6 +39,9 @@ body was all sent aborts the connection (RFC 9112 §9.6): the host will not read
 
 from __future__ import annotations
 
+import socket
+from dataclasses import dataclass
+from enum import Enum
 from functools import lru_cache
 from typing import Any, Callable
 
@@ -57,9 +60,36 @@ from twisted.web.iweb import UNKNOWN_LENGTH, IAgent, IAgentEndpointFactory, IBod
 from zope.interface import implementer
 
 from crossbar.upstream.tcp import no_delay
-from crossbar.upstream.twisted_private import MAX_RESPONSE_HEAD, ResponseHeadTooLarge
 
-__all__ = ["BodyTruncated", "H1Agent", "H1Connection", "H1Pool", "H1Response", "UnrelayableStatus", "UnsolicitedAnswer"]
+__all__ = [
+    "INLINE_BODY", "KEEP_ALIVE_MARGIN", "MAX_RESPONSE_HEAD", "BodyTruncated", "H1Agent", "H1Connection", "H1Pool",
+    "H1Response", "IInlineBody", "ResponseHeadTooLarge", "UnrelayableStatus", "UnsolicitedAnswer",
+    "keep_alive_timeout",
+]
+
+MAX_RESPONSE_HEAD = 64 * 1024
+"""The most bytes of an upstream answer's head (status lines and headers, interim
+``1xx`` answers included) crossbar reads before giving up on it (DESIGN.md §The proxy,
+rule 9); the same bound holds for chunk framing and trailers with no body byte between."""
+
+INLINE_BODY = 256 * 1024
+"""Bytes: a body of at most this size from an :class:`IInlineBody` producer is written
+with the request head, in one write."""
+
+KEEP_ALIVE_MARGIN = 1.0
+"""Seconds before a host's advertised keep-alive timeout (``Keep-Alive: timeout=N``)
+that crossbar stops reusing an idle connection to it (DESIGN.md rule 7): the host
+would close it at N, possibly while a request is on its way."""
+
+
+class ResponseHeadTooLarge(Exception):
+    """An upstream answer's head went over :data:`MAX_RESPONSE_HEAD` bytes."""
+
+
+class IInlineBody(IBodyProducer):
+    """An ``IBodyProducer`` that, when its ``length`` is at most :data:`INLINE_BODY`,
+    writes its whole body to the consumer inside ``startProducing`` (so the client can
+    send it with the request head in one write)."""
 
 _CONNECTION_CONTROL = frozenset({
     b"content-length", b"connection", b"keep-alive", b"te", b"trailers", b"transfer-encoding", b"upgrade",
@@ -187,10 +217,29 @@ class _BodyTransport:
             connection.abandon()
 
 
-_IDLE, _SENDING, _WAITING, _BODY, _DEAD, _DONE = range(6)
-# _DONE: the answer is complete and the connection already in the pool (so closing the
-# pool closes it), but not to be taken until the parser has returned with no byte left
-# over (dataReceived): never from inside the parser's callbacks.
+class State(Enum):
+    """Where one :class:`H1Connection` stands."""
+
+    IDLE = "idle"
+    """No request on it: it may be sent one."""
+    SENDING = "sending"
+    """A request's body is being written."""
+    WAITING = "waiting"
+    """The request is written; no answer head yet."""
+    BODY = "body"
+    """The answer's head arrived; its body is being read."""
+    DEAD = "dead"
+    """Closed or given up: never used again."""
+    DONE = "done"
+    """The answer is complete and the connection already in the pool (so closing the
+    pool closes it), but not to be taken until the parser has returned with no byte
+    left over (``dataReceived``): never from inside the parser's callbacks."""
+
+
+# Module-level names for the hot path (an Enum attribute lookup costs ten times a global).
+_IDLE, _SENDING, _WAITING, _BODY, _DEAD, _DONE = (
+    State.IDLE, State.SENDING, State.WAITING, State.BODY, State.DEAD, State.DONE,
+)
 
 _HTTP_NAME = b"HTTP/"
 
@@ -203,6 +252,8 @@ class H1Connection(Protocol):
     :ivar reused: requests sent on it before the current one.
     :ivar paused: whether a body reader paused its reading.
     :ivar idle_since: reactor seconds when it was last put in the pool.
+    :ivar keep_alive: seconds the host said it keeps an idle connection open (the last
+        answer's ``Keep-Alive: timeout=N``), or None when it did not say.
     """
 
     def __init__(self, pool: H1Pool | None, key: tuple[bytes, bytes, int], persistent: bool) -> None:
@@ -213,6 +264,7 @@ class H1Connection(Protocol):
         self.reused = 0
         self.paused = False
         self.idle_since = 0.0
+        self.keep_alive: float | None = None
         self._lost: list[Deferred[None]] | None = []
         self._parser: Any = None
         self._method = b""
@@ -286,7 +338,7 @@ class H1Connection(Protocol):
         transport: Any = self.transport
         if producer is None:
             transport.write(b"".join(lines))
-        elif producer.length <= getattr(producer, "SLICE", 0):
+        elif producer.length <= INLINE_BODY and IInlineBody.providedBy(producer):
             producer.startProducing(_Collect(lines))
             transport.write(b"".join(lines))
         else:
@@ -394,6 +446,7 @@ class H1Connection(Protocol):
     def on_message_begin(self) -> None:
         if self.state is not _WAITING and self.state is not _SENDING:
             raise UnsolicitedAnswer("bytes after a complete answer, with no request")
+        self.keep_alive = None  # what this answer says (the last answer's word counts)
         self._phrase = b""
         self._headers = Headers()
         self._connection_values = []
@@ -416,6 +469,8 @@ class H1Connection(Protocol):
             elif lower == b"transfer-encoding":
                 self._chunked = True
                 self._encodings.append(value)
+            elif lower == b"keep-alive":
+                self.keep_alive = keep_alive_timeout(value)
             return
         assert self._headers is not None
         self._headers.addRawHeader(name, value)
@@ -573,8 +628,13 @@ class _ConnectionFactory(Factory):
 class H1Pool:
     """Idle persistent connections per ``(scheme, host, port)``.
 
-    An idle connection is closed ``idle_seconds`` after it was put back (at most a
-    little later: one timer per pool checks them, so a request costs no timer work).
+    An idle connection is closed ``idle_seconds`` after it was put back, or sooner when
+    its host said it keeps idle connections for less (``Keep-Alive: timeout=N``: closed
+    :data:`KEEP_ALIVE_MARGIN` seconds before N, DESIGN.md rule 7); one timer per pool
+    checks them, so a request costs no timer work, and :meth:`take` never hands out one
+    past its time. Nor one whose host already closed it or sent bytes nobody asked for
+    while the reactor had not read them yet (a look at the socket without reading):
+    a request is never written on a connection known to be dead.
 
     :param reactor: the reactor (the idle timer).
     :param max_per_host: idle connections kept per key; more are closed.
@@ -588,48 +648,73 @@ class H1Pool:
         self._idle: dict[tuple[bytes, bytes, int], list[H1Connection]] = {}
         self._timer: IDelayedCall | None = None
 
+    def _limit(self, connection: H1Connection) -> float:
+        """Seconds ``connection`` may stay idle."""
+        keep_alive = connection.keep_alive
+        if keep_alive is None:
+            return self.idle_seconds
+        return min(self.idle_seconds, retire_after(keep_alive))
+
     def take(self, key: tuple[bytes, bytes, int]) -> H1Connection | None:
-        """The most recently used idle connection for ``key``, or None (one whose answer
-        is still being parsed stays, a dead one is dropped)."""
+        """The most recently used idle connection for ``key`` that is still good, or
+        None (one whose answer is still being parsed stays; a dead one, one past its
+        idle time and one whose host closed it are dropped and closed)."""
         idle = self._idle.get(key)
         if not idle:
             return None
-        if idle[-1].state is _IDLE:
-            return idle.pop()
+        now = self._reactor.seconds()
         for i in range(len(idle) - 1, -1, -1):
             connection = idle[i]
-            if connection.state is _IDLE:
-                del idle[i]
-                return connection
-            if connection.state is not _DONE:
-                del idle[i]
+            state = connection.state
+            if state is _DONE:
+                continue
+            del idle[i]
+            if state is not _IDLE:
+                continue
+            if now - connection.idle_since >= self._limit(connection) or _peer_spoke(connection.transport):
+                connection._close()
+                continue
+            return connection
         return None
 
     def put(self, connection: H1Connection) -> None:
-        """Keep an idle connection (or close it when ``max_per_host`` are kept)."""
+        """Keep an idle connection (or close it when ``max_per_host`` are kept, or when
+        its host keeps idle connections too briefly to reuse it)."""
+        limit = self._limit(connection)
         idle = self._idle.get(connection.key)
+        if limit <= 0:
+            connection._close()
+            return
         if idle is None:
             idle = self._idle[connection.key] = []
         elif len(idle) >= self.max_per_host:
             connection._close()
             return
         idle.append(connection)
-        connection.idle_since = self._reactor.seconds()
-        if self._timer is None:
-            self._timer = self._reactor.callLater(self.idle_seconds, self._expire)
+        now = connection.idle_since = self._reactor.seconds()
+        timer = self._timer
+        if timer is None:
+            self._timer = self._reactor.callLater(limit, self._expire)
+        elif timer.getTime() > now + limit:
+            timer.reset(limit)
 
     def _expire(self) -> None:
-        """Close the connections idle for ``idle_seconds``; wait for the next one."""
+        """Close the connections idle for their time; wait for the next one."""
         self._timer = None
         now = self._reactor.seconds()
         soonest: float | None = None
         for key, idle in list(self._idle.items()):
-            # oldest first: put appends, take pops the newest
-            while idle and now - idle[0].idle_since >= self.idle_seconds:
-                idle.pop(0)._close()
-            if idle:
-                due = idle[0].idle_since + self.idle_seconds - now
-                soonest = due if soonest is None else min(soonest, due)
+            kept = []
+            for connection in list(idle):  # oldest first: put appends, take pops the newest
+                due = connection.idle_since + self._limit(connection) - now
+                if due <= 0 and connection.state is not _DONE:
+                    connection._close()  # forgets itself: not in ``kept``
+                    continue
+                kept.append(connection)
+                if due > 0:
+                    soonest = due if soonest is None else min(soonest, due)
+            if kept:
+                self._idle[key] = kept
             else:
                 del self._idle[key]
         if soonest is not None:
@@ -656,6 +741,57 @@ class H1Pool:
         return done
 
 
+def keep_alive_timeout(value: bytes) -> float | None:
+    """The ``timeout`` parameter of a ``Keep-Alive`` header value (seconds, e.g.
+    llama-server's ``timeout=5, max=100`` gives 5.0), or None when it has none or it is
+    not a whole number."""
+    for part in value.split(b","):
+        name, _, number = part.partition(b"=")
+        if name.strip().lower() == b"timeout":
+            number = number.strip()
+            return float(int(number)) if number.isdigit() and len(number) < 10 else None
+    return None
+
+
+def retire_after(keep_alive: float) -> float:
+    """Seconds a connection to a host that keeps idle connections ``keep_alive``
+    seconds is reused: :data:`KEEP_ALIVE_MARGIN` less, or half of it when that is short."""
+    if keep_alive > 2 * KEEP_ALIVE_MARGIN:
+        return keep_alive - KEEP_ALIVE_MARGIN
+    return keep_alive / 2
+
+
+def _peer_spoke(transport: Any) -> bool:
+    """Whether the host already closed an idle connection (or reset it, or sent bytes
+    nobody asked for) and the reactor has not read that yet: one non-blocking peek at
+    the socket under ``transport`` (TLS included). A transport without a socket (a test
+    double) reads as quiet."""
+    sock = _socket_of(transport)
+    if sock is None:
+        return False
+    try:
+        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return False  # nothing waiting: open and quiet
+    except OSError:
+        return True  # reset
+    return True  # an end of file, or bytes on an idle connection
+
+
+def _socket_of(transport: Any) -> socket.socket | None:
+    """The socket under ``transport`` (through a TLS layer), or None."""
+    for _ in range(3):
+        if transport is None:
+            return None
+        get = getattr(transport, "getHandle", None)
+        if get is not None:
+            handle = get()
+            if isinstance(handle, socket.socket):
+                return handle
+        transport = getattr(transport, "transport", None)
+    return None
+
+
 @implementer(IAgent)
 class H1Agent:
     """An ``IAgent`` for one attempt: a pooled connection for the URL's ``(scheme,
@@ -674,21 +810,20 @@ class H1Agent:
                 bodyProducer: IBodyProducer | None = None) -> Deferred[IResponse]:
         """Send one request; see :meth:`H1Connection.send` for what the Deferred does.
         A ``Host`` header is added from the URL when ``headers`` has none."""
-        parsed = _parse_url(uri)
-        key = (parsed.scheme, parsed.host, parsed.port)
+        origin, path = split_url(uri)
+        key = origin.key
         if headers is None:
             headers = Headers()
         if not headers.hasHeader(b"host"):
             headers = headers.copy()
-            headers.addRawHeader(b"host", parsed.netloc)
-        path = parsed.originForm
+            headers.addRawHeader(b"host", origin.netloc)
         pool = self._pool
         if pool is not None:
             connection = pool.take(key)
             if connection is not None:
                 return connection.send(method, path, headers, bodyProducer)
         factory = _ConnectionFactory(pool, key, pool is not None)
-        connecting = self._endpoints.endpointForURI(parsed).connect(factory)
+        connecting = self._endpoints.endpointForURI(origin.uri).connect(factory)
         sending: list[Deferred[IResponse]] = []
 
         def cancel(_: object) -> None:
@@ -710,11 +845,51 @@ class H1Agent:
         return result
 
 
-@lru_cache(maxsize=1024)
-def _parse_url(uri: bytes) -> URI:
-    """``URI.fromBytes``, remembered (4.7 us a request otherwise; a fleet has few
-    distinct upstream URLs). The URI is only read, never changed."""
-    return URI.fromBytes(uri)
+@dataclass(frozen=True)
+class Origin:
+    """What a connection to a host needs, from an absolute URL.
+
+    :ivar key: the pool key ``(scheme, host, port)``.
+    :ivar netloc: the ``Host`` header value (bytes).
+    :ivar uri: a ``URI`` of the origin alone (path ``/``), for ``endpointForURI``.
+    """
+
+    key: tuple[bytes, bytes, int]
+    netloc: bytes
+    uri: URI
+
+
+def split_url(url: bytes) -> tuple[Origin, bytes]:
+    """``url`` (absolute) as its :class:`Origin` and its request target (path and
+    query, the fragment dropped, ``/`` when empty), as ``URI.fromBytes`` reads them.
+
+    Origins are remembered (``URI.fromBytes`` costs 4.7 us a request; a fleet has few
+    hosts), keyed by ``scheme://host:port`` alone: never by a path or a query string,
+    which crossbar does not keep (DESIGN.md rule 8).
+
+    :raises ValueError: when ``url`` has no ``scheme://``.
+    """
+    start = url.find(b"://")
+    if start < 0:
+        raise ValueError("not an absolute URL")
+    end = len(url)
+    for separator in (b"/", b"?", b"#"):
+        found = url.find(separator, start + 3, end)
+        if found >= 0:
+            end = found
+    target = url[end:]
+    if b"#" in target:
+        target = target[:target.index(b"#")]
+    if not target.startswith(b"/"):
+        target = b"/" + target
+    return _origin(url[:end]), target
+
+
+@lru_cache(maxsize=256)
+def _origin(prefix: bytes) -> Origin:
+    """The :class:`Origin` of ``scheme://authority`` (no path, no query)."""
+    uri = URI.fromBytes(prefix + b"/")
+    return Origin((uri.scheme, uri.host, uri.port), uri.netloc, uri)
 
 
 def _relay_failure(result: Deferred[IResponse]) -> Callable[[Failure], None]:
