@@ -109,6 +109,7 @@ class CrossbarService(MultiService):
         self.poller = HealthPoller(
             runtime.table, {name: h.url for name, h in config.hosts.items()}, self._probe(health.timeout, config, tls),
             health.interval, health.timeout, reactor, on_poll=self._observe_poll,
+            wants_slots=lambda name: (host := runtime.config.hosts.get(name)) is not None and host.max_inflight_slots,
         )
         self.poller.setServiceParent(self)
         self.proxy = ProxyResource(runtime, self.pools, reactor, self.requests)
