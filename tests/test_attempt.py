@@ -4,8 +4,8 @@ rules 6-7): one upstream request to one host, classified as an :class:`Answer` o
 
 :class:`FakeRuleTests` drives it with a fake ``UpstreamPools`` whose agents return
 Deferreds the test fires, and a :class:`Clock`: one rule per test.
-:class:`RealAgentTests` uses the real ``UpstreamPools`` (Twisted's ``Agent``, pool and
-crossbar's ``ClientProtocol``) over a ``MemoryReactorClock``, the host's side written
+:class:`RealAgentTests` uses the real ``UpstreamPools`` (crossbar's HTTP/1.1 client and
+its pool) over a ``MemoryReactorClock``, the host's side written
 into a ``StringTransport``: the real HTTP parser, the real pool reuse and the real
 cancellation. The loopback versions of these rules are in tests/test_failures.py.
 """

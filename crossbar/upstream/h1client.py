@@ -1,5 +1,6 @@
-"""crossbar's HTTP/1.1 client for the proxy path, over ``httptools`` (issue 14;
-DESIGN.md §The proxy, rules 6-7 and 9; §Quality bar).
+"""crossbar's HTTP/1.1 client to hosts, for proxied requests and health polls alike,
+over ``httptools`` (issues 14 and 17; DESIGN.md §Configuration, §The proxy, rules 6-7
+and 9; §Quality bar).
 
 Twisted's ``Agent`` decodes every chunked body into a buffer and wraps each call in
 several layers (``Agent.request``, the pool, ``HTTP11ClientProtocol``'s stateful
@@ -9,7 +10,8 @@ the same ``IAgent`` contract to :class:`crossbar.proxy.attempt.Attempt` with a C
 (llhttp through ``httptools.HttpResponseParser``) under one small Twisted protocol
 (:class:`H1Connection`) and its own persistent pool (:class:`H1Pool`, per ``(scheme,
 host, port)``); connections are opened through ``UpstreamEndpoints`` (TLS included),
-via the attempt's :class:`crossbar.upstream.pools.ConnectTracker`.
+via the attempt's :class:`crossbar.upstream.pools.ConnectTracker` (for polls:
+:class:`crossbar.upstream.pools.PollAgent`).
 
 The answers are :class:`H1Response` objects (``twisted.web.iweb.IResponse``): the
 ``Connection``-control headers are kept out of ``headers`` as Twisted does
@@ -19,7 +21,7 @@ Failures are Twisted's exception types, so every rule that reads them holds:
 
 - the connection lost before any answer byte: ``RequestNotSent`` (not written yet),
   ``RequestTransmissionFailed`` (while writing the body) or ``ResponseNeverReceived``
-  (after): the stale-connection retry of rule 7;
+  (after); rule 7 sends a request again on a fresh connection only after the first;
 - a head that cannot be parsed, over :data:`MAX_RESPONSE_HEAD` bytes, a ``101`` or a
   status outside 100-599: ``ResponseFailed`` (rules 7, 9), the connection aborted;
 - a ``Content-Length`` or chunked body cut short: the body protocol's
@@ -35,6 +37,8 @@ after a complete answer that allows it, once the read that completed it is fully
 a byte after the answer (nobody asked for it) drops the connection instead, so it can
 never be read as the answer to the next request. An answer that ends before the request
 body was all sent aborts the connection (RFC 9112 §9.6): the host will not read the rest.
+An idle pooled connection is retired before the host's advertised keep-alive timeout
+and never reused once its host closed it (:class:`H1Pool`, rule 7).
 """
 
 from __future__ import annotations
