@@ -22,7 +22,7 @@ from twisted.trial.unittest import TestCase
 from twisted.web.client import readBody
 from twisted.web.http_headers import Headers
 
-from crossbar.upstream.h1client import H1Agent, H1Pool, keep_alive_timeout, retire_after
+from crossbar.upstream.h1client import PEEK_AFTER, H1Agent, H1Pool, keep_alive_timeout, retire_after
 from crossbar.upstream.pools import ConnectTracker, UpstreamEndpoints
 from tests.harness import http_client, require_llama_server, start_crossbar
 from tools.llama_server import LlamaServer
@@ -84,7 +84,7 @@ class PeerClosedTests(TestCase):
             key = (b"http", b"127.0.0.1", port)
             self.assertEqual(len(pool._idle.get(key, [])), 1)
             host_side.close()  # the host closes it while idle...
-            time.sleep(0.05)  # ...and the reactor has not run since: the EOF is unread
+            time.sleep(PEEK_AFTER + 0.05)  # ...and the reactor has not run since: the EOF is unread
             self.assertIsNone(pool.take(key), "a connection its host had closed was handed out")
 
         return ensureDeferred(go())

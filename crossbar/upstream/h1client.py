@@ -46,7 +46,6 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 from enum import Enum
-from functools import lru_cache
 from typing import Any, Callable
 
 import httptools
@@ -79,6 +78,11 @@ rule 9); the same bound holds for chunk framing and trailers with no body byte b
 INLINE_BODY = 256 * 1024
 """Bytes: a body of at most this size from an :class:`IInlineBody` producer is written
 with the request head, in one write."""
+
+PEEK_AFTER = 0.5
+"""Seconds idle after which :meth:`H1Pool.take` looks at a connection's socket before
+handing it out (a host closes idle connections after seconds, not milliseconds: a
+connection reused sooner costs no system call)."""
 
 KEEP_ALIVE_MARGIN = 1.0
 """Seconds before a host's advertised keep-alive timeout (``Keep-Alive: timeout=N``)
@@ -342,7 +346,7 @@ class H1Connection(Protocol):
         transport: Any = self.transport
         if producer is None:
             transport.write(b"".join(lines))
-        elif producer.length <= INLINE_BODY and IInlineBody.providedBy(producer):
+        elif producer.length <= INLINE_BODY and _inline(producer):
             producer.startProducing(_Collect(lines))
             transport.write(b"".join(lines))
         else:
@@ -474,7 +478,7 @@ class H1Connection(Protocol):
                 self._chunked = True
                 self._encodings.append(value)
             elif lower == b"keep-alive":
-                self.keep_alive = keep_alive_timeout(value)
+                self.keep_alive = _keep_alive(value)
             return
         assert self._headers is not None
         self._headers.addRawHeader(name, value)
@@ -675,7 +679,8 @@ class H1Pool:
             del idle[i]
             if state is not _IDLE:
                 continue
-            if now - connection.idle_since >= self._limit(connection) or _peer_spoke(connection.transport):
+            idle_for = now - connection.idle_since
+            if idle_for >= self._limit(connection) or (idle_for >= PEEK_AFTER and _peer_spoke(connection.transport)):
                 connection._close()
                 continue
             return connection
@@ -743,6 +748,34 @@ class H1Pool:
             timer.cancel()
         done: Deferred[None] = gatherResults(waits).addCallback(lambda _: None)
         return done
+
+
+_KEEP_ALIVE_SEEN: dict[bytes, float | None] = {}
+
+
+def _keep_alive(value: bytes) -> float | None:
+    """:func:`keep_alive_timeout`, remembered per header value (a host sends the same
+    one on every answer; a host that varies it cannot grow the memory past 64)."""
+    try:
+        return _KEEP_ALIVE_SEEN[value]
+    except KeyError:
+        pass
+    if len(_KEEP_ALIVE_SEEN) >= 64:
+        _KEEP_ALIVE_SEEN.clear()
+    timeout = _KEEP_ALIVE_SEEN[value] = keep_alive_timeout(value)
+    return timeout
+
+
+_INLINE_TYPES: dict[type, bool] = {}
+
+
+def _inline(producer: IBodyProducer) -> bool:
+    """Whether ``producer`` provides :class:`IInlineBody` (per class: a dict lookup)."""
+    kind = type(producer)
+    inline = _INLINE_TYPES.get(kind)
+    if inline is None:
+        inline = _INLINE_TYPES[kind] = IInlineBody.implementedBy(kind)
+    return inline
 
 
 def keep_alive_timeout(value: bytes) -> float | None:
@@ -873,27 +906,47 @@ def split_url(url: bytes) -> tuple[Origin, bytes]:
 
     :raises ValueError: when ``url`` has no ``scheme://``.
     """
+    end = url.find(b"/", 8)  # the path: after "http://" or "https://" and one byte of host
+    if end < 0:
+        end = len(url)
+    origin = _ORIGINS.get(url[:end])
+    if origin is None:
+        return _split_slowly(url)
+    target = url[end:]
+    if b"#" in target:
+        target = target[:target.index(b"#")]
+    return origin, target or b"/"
+
+
+def _split_slowly(url: bytes) -> tuple[Origin, bytes]:
+    """:func:`split_url` for an origin not seen yet (it is then remembered) or a URL
+    whose query or fragment starts right after the authority."""
     start = url.find(b"://")
     if start < 0:
         raise ValueError("not an absolute URL")
+    start += 3
     end = len(url)
     for separator in (b"/", b"?", b"#"):
-        found = url.find(separator, start + 3, end)
+        found = url.find(separator, start, end)
         if found >= 0:
             end = found
     target = url[end:]
     if b"#" in target:
         target = target[:target.index(b"#")]
-    if not target.startswith(b"/"):
+    if target[:1] != b"/":
         target = b"/" + target
-    return _origin(url[:end]), target
+    prefix = url[:end]
+    origin = _ORIGINS.get(prefix)
+    if origin is None:
+        if len(_ORIGINS) >= 256:
+            _ORIGINS.clear()
+        uri = URI.fromBytes(prefix + b"/")
+        origin = _ORIGINS[prefix] = Origin((uri.scheme, uri.host, uri.port), uri.netloc, uri)
+    return origin, target
 
 
-@lru_cache(maxsize=256)
-def _origin(prefix: bytes) -> Origin:
-    """The :class:`Origin` of ``scheme://authority`` (no path, no query)."""
-    uri = URI.fromBytes(prefix + b"/")
-    return Origin((uri.scheme, uri.host, uri.port), uri.netloc, uri)
+_ORIGINS: dict[bytes, Origin] = {}
+"""``scheme://authority`` -> its :class:`Origin` (at most 256: a fleet's hosts)."""
 
 
 def _relay_failure(result: Deferred[IResponse]) -> Callable[[Failure], None]:
