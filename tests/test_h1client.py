@@ -27,7 +27,7 @@ from crossbar.proxy.attempt import BytesProducer
 from crossbar.upstream.h1client import (
     MAX_RESPONSE_HEAD, BodyTruncated, H1Agent, H1Connection, H1Pool, H1Response, ResponseHeadTooLarge, UnrelayableStatus,
 )
-from crossbar.upstream.pools import ConnectTracker, UpstreamEndpoints
+from crossbar.upstream.pools import ConnectTracker, PollAgent, UpstreamEndpoints
 
 URL = b"http://127.0.0.1:8080/v1/chat/completions"
 
@@ -620,3 +620,43 @@ class HeadRuleTests(SynchronousTestCase):
         self.assertEqual(b"".join(body.chunks), b"a" * size)
         self.assertTrue(body.reason is not None and body.reason.check(ResponseDone))
         self.assertFalse(self.transport.disconnecting)
+
+
+class PollAgentTests(_ClientCase):
+    """The poller's agent (crossbar/upstream/pools.py): the same client, and a GET whose
+    reused connection died before any answer sent once more on a new connection, as
+    Twisted's ``Agent`` did for polls; anything else is never sent twice."""
+
+    def poll(self, method: bytes = b"GET") -> Deferred[IResponse]:
+        agent = PollAgent(UpstreamEndpoints(self.reactor, 5.0), self.pool)
+        return agent.request(method, URL, Headers({b"host": [b"127.0.0.1:8080"]}), None)
+
+    def reused_and_lost(self, method: bytes) -> Deferred[IResponse]:
+        first = self.poll(method)
+        connection, _ = self.connect()
+        connection.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        self.successResultOf(first)
+        d = self.poll(method)
+        self.assertEqual(len(self.reactor.tcpClients), 1)  # reused
+        connection.connectionLost(Failure(ConnectionDone()))
+        return d
+
+    def test_get_on_a_dead_reused_connection_is_sent_again(self) -> None:
+        d = self.reused_and_lost(b"GET")
+        self.assertNoResult(d)
+        self.assertEqual(len(self.reactor.tcpClients), 2)
+        connection, transport = self.connect()
+        self.assertTrue(transport.value().startswith(b"GET /v1/chat/completions HTTP/1.1\r\n"))
+        connection.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        self.assertEqual(self.successResultOf(d).code, 200)
+
+    def test_other_methods_are_not(self) -> None:
+        self.failureResultOf(self.reused_and_lost(b"DELETE"), ResponseNeverReceived)
+        self.assertEqual(len(self.reactor.tcpClients), 1)
+
+    def test_a_new_connection_dying_is_not_retried(self) -> None:
+        d = self.poll()
+        connection, _ = self.connect()
+        connection.connectionLost(Failure(ConnectionDone()))
+        self.failureResultOf(d, ResponseNeverReceived)
+        self.assertEqual(len(self.reactor.tcpClients), 1)
