@@ -131,3 +131,63 @@ class LlamaKeepAliveTests(TestCase):
                     self.assertEqual(connection.keep_alive, 5.0)  # the host's word was read
 
         return ensureDeferred(go())
+
+    def test_a_request_crossbar_reads_as_the_host_closes_the_idle_connection(self) -> Deferred[None]:
+        """The soak's case: crossbar is busy (the reactor held) across llama-server's
+        keep-alive timeout, with a request already waiting on a client connection; the
+        host's close of the idle pooled connection is pending when crossbar takes it.
+        The request still gets its 200 (a retired or fresh connection), never a 502."""
+
+        async def go() -> None:
+            service, base = await start_crossbar(
+                self,
+                "health: {interval: 60, timeout: 5}\n"
+                f"hosts:\n  a: {self.server.url}\n"
+                "routes:\n  r:\n    hosts: [a]\n    default_model: tiny-a\n",
+            )
+            await service.poller.when_first_round_done()
+            port = int(base.rsplit(":", 1)[1])
+            client = socket.create_connection(("127.0.0.1", port))
+            self.addCleanup(client.close)
+            client.setblocking(False)
+            body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}).encode()
+            request = (b"POST /r/v1/chat/completions HTTP/1.1\r\nHost: crossbar\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n" % len(body)) + body
+            client.sendall(request)
+            self.assertEqual(await _status_of_answer(client), 200)
+            idle_from = time.monotonic()
+            await deferLater(reactor, 4.95)
+            client.sendall(request)  # waiting for crossbar, which is busy...
+            time.sleep(max(0.0, idle_from + 5.3 - time.monotonic()))  # ...until after the host's 5 s
+            self.assertEqual(await _status_of_answer(client), 200)
+            status = service.runtime.table.get("a")
+            assert status is not None
+            self.assertEqual((status.healthy, status.last_err), (True, ""))
+
+        return ensureDeferred(go())
+
+
+async def _status_of_answer(sock: socket.socket, timeout: float = 30.0) -> int:
+    """Read one whole HTTP/1.1 answer (Content-Length or chunked) from a non-blocking
+    ``sock`` while the reactor runs; its status code."""
+    data = b""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            chunk = sock.recv(65536)
+        except BlockingIOError:
+            await deferLater(reactor, 0.01)
+            continue
+        if not chunk:
+            break
+        data += chunk
+        head, sep, rest = data.partition(b"\r\n\r\n")
+        if not sep:
+            continue
+        lines = head.split(b"\r\n")
+        headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(b":") for line in lines[1:])}
+        if b"content-length" in headers and len(rest) >= int(headers[b"content-length"]):
+            return int(lines[0].split()[1])
+        if headers.get(b"transfer-encoding") == b"chunked" and rest.endswith(b"0\r\n\r\n"):
+            return int(lines[0].split()[1])
+    raise AssertionError(f"no whole answer: {data[:200]!r}")
