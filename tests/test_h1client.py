@@ -660,3 +660,40 @@ class PollAgentTests(_ClientCase):
         connection.connectionLost(Failure(ConnectionDone()))
         self.failureResultOf(d, ResponseNeverReceived)
         self.assertEqual(len(self.reactor.tcpClients), 1)
+
+
+class ClosedAfterStreamsTests(_ClientCase):
+    """llama-server closes the connection after every streamed (chunked) answer, with
+    no ``Connection: close``: a request written on it as the close arrives would have
+    been read or not, nobody knows (rule 7). Once a host was seen doing it, crossbar
+    closes such connections itself instead of pooling them."""
+
+    CHUNKED = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n"
+    PLAIN = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+
+    def answer(self, head: bytes) -> tuple[H1Connection, _Transport]:
+        d = self.request()
+        if len(self.reactor.tcpClients) > len(getattr(self, "_seen", [])):
+            self._seen = getattr(self, "_seen", []) + [self.connect()]
+        connection, transport = self._seen[-1]
+        connection.dataReceived(head)
+        self.successResultOf(d).deliverBody(_Body())
+        return connection, transport
+
+    def test_learned_from_a_close_right_after_a_stream(self) -> None:
+        connection, transport = self.answer(self.CHUNKED)
+        self.assertFalse(transport.disconnecting)  # pooled: nothing learned yet
+        connection.connectionLost(Failure(ConnectionDone()))  # the host closes it at once
+        _, second = self.answer(self.CHUNKED)
+        self.assertTrue(second.disconnecting, "a stream's connection was pooled though the host closes them")
+        self.assertEqual(len(self.reactor.tcpClients), 2)
+        _, third = self.answer(self.PLAIN)
+        self.assertEqual(len(self.reactor.tcpClients), 3)
+        self.assertFalse(third.disconnecting)  # answers with a length are still pooled
+
+    def test_not_learned_from_an_idle_close_much_later(self) -> None:
+        connection, _ = self.answer(self.CHUNKED)
+        self.reactor.advance(10.0)
+        connection.connectionLost(Failure(ConnectionDone()))  # an idle timeout, not the stream
+        _, second = self.answer(self.CHUNKED)
+        self.assertFalse(second.disconnecting)

@@ -262,6 +262,7 @@ class H1Connection(Protocol):
     :ivar idle_since: reactor seconds when it was last put in the pool.
     :ivar keep_alive: seconds the host said it keeps an idle connection open (the last
         answer's ``Keep-Alive: timeout=N``), or None when it did not say.
+    :ivar streamed: its last answer was chunked (a stream).
     """
 
     def __init__(self, pool: H1Pool | None, key: tuple[bytes, bytes, int], persistent: bool) -> None:
@@ -273,6 +274,7 @@ class H1Connection(Protocol):
         self.paused = False
         self.idle_since = 0.0
         self.keep_alive: float | None = None
+        self.streamed = False
         self._lost: list[Deferred[None]] | None = []
         self._parser: Any = None
         self._method = b""
@@ -530,9 +532,10 @@ class H1Connection(Protocol):
         unfinished = self._producer is not None  # an answer before the whole body went
         if unfinished:
             self._kill()  # the host will not read the rest: don't wait to send it
-        elif self._close_after or self._pool is None:
+        elif self._close_after or self._pool is None or (self._chunked and self._pool.closes_after_chunked(self.key)):
             self._close()
         else:
+            self.streamed = self._chunked
             self.state = _DONE
             self._pool.put(self)  # may close it (the pool is full)
         if response is not None:
@@ -573,6 +576,8 @@ class H1Connection(Protocol):
 
     def connectionLost(self, reason: Failure = Failure(ConnectionDone())) -> None:
         state, self.state = self.state, _DEAD
+        if state is _IDLE and self.streamed and self._pool is not None:
+            self._pool.closed_while_idle(self)
         lost, self._lost = self._lost, None
         for d in lost or ():
             d.callback(None)
@@ -655,6 +660,20 @@ class H1Pool:
         self.idle_seconds = idle_seconds
         self._idle: dict[tuple[bytes, bytes, int], list[H1Connection]] = {}
         self._timer: IDelayedCall | None = None
+        self._close_streams: set[tuple[bytes, bytes, int]] = set()
+
+    def closes_after_chunked(self, key: tuple[bytes, bytes, int]) -> bool:
+        """Whether the host at ``key`` was seen closing a connection right after a
+        chunked answer (llama-server does, after every stream, with no ``Connection:
+        close``): such connections are then closed by crossbar instead of pooled, so no
+        request is ever written on one the host is closing (rule 7)."""
+        return key in self._close_streams
+
+    def closed_while_idle(self, connection: H1Connection) -> None:
+        """``connection`` (its last answer a stream) was closed by its host while idle;
+        within :data:`PEEK_AFTER` of that answer, the host closes after streams."""
+        if self._reactor.seconds() - connection.idle_since < PEEK_AFTER:
+            self._close_streams.add(connection.key)
 
     def _limit(self, connection: H1Connection) -> float:
         """Seconds ``connection`` may stay idle."""
@@ -680,7 +699,12 @@ class H1Pool:
             if state is not _IDLE:
                 continue
             idle_for = now - connection.idle_since
-            if idle_for >= self._limit(connection) or (idle_for >= PEEK_AFTER and _peer_spoke(connection.transport)):
+            if idle_for >= self._limit(connection):
+                connection._close()
+                continue
+            if (idle_for >= PEEK_AFTER or connection.streamed) and _peer_spoke(connection.transport):
+                if connection.streamed:
+                    self.closed_while_idle(connection)
                 connection._close()
                 continue
             return connection
