@@ -138,11 +138,15 @@ class Host:
     :ivar name: its configured name.
     :ivar url: its base URL (no trailing slash).
     :ivar weight: its share among equally fit hosts (> 0, default 1).
-    :ivar max_inflight: requests in flight to it at once, or None for no limit.
+    :ivar max_inflight: requests in flight to it at once, or None for no limit (or for
+        ``max_inflight: slots`` until the host's slot count is known).
     :ivar api_key: sent upstream as ``Authorization: Bearer`` on every request and poll
         instead of the client's, or None; secret, so left out of ``repr()``.
     :ivar tls: TLS settings (``https://`` hosts only), or None for the defaults
         (verified against the system trust store).
+    :ivar max_inflight_slots: ``max_inflight: slots``: the limit is the number of slots
+        the host reports (``GET /props`` → ``total_slots``, DESIGN.md §Choosing a host,
+        rule 2), read by the poller.
     """
 
     name: str
@@ -151,6 +155,7 @@ class Host:
     max_inflight: int | None = None
     api_key: str | None = field(default=None, repr=False)
     tls: HostTLSSettings | None = None
+    max_inflight_slots: bool = False
 
     def connection_settings(self) -> tuple[object, ...]:
         """What a connection to the host depends on: URL, ``tls`` and ``api_key``.
@@ -874,7 +879,12 @@ def _hosts(c: _Checker, raw: Any) -> dict[str, Host]:
         if not _MIN_WEIGHT <= weight <= _MAX_WEIGHT:  # the shares' arithmetic stays finite
             raise c.fail(f"{key}.weight", f"must be between {_MIN_WEIGHT:g} and {_MAX_WEIGHT:,.0f}, not {weight!r}")
         max_raw = body.get("max_inflight")
-        max_inflight = None if max_raw is None else c.count(f"{key}.max_inflight", max_raw)
+        max_key = f"{key}.max_inflight"
+        max_text = c.expand(max_key, max_raw).strip() if isinstance(max_raw, str) else None
+        slots = max_text == "slots"
+        if isinstance(max_raw, str) and max_text is not None and not slots and not max_text.lstrip("+-").isdigit():
+            raise c.fail(max_key, f'must be a whole number or "slots", not {c.show(max_raw, max_text)}')
+        max_inflight = None if max_raw is None or slots else c.count(max_key, max_raw)
         key_raw = body.get("api_key")
         api_key = None if key_raw is None else c.header_secret(f"{key}.api_key", key_raw)
         tls = None
@@ -895,7 +905,10 @@ def _hosts(c: _Checker, raw: Any) -> dict[str, Host]:
                     f"{key}.tls",
                     f"differs from host {earlier[0]!r} at the same address (one TLS setting per host and port)",
                 )
-        hosts[name] = Host(name=name, url=url, weight=weight, max_inflight=max_inflight, api_key=api_key, tls=tls)
+        hosts[name] = Host(
+            name=name, url=url, weight=weight, max_inflight=max_inflight, api_key=api_key, tls=tls,
+            max_inflight_slots=slots,
+        )
     return hosts
 
 

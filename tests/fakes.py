@@ -19,11 +19,20 @@ class FakeProbe:
     """A probe whose polls stay pending until the test answers them.
 
     :ivar polls: every poll started, in order, as ``(url, deferred)``.
+    :ivar slot_reads: every slots read started, in order, as ``(url, deferred)``.
     """
 
     def __init__(self) -> None:
         self.polls: list[tuple[str, Deferred[tuple[str, ...]]]] = []
+        self.slot_reads: list[tuple[str, Deferred[int]]] = []
         self._phase: dict[int, str] = {}
+
+    def slots(self, url: str) -> Deferred[int]:
+        """Start a ``/props`` read of ``url`` (answered by the test through
+        :attr:`slot_reads`)."""
+        d: Deferred[int] = Deferred()
+        self.slot_reads.append((url, d))
+        return d
 
     def poll(self, url: str) -> Deferred[tuple[str, ...]]:
         """Start a poll of ``url``; it is in its ``health`` phase until :meth:`advance`.

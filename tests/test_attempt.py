@@ -4,8 +4,8 @@ rules 6-7): one upstream request to one host, classified as an :class:`Answer` o
 
 :class:`FakeRuleTests` drives it with a fake ``UpstreamPools`` whose agents return
 Deferreds the test fires, and a :class:`Clock`: one rule per test.
-:class:`RealAgentTests` uses the real ``UpstreamPools`` (Twisted's ``Agent``, pool and
-crossbar's ``ClientProtocol``) over a ``MemoryReactorClock``, the host's side written
+:class:`RealAgentTests` uses the real ``UpstreamPools`` (crossbar's HTTP/1.1 client and
+its pool) over a ``MemoryReactorClock``, the host's side written
 into a ``StringTransport``: the real HTTP parser, the real pool reuse and the real
 cancellation. The loopback versions of these rules are in tests/test_failures.py.
 """
@@ -32,6 +32,7 @@ from twisted.web.client import (  # type: ignore[attr-defined]
 )
 from twisted.web.http_headers import Headers
 
+from crossbar.upstream.h1client import KEEP_ALIVE_MARGIN
 from crossbar.proxy.attempt import STALE_WINDOW, Answer, Attempt, BytesProducer, FailureKind, UpstreamFailed
 from crossbar.upstream.pools import MAX_RESPONSE_HEAD, UpstreamPools
 
@@ -232,23 +233,33 @@ class FakeRuleTests(SynchronousTestCase):
     def test_request_not_sent_is_retried_fresh(self) -> None:
         self.retried_on(RequestNotSent)
 
-    def test_request_transmission_failed_is_retried_fresh(self) -> None:
-        self.retried_on(RequestTransmissionFailed)
+    def not_retried_on(self, kind: type[Exception]) -> None:
+        """Issue 20 item 6, rule 7: once the request was written on the reused
+        connection the host may have read it: never sent again (mark down, 502)."""
+        d = self.start(body=b"a POST the host may have read")
+        self.clock.advance(STALE_WINDOW / 2)
+        self.pools.request(0).deferred.errback(stale(kind))
+        error = self.failure(d, FailureKind.REQUEST)
+        self.assertTrue(error.reason.startswith("request failed: "), error.reason)
+        self.assertEqual(len(self.pools.agents), 1)
 
-    def test_response_never_received_is_retried_fresh(self) -> None:
-        self.retried_on(ResponseNeverReceived)
+    def test_request_transmission_failed_is_not_retried(self) -> None:
+        self.not_retried_on(RequestTransmissionFailed)
+
+    def test_response_never_received_is_not_retried(self) -> None:
+        self.not_retried_on(ResponseNeverReceived)
 
     def test_retry_sends_the_body_again(self) -> None:
         self.start(body=b"hello")
-        self.pools.request(0).deferred.errback(stale(ResponseNeverReceived))
+        self.pools.request(0).deferred.errback(stale(RequestNotSent))
         consumer = StringTransport()
         self.pools.request(1).body.startProducing(consumer)
         self.assertEqual(consumer.value(), b"hello")
 
     def test_retried_once_only(self) -> None:
         d = self.start()
-        self.pools.request(0).deferred.errback(stale(ResponseNeverReceived))
-        self.pools.request(1).deferred.errback(stale(ResponseNeverReceived))
+        self.pools.request(0).deferred.errback(stale(RequestNotSent))
+        self.pools.request(1).deferred.errback(stale(RequestNotSent))
         error = self.failure(d, FailureKind.REQUEST)
         self.assertIn("request failed", error.reason)
         self.assertEqual(len(self.pools.agents), 2)
@@ -273,21 +284,21 @@ class FakeRuleTests(SynchronousTestCase):
     def test_not_retried_after_the_stale_window(self) -> None:
         d = self.start()
         self.clock.advance(STALE_WINDOW)
-        self.pools.request(0).deferred.errback(stale(ResponseNeverReceived))
+        self.pools.request(0).deferred.errback(stale(RequestNotSent))
         self.failure(d, FailureKind.REQUEST)
         self.assertEqual(len(self.pools.agents), 1)
 
     def test_retried_just_inside_the_stale_window(self) -> None:
         d = self.start()
         self.clock.advance(STALE_WINDOW - 0.001)
-        self.pools.request(0).deferred.errback(stale(RequestTransmissionFailed))
+        self.pools.request(0).deferred.errback(stale(RequestNotSent))
         self.assertNoResult(d)
         self.assertEqual(len(self.pools.agents), 2)
 
     def test_retry_gets_a_whole_first_byte_timeout(self) -> None:
         d = self.start()
         self.clock.advance(0.5)
-        self.pools.request(0).deferred.errback(stale(ResponseNeverReceived))
+        self.pools.request(0).deferred.errback(stale(RequestNotSent))
         self.clock.advance(TIMEOUT - 0.1)
         self.assertNoResult(d)
         self.clock.advance(0.1)
@@ -494,19 +505,33 @@ class RealAgentTests(SynchronousTestCase):
         answer = self.answer(protocol, d, b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
         self.assertEqual(answer.sent_at, 57.0)  # the request time: nothing was opened
 
-    def test_stale_pooled_connection_retried_fresh(self) -> None:
-        """The host closed the pooled connection while it was idle: the request dies
-        before any answer and is sent again on a new connection (rule 7)."""
+    def test_pooled_connection_closed_after_the_request_is_not_retried(self) -> None:
+        """Issue 20 item 6: the host closed the reused connection once the request was
+        written (it may have read the POST): not sent again on a new connection, a
+        request failure (rule 7)."""
         protocol, transport = self.reuse()
         d = self.start()
+        self.assertTrue(transport.value().startswith(b"POST /v1/chat/completions"))
         self.reactor.advance(0.1)
         protocol.connectionLost(Failure(ConnectionDone()))
-        self.assertNoResult(d)
-        self.assertEqual(len(self.reactor.tcpClients), 2)
-        fresh, fresh_transport = self.connect()
-        self.assertTrue(fresh_transport.value().startswith(b"POST /v1/chat/completions"))
-        answer = self.answer(fresh, d, b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
-        self.assertEqual(answer.response.code, 200)
+        self.failure(d, FailureKind.REQUEST)
+        self.assertEqual(len(self.reactor.tcpClients), 1)
+
+    def test_pooled_connection_past_the_keep_alive_timeout_is_not_reused(self) -> None:
+        """Rule 7: a host that says ``Keep-Alive: timeout=5`` closes an idle connection
+        at 5 s; crossbar stops reusing it before (a new connection instead)."""
+        d = self.start()
+        protocol, transport = self.connect()
+        answer = self.answer(protocol, d, b"HTTP/1.1 200 OK\r\nKeep-Alive: timeout=5, max=100\r\nContent-Length: 0\r\n\r\n")
+        answer.response.deliverBody(_Collect())
+        self.reactor.advance(5 - KEEP_ALIVE_MARGIN - 0.01)
+        self.start()
+        self.assertEqual(len(self.reactor.tcpClients), 1)  # reused just before
+        protocol.dataReceived(b"HTTP/1.1 200 OK\r\nKeep-Alive: timeout=5\r\nContent-Length: 0\r\n\r\n")
+        self.reactor.advance(5 - KEEP_ALIVE_MARGIN)
+        self.assertTrue(transport.disconnecting)  # retired by the pool's timer
+        self.start()
+        self.assertEqual(len(self.reactor.tcpClients), 2)  # a new connection
 
     def test_pooled_connection_dying_late_is_a_request_failure(self) -> None:
         protocol, _ = self.reuse()

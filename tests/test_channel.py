@@ -118,10 +118,9 @@ class NoDelayTests(TestCase):
         channel.connectionLost(Failure(ConnectionDone()))
 
     def test_upstream_connections(self) -> None:
-        from crossbar.upstream.pools import quiet_pool
+        from crossbar.upstream.h1client import H1Connection
 
-        pool = quiet_pool(Clock(), persistent=True)
-        protocol = pool._factory(lambda p: None, "upstream").buildProtocol(None)
+        protocol = H1Connection(None, (b"http", b"upstream", 80), True)
         transport = _NoDelayTransport()
         protocol.makeConnection(transport)
         self.assertIs(transport.no_delay, True)

@@ -872,7 +872,15 @@ class HostBalancingKeyTests(_Case):
     def test_max_inflight_refused(self) -> None:
         self.rejected("max_inflight", 0, "must be at least 1, not 0")
         self.rejected("max_inflight", 2.5, "must be a whole number, not 2.5")
-        self.rejected("max_inflight", "many", "must be a whole number, not 'many'")
+        self.rejected("max_inflight", "many", 'must be a whole number or "slots", not \'many\'')
+
+    def test_max_inflight_slots(self) -> None:
+        """Issue 22: ``max_inflight: slots`` takes the host's own slot count; no number
+        until the poller reads it (DESIGN.md §Choosing a host, rule 2)."""
+        host = self.host(max_inflight="slots")
+        self.assertEqual((host.max_inflight, host.max_inflight_slots), (None, True))
+        self.assertFalse(self.host(max_inflight=4).max_inflight_slots)
+        self.assertFalse(self.host().max_inflight_slots)
 
     def test_api_key(self) -> None:
         c = parse(doc(hosts={"a": {"url": "http://h", "api_key": "${K}"}}), {"K": "sk-1"})

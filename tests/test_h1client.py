@@ -24,8 +24,10 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH, IResponse
 
 from crossbar.proxy.attempt import BytesProducer
-from crossbar.upstream.h1client import BodyTruncated, H1Agent, H1Connection, H1Pool, H1Response
-from crossbar.upstream.pools import ConnectTracker, UpstreamEndpoints
+from crossbar.upstream.h1client import (
+    MAX_RESPONSE_HEAD, BodyTruncated, H1Agent, H1Connection, H1Pool, H1Response, ResponseHeadTooLarge, UnrelayableStatus,
+)
+from crossbar.upstream.pools import ConnectTracker, PollAgent, UpstreamEndpoints
 
 URL = b"http://127.0.0.1:8080/v1/chat/completions"
 
@@ -537,3 +539,161 @@ class HostileAnswerTests(_ClientCase):
         self.assertTrue(transport.disconnecting)
         self.assertIsNone(self.pool.take(connection.key))
         self.assertEqual(self.reactor.getDelayedCalls(), [])
+
+
+class HeadRuleTests(SynchronousTestCase):
+    """The head rules polls and requests share (issue 17: they were Twisted's
+    ``_newclient`` subclass's for polls): the ``Connection`` values kept, ``101`` and
+    statuses outside 100-599 refused, the head bounded by :data:`MAX_RESPONSE_HEAD`
+    per answer, body bytes never counted as head. One connection over a transport."""
+
+    def setUp(self) -> None:
+        self.pool = H1Pool(MemoryReactorClock())
+        self.connection = H1Connection(self.pool, (b"http", b"upstream", 80), True)
+        self.transport = _Transport()
+        self.connection.makeConnection(self.transport)
+
+    def send(self) -> Deferred[IResponse]:
+        return self.connection.send(b"GET", b"/v1/models", Headers({b"host": [b"upstream"]}), None)
+
+    def answer(self, data: bytes) -> Deferred[IResponse]:
+        d = self.send()
+        self.connection.dataReceived(data)
+        return d
+
+    def test_records_upstream_connection(self) -> None:
+        d = self.answer(b"HTTP/1.1 200 OK\r\nConnection: keep-alive\r\nConnection: X-A, X-B\r\nContent-Length: 0\r\n\r\n")
+        self.assertEqual(self.successResultOf(d).upstream_connection, (b"keep-alive", b"X-A, X-B"))  # type: ignore[attr-defined]
+
+    def refused(self, status: bytes) -> None:
+        d = self.answer(b"HTTP/1.1 " + status + b"\r\nContent-Length: 0\r\n\r\n")
+        failure = self.failureResultOf(d, ResponseFailed)
+        self.assertTrue(failure.value.reasons[0].check(UnrelayableStatus), failure.value.reasons)
+        self.assertIn("status code crossbar cannot relay", str(failure.value.reasons[0].value))
+        self.assertTrue(self.transport.aborted)
+
+    def test_refuses_101(self) -> None:
+        self.refused(b"101 Switching Protocols")
+
+    def test_refuses_status_600(self) -> None:
+        self.refused(b"600 Beyond")
+
+    def test_refuses_status_below_100(self) -> None:
+        self.refused(b"099 Below")
+
+    def test_relays_every_status_in_range(self) -> None:
+        for code in (100, 200, 204, 418, 599):
+            self.setUp()
+            head = b"HTTP/1.1 %d X\r\nContent-Length: 0\r\n\r\n" % code
+            if code == 100:  # interim: skipped, the next head is the answer
+                head += b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n"
+            self.assertEqual(self.successResultOf(self.answer(head)).code, 200 if code == 100 else code)
+
+    def test_gives_up_on_a_head_over_the_limit(self) -> None:
+        d = self.send()
+        self.connection.dataReceived(b"HTTP/1.1 200 OK\r\n")
+        sent = len(b"HTTP/1.1 200 OK\r\n")
+        line = b"X-Filler: " + b"a" * 500 + b"\r\n"
+        while not d.called:
+            self.connection.dataReceived(line)
+            sent += len(line)
+        failure = self.failureResultOf(d, ResponseFailed)
+        self.assertTrue(failure.value.reasons[0].check(ResponseHeadTooLarge))
+        self.assertTrue(self.transport.aborted)  # aborted, not a polite close
+        self.assertGreater(sent, MAX_RESPONSE_HEAD)
+        self.assertLessEqual(sent, MAX_RESPONSE_HEAD + len(line))  # at the first chunk over
+
+    def test_head_count_restarts_per_request(self) -> None:
+        """On a persistent connection each answer's head gets the whole limit."""
+        line = b"X-Filler: " + b"a" * 500 + b"\r\n"
+        head = b"HTTP/1.1 200 OK\r\n" + line * (MAX_RESPONSE_HEAD // len(line) - 4) + b"Content-Length: 0\r\n\r\n"
+        for _ in range(3):
+            self.assertEqual(self.successResultOf(self.answer(head)).code, 200)
+        self.assertFalse(self.transport.disconnecting)
+
+    def test_body_bytes_are_not_head(self) -> None:
+        size = 2 * MAX_RESPONSE_HEAD
+        response = self.successResultOf(self.answer(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size))
+        body = _Body()
+        response.deliverBody(body)
+        self.connection.dataReceived(b"a" * size)
+        self.assertEqual(b"".join(body.chunks), b"a" * size)
+        self.assertTrue(body.reason is not None and body.reason.check(ResponseDone))
+        self.assertFalse(self.transport.disconnecting)
+
+
+class PollAgentTests(_ClientCase):
+    """The poller's agent (crossbar/upstream/pools.py): the same client, and a GET whose
+    reused connection died before any answer sent once more on a new connection, as
+    Twisted's ``Agent`` did for polls; anything else is never sent twice."""
+
+    def poll(self, method: bytes = b"GET") -> Deferred[IResponse]:
+        agent = PollAgent(UpstreamEndpoints(self.reactor, 5.0), self.pool)
+        return agent.request(method, URL, Headers({b"host": [b"127.0.0.1:8080"]}), None)
+
+    def reused_and_lost(self, method: bytes) -> Deferred[IResponse]:
+        first = self.poll(method)
+        connection, _ = self.connect()
+        connection.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        self.successResultOf(first)
+        d = self.poll(method)
+        self.assertEqual(len(self.reactor.tcpClients), 1)  # reused
+        connection.connectionLost(Failure(ConnectionDone()))
+        return d
+
+    def test_get_on_a_dead_reused_connection_is_sent_again(self) -> None:
+        d = self.reused_and_lost(b"GET")
+        self.assertNoResult(d)
+        self.assertEqual(len(self.reactor.tcpClients), 2)
+        connection, transport = self.connect()
+        self.assertTrue(transport.value().startswith(b"GET /v1/chat/completions HTTP/1.1\r\n"))
+        connection.dataReceived(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+        self.assertEqual(self.successResultOf(d).code, 200)
+
+    def test_other_methods_are_not(self) -> None:
+        self.failureResultOf(self.reused_and_lost(b"DELETE"), ResponseNeverReceived)
+        self.assertEqual(len(self.reactor.tcpClients), 1)
+
+    def test_a_new_connection_dying_is_not_retried(self) -> None:
+        d = self.poll()
+        connection, _ = self.connect()
+        connection.connectionLost(Failure(ConnectionDone()))
+        self.failureResultOf(d, ResponseNeverReceived)
+        self.assertEqual(len(self.reactor.tcpClients), 1)
+
+
+class ClosedAfterStreamsTests(_ClientCase):
+    """llama-server closes the connection after every streamed (chunked) answer, with
+    no ``Connection: close``: a request written on it as the close arrives would have
+    been read or not, nobody knows (rule 7). Once a host was seen doing it, crossbar
+    closes such connections itself instead of pooling them."""
+
+    CHUNKED = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n"
+    PLAIN = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+
+    def answer(self, head: bytes) -> tuple[H1Connection, _Transport]:
+        d = self.request()
+        if len(self.reactor.tcpClients) > len(getattr(self, "_seen", [])):
+            self._seen = getattr(self, "_seen", []) + [self.connect()]
+        connection, transport = self._seen[-1]
+        connection.dataReceived(head)
+        self.successResultOf(d).deliverBody(_Body())
+        return connection, transport
+
+    def test_learned_from_a_close_right_after_a_stream(self) -> None:
+        connection, transport = self.answer(self.CHUNKED)
+        self.assertFalse(transport.disconnecting)  # pooled: nothing learned yet
+        connection.connectionLost(Failure(ConnectionDone()))  # the host closes it at once
+        _, second = self.answer(self.CHUNKED)
+        self.assertTrue(second.disconnecting, "a stream's connection was pooled though the host closes them")
+        self.assertEqual(len(self.reactor.tcpClients), 2)
+        _, third = self.answer(self.PLAIN)
+        self.assertEqual(len(self.reactor.tcpClients), 3)
+        self.assertFalse(third.disconnecting)  # answers with a length are still pooled
+
+    def test_not_learned_from_an_idle_close_much_later(self) -> None:
+        connection, _ = self.answer(self.CHUNKED)
+        self.reactor.advance(10.0)
+        connection.connectionLost(Failure(ConnectionDone()))  # an idle timeout, not the stream
+        _, second = self.answer(self.CHUNKED)
+        self.assertFalse(second.disconnecting)

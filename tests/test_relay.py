@@ -20,7 +20,6 @@ from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
-from twisted.web._newclient import Request as ClientRequest
 from twisted.web._newclient import Response
 from twisted.web.client import ResponseDone, ResponseFailed
 from twisted.web.http import HTTPChannel, PotentialDataLoss
@@ -30,7 +29,7 @@ from twisted.web.server import NOT_DONE_YET, Request, Site
 
 from crossbar.proxy.channel import HeadDeadlineChannel
 from crossbar.proxy.relay import Relay, RelayEnd, RelayState
-from crossbar.upstream.twisted_private import ClientProtocol
+from crossbar.upstream.h1client import H1Connection, H1Pool
 
 IDLE = 120.0
 
@@ -306,8 +305,8 @@ class RelayTests(SynchronousTestCase):
 
 
 class RealUpstreamTests(SynchronousTestCase):
-    """The upstream side is crossbar's real ``ClientProtocol`` (Twisted's HTTP/1.1
-    client) over a ``StringTransport``: what the relay does to the host's connection."""
+    """The upstream side is crossbar's real HTTP/1.1 client (a pooled ``H1Connection``)
+    over a ``StringTransport``: what the relay does to the host's connection."""
 
     def setUp(self) -> None:
         self.clock = Clock()
@@ -318,7 +317,7 @@ class RealUpstreamTests(SynchronousTestCase):
         self.channel.makeConnection(StringTransport())
         self.channel.dataReceived(b"GET /r/v1/x HTTP/1.1\r\nHost: crossbar\r\n\r\n")
         [self.request] = resource.requests
-        self.upstream = ClientProtocol()
+        self.upstream = H1Connection(H1Pool(self.clock), (b"http", b"h", 80), True)
         self.wire = StringTransport()
         self.upstream.makeConnection(self.wire)
         self.ends: list[RelayEnd] = []
@@ -327,7 +326,7 @@ class RealUpstreamTests(SynchronousTestCase):
         self.channel.connectionLost(Failure(ConnectionDone()))
 
     def relay(self, head: bytes) -> Relay:
-        d = self.upstream.request(ClientRequest(b"GET", b"/x", Headers({b"host": [b"h"]}), None, persistent=True))
+        d = self.upstream.send(b"GET", b"/x", Headers({b"host": [b"h"]}), None)
         self.upstream.dataReceived(head)
         relay = Relay(self.request, self.clock, IDLE)
         relay.ended.addCallback(self.ends.append)

@@ -18,7 +18,7 @@ from crossbar.hosts import affinity
 from crossbar.config import Host, Route
 from crossbar.hosts.health import HostStatus
 
-__all__ = ["Chosen", "Fit", "Rotation", "Verdict", "choose", "fit_tier", "has_room", "lists"]
+__all__ = ["Chosen", "Fit", "Rotation", "Verdict", "choose", "fit_tier", "has_room", "limit_in_force", "lists"]
 
 
 class Fit(Enum):
@@ -82,8 +82,23 @@ class Rotation:
         return host
 
 
-def has_room(host: Host, inflight: int) -> bool:
-    """Rule 2: a host has room while its in-flight count is below its ``max_inflight``."""
+def limit_in_force(host: Host, status: HostStatus | None) -> tuple[int | None, str | None]:
+    """Rule 2: the ``max_inflight`` in force for ``host`` and where it came from:
+    ``(n, "config")``, ``(slots, "slots")`` once the host reported its slots (``None``
+    until then: no limit), or ``(None, None)`` for no limit configured."""
+    if host.max_inflight_slots:
+        return (status.slots if status is not None and not status.router else None), "slots"
+    if host.max_inflight is None:
+        return None, None
+    return host.max_inflight, "config"
+
+
+def has_room(host: Host, inflight: int, status: HostStatus | None = None) -> bool:
+    """Rule 2: a host has room while its in-flight count is below the ``max_inflight``
+    in force (:func:`limit_in_force`; ``status`` carries the slots it reported)."""
+    if host.max_inflight_slots:
+        limit = limit_in_force(host, status)[0]
+        return limit is None or inflight < limit
     return host.max_inflight is None or inflight < host.max_inflight
 
 
@@ -156,7 +171,7 @@ def choose(
     if not tier:
         return Verdict.NO_HOST if skip else Verdict.NO_MODEL
     load = {h: inflight(h) for h in tier}
-    roomy = [h for h in tier if has_room(hosts[h], load[h])]
+    roomy = [h for h in tier if has_room(hosts[h], load[h], statuses[h])]
     if not roomy:
         return Verdict.BUSY
     if route.primary is not None and route.primary in roomy:

@@ -40,6 +40,9 @@ class HostStatus:
         mark-down) and has not been trusted since, so it needs ``recovery_polls`` good
         polls in a row to be healthy (rules 3-5).
     :ivar polled: at least one poll of the host has finished (good or failed).
+    :ivar slots: the slot count the host reported (``GET /props`` → ``total_slots``,
+        for ``max_inflight: slots``), or None while unknown; kept across a failure,
+        read anew after each recovery, dropped when the host is in router mode.
     """
 
     healthy: bool = False
@@ -55,6 +58,7 @@ class HostStatus:
     failures: int = 0
     has_failed: bool = False
     polled: bool = False
+    slots: int | None = None
 
 
 class HealthTable:
@@ -121,8 +125,17 @@ class HealthTable:
             # poll below failure_threshold followed by a good one keeps it healthy
             has_failed=old.has_failed and not healthy,
             polled=True,
+            slots=None if listed.router else old.slots,
         )
         self._set(name, old, new)
+
+    def record_slots(self, name: str, slots: int) -> None:
+        """``name`` reported ``slots`` slots (``max_inflight: slots``, DESIGN.md
+        §Choosing a host, rule 2). Unknown names are ignored."""
+        old = self._hosts.get(name)
+        if old is not None and old.slots != slots:
+            self._hosts[name] = replace(old, slots=slots)
+            self._log.info("host {host}: {slots} slots (its max_inflight)", host=name, slots=slots)
 
     def record_failure(self, name: str, reason: str) -> None:
         """A failed poll of ``name`` (rule 4); ``loaded`` is kept as last seen."""

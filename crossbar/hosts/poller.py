@@ -7,10 +7,18 @@ One poll of one host is ``GET <base>/health`` (must be 200), then ``GET <base>/v
 in flight (rule 7), bounds each by ``health.timeout``, and records every result in the
 :class:`~crossbar.hosts.health.HealthTable` as it arrives. It never requests ``/slots`` nor
 anything else that would make a host load a model (rule 9).
+
+For a host with ``max_inflight: slots`` it also reads ``GET <base>/props`` →
+``total_slots`` (DESIGN.md §Choosing a host, rule 2): after the host's first good poll
+and after each recovery (and after a good poll while the number is still unknown),
+never for a host in router mode (its ``/v1/models`` entries carry a ``status``). That
+read is not part of the poll: it fails nothing, and until it succeeds the host has no
+limit.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Callable, Iterable, Mapping, cast
 
 from twisted.application.service import Service
@@ -33,7 +41,7 @@ from crossbar.upstream.hosturl import HostURL, host_url
 from crossbar.hosts.models import ModelList, ModelsError, parse_models
 from crossbar.waiting import Condition
 
-__all__ = ["MAX_POLL_BODY", "HTTPProbe", "HealthPoller", "IHostProbe", "PollCancelled", "PollFailed"]
+__all__ = ["MAX_POLL_BODY", "HTTPProbe", "HealthPoller", "IHostProbe", "PollCancelled", "PollFailed", "parse_slots"]
 
 MAX_POLL_BODY = 1 << 20
 """Bytes read at most from a ``/health`` or ``/v1/models`` body (DESIGN.md §health, rule 2)."""
@@ -66,6 +74,11 @@ class IHostProbe(Interface):
         fake, the loaded ids); errbacks with :class:`PollFailed` for
         a host that failed the poll, or :class:`PollCancelled` when cancelled.
         """
+
+    def slots(url: str) -> Deferred[int]:
+        """The number of slots the single-model llama-server at ``url`` reports
+        (``GET <base>/props`` → ``total_slots``); errbacks with :class:`PollFailed`
+        (``props: ...``) when it cannot be read."""
 
 
 class _BodyTooLarge(Exception):
@@ -175,6 +188,29 @@ class HTTPProbe:
         """``GET /health`` then ``GET /v1/models`` of ``url``; see :class:`IHostProbe`."""
         return ensureDeferred(self._poll(url))
 
+    def slots(self, url: str | HostURL) -> Deferred[int]:
+        """``GET /props`` of ``url`` → ``total_slots``; see :class:`IHostProbe`."""
+        return ensureDeferred(self._slots(url))
+
+    def _target(self, url: str | HostURL, path: bytes, phase: str) -> tuple[bytes, Headers]:
+        """The URL of ``path`` on the host and the headers a poll sends it."""
+        try:
+            parsed = url if isinstance(url, HostURL) else host_url(url)
+        except ValueError as e:
+            raise PollFailed(f"{phase}: bad host URL: {e}") from None
+        headers = Headers()
+        api_key = self._api_keys.get(parsed.url)
+        if api_key is not None:  # DESIGN.md §Access: the host's key on polls too
+            headers.setRawHeaders(b"Authorization", [b"Bearer " + api_key.encode("ascii")])
+        return parsed.target(path), headers
+
+    async def _slots(self, url: str | HostURL) -> int:
+        target, headers = self._target(url, b"/props", "props")
+        try:
+            return parse_slots(await self._get("props", target, headers))
+        except ValueError as e:
+            raise PollFailed(f"props: {e}") from None
+
     async def _get(self, phase: str, url: bytes, headers: Headers) -> bytes:
         try:
             response: IResponse = await self._agent.request(b"GET", url, headers, None)
@@ -201,20 +237,31 @@ class HTTPProbe:
         return body
 
     async def _poll(self, url: str | HostURL) -> ModelList:
-        try:
-            parsed = url if isinstance(url, HostURL) else host_url(url)
-        except ValueError as e:
-            raise PollFailed(f"health: bad host URL: {e}") from None
-        headers = Headers()
-        api_key = self._api_keys.get(parsed.url)
-        if api_key is not None:  # DESIGN.md §Access: the host's key on polls too
-            headers.setRawHeaders(b"Authorization", [b"Bearer " + api_key.encode("ascii")])
-        await self._get("health", parsed.target(b"/health"), headers)
-        body = await self._get("models", parsed.target(b"/v1/models"), headers)
+        health, headers = self._target(url, b"/health", "health")
+        await self._get("health", health, headers)
+        models, _ = self._target(url, b"/v1/models", "models")
+        body = await self._get("models", models, headers)
         try:
             return parse_models(body)
         except ModelsError as e:
             raise PollFailed(f"models: {e}") from None
+
+
+def parse_slots(body: bytes) -> int:
+    """``total_slots`` of a llama-server ``/props`` answer (a whole number >= 1).
+
+    :raises ValueError: naming what is wrong (``bad JSON``, ``no total_slots``, ...).
+    """
+    try:
+        doc = json.loads(body)
+    except (ValueError, RecursionError):
+        raise ValueError("bad JSON") from None
+    slots = doc.get("total_slots") if isinstance(doc, dict) else None
+    if slots is None:
+        raise ValueError("no total_slots")
+    if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+        raise ValueError(f"total_slots is not a whole number >= 1: {str(slots)[:40]!r}")
+    return slots
 
 
 class HealthPoller(Service):
@@ -227,6 +274,8 @@ class HealthPoller(Service):
     :param timeout: seconds one poll of one host may take (``health.timeout``).
     :param clock: the reactor (or a ``Clock`` in tests).
     :param on_poll: called with (host name, seconds taken, ok) after every recorded poll.
+    :param wants_slots: host name -> whether it has ``max_inflight: slots`` (read at
+        each decision, so a reload's change counts); default: none has.
     """
 
     _log = Logger(namespace="crossbar.poller")
@@ -240,6 +289,7 @@ class HealthPoller(Service):
         timeout: float,
         clock: IReactorTime,
         on_poll: Callable[[str, float, bool], None] | None = None,
+        wants_slots: Callable[[str], bool] | None = None,
     ) -> None:
         self.table = table
         self.hosts = dict(hosts)
@@ -248,7 +298,10 @@ class HealthPoller(Service):
         self.timeout = timeout
         self.clock = clock
         self._on_poll = on_poll
+        self._wants_slots = wants_slots
         self._inflight: dict[str, Deferred[Any]] = {}
+        self._slot_reads: dict[str, Deferred[int]] = {}
+        self._slots_problem: dict[str, str] = {}
         self._loop: LoopingCall | None = None
         self._stopping = False
         self._first_round = Condition(lambda: self.first_round_done)
@@ -268,7 +321,8 @@ class HealthPoller(Service):
             self._loop.stop()
         self._loop = None
         pending = list(self._inflight.values())
-        for d in pending:
+        reads, self._slot_reads = list(self._slot_reads.values()), {}
+        for d in pending + reads:
             d.cancel()
         return DeferredList(pending, consumeErrors=True)
 
@@ -296,6 +350,10 @@ class HealthPoller(Service):
             if name not in self.hosts or name in restart:
                 del self._inflight[name]
                 d.cancel()
+        for name, read in list(self._slot_reads.items()):
+            if name not in self.hosts or name in restart:
+                del self._slot_reads[name]
+                read.cancel()
         if self.running:
             for name, url in self.hosts.items():
                 if name in restart and name not in self._inflight:
@@ -363,8 +421,46 @@ class HealthPoller(Service):
             self.table.record_failure(name, reason)
             ok = False
         else:
+            before = self.table.get(name)
             self.table.record_success(name, result)  # type: ignore[arg-type]
             ok = True
+            self._read_slots_if_due(name, before is not None and before.healthy)
         if self._on_poll is not None:
             self._on_poll(name, took, ok)
         self._first_round.check()
+
+    def _read_slots_if_due(self, name: str, was_healthy: bool) -> None:
+        """After a good poll of ``name``: read its slots if it has ``max_inflight:
+        slots``, is healthy, is not in router mode, and either just became healthy
+        (its first good poll, a recovery) or its slots are still unknown."""
+        if self._wants_slots is None or name in self._slot_reads or not self._wants_slots(name):
+            return
+        status = self.table.get(name)
+        url = self.hosts.get(name)
+        if status is None or url is None or not status.healthy or status.router:
+            return
+        if was_healthy and status.slots is not None:
+            return
+        try:
+            d = self.probe.slots(url)
+        except Exception:
+            d = fail(Failure())
+        self._slot_reads[name] = d
+        d.addTimeout(self.timeout, self.clock)
+
+        def done(result: int | Failure) -> None:
+            if self._slot_reads.get(name) is not d:
+                return  # cancelled: the host changed or crossbar is stopping
+            del self._slot_reads[name]
+            if isinstance(result, Failure):
+                reason = result.value.reason if isinstance(result.value, PollFailed) else (
+                    f"props: {describe_failure(result)}")
+                if self._slots_problem.get(name) != reason:
+                    self._slots_problem[name] = reason
+                    self._log.warn("host {host}: max_inflight: slots not read ({reason}); no limit until it is",
+                                   host=name, reason=reason)
+                return
+            self._slots_problem.pop(name, None)
+            self.table.record_slots(name, result)
+
+        d.addBoth(done)

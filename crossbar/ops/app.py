@@ -27,6 +27,9 @@ from crossbar.ops.dashboard import CSP, load_static, snapshot
 from crossbar.ops.metrics import CONTENT_TYPE_LATEST, Metrics
 from crossbar.ops.recent import RecentRequests
 from crossbar.errors import json_error_bytes
+from crossbar.config import Host
+from crossbar.hosts.balance import limit_in_force
+from crossbar.hosts.health import HostStatus
 from crossbar.state.runtime import Runtime
 
 __all__ = ["EVENT_INTERVAL", "OpsApp", "rfc3339"]
@@ -118,7 +121,7 @@ class OpsApp:
                 "failures": s.failures,
                 "inflight": runtime.inflight.host(name),
                 "weight": host.weight if host is not None else None,
-                "max_inflight": host.max_inflight if host is not None else None,
+                **_limit(host, s),
                 "draining": name in runtime.drained,
                 "leaving": False,
             }
@@ -127,7 +130,8 @@ class OpsApp:
             hosts[name] = {
                 "url": None, "healthy": False, "loaded": [], "loading": [], "available": [],
                 "last_ok": None, "last_err": None, "consecutive": 0, "failures": 0, "inflight": n,
-                "weight": None, "max_inflight": None, "draining": False, "leaving": True,
+                "weight": None, "max_inflight": None, "max_inflight_source": None, "draining": False,
+                "leaving": True,
             }
         routes = {}
         for name, route in config.routes.items():
@@ -296,3 +300,10 @@ class OpsApp:
         if failure.check(MethodNotAllowed):
             return self._error(request, 405, "method not allowed")
         return self._error(request, 500, "internal error")
+
+
+def _limit(host: Host | None, status: HostStatus) -> dict[str, object]:
+    """``max_inflight`` in force and ``max_inflight_source`` (``config``, ``slots`` or
+    None for no limit), DESIGN.md §Choosing a host, rules 2 and 5."""
+    limit, source = limit_in_force(host, status) if host is not None else (None, None)
+    return {"max_inflight": limit, "max_inflight_source": source}

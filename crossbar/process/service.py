@@ -19,7 +19,6 @@ from twisted.internet.defer import CancelledError, Deferred, DeferredList, Timeo
 from twisted.internet.interfaces import IStreamServerEndpoint
 from twisted.internet.task import LoopingCall, deferLater
 from twisted.logger import Logger
-from twisted.web.client import Agent
 
 from crossbar.config import Config
 from crossbar.state.worker_counts import AFFINITY_OUTCOMES, WorkerCounts
@@ -37,8 +36,7 @@ from crossbar.state.limits import LimitsCollector, RedisLimits
 from crossbar.state.runtime import Runtime
 from crossbar.upstream.tls import HostTLS
 from crossbar.ops.systemd import Notifier, SystemdNotifier, watchdog_interval
-from crossbar.upstream.twisted_private import quiet_pool
-from crossbar.upstream.pools import UpstreamEndpoints, UpstreamPools
+from crossbar.upstream.pools import PollAgent, UpstreamEndpoints, UpstreamPools, poll_pool
 from crossbar.waiting import Condition
 from crossbar.process.listen import ListenService, listen_endpoint
 from crossbar.proxy.web import CrossbarSite, Root
@@ -115,12 +113,12 @@ class CrossbarService(MultiService):
         self._recent_tick.clock = reactor
         tls = HostTLS.from_config(config)
         self.pools = UpstreamPools(reactor, config.timeouts.connect, tls=tls)
-        self._poll_pool = quiet_pool(reactor, persistent=True)
-        self._poll_pool.maxPersistentPerHost = 1
+        self._poll_pool = poll_pool(reactor)
         health = config.health
         self.poller = HealthPoller(
             runtime.table, {name: h.url for name, h in config.hosts.items()}, self._probe(health.timeout, config, tls),
             health.interval, health.timeout, reactor, on_poll=self._observe_poll,
+            wants_slots=lambda name: (host := runtime.config.hosts.get(name)) is not None and host.max_inflight_slots,
         )
         self.poller.setServiceParent(self)
         self.proxy = ProxyResource(runtime, self.pools, reactor, self.requests)
@@ -167,7 +165,7 @@ class CrossbarService(MultiService):
         connection to a host, ``tls`` is how https hosts are checked."""
         endpoints = UpstreamEndpoints(self.reactor, timeout, tls)
         api_keys = {host_url(h.url).url: h.api_key for h in config.hosts.values() if h.api_key is not None}
-        return HTTPProbe(Agent.usingEndpointFactory(self.reactor, endpoints, pool=self._poll_pool), api_keys)
+        return HTTPProbe(PollAgent(endpoints, self._poll_pool), api_keys)
 
     def _wake_if_waiting(self) -> None:
         if len(self.runtime.queues):
@@ -217,7 +215,7 @@ class CrossbarService(MultiService):
         finally:
             if self.systemd is not None:
                 self.systemd.notifier.close()
-            await DeferredList([self.pools.close(), self._poll_pool.closeCachedConnections()])
+            await DeferredList([self.pools.close(), self._poll_pool.close()])
 
     def drain(self) -> Deferred[None]:
         """Drain (DESIGN.md §Operations): readiness 503 at once, keep serving for
@@ -334,7 +332,7 @@ class CrossbarService(MultiService):
         if plan.fresh:
             # A kept-alive poll connection was opened under the old settings (a CA that no
             # longer holds would go on passing): new and changed hosts are polled anew.
-            self._poll_pool.closeCachedConnections()
+            self._poll_pool.close()
         self.poller.set_timing(health.interval, health.timeout)
         self.poller.set_hosts({name: h.url for name, h in new.hosts.items()}, fresh=plan.fresh)
         if self.systemd is not None:

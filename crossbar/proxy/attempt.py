@@ -1,7 +1,10 @@
 """One upstream request to one chosen host (DESIGN.md §The proxy, rules 6-7).
 
 An :class:`Attempt` sends the request, retries once on a fresh connection when a reused
-pooled connection turns out dead before any answer, and bounds the wait for the
+pooled connection turns out dead before any byte of the request was written (the host
+cannot have read it: a request a host has received is never sent again, rule 7; the
+pool itself retires connections before the host's keep-alive timeout and never hands
+out one it can see closed, :class:`crossbar.upstream.h1client.H1Pool`), and bounds the wait for the
 response head by ``timeouts.first_byte``. Its Deferred fires with an :class:`Answer`
 (the response head and when the request was sent) or fails with
 :class:`UpstreamFailed`, classified by :class:`FailureKind`, so the exchange's policy
@@ -20,12 +23,13 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.client import RequestNotSent, RequestTransmissionFailed, ResponseNeverReceived  # type: ignore[attr-defined]  # re-exported by twisted.web.client
+from twisted.web.client import RequestNotSent  # type: ignore[attr-defined]  # re-exported by twisted.web.client
 from twisted.web.http_headers import Headers
-from twisted.web.iweb import IBodyProducer, IResponse
+from twisted.web.iweb import IResponse
 from zope.interface import implementer
 
 from crossbar.upstream.failures import describe_failure
+from crossbar.upstream.h1client import INLINE_BODY, IInlineBody
 from crossbar.upstream.tls import tls_failure_reason
 from crossbar.upstream.pools import ConnectTracker, UpstreamPools
 
@@ -34,10 +38,10 @@ __all__ = ["STALE_WINDOW", "Answer", "Attempt", "FailureKind", "UpstreamFailed"]
 _log = Logger(namespace="crossbar.proxy")
 
 STALE_WINDOW = 1.0
-"""Seconds after sending within which a reused pooled connection that dies before any
-answer counts as stale (closed by the host while idle) and is retried once on a fresh
-connection (DESIGN.md rule 7). Later, the host had the request long enough to have
-started the work: that is a host failure (mark_down, 502, no retry)."""
+"""Seconds after sending within which a reused pooled connection found dead before any
+byte of the request was written (``RequestNotSent``) is retried once on a fresh
+connection (DESIGN.md rule 7). A connection that dies once the request was written may
+have been read by the host: that is a host failure (mark_down, 502, no retry)."""
 
 
 class FailureKind(Enum):
@@ -74,7 +78,7 @@ class Answer:
     sent_at: float
 
 
-@implementer(IBodyProducer)
+@implementer(IInlineBody)
 class BytesProducer:
     """A request body held in memory, written to the upstream connection in slices.
 
@@ -91,8 +95,9 @@ class BytesProducer:
         sequence of ``bytes``: never joined into one buffer, DESIGN.md §Quality bar).
     """
 
-    SLICE = 256 * 1024
-    """Bytes written per slice."""
+    SLICE = INLINE_BODY
+    """Bytes written per slice (a body of at most this is written at once:
+    :class:`crossbar.upstream.h1client.IInlineBody`)."""
 
     def __init__(self, body: bytes | Sequence[bytes]) -> None:
         self._pieces: list[bytes] = [body] if isinstance(body, bytes) else [p for p in body if p]
@@ -236,13 +241,15 @@ class Attempt:
             self.result.errback(UpstreamFailed(FailureKind.REQUEST, reason))
 
     def _is_stale(self, failure: Failure, tracker: ConnectTracker, requested: float, fresh: bool) -> bool:
-        """Rule 7: a reused pooled connection (no new connection was opened) that died
-        within :data:`STALE_WINDOW` of sending, before any answer, on the first try."""
+        """Rule 7: a reused pooled connection (no new connection was opened) found dead
+        before any byte of the request was written (``RequestNotSent``: the host cannot
+        have read it), within :data:`STALE_WINDOW` of sending, on the first try. Once
+        written (``RequestTransmissionFailed``, ``ResponseNeverReceived``), never."""
         return (
             not fresh
             and tracker.connects == 0
             and self._clock.seconds() - requested < STALE_WINDOW
-            and failure.check(RequestNotSent, RequestTransmissionFailed, ResponseNeverReceived) is not None
+            and failure.check(RequestNotSent) is not None
         )
 
     def _cancel(self, d: Deferred[Answer]) -> None:

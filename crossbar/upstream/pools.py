@@ -4,30 +4,34 @@ The proxy needs to know, for a request that failed, whether crossbar could not *
 connection to the host (fail over to the next host) or whether a *reused* pooled
 connection turned out dead (retry once on a fresh connection, mark nothing down).
 An agent does not say; :class:`ConnectTracker` learns it from the public
-``IAgentEndpointFactory`` seam: ``connect()`` is only called for a new connection. The
-proxy's agent is crossbar's own HTTP/1.1 client (:mod:`crossbar.upstream.h1client`, issue 14);
-the poller keeps Twisted's ``Agent`` over :func:`quiet_pool`.
+``IAgentEndpointFactory`` seam: ``connect()`` is only called for a new connection.
+Requests and polls go through one HTTP/1.1 client, crossbar's own
+(:mod:`crossbar.upstream.h1client`, issues 14 and 17): the same head limits, ``101``
+refusal, framing rules and TLS for both (DESIGN.md §Configuration: every host URL works
+for polls and requests alike). :class:`PollAgent` is the poller's.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, fail
+from twisted.web.client import RequestNotSent, RequestTransmissionFailed, ResponseNeverReceived  # type: ignore[attr-defined]  # re-exported by twisted.web.client
+from twisted.web.http_headers import Headers
 from twisted.internet.abstract import isIPAddress, isIPv6Address
 from twisted.internet.endpoints import HostnameEndpoint, TCP4ClientEndpoint, TCP6ClientEndpoint
 from twisted.internet.interfaces import IProtocolFactory, IReactorTime, IStreamClientEndpoint
 from twisted.python.failure import Failure
 from twisted.web.client import URI
-from twisted.web.iweb import IAgent, IAgentEndpointFactory, IPolicyForHTTPS
+from twisted.web.iweb import IAgent, IAgentEndpointFactory, IBodyProducer, IPolicyForHTTPS, IResponse
 from zope.interface import implementer
 
-from crossbar.upstream.h1client import H1Agent, H1Pool
+from crossbar.upstream.h1client import MAX_RESPONSE_HEAD, H1Agent, H1Pool, ResponseHeadTooLarge
 from crossbar.upstream.tls import HandshakeFirstEndpoint, HostTLS
-from crossbar.upstream.twisted_private import MAX_RESPONSE_HEAD, ResponseHeadTooLarge, quiet_pool
 
 __all__ = [
-    "MAX_RESPONSE_HEAD", "ConnectTracker", "ResponseHeadTooLarge", "UpstreamEndpoints", "UpstreamPools", "quiet_pool",
+    "MAX_RESPONSE_HEAD", "ConnectTracker", "PollAgent", "ResponseHeadTooLarge", "UpstreamEndpoints", "UpstreamPools",
+    "poll_pool",
 ]
 
 _ATTEMPT_DELAY = 0.05
@@ -163,3 +167,47 @@ class UpstreamPools:
     def close(self) -> Deferred[Any]:
         """Close every idle pooled connection; fires once they are closed."""
         return self.pool.close()
+
+
+def poll_pool(reactor: IReactorTime) -> H1Pool:
+    """The poller's pool: one idle connection kept per host (a poll is two GETs in a
+    row), closed like the proxy's (idle time, the host's keep-alive timeout)."""
+    return H1Pool(reactor, max_per_host=1)
+
+
+_NEVER_ANSWERED = (RequestNotSent, RequestTransmissionFailed, ResponseNeverReceived)
+
+
+@implementer(IAgent)
+class PollAgent:
+    """The health poller's ``IAgent``: crossbar's HTTP/1.1 client over ``pool``.
+
+    A GET or HEAD without a body whose *reused* connection died before any answer
+    byte is sent once more on a new connection, as Twisted's ``Agent`` did for the
+    poller: a poll is idempotent and loads nothing (DESIGN.md §The health table,
+    rule 9), so a host that closed an idle connection as it was reused is not
+    failed for it. Proxied requests never get this (rule 7).
+
+    :param endpoints: where new connections come from (e.g. :class:`UpstreamEndpoints`,
+        whose ``connect_timeout`` is the poll's ``health.timeout``).
+    :param pool: the idle connections (:func:`poll_pool`).
+    """
+
+    def __init__(self, endpoints: UpstreamEndpoints, pool: H1Pool) -> None:
+        self._endpoints = endpoints
+        self._pool = pool
+
+    def request(self, method: bytes, uri: bytes, headers: Headers | None = None,
+                bodyProducer: IBodyProducer | None = None) -> Deferred[IResponse]:
+        """Send one request (see :meth:`crossbar.upstream.h1client.H1Agent.request`)."""
+        tracker = ConnectTracker(self._endpoints)
+        d = H1Agent(tracker, self._pool).request(method, uri, headers, bodyProducer)
+        if bodyProducer is not None or method not in (b"GET", b"HEAD"):
+            return d
+
+        def again(failure: Failure) -> Deferred[IResponse]:
+            if tracker.connects == 0 and failure.check(*_NEVER_ANSWERED):
+                return H1Agent(self._endpoints, self._pool).request(method, uri, headers, None)
+            return fail(failure)
+
+        return d.addErrback(again)
