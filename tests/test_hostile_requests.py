@@ -111,7 +111,9 @@ class HostileRequestTests(TestCase):
 
         for version, hosts in ((b"HTTP/1.1", []), (b"HTTP/1.1", [b"x", b"y"]), (b"HTTP/1.1", [b"a\x7fb"])):
             answer = await _one(setup, raw(version, hosts))
-            self.assertEqual((answer.status, json.loads(answer.body)), (400, {"error": "bad host header"}), hosts)
+            # A control byte is refused for any header before the Host rule is reached.
+            why = "bad header value" if any(b"\x7f" in h for h in hosts) else "bad host header"
+            self.assertEqual((answer.status, json.loads(answer.body)), (400, {"error": why}), hosts)
         self.assertEqual(upstream_requests(setup.host), [])
         answer = await _one(setup, raw(b"HTTP/1.0", []))  # HTTP/1.0 needs none
         self.assertEqual(answer.status, 200)
@@ -123,3 +125,53 @@ class HostileRequestTests(TestCase):
         self.assertEqual(answer.status, 413)
         [event] = setup.watch.proxied()
         self.assertEqual((event["status"], event["key"], event["route"]), (413, "alice", "k"))
+
+    async def test_methods_outside_the_seven_are_refused_in_any_case(self) -> None:
+        """Issue 20 item 7: ``trace`` in lower case was forwarded (only ``TRACE`` was
+        refused). Any method but GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS in exact
+        case is a 405 with ``Allow``, on the head, on any path (rule 9)."""
+        setup = await _setup(self)
+        for method in (b"trace", b"Trace", b"get", b"Post", b"BREW", b"PROPFIND", b"connect"):
+            for target in (b"/r/v1/chat/completions", b"/k/v1/x", b"/_crossbar/livez"):
+                answer = await _one(setup, request_bytes(method, target, [(b"Authorization", b"Bearer " + _KEY)]))
+                self.assertEqual((answer.status, json.loads(answer.body)), (405, {"error": "method not allowed"}),
+                                 (method, target))
+                self.assertEqual(answer.one(b"allow"), b"GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS")
+                self.assertEqual(answer.one(b"content-type"), b"application/json")
+        self.assertEqual(upstream_requests(setup.host), [])
+        for method in (b"GET", b"DELETE", b"PATCH", b"PUT"):  # the seven still pass
+            answer = await _one(setup, request_bytes(method, b"/r/v1/x"))
+            self.assertNotEqual(answer.status, 405, method)
+        self.assertEqual([s.method for s in upstream_requests(setup.host)], [b"GET", b"DELETE", b"PATCH", b"PUT"])
+
+    async def test_hostile_heads_are_refused_and_never_forwarded(self) -> None:
+        """Issue 20 item 7: control bytes in a header value, ``Content_Length`` /
+        ``Transfer_Encoding`` names, a repeated ``Transfer-Encoding`` and an obs-folded
+        one were accepted and passed on; each is a JSON 400 now (rule 9)."""
+        setup = await _setup(self)
+        body = b'{"messages": []}'
+        chunked = b"%x\r\n%s\r\n0\r\n\r\n" % (len(body), body)
+        length = (b"Content-Length", b"%d" % len(body))
+        heads = {
+            "control byte": ([length, (b"X-Note", b"a\x01b")], body),
+            "DEL": ([length, (b"X-Note", b"a\x7fb")], body),
+            "escape": ([length, (b"User-Agent", b"x\x1b[2Jy")], body),
+            "Content_Length": ([length, (b"Content_Length", b"0")], body),
+            "content_length": ([length, (b"content_length", b"5")], body),
+            "Transfer_Encoding": ([length, (b"Transfer_Encoding", b"chunked")], body),
+            "two TE": ([(b"Transfer-Encoding", b"chunked"), (b"Transfer-Encoding", b"identity")], chunked),
+            "TE identity first": ([(b"Transfer-Encoding", b"identity"), (b"Transfer-Encoding", b"chunked")], chunked),
+            "folded TE": ([(b"Transfer-Encoding", b"\r\n chunked")], chunked),
+            "folded other": ([length, (b"X-Note", b"a\r\n\tb")], body),
+        }
+        for what, (headers, payload) in heads.items():
+            answer = await _one(setup, request_bytes(b"POST", b"/r/v1/chat/completions", headers, payload))
+            self.assertEqual(answer.status, 400, what)
+            self.assertEqual(answer.one(b"content-type"), b"application/json", what)
+            self.assertIn("error", json.loads(answer.body), what)
+        self.assertEqual(upstream_requests(setup.host), [])
+        self.assertEqual([e["status"] for e in setup.watch.proxied()], [400] * len(heads))
+        # A tab inside a value and an underscore elsewhere are fine.
+        answer = await _one(setup, request_bytes(b"POST", b"/r/v1/chat/completions",
+                                                 [length, (b"X-Note", b"a\tb"), (b"X_Trace_Id", b"7")], body))
+        self.assertEqual(answer.status, 200)

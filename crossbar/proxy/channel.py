@@ -27,7 +27,7 @@ from crossbar.proxy.request import MAX_BODY
 from crossbar.upstream.tcp import no_delay
 from crossbar.upstream.twisted_private import BadRequestHook
 
-__all__ = ["HEAD_DEADLINE", "MIN_BODY_RATE", "HeadDeadlineChannel", "body_deadline"]
+__all__ = ["HEAD_DEADLINE", "MIN_BODY_RATE", "HeadDeadlineChannel", "body_deadline", "hostile_header"]
 
 HEAD_DEADLINE = 60.0
 """Seconds a connection gets to deliver a complete request head once it is ready for one."""
@@ -41,6 +41,27 @@ def body_deadline(length: int | None) -> float:
     return HEAD_DEADLINE + (MAX_BODY if length is None else length) / MIN_BODY_RATE
 
 _log = Logger(namespace="crossbar.channel")
+
+_FRAMING_NAMES = frozenset({b"content-length", b"transfer-encoding"})
+_CONTROL = bytes(range(0x20)).replace(b"\t", b"") + b"\x7f"
+
+
+def hostile_header(name: bytes, value: bytes, repeated_te: bool) -> str | None:
+    """Why the request header ``name: value`` must be refused 400 (DESIGN.md §The
+    proxy, rule 9), or None when it may pass: a control byte in the value (HTAB
+    excepted; Twisted itself refuses only NUL, CR and LF), a name with ``_`` that a
+    server could read as ``Content-Length`` or ``Transfer-Encoding``, or a second
+    ``Transfer-Encoding`` (``repeated_te``: the request already has one). Nothing
+    refused here is ever forwarded, so no less strict host or middlebox behind
+    crossbar can be fed a framing crossbar did not read."""
+    lowered = name.strip(b" \t").lower()
+    if b"_" in lowered and lowered.replace(b"_", b"-") in _FRAMING_NAMES:
+        return "bad header name"
+    if value.strip(b" \t").translate(None, _CONTROL) != value.strip(b" \t"):
+        return "bad header value"
+    if repeated_te and lowered == b"transfer-encoding":
+        return "repeated transfer-encoding"
+    return None
 
 
 class HeadDeadlineChannel(BadRequestHook, HTTPChannel):
@@ -93,7 +114,23 @@ class HeadDeadlineChannel(BadRequestHook, HTTPChannel):
             self._target = parts[1] if len(parts) > 1 else b""
             self._version = parts[2] if len(parts) > 2 else b""
             self._awaiting_request_line = False
+        elif line[:1] in (b" ", b"\t"):
+            # obs-fold (RFC 9112 §5.2): a server may refuse it, and crossbar does,
+            # whatever header it continues (an obs-folded Transfer-Encoding included).
+            self.respond_to_bad_request("obsolete line folding")
+            return
         super().lineReceived(line)
+
+    def headerReceived(self, line: bytes) -> bool:
+        name, colon, value = line.partition(b":")
+        if colon and self.requests:
+            headers = self.requests[-1].requestHeaders
+            why = hostile_header(name, value, headers.hasHeader(b"transfer-encoding"))
+            if why is not None:
+                self.respond_to_bad_request(why)
+                return False
+        ok: bool = super().headerReceived(line)
+        return ok
 
     def allHeadersReceived(self) -> None:
         self._disarm_head_deadline()
@@ -135,15 +172,17 @@ class HeadDeadlineChannel(BadRequestHook, HTTPChannel):
         (DESIGN.md §The proxy, rules 8-9)."""
         self.respond_to_bad_request()
 
-    def respond_to_bad_request(self) -> None:
+    def respond_to_bad_request(self, message: str = "bad request") -> None:
         """Twisted's answer to a request it cannot parse (bad request line, header,
         framing or size) is a bare ``400``; crossbar's error answers are JSON
         (DESIGN.md §The proxy, rule 9) and recorded like any other answer (rule 8).
         Called through :class:`~crossbar.upstream.twisted_private.BadRequestHook`; the tests in
         tests/test_channel.py pin it."""
-        body = json_error_bytes("bad request")
+        if self.transport is None or getattr(self.transport, "disconnecting", False):
+            return  # answered already
+        body = json_error_bytes(message)
         head = self._method == b"HEAD"  # a HEAD answer carries no body
-        self.transport.write(  # type: ignore[union-attr]
+        self.transport.write(
             b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\n"
             b"Content-Length: " + str(len(body)).encode("ascii") + b"\r\n"
             b"Connection: close\r\n\r\n" + (b"" if head else body)

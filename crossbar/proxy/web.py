@@ -26,8 +26,14 @@ from crossbar.proxy.request import CappedRequest
 from crossbar.proxy.routing import split_route, split_target
 from crossbar.state.runtime import Runtime
 
-__all__ = ["CrossbarRequest", "CrossbarSite", "Root"]
+__all__ = ["METHODS", "CrossbarRequest", "CrossbarSite", "Root"]
 
+
+METHODS = (b"GET", b"HEAD", b"POST", b"PUT", b"PATCH", b"DELETE", b"OPTIONS")
+"""The methods crossbar serves, exact case; any other is refused 405 on the head
+(DESIGN.md §The proxy, rule 9): ``trace`` as well as ``TRACE``, ``CONNECT``, ``BREW``."""
+
+_ALLOW = b", ".join(METHODS)
 
 _HOST_VALUE = re.compile(rb"\A[\x21-\x7e]*\Z")
 """A ``Host`` value: visible ASCII (RFC 9110 §7.2: a uri-host and port), empty allowed."""
@@ -83,7 +89,7 @@ class CrossbarRequest(CappedRequest):
     key_name = ""
 
     def gotLength(self, length: int | None) -> None:
-        """On the head, in this order: the ``Host`` header (RFC 9112 §3.2: exactly one
+        """On the head, in this order: the method (rule 9), the ``Host`` header (RFC 9112 §3.2: exactly one
         in HTTP/1.1, visible ASCII), an asterisk-form target (no route), the key
         (DESIGN.md §Access), then the body's size (rule 4): each refused at once."""
         site = getattr(self.channel, "site", None)
@@ -91,6 +97,8 @@ class CrossbarRequest(CappedRequest):
             return super().gotLength(length)
         self.config = config = site.runtime.config
         method, target = self.head_line()
+        if method not in METHODS:
+            return self.refuse(405, b"Method Not Allowed", "method not allowed", ((b"Allow", _ALLOW),))
         hosts = self.requestHeaders.getRawHeaders(b"host") or []
         version = self.channel.request_version() if isinstance(self.channel, HeadDeadlineChannel) else b""
         if len(hosts) > 1 or (not hosts and version == b"HTTP/1.1") or any(
