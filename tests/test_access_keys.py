@@ -236,6 +236,48 @@ class KeysTests(TestCase):
         self.assertEqual(auth_headers(upstream_requests(self.a)[-1]), [b"Bearer client-own-value"])
         self.assertTrue(self.service.table.is_healthy("k"))
 
+    async def test_x_api_key_is_a_key_and_never_reaches_a_host(self) -> None:
+        """Issue 20 item 9: ``X-Api-Key`` was forwarded to the host of a keyed route
+        unchanged. It is accepted as the key (what Anthropic-style clients send) and,
+        like ``Authorization``, never reaches a host of a keyed route (§Access)."""
+        plain = {b"Content-Type": [b"application/json"]}
+        code, _, body = await self.post("r", {**plain, b"X-Api-Key": [ALICE.encode()]})
+        self.assertEqual(code, 200, body)
+        code, _, body = await self.post("u", {**plain, b"X-Api-Key": [b"alice-two-x"]})
+        self.assertEqual(code, 200, body)
+        code, _, body = await self.post("r", {**bearer(ALICE), b"X-Api-Key": [ALICE.encode()]})
+        self.assertEqual(code, 200, body)
+        await self.assert_401("r", {**plain, b"X-Api-Key": [b"nope"]})
+        await self.assert_401("r", {**plain, b"X-Api-Key": [BOB.encode()]})  # another route's
+        await self.assert_401("r", {**plain, b"X-Api-Key": [ALICE.encode(), ALICE.encode()]})
+        await self.assert_401("r", {**bearer(CI), b"X-Api-Key": [ALICE.encode()]})  # two keys at once
+        for seen in upstream_requests(self.a) + upstream_requests(self.k):
+            names = [k.lower() for k, _ in seen.headers.getAllRawHeaders()]
+            self.assertNotIn(b"x-api-key", names, seen.uri)
+        for seen in upstream_requests(self.k):
+            self.assertEqual(auth_headers(seen), [b"Bearer " + HOST_KEY.encode()])
+        self.assertEqual(len(upstream_requests(self.a)) + len(upstream_requests(self.k)), 3)
+        self.assertEqual(sorted(e["key"] for e in self.log.proxied() if e["status"] == 200),
+                         ["alice", "alice", "alice2"])
+        # A route without keys passes a client's X-Api-Key through (it is not crossbar's).
+        code, _, _ = await self.post("p", {**plain, b"X-Api-Key": [b"for-the-host"]})
+        self.assertEqual(code, 200)
+        self.assertEqual(upstream_requests(self.a)[-1].headers.getRawHeaders(b"x-api-key"), [b"for-the-host"])
+
+    async def test_keyless_preflight_never_carries_the_hosts_key(self) -> None:
+        """Issue 20 item 9: a keyless ``OPTIONS`` on keyed route ``u`` was forwarded with
+        host ``k``'s ``api_key`` (a host echoing headers would show it). It goes without
+        any ``Authorization``; a keyed request and an open route still carry it."""
+        response = await self.client.request("OPTIONS", f"{self.base}/u/v1/chat/completions",
+                                             headers={b"Origin": [b"https://app.example"]})
+        await response.content()
+        [preflight] = upstream_requests(self.k)
+        self.assertEqual(preflight.method, b"OPTIONS")
+        self.assertEqual(auth_headers(preflight), [])
+        response = await self.client.request("OPTIONS", f"{self.base}/o/v1/chat/completions")
+        await response.content()
+        self.assertEqual(auth_headers(upstream_requests(self.k)[-1]), [b"Bearer " + HOST_KEY.encode()])
+
 
 class Held:
     """A completion handler that holds each request until :meth:`release`.

@@ -68,6 +68,9 @@ _REPLACED_UPSTREAM = frozenset(
     {b"host", b"content-length", b"expect", b"x-forwarded-for", b"x-forwarded-host",
      b"x-forwarded-proto", b"forwarded"}
 )
+_CLIENT_KEY_HEADERS = frozenset({b"authorization", b"x-api-key"})
+"""Where a client presents a keyed route's key; neither reaches a host (DESIGN.md §Access)."""
+
 """Answered by crossbar from the health table (DESIGN.md §The proxy, rule 10)."""
 
 _NO_BODY_CODES = (204, 304)
@@ -435,17 +438,21 @@ class Exchange:
     def upstream_headers(self) -> Headers:
         """The headers sent upstream (rule 6): the client's, hop-by-hop ones removed,
         ``Host`` the upstream's, fresh ``X-Forwarded-*``; ``Authorization`` per
-        §Access (dropped on a keyed route, the host's ``api_key`` when it has one)."""
+        §Access (on a keyed route the client's ``Authorization`` and ``X-Api-Key``
+        dropped; the host's ``api_key`` when it has one, except on a keyless
+        preflight of a keyed route)."""
         src = self.request.requestHeaders
         drop = hop_by_hop_names(src) | _REPLACED_UPSTREAM
         assert self.route is not None and self.host is not None
         if self.route.keys:
-            drop = drop | {b"authorization"}  # the client's crossbar key stays here
+            drop = drop | _CLIENT_KEY_HEADERS  # the client's crossbar key stays here
         out = Headers()
         for name, values in src.getAllRawHeaders():
             if name.lower() not in drop:
                 out.setRawHeaders(name, values)
         api_key = self.config.hosts[self.host].api_key
+        if self.route.keys and not self.key:
+            api_key = None  # a keyless preflight on a keyed route: never the host's key
         if api_key is not None:  # DESIGN.md §Access: the host's key, never the client's
             out.setRawHeaders(b"Authorization", [b"Bearer " + api_key.encode("ascii")])
         client = getattr(self.request.getClientAddress(), "host", None)

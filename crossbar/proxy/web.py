@@ -107,7 +107,7 @@ class CrossbarRequest(CappedRequest):
         if target == b"*":
             return self.refuse(400, b"Bad Request", "missing route")
         verdict = check_key(config, method, target, self.requestHeaders.getRawHeaders(b"authorization"),
-                            has_body=length != 0)
+                            has_body=length != 0, x_api_key=self.requestHeaders.getRawHeaders(b"x-api-key"))
         if verdict is None:
             return self.refuse(401, b"Unauthorized", "invalid api key", ((b"WWW-Authenticate", b"Bearer"),))
         self.key_name = verdict
