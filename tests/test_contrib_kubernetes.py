@@ -154,6 +154,23 @@ class ShippedManifestTests(SynchronousTestCase):
         self.assertEqual(set(manifests), {"ConfigMap", "Deployment", "Service"})
         self.assertEqual(problems(manifests), [])
 
+    def test_readme_shows_the_shipped_probe_numbers(self) -> None:
+        """Issue 20 item 11: the README's Kubernetes snippet had other probe numbers than
+        the shipped deployment (a readiness period of 2 s and threshold 1 against 1 s
+        and 2). Every number it shows is the manifest's."""
+        with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+            readme = f.read()
+        block = readme.split("\nKubernetes:\n", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
+        shown = yaml.safe_load(block)
+        manifests = load_manifests()
+        pod = manifests["Deployment"]["spec"]["template"]["spec"]
+        shipped = container(manifests)
+        self.assertEqual(shown["terminationGracePeriodSeconds"], pod["terminationGracePeriodSeconds"])
+        for probe in ("livenessProbe", "readinessProbe"):
+            numbers = {k: v for k, v in shipped[probe].items() if k != "httpGet"}
+            self.assertEqual({k: v for k, v in shown[probe].items() if k != "httpGet"}, numbers, probe)
+            self.assertEqual(shown[probe]["httpGet"]["path"], shipped[probe]["httpGet"]["path"])
+
     def test_config_is_the_one_crossbar_parses(self) -> None:
         """The numbers checked are the ConfigMap's own, as crossbar reads them."""
         config = shipped_config(load_manifests())

@@ -72,3 +72,24 @@ class SystemdContribTests(SynchronousTestCase):
         config = parse_config(self.config_text, "crossbar.yaml", environ=self.env)
         [timeout] = self.unit["TimeoutStopSec"]
         self.assertGreater(float(timeout), config.drain.delay + config.drain.grace)
+
+    def test_readme_installs_the_venv_the_unit_runs(self) -> None:
+        """Issue 20 item 11: the README's production install is a venv of its own, the
+        one ``ExecStart`` runs, not the demo's test ``.venv``; and the unit's
+        ``--logger`` names a module crossbar has."""
+        [exec_start] = self.unit["ExecStart"]
+        twistd = exec_start.split()[0]
+        venv = os.path.dirname(os.path.dirname(twistd))
+        with open(os.path.join(os.path.dirname(os.path.dirname(CONTRIB)), "README.md"), encoding="utf-8") as f:
+            readme = f.read()
+        install = readme.split("### systemd", 1)[1].split("`contrib/systemd/crossbar.service` runs", 1)[0]
+        self.assertIn(f"python3 -m venv {venv}", install)
+        self.assertIn(f"{venv}/bin/pip install", install)
+        self.assertNotIn(".venv/", install.replace("not the demo's .venv", ""))
+        self.assertIn("--check", install)
+        logger = re.search(r"--logger=(\S+)", exec_start)
+        assert logger is not None
+        module, _, name = logger.group(1).rpartition(".")
+        import importlib
+
+        self.assertTrue(callable(getattr(importlib.import_module(module), name)), logger.group(1))

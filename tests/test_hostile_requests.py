@@ -175,3 +175,28 @@ class HostileRequestTests(TestCase):
         answer = await _one(setup, request_bytes(b"POST", b"/r/v1/chat/completions",
                                                  [length, (b"X-Note", b"a\tb"), (b"X_Trace_Id", b"7")], body))
         self.assertEqual(answer.status, 200)
+
+    async def test_crossbars_own_answers_carry_cors_headers(self) -> None:
+        """Issue 20 item 11: crossbar's own answers (401, 404, the model list, errors)
+        had no CORS headers, so a browser client saw a CORS failure instead of the
+        message. With an ``Origin`` they answer as llama-server does: the origin echoed."""
+        setup = await _setup(self)
+        origin = (b"Origin", b"https://app.example")
+        cases = [
+            (b"GET", b"/k/v1/models", 401),
+            (b"GET", b"/nowhere/v1/models", 404),
+            (b"GET", b"/r/nothing-here", 404),
+            (b"GET", b"/r/v1/models", 200),
+            (b"POST", b"/r/v1/../x", 400),
+            (b"trace", b"/r/v1/x", 405),
+            (b"POST", b"/r/v1/x", 413),
+        ]
+        for method, target, code in cases:
+            extra = [(b"Content-Length", b"99999999")] if code == 413 else []
+            answer = await _one(setup, request_bytes(method, target, [origin, *extra]))
+            self.assertEqual(answer.status, code, target)
+            self.assertEqual(answer.one(b"access-control-allow-origin"), b"https://app.example", target)
+            self.assertEqual(answer.one(b"vary"), b"Origin", target)
+            plain = await _one(setup, request_bytes(method, target, extra))
+            self.assertIsNone(plain.one(b"access-control-allow-origin"), target)
+        self.assertEqual(upstream_requests(setup.host), [])

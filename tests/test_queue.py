@@ -200,6 +200,26 @@ class RouteModelsTests(SynchronousTestCase):
         again = route_models(Route("r", ("a",)), table)
         self.assertEqual(again, doc)
 
+    def test_router_command_lines_never_reach_clients(self) -> None:
+        """Issue 20 item 11: a router-mode host's ``status.args`` (its command line,
+        absolute paths) and ``status.preset`` were passed to any client."""
+        with open(__file__.replace("test_queue.py", "fixtures/llama_models_router.json"), "rb") as f:
+            listed = json.load(f)["data"]
+        entries = {e["id"]: json.dumps(e) for e in listed}
+        table = {"a": status(loaded=tuple(entries), **entries)}
+        doc = route_models(Route("r", ("a",)), table)
+        assert doc is not None
+        self.assertEqual(len(doc["data"]), len(listed))
+        text = json.dumps(doc)
+        self.assertNotIn("/root/", text)
+        self.assertNotIn("--model", text)
+        for got, host_said in zip(doc["data"], sorted(listed, key=lambda e: e["id"])):
+            self.assertEqual(got["status"], {"value": host_said["status"]["value"]})
+            self.assertEqual(got["architecture"], host_said["architecture"])  # the rest kept
+        failed = {"m": entry("m", status={"value": "unloaded", "failed": True, "exit_code": 1, "args": ["/x"]})}
+        doc = route_models(Route("r", ("a",)), {"a": status(available=("m",), **failed)})
+        assert doc is not None
+        self.assertEqual(doc["data"][0]["status"], {"value": "unloaded", "failed": True, "exit_code": 1})
 
 class RouteModelAliasTests(SynchronousTestCase):
     """§Model names: exact aliases whose target a healthy host lists are in the list."""

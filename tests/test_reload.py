@@ -55,6 +55,16 @@ class PlanTests(TestCase):
             "\n  c: {url: https://h:3, tls: {verify: false}}\n  d: {url: http://h:4, weight: 3, max_inflight: 2}"
         ), environ=env)
         self.assertEqual(plan_reload(old, new).fresh, ("a", "b", "c"))  # d: only its balancing changed
+        self.assertEqual(plan_reload(old, new).changed, ("a", "b", "c", "d"))
+
+    def test_summary_counts_a_weight_change(self) -> None:
+        """Issue 20 item 11: after a weight change the reload said ``0 new or changed``."""
+        old = parse_config(_cfg("  a: http://h:1\n  b: http://h:2\n  c: http://h:3"))
+        new = parse_config(_cfg("  a: {url: http://h:1, weight: 2}\n  b: http://h:9\n  d: http://h:4"))
+        plan = plan_reload(old, new)
+        self.assertEqual((plan.fresh, plan.changed, plan.removed), (("b", "d"), ("a", "b"), ("c",)))
+        self.assertEqual(plan.summary(), "1 new, 2 changed (1 start over), 1 removed")
+        self.assertEqual(plan_reload(old, old).summary(), "0 new, 0 changed (0 start over), 0 removed")
 
     def test_rotated_ca_file_starts_over(self) -> None:
         """The CA's bytes are part of ``tls``: a reload after the file was replaced reconnects."""

@@ -164,7 +164,7 @@ class BadConfigTests(_TwistdCase):
         key = os.path.join(self.dir, "missing.pem")
         path = self.write("bad.yaml", f"listen: \"ssl:8443:privateKey={key}\"\n" + text.split("\n", 1)[1])
         self.assertStartupFails(
-            path, f"crossbar: {path}: listen: not a valid Twisted endpoint: No such file or directory"
+            path, f"crossbar: {path}: listen: not a valid Twisted endpoint: No such file or directory: {key}"
         )
 
     def test_listen_unix_socket_in_missing_directory(self) -> None:
@@ -438,3 +438,43 @@ class StartupGuardTests(SynchronousTestCase):
         e = self.assertRaises(SystemExit, report_and_exit, ConfigError("c.yaml", "routes.r", "bad"), out, False)
         self.assertEqual(e.code, 1)
         self.assertEqual(out.getvalue(), "crossbar: c.yaml: routes.r: bad\n")
+
+
+class CheckTests(_TwistdCase):
+    """``twistd crossbar --config FILE --check`` (issue 20 item 11): validates without
+    starting, exit 0/1, the same one line a failed start writes."""
+
+    def check(self, path: str) -> tuple[int, str, str]:
+        argv = twistd_argv(path) + ["--check"]
+        done = subprocess.run(argv, cwd=self.dir, env=twistd_env(), stdin=subprocess.DEVNULL,
+                              capture_output=True, text=True, timeout=START_TIMEOUT)
+        self.assertNotIn("Traceback", done.stdout + done.stderr)
+        return done.returncode, done.stdout, done.stderr
+
+    def test_valid_file(self) -> None:
+        port = free_port()
+        path = self.write("good.yaml", GOOD.format(port=port, upstream=free_port()))
+        with socket.socket() as busy:  # --check binds nothing: a port in use is no error
+            busy.bind(("127.0.0.1", port))
+            busy.listen()
+            self.assertEqual(self.check(path), (0, f"crossbar: {path}: ok\n", ""))
+
+    def test_invalid_files_say_what_a_start_says(self) -> None:
+        good = GOOD.format(port=free_port(), upstream=free_port())
+        key = os.path.join(self.dir, "missing.pem")
+        cases = {
+            "unknown key": (good + "helth: {interval: 1}\n", "helth: unknown key"),
+            "unknown host": (good.replace("hosts: [a]", "hosts: [a, gpu-z]"), "routes.r.hosts[1]: unknown host"),
+            "ssl key": (f"listen: \"ssl:8443:privateKey={key}\"\n" + good.split("\n", 1)[1],
+                        f"listen: not a valid Twisted endpoint: No such file or directory: {key}"),
+        }
+        for what, (text, problem) in cases.items():
+            path = self.write("bad.yaml", text)
+            status, out, err = self.check(path)
+            self.assertEqual((status, out), (1, ""), what)
+            self.assertEqual(len(err.splitlines()), 1, err)
+            self.assertTrue(err.startswith(f"crossbar: {path}: {problem}"), (what, err))
+            started = self.assertStartupFails(path)
+            self.assertEqual(err.rstrip("\n"), started, what)
+        missing = os.path.join(self.dir, "nowhere.yaml")
+        self.assertEqual(self.check(missing), (1, "", f"crossbar: {missing}: cannot read: No such file or directory\n"))

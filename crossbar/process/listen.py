@@ -41,6 +41,9 @@ def listen_endpoint(reactor: Any, config: Config) -> Any:
         raise ConfigError(config.source, "listen", "not a valid Twisted endpoint") from None
     except Exception as e:  # parsing may also load files (ssl: keys) or plugins
         why = getattr(e, "strerror", None) or str(e) or type(e).__name__
+        filename = getattr(e, "filename", None)
+        if filename:  # a key or certificate file of an ssl: listener: name it
+            why = f"{why}: {filename}"
         raise ConfigError(config.source, "listen", f"not a valid Twisted endpoint: {why}") from None
 
 

@@ -84,11 +84,21 @@ class ReloadPlan:
         start over (unhealthy, polled at once), DESIGN.md §Operations.
     :ivar removed: hosts no longer configured.
     :ivar listen_changed: ``listen`` differs; it cannot change without a restart.
+    :ivar changed: hosts in both configs with any setting changed (``weight``,
+        ``max_inflight``, or a connection setting), for the summary a reload logs.
     """
 
     fresh: tuple[str, ...]
     removed: tuple[str, ...]
     listen_changed: bool
+    changed: tuple[str, ...] = ()
+
+    def summary(self) -> str:
+        """The hosts part of the line a reload logs, e.g. ``0 new, 1 changed (0 start
+        over), 0 removed``: a host whose weight changed is counted, not only a new one."""
+        new = sum(1 for n in self.fresh if n not in self.changed)
+        over = len(self.fresh) - new
+        return f"{new} new, {len(self.changed)} changed ({over} start over), {len(self.removed)} removed"
 
 
 def plan_reload(old: Config, new: Config) -> ReloadPlan:
@@ -102,7 +112,8 @@ def plan_reload(old: Config, new: Config) -> ReloadPlan:
         if n not in old.hosts or old.hosts[n].connection_settings() != h.connection_settings()
     )
     removed = tuple(n for n in old.hosts if n not in new.hosts)
-    return ReloadPlan(fresh=fresh, removed=removed, listen_changed=old.listen != new.listen)
+    changed = tuple(n for n, h in new.hosts.items() if n in old.hosts and old.hosts[n] != h)
+    return ReloadPlan(fresh=fresh, removed=removed, listen_changed=old.listen != new.listen, changed=changed)
 
 
 class SIGHUPReload(Service):

@@ -339,9 +339,8 @@ class CrossbarService(MultiService):
             self.systemd.health_changed()
         self.runtime.queues.wake()  # new hosts, weights or limits may make room
         self._log.info(
-            "reloaded {path}: {routes} routes, {hosts} hosts ({fresh} new or changed, {removed} removed)",
-            path=path, routes=len(new.routes), hosts=len(new.hosts), fresh=len(plan.fresh),
-            removed=len(plan.removed),
+            "reloaded {path}: {routes} routes, {hosts} hosts ({summary})",
+            path=path, routes=len(new.routes), hosts=len(new.hosts), summary=plan.summary(),
         )
         return True
 

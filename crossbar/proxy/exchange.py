@@ -36,6 +36,7 @@ from crossbar.state.limits import retry_after_header
 from crossbar.ops.record import NO_ROUTE, RequestLog, RequestRecord
 from crossbar.proxy.relay import Relay, RelayEnd
 from crossbar.errors import json_error_bytes
+from crossbar.proxy.cors import cors_headers
 from crossbar.proxy.request import NO_BODY_METHODS
 from crossbar.paths import PathKind, classify_path
 from crossbar.proxy.modellist import route_models
@@ -586,6 +587,8 @@ class Exchange:
         request.responseHeaders.removeHeader(b"server")
         if retry_after:
             request.setHeader(b"Retry-After", str(int(retry_after)).encode("ascii"))
+        for name, value in cors_headers(request.requestHeaders):  # like the hosts' answers
+            request.setHeader(name, value)
         request.setHeader(b"Content-Type", b"application/json")
         request.setHeader(b"Content-Length", str(len(body)).encode("ascii"))
         self.close_if_draining()

@@ -18,12 +18,27 @@ __all__ = ["route_models"]
 
 _STATES = ("loaded", "loading", "available")
 
+_STATUS_KEYS = ("value", "failed", "exit_code")
+"""What a router-mode host's ``status`` may pass to clients: its state, never the
+``args`` (the model's command line: absolute paths) or the ``preset`` (the same as an
+INI text) (DESIGN.md §The proxy, rule 10; issue 20)."""
+
+
+def _public(entry: dict[str, Any]) -> dict[str, Any]:
+    """``entry`` without what only the host's operator should see."""
+    status = entry.get("status")
+    if isinstance(status, dict):
+        entry = dict(entry, status={k: status[k] for k in _STATUS_KEYS if k in status})
+    return entry
+
 
 def route_models(route: Route, statuses: Mapping[str, HostStatus]) -> dict[str, Any] | None:
     """The ``{"object": "list", "data": [...]}`` document for ``route``, or None when no
     host of the route is healthy (the caller answers 503).
 
     Each entry, sorted by id, is the one its first listing host (route order) reported,
+    without a router-mode host's command line (``status`` keeps its ``value``,
+    ``failed`` and ``exit_code`` only),
     plus ``"crossbar": {"hosts": {host: "loaded" | "loading" | "available"}}`` over the
     healthy hosts that list it; each exact alias of the route whose target is listed
     appears as the target's entry under the alias's id, with ``"alias_of"`` added
@@ -41,7 +56,7 @@ def route_models(route: Route, statuses: Mapping[str, HostStatus]) -> dict[str, 
                 if model not in entries:
                     text = status.entries.get(model)
                     entry = json.loads(text) if text is not None else {"id": model}
-                    entries[model] = entry if isinstance(entry, dict) else {"id": model}
+                    entries[model] = _public(entry) if isinstance(entry, dict) else {"id": model}
                 where.setdefault(model, {})[host] = state
     listed: dict[str, dict[str, Any]] = {}
     for model, entry in entries.items():

@@ -20,6 +20,7 @@ from twisted.internet.interfaces import ISSLTransport
 from twisted.web.server import Request
 
 from crossbar.errors import json_error_bytes
+from crossbar.proxy.cors import cors_headers
 from crossbar.proxy.peek import NOTHING, BodyPeek, Peeked
 
 __all__ = ["MAX_BODY", "NO_BODY_METHODS", "CappedRequest"]
@@ -107,6 +108,7 @@ class CappedRequest(Request):
         body = json_error_bytes(message)
         sent = b"" if self.head_line()[0] == b"HEAD" else body  # a HEAD answer has no content
         transport: Any = self.channel.transport  # an ITCPTransport (write, half-close, abort)
+        headers += cors_headers(self.requestHeaders)
         transport.write(
             b"HTTP/1.1 %d %s\r\n" % (code, phrase)
             + b"".join(name + b": " + value + b"\r\n" for name, value in headers)

@@ -19,6 +19,7 @@ from twisted.web.server import Request, Site
 
 from crossbar.proxy.access import check_key
 from crossbar.proxy.channel import HeadDeadlineChannel
+from crossbar.proxy.cors import cors_headers
 from crossbar.config import Config
 from crossbar.ops.record import NO_ROUTE, RequestLog, RequestRecord
 from crossbar.errors import json_error_bytes
@@ -70,6 +71,8 @@ class _JSONError(Resource):
 
     def render(self, request: Request) -> bytes:
         request.setResponseCode(self._code)
+        for name, value in cors_headers(request.requestHeaders):
+            request.setHeader(name, value)
         request.setHeader(b"Content-Type", b"application/json")
         return self._body
 

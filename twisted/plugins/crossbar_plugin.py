@@ -19,6 +19,7 @@ class Options(usage.Options):
          "With workers: seconds a worker may send nothing before it is killed and restarted (default 30).",
          float],
     ]
+    optFlags = [["check", None, "Validate the configuration, print one line and exit (0: valid, 1: not)."]]
 
     def postOptions(self) -> None:
         stall = self["worker-stall"]
@@ -44,11 +45,13 @@ class CrossbarServiceMaker:
     def makeService(self, options: Options) -> Any:
         from crossbar.config import ConfigError, load_config
         from crossbar.process.service import make_daemon
-        from crossbar.process.startup import StartupGuard, report_and_exit
+        from crossbar.process.startup import StartupGuard, check_config, report_and_exit
 
         # Absolute now: twistd changes directory (--rundir, daemon mode) after this, and
         # a reload (SIGHUP) or a worker reads the file again later.
         path = os.path.abspath(options["config"])
+        if options["check"]:
+            sys.exit(check_config(path, sys.stdout, sys.stderr))
         try:
             service = make_daemon(load_config(path), getattr(options, "parent", None), stall=options["worker-stall"])
             return StartupGuard(service, path, twistd=getattr(options, "parent", None))
