@@ -6,7 +6,14 @@ rule 4): on ``Content-Length`` before any of the body is read (and before ``100 
 would be sent), or, for a chunked body, at the byte that crosses the limit. The body is
 held in memory (never a temporary file: no blocking disk I/O on the reactor thread).
 
-Each chunk is also fed to a :class:`crossbar.proxy.peek.BodyPeek` as it arrives, so the model
+Bodies cost bounded memory (DESIGN.md §The proxy, rule 9; issue 20 items 1-2): small
+chunks are joined into :data:`PIECE`-byte pieces as they arrive (at most ~1.1 times the
+body's size whatever its framing), a chunked body whose chunks average under
+:data:`MIN_CHUNK_AVERAGE` bytes is refused 400, a body is released the moment its
+request ends or its client leaves, and all held bodies together stay under
+:data:`BODY_BUDGET` (503 with ``Retry-After`` beyond it).
+
+Each piece is also fed to a :class:`crossbar.proxy.peek.BodyPeek` as it arrives, so the model
 and the affinity key are known when the body is complete (``request.peeked``) without
 ever parsing the whole body in one reactor turn (DESIGN.md §"Quality bar").
 """
@@ -23,7 +30,9 @@ from crossbar.errors import json_error_bytes
 from crossbar.proxy.cors import cors_headers
 from crossbar.proxy.peek import NOTHING, BodyPeek, Peeked
 
-__all__ = ["MAX_BODY", "NO_BODY_METHODS", "CappedRequest"]
+__all__ = [
+    "BODIES", "BODY_BUDGET", "MAX_BODY", "MIN_CHUNK_AVERAGE", "NO_BODY_METHODS", "BodyBudget", "CappedRequest",
+]
 
 MAX_BODY = 16 * 1024 * 1024
 """The largest request body crossbar accepts, in bytes (DESIGN.md §The proxy, rule 4)."""
@@ -32,6 +41,47 @@ NO_BODY_METHODS = frozenset({b"GET", b"HEAD"})
 """Methods whose body (if any) is never peeked (DESIGN.md §The proxy, rule 4)."""
 
 _LINGER_SECONDS = 5.0
+
+BODY_BUDGET = 256 * 1024 * 1024
+"""Bytes of request bodies one crossbar process holds at once, all requests together
+(DESIGN.md §The proxy, rule 9): a body that would go over it is refused 503 with
+``Retry-After`` (16 full-size bodies at once; the rest wait for a retry)."""
+
+PIECE = 64 * 1024
+"""Small body chunks are joined into pieces of this many bytes as they arrive: a body
+sent as millions of 1-byte chunks is held as 64 KiB pieces, not millions of ``bytes``
+objects (each ~33 bytes of overhead), and fed to the peek in those pieces."""
+
+MIN_CHUNK_AVERAGE = 64
+"""A chunked body whose chunks average fewer bytes than this, past the first
+:data:`_CHUNK_GRACE` of them, is refused 400: framing that is mostly overhead costs the
+reactor one parse per chunk (16 million 1-byte chunks took 40 s of CPU) and is no
+client's honest shape (DESIGN.md §The proxy, rule 9)."""
+
+_CHUNK_GRACE = 1024
+
+
+class BodyBudget:
+    """The bytes of request bodies held by this process, against ``limit`` (bytes)."""
+
+    def __init__(self, limit: int = BODY_BUDGET) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def take(self, size: int) -> bool:
+        """Hold ``size`` more bytes if that stays within the limit; whether it did."""
+        if self.held + size > self.limit:
+            return False
+        self.held += size
+        return True
+
+    def give(self, size: int) -> None:
+        """``size`` bytes held are released."""
+        self.held = max(0, self.held - size)
+
+
+BODIES = BodyBudget()
+"""The process's budget, shared by every :class:`CappedRequest` (its ``budget``)."""
 
 
 class CappedRequest(Request):
@@ -49,42 +99,92 @@ class CappedRequest(Request):
     """
 
     max_body = MAX_BODY
+    budget = BODIES
     defaultContentType = None  # never invent a Content-Type for an upstream answer
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.refused = False
         self._received = 0
+        self._held = 0  # bytes of this body counted against the budget
+        self._calls = 0  # chunks handed over by a chunked body's decoder
+        self._chunked = False
+        self._tail = bytearray()  # small chunks not yet joined into a piece
         self._linger: Any = None
         self._peek: BodyPeek | None = None  # made by the first body chunk
         self.peeked: Peeked = NOTHING
         self.body_chunks: list[bytes] = []
-        """The body as it arrived, chunk by chunk (never copied into one buffer: a
-        16 MiB body grown in a ``BytesIO`` costs a multi-millisecond copy on the
-        reactor); ``content`` stays empty."""
+        """The body as it arrived, in pieces (never copied into one buffer: a 16 MiB
+        body grown in a ``BytesIO`` costs a multi-millisecond copy on the reactor; small
+        chunks are joined into :data:`PIECE`-byte pieces, so the body costs at most
+        about 1.1 times its size whatever its framing); ``content`` stays empty. Emptied
+        the moment the request ends or its client leaves (:meth:`release_body`)."""
 
     def gotLength(self, length: int | None) -> None:
         self.content = BytesIO()
+        self._chunked = length is None
         if length is not None and length > self.max_body:
             self.refuse(413, b"Content Too Large", "body too large")
+        elif length and self.budget.held + length > self.budget.limit:
+            self.refuse(503, b"Service Unavailable", "too many request bodies held", ((b"Retry-After", b"1"),))
 
     def handleContentChunk(self, data: bytes) -> None:
         if self.refused:
             return
-        self._received += len(data)
+        size = len(data)
+        self._received += size
         if self._received > self.max_body:
             self.refuse(413, b"Content Too Large", "body too large")
             return
-        self.body_chunks.append(data)
+        if self._chunked:
+            self._calls += 1
+            if self._calls > _CHUNK_GRACE and self._received < self._calls * MIN_CHUNK_AVERAGE:
+                self.refuse(400, b"Bad Request", "chunk framing too small")
+                return
+        if not self.budget.take(size):
+            self.refuse(503, b"Service Unavailable", "too many request bodies held", ((b"Retry-After", b"1"),))
+            return
+        self._held += size
+        tail = self._tail
+        if size >= PIECE and not tail:
+            self._keep(data)
+            return
+        tail += data
+        if len(tail) >= PIECE:
+            self._flush_tail()
+
+    def _flush_tail(self) -> None:
+        if self._tail:
+            piece, self._tail = bytes(self._tail), bytearray()
+            self._keep(piece)
+
+    def _keep(self, piece: bytes) -> None:
+        self.body_chunks.append(piece)
         if self._peek is None:
             self._peek = BodyPeek()
-        self._peek.feed(data)
+        self._peek.feed(piece)
 
     def requestReceived(self, command: bytes, path: bytes, version: bytes) -> None:
+        if not self.refused:
+            self._flush_tail()
         peek, self._peek = self._peek, None
         if peek is not None and not self.refused and command not in NO_BODY_METHODS:
             self.peeked = peek.finish()
         super().requestReceived(command, path, version)
+
+    def release_body(self) -> None:
+        """Drop the held body now and give its bytes back to the budget: the request
+        ended or its client left (DESIGN.md §The proxy, rule 9). The list is emptied in
+        place, so whoever else holds it (the exchange, for a failover) lets go too."""
+        self.body_chunks.clear()
+        self._tail = bytearray()
+        self._peek = None
+        held, self._held = self._held, 0
+        self.budget.give(held)
+
+    def finish(self) -> None:
+        super().finish()
+        self.release_body()
 
     def process(self) -> None:
         if self.refused:
@@ -100,8 +200,7 @@ class CappedRequest(Request):
             return
         self.refused = True
         self.content = BytesIO()
-        self.body_chunks = []
-        self._peek = None
+        self.release_body()
         # No "100 Continue" for a body we will not read (HTTPChannel sends it after
         # gotLength returns when this header is present).
         self.requestHeaders.removeHeader(b"expect")
@@ -118,6 +217,10 @@ class CappedRequest(Request):
         )
         self.channel.persistent = False
         self.refused_answer(code, len(sent))
+        # What the client still sends is read and dropped unparsed: no chunk framing
+        # of a refused body costs the reactor anything (Twisted drops bytes after a
+        # non-persistent request the same way).
+        self.channel.dataReceived = _drop  # type: ignore[method-assign]
         # Half-close a plain TCP connection (the client can still send, and read the
         # answer instead of a reset); TLS (an ``ssl:`` listener) is closed whole: its
         # half-close broke inside Twisted's TLS layer when the client then closed.
@@ -140,4 +243,9 @@ class CappedRequest(Request):
     def connectionLost(self, reason: Any) -> None:
         if self._linger is not None and self._linger.active():
             self._linger.cancel()
+        self.release_body()  # the request and its channel form a cycle: free it now
         super().connectionLost(reason)
+
+
+def _drop(data: bytes) -> None:
+    """Read and ignore (a refused request's connection, until it closes)."""

@@ -1,0 +1,188 @@
+"""Request bodies held in memory (issue 20 items 1 and 2; DESIGN.md §The proxy, rule 9):
+a body costs at most 1.25 times its size whatever its framing, framing that is mostly
+overhead is refused early, a body is released the moment its request ends or its client
+leaves, and all held bodies together stay under a budget (503 with ``Retry-After``).
+
+Memory is measured, not timed: ``sys.getsizeof`` of what the request holds, and the
+number of chunks the reactor parsed. Twisted's real ``HTTPChannel`` (crossbar's
+:class:`~crossbar.proxy.channel.HeadDeadlineChannel`) parses the bytes, on a
+``StringTransport``; one test runs crossbar end to end on loopback.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from twisted.internet.error import ConnectionDone
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
+from twisted.python.failure import Failure
+from twisted.trial.unittest import TestCase
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET, Request, Site
+
+from crossbar.proxy import request as request_module
+from crossbar.proxy.channel import HeadDeadlineChannel
+from crossbar.proxy.request import CappedRequest
+
+
+class _Counting(CappedRequest):
+    made: list["_Counting"] = []
+    chunks_parsed = 0
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _Counting.made.append(self)
+
+    def handleContentChunk(self, data: bytes) -> None:
+        _Counting.chunks_parsed += 1
+        super().handleContentChunk(data)
+
+
+class _Hold(Resource):
+    isLeaf = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pending: list[Request] = []
+
+    def render(self, request: Request) -> object:
+        self.pending.append(request)
+        return NOT_DONE_YET
+
+
+def _channel(resource: Resource) -> tuple[HeadDeadlineChannel, StringTransport]:
+    site = Site(resource, requestFactory=_Counting, reactor=Clock())
+    site.protocol = HeadDeadlineChannel  # type: ignore[assignment]
+    channel = site.buildProtocol(None)
+    assert isinstance(channel, HeadDeadlineChannel)
+    transport = StringTransport()
+    channel.makeConnection(transport)
+    return channel, transport
+
+
+def held_bytes(request: CappedRequest) -> int:
+    """The memory the request's body takes, in bytes (objects and the list)."""
+    return sys.getsizeof(request.body_chunks) + sum(sys.getsizeof(c) for c in request.body_chunks) + sys.getsizeof(
+        getattr(request, "_tail", b""))
+
+
+class _NoBudget:
+    held = 0
+    limit = 0
+
+
+class _Case(TestCase):
+    def setUp(self) -> None:
+        _Counting.made = []
+        _Counting.chunks_parsed = 0
+        budget_class = getattr(request_module, "BodyBudget", None)  # (before issue 20: none)
+        self.budget = budget_class(limit=4 * 1024 * 1024) if budget_class else _NoBudget()
+        if budget_class:
+            self.patch(CappedRequest, "budget", self.budget)
+
+
+class FramingTests(_Case):
+    def test_tiny_reads_cost_at_most_one_and_a_quarter_the_body(self) -> None:
+        """Item 2: a body that arrives a byte at a time (here 200 KB of Content-Length
+        body in 1-byte reads) was held as 200,000 ``bytes`` objects, ~40 times its size."""
+        hold = _Hold()
+        channel, _ = _channel(hold)
+        size = 200_000
+        channel.dataReceived(b"POST /r/v1/x HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % size)
+        body = b'{"model": "m", "prompt": "' + b"x" * (size - 29) + b'"}\n'
+        assert len(body) == size
+        for i in range(size):
+            channel.dataReceived(body[i:i + 1])
+        [request] = hold.pending
+        assert isinstance(request, CappedRequest)
+        self.assertEqual(b"".join(request.body_chunks), body)
+        self.assertLessEqual(held_bytes(request), 1.25 * size)
+        self.assertEqual(request.peeked.model, "m")  # the peek saw it all
+
+    def test_chunks_of_honest_sizes_cost_at_most_one_and_a_quarter(self) -> None:
+        hold = _Hold()
+        channel, _ = _channel(hold)
+        channel.dataReceived(b"POST /r/v1/x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        piece = b"y" * 300
+        wire = b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for _ in range(3000)) + b"0\r\n\r\n"
+        for i in range(0, len(wire), 1400):
+            channel.dataReceived(wire[i:i + 1400])
+        [request] = hold.pending
+        assert isinstance(request, CappedRequest)
+        self.assertEqual(b"".join(request.body_chunks), piece * 3000)
+        self.assertLessEqual(held_bytes(request), 1.25 * len(piece) * 3000)
+
+    def test_one_byte_chunks_are_refused_early(self) -> None:
+        """Item 2: 16 million 1-byte chunks (92 MiB on the wire, 15 MiB decoded) were
+        all parsed and held. Framing that is mostly overhead is a 400 after a bounded
+        number of chunks, and what follows is dropped unparsed."""
+        hold = _Hold()
+        channel, transport = _channel(hold)
+        channel.dataReceived(b"POST /r/v1/x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        block = b"1\r\nx\r\n" * 10_000  # 60 KB on the wire, 10 KB decoded
+        for _ in range(50):
+            channel.dataReceived(block)
+        head, _, body = transport.value().partition(b"\r\n\r\n")
+        self.assertTrue(head.startswith(b"HTTP/1.1 400 "), head)
+        self.assertEqual(json.loads(body), {"error": "chunk framing too small"})
+        self.assertEqual(hold.pending, [])
+        # The reactor parsed at most one read's worth past the limit, not 500,000 chunks.
+        self.assertLessEqual(_Counting.chunks_parsed, 1024 + 10_000)
+        [request] = _Counting.made
+        self.assertEqual(request.body_chunks, [])
+        self.assertEqual(self.budget.held, 0)
+
+
+class ReleaseTests(_Case):
+    def test_client_leaving_mid_body_releases_it_at_once(self) -> None:
+        """Item 1: a client that sent most of a body and left kept it held for minutes
+        (the request and its channel form a cycle only the garbage collector frees)."""
+        channel, _ = _channel(_Hold())
+        channel.dataReceived(b"POST /r/v1/x HTTP/1.1\r\nHost: x\r\nContent-Length: 3000000\r\n\r\n")
+        for _ in range(40):
+            channel.dataReceived(b"z" * 65536)
+        [request] = _Counting.made
+        self.assertGreater(sum(map(len, request.body_chunks)), 2_000_000)
+        self.assertGreater(self.budget.held, 2_000_000)
+        channel.connectionLost(Failure(ConnectionDone()))
+        self.assertEqual(request.body_chunks, [])
+        self.assertEqual(self.budget.held, 0)
+
+    def test_finished_request_releases_its_body(self) -> None:
+        hold = _Hold()
+        channel, _ = _channel(hold)
+        channel.dataReceived(b"POST /r/v1/x HTTP/1.1\r\nHost: x\r\nContent-Length: 200000\r\n\r\n" + b"q" * 200000)
+        [request] = hold.pending
+        assert isinstance(request, CappedRequest)
+        kept = request.body_chunks  # what an exchange holds for a failover
+        self.assertEqual(self.budget.held, 200000)
+        request.write(b"ok")
+        request.finish()
+        self.assertEqual((kept, self.budget.held), ([], 0))
+
+    def test_bodies_together_stay_under_the_budget(self) -> None:
+        """Item 1: all held bodies together are bounded; beyond it a 503 JSON with
+        ``Retry-After``, on ``Content-Length`` before the body or as a chunked body
+        grows; the budget comes back as requests end."""
+        hold = _Hold()
+        first, _ = _channel(hold)
+        first.dataReceived(b"POST /r/v1/x HTTP/1.1\r\nHost: x\r\nContent-Length: 3000000\r\n\r\n" + b"a" * 3000000)
+        self.assertEqual(self.budget.held, 3000000)
+        second, transport = _channel(hold)
+        second.dataReceived(b"POST /r/v1/x HTTP/1.1\r\nHost: x\r\nContent-Length: 2000000\r\n\r\n")
+        third, chunked = _channel(hold)
+        third.dataReceived(b"POST /r/v1/x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(40):
+            third.dataReceived(b"10000\r\n" + b"c" * 65536 + b"\r\n")
+        for answer in (transport.value(), chunked.value()):
+            head, _, body = answer.partition(b"\r\n\r\n")
+            self.assertTrue(head.startswith(b"HTTP/1.1 503 "), head)
+            self.assertIn(b"Retry-After: 1", head.split(b"\r\n"))
+            self.assertEqual(json.loads(body), {"error": "too many request bodies held"})
+        self.assertLessEqual(self.budget.held, self.budget.limit)
+        self.assertEqual(self.budget.held, 3000000)
+        first.connectionLost(Failure(ConnectionDone()))
+        self.assertEqual(self.budget.held, 0)
