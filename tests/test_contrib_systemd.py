@@ -93,3 +93,13 @@ class SystemdContribTests(SynchronousTestCase):
         import importlib
 
         self.assertTrue(callable(getattr(importlib.import_module(module), name)), logger.group(1))
+
+    def test_descriptor_limit_is_raised(self) -> None:
+        """Issue 20 item 4: the shipped unit sets ``LimitNOFILE`` (systemd's default
+        soft limit of 1024 let 1,100 silent connections lock every client out); the
+        connection bound follows from it."""
+        from crossbar.proxy.connections import connection_limit
+
+        [limit] = self.unit["LimitNOFILE"]
+        self.assertGreaterEqual(int(limit), 65536)
+        self.assertGreaterEqual(connection_limit(int(limit)), 30000)

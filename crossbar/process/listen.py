@@ -20,6 +20,8 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from crossbar.config import Config, ConfigError
+from crossbar.proxy.connections import RateLimitedAcceptErrors, with_backlog
+from crossbar.upstream.twisted_private import wrap_port_logger
 from crossbar.waiting import Condition
 
 __all__ = ["ListenService", "TCPAddress", "WorkerListeners", "listen_endpoint", "tcp_address"]
@@ -32,7 +34,7 @@ def listen_endpoint(reactor: Any, config: Config) -> Any:
         socket that was not passed, or loading it failed (e.g. an ``ssl:`` key file).
     """
     try:
-        return serverFromString(reactor, config.listen)
+        return serverFromString(reactor, with_backlog(config.listen))
     except IndexError:
         if config.listen.startswith("systemd:"):
             raise ConfigError(
@@ -101,6 +103,10 @@ class ListenService(Service):
 
     def _listened(self, port: IListeningPort) -> IListeningPort:
         self.port = port
+        from twisted.internet import reactor
+
+        # EMFILE and other accept errors: one log line a minute, not one per connection.
+        wrap_port_logger(port, lambda observer: RateLimitedAcceptErrors(observer, reactor))
         host = port.getHost()
         self._log.info("listening on {address}", address=f"{getattr(host, 'host', host)}:{getattr(host, 'port', '')}")
         self._listened_condition.check()

@@ -19,6 +19,7 @@ from twisted.web.server import Request, Site
 
 from crossbar.proxy.access import check_key
 from crossbar.proxy.channel import HeadDeadlineChannel
+from crossbar.proxy.connections import OverLimit, connection_limit
 from crossbar.proxy.cors import cors_headers
 from crossbar.config import Config
 from crossbar.ops.record import NO_ROUTE, RequestLog, RequestRecord
@@ -152,6 +153,17 @@ class CrossbarSite(Site):
         self.requests = requests
         self.open_channels: set[HeadDeadlineChannel] = set()
         """Client connections now open (each channel adds and removes itself)."""
+        self.max_connections = connection_limit()
+        """Client connections this process keeps open at once (from ``RLIMIT_NOFILE``,
+        :func:`~crossbar.proxy.connections.connection_limit`); one more is answered 503
+        and closed at once (DESIGN.md §The proxy, rule 9)."""
+
+    def buildProtocol(self, addr: Any) -> Any:
+        if len(self.open_channels) >= self.max_connections:
+            refuse = OverLimit()
+            refuse.factory = self
+            return refuse
+        return super().buildProtocol(addr)
 
     def log(self, request: Any) -> None:
         pass

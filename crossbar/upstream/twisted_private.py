@@ -12,13 +12,21 @@ take a new Twisted on purpose, after that test and the suite pass.
    registered on a request whose connection is already full (a pipelined answer before
    it) is told of later pauses only, so the proxy must ask (DESIGN.md §Quality bar:
    memory per stream stays bounded).
+3. :func:`wrap_port_logger` replaces a listening ``tcp.Port``'s ``_logger`` (a class
+   attribute, read in ``doRead``): Twisted logs one line per connection it could not
+   accept (``EMFILE``: 350 KB of log in 45 s under a descriptor shortage), and no
+   public API filters one port's events (DESIGN.md §The proxy, rule 9: at most once a
+   minute).
 """
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
+from twisted.logger import Logger
 from twisted.web.server import Request
 
-__all__ = ["BadRequestHook", "client_is_paused"]
+__all__ = ["BadRequestHook", "client_is_paused", "wrap_port_logger"]
 
 
 class BadRequestHook:
@@ -37,3 +45,14 @@ def client_is_paused(request: Request) -> bool:
     """Whether the client connection of ``request`` is already full, i.e. a producer
     registered now would not be told to pause (touchpoint 2)."""
     return bool(getattr(request.channel, "_waitingForTransport", False))
+
+
+def wrap_port_logger(port: object, wrap: Callable[[Any], Any]) -> bool:
+    """Send the log events of the listening ``port`` (a ``twisted.internet.tcp.Port``)
+    through ``wrap(its observer)`` (touchpoint 3); returns False, changing nothing, for
+    a port without a ``_logger`` (another kind of listener)."""
+    logger = getattr(port, "_logger", None)
+    if not isinstance(logger, Logger):
+        return False
+    setattr(port, "_logger", Logger(namespace=logger.namespace, source=logger.source, observer=wrap(logger.observer)))
+    return True
