@@ -53,14 +53,23 @@ class _Hold(Resource):
         return NOT_DONE_YET
 
 
-def _channel(resource: Resource) -> tuple[HeadDeadlineChannel, StringTransport]:
-    site = Site(resource, requestFactory=_Counting, reactor=Clock())
+def _channel(resource: Resource, clock: Clock | None = None) -> tuple[HeadDeadlineChannel, StringTransport]:
+    site = Site(resource, requestFactory=_Counting, reactor=clock or Clock())
     site.protocol = HeadDeadlineChannel  # type: ignore[assignment]
     channel = site.buildProtocol(None)
     assert isinstance(channel, HeadDeadlineChannel)
     transport = StringTransport()
     channel.makeConnection(transport)
     return channel, transport
+
+
+def reactor_turn(channel: HeadDeadlineChannel) -> None:
+    """Run the channel's next slice as the reactor would on its next turn (a Clock's
+    ``advance(0)`` would run every slice scheduled meanwhile in one go)."""
+    call = channel._slice_call
+    assert call is not None
+    call.cancel()
+    channel._next_slice()
 
 
 def held_bytes(request: CappedRequest) -> int:
@@ -120,20 +129,57 @@ class FramingTests(_Case):
         all parsed and held. Framing that is mostly overhead is a 400 after a bounded
         number of chunks, and what follows is dropped unparsed."""
         hold = _Hold()
-        channel, transport = _channel(hold)
+        clock = Clock()
+        channel, transport = _channel(hold, clock)
         channel.dataReceived(b"POST /r/v1/x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
         block = b"1\r\nx\r\n" * 10_000  # 60 KB on the wire, 10 KB decoded
-        for _ in range(50):
+        per_turn = []
+        for _ in range(50):  # each read, then the reactor turns that follow it
+            before = _Counting.chunks_parsed
             channel.dataReceived(block)
+            per_turn.append(_Counting.chunks_parsed - before)
+            while channel._slice_call is not None:
+                before = _Counting.chunks_parsed
+                reactor_turn(channel)
+                per_turn.append(_Counting.chunks_parsed - before)
+        # No reactor turn parsed more than one 2 KiB slice of framing (~340 chunks of
+        # 6 bytes): 10,000 chunks in one turn held the reactor for 50-100 ms.
+        self.assertLessEqual(max(per_turn), 2048 // 6 + 1)
         head, _, body = transport.value().partition(b"\r\n\r\n")
         self.assertTrue(head.startswith(b"HTTP/1.1 400 "), head)
         self.assertEqual(json.loads(body), {"error": "chunk framing too small"})
         self.assertEqual(hold.pending, [])
-        # The reactor parsed at most one read's worth past the limit, not 500,000 chunks.
-        self.assertLessEqual(_Counting.chunks_parsed, 1024 + 10_000)
+        # The reactor parsed at most a slice past the limit, not 500,000 chunks.
+        self.assertLessEqual(_Counting.chunks_parsed, 1024 + 2048 // 6 + 1)
         [request] = _Counting.made
         self.assertEqual(request.body_chunks, [])
         self.assertEqual(self.budget.held, 0)
+
+    def test_dense_framing_is_parsed_whole_over_several_turns(self) -> None:
+        """Chunks of 100 bytes (under the refusal bound's average, dense with framing)
+        are fed in slices, one per reactor turn, and the body arrives whole, in order,
+        with a pipelined request after it served too."""
+        hold = _Hold()
+        clock = Clock()
+        channel, _ = _channel(hold, clock)
+        pieces = [bytes([65 + i % 26]) * 100 for i in range(2000)]
+        wire = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
+        head = b"POST /r/v1/x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        data = head + wire + b"GET /r/v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+        for i in range(0, len(data), 65536):
+            channel.dataReceived(data[i:i + 65536])
+        turns = 0
+        while channel._slice_call is not None and not hold.pending:
+            reactor_turn(channel)
+            turns += 1
+        self.assertGreater(turns, 10)
+        [request] = hold.pending
+        assert isinstance(request, CappedRequest)
+        self.assertEqual(b"".join(request.body_chunks), b"".join(pieces))
+        request.write(b"ok")
+        request.finish()
+        self.assertEqual(len(hold.pending), 2)
+        self.assertEqual(hold.pending[1].uri, b"/r/v1/models")
 
 
 class ReleaseTests(_Case):

@@ -10,6 +10,10 @@ streams are unaffected. A request body then gets :data:`HEAD_DEADLINE` seconds p
 second per :data:`MIN_BODY_RATE` bytes of it (of the 16 MiB limit when it is chunked):
 a body trickled a byte a minute no longer holds a connection for days either.
 (DESIGN.md §The proxy, rule 9: no request can leave crossbar serving less.)
+
+It also refuses hostile request heads (:func:`hostile_header`, obs-folds) with a JSON
+400, and feeds a chunked body that is dense with framing to Twisted's chunk decoder in
+:data:`SLICE`-byte slices, one per reactor turn (issue 20 items 2 and 7).
 """
 
 from __future__ import annotations
@@ -42,6 +46,19 @@ def body_deadline(length: int | None) -> float:
 
 _log = Logger(namespace="crossbar.channel")
 
+SLICE = 2048
+"""Bytes of a chunked body handed to Twisted's chunk decoder in one reactor turn when a
+read is dense with chunk framing: the decoder costs several microseconds per chunk, so a
+64 KiB read of 1-byte chunks (10,000 of them) would hold the reactor for 50-100 ms; in
+2 KiB slices no request holds it for more than a few ms (DESIGN.md §The proxy, rule 9)."""
+
+_DENSE = 256
+"""More CRLFs than this in a window of a chunked body (about 128 chunks) and it is fed in
+:data:`SLICE`-byte slices, one per reactor turn; honest bodies (large chunks) go whole."""
+
+_WINDOW = 64 * 1024
+_PENDING_MAX = 1024 * 1024  # bytes queued for slicing before the client is paused
+
 _FRAMING_NAMES = frozenset({b"content-length", b"transfer-encoding"})
 _CONTROL = bytes(range(0x20)).replace(b"\t", b"") + b"\x7f"
 
@@ -70,6 +87,10 @@ class HeadDeadlineChannel(BadRequestHook, HTTPChannel):
 
     head_deadline = HEAD_DEADLINE
     _head_timer: IDelayedCall | None = None
+    _body_chunked = False  # a chunked request body is being read
+    _pending: bytearray | None = None  # framing-dense body bytes waiting for their turn
+    _slice_call: IDelayedCall | None = None
+    _paused_for_slices = False
     _awaiting_request_line = True
     _method = b""
     _target = b""
@@ -132,15 +153,55 @@ class HeadDeadlineChannel(BadRequestHook, HTTPChannel):
         ok: bool = super().headerReceived(line)
         return ok
 
+    def rawDataReceived(self, data: bytes) -> None:
+        """Body bytes (and bytes buffered behind a request being answered). A chunked
+        body dense with framing is fed to the decoder in :data:`SLICE`-byte slices, one
+        per reactor turn, in order; everything else goes to Twisted at once."""
+        pending = self._pending
+        if pending is not None:
+            pending += data
+            if len(pending) > _PENDING_MAX and not self._paused_for_slices and self.transport is not None:
+                self._paused_for_slices = True
+                self.transport.pauseProducing()  # type: ignore[attr-defined]
+            return
+        if self._body_chunked and len(data) > SLICE and data.count(b"\r\n", 0, _WINDOW) > _DENSE:
+            self._pending = bytearray(data[SLICE:])
+            super().rawDataReceived(data[:SLICE])
+            self._slice_call = self.callLater(0, self._next_slice)
+            return
+        super().rawDataReceived(data)
+
+    def _next_slice(self) -> None:
+        self._slice_call = None
+        pending = self._pending
+        if pending is None:
+            return
+        if self.transport is None or "dataReceived" in self.__dict__:  # closed, or refused: dropped
+            self._pending = None
+            return
+        size = _WINDOW if pending.count(b"\r\n", 0, _WINDOW) <= _DENSE else SLICE
+        piece = bytes(pending[:size])
+        del pending[:size]
+        if not pending:
+            self._pending = None
+            if self._paused_for_slices:
+                self._paused_for_slices = False
+                self.transport.resumeProducing()  # type: ignore[attr-defined]
+        super().rawDataReceived(piece)
+        if self._pending is not None:
+            self._slice_call = self.callLater(0, self._next_slice)
+
     def allHeadersReceived(self) -> None:
         self._disarm_head_deadline()
         length = self.length  # Content-Length, None when chunked, 0 without a body
+        self._body_chunked = length is None
         super().allHeadersReceived()
         if length != 0:  # disarmed again by allContentReceived
             self._head_timer = self.callLater(body_deadline(length), self._head_deadline_passed)
 
     def allContentReceived(self) -> None:
         self._disarm_head_deadline()
+        self._body_chunked = False
         super().allContentReceived()
 
     def requestDone(self, request: Any) -> None:
@@ -152,6 +213,10 @@ class HeadDeadlineChannel(BadRequestHook, HTTPChannel):
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         self._disarm_head_deadline()
+        self._pending = None
+        call, self._slice_call = self._slice_call, None
+        if call is not None and call.active():
+            call.cancel()
         open_channels = getattr(getattr(self, "site", None), "open_channels", None)
         if open_channels is not None:
             open_channels.discard(self)
