@@ -232,3 +232,44 @@ class ReleaseTests(_Case):
         self.assertEqual(self.budget.held, 3000000)
         first.connectionLost(Failure(ConnectionDone()))
         self.assertEqual(self.budget.held, 0)
+
+
+class EndToEndTests(TestCase):
+    """Item 1 through a real crossbar on loopback, raw sockets as clients."""
+
+    async def test_aborted_upload_is_released_and_the_budget_holds(self) -> None:
+        from tests.harness import FakeLlama, listen, port_of, start_crossbar, upstream_requests, wait_for
+        from tests.logs import LogCapture
+        from tests.raw import connect_raw, parse_responses, post_bytes, raw_exchange
+
+        budget = request_module.BodyBudget(limit=20 << 20)
+        self.patch(CappedRequest, "budget", budget)
+        watch = LogCapture(self)
+        host = FakeLlama(["m"])
+        url = await listen(self, host)
+        service, base = await start_crossbar(self, f"""
+health: {{interval: 60, timeout: 5}}
+hosts: {{a: {url}}}
+routes: {{r: {{hosts: [a], default_model: m}}}}
+""")
+        await service.poller.when_first_round_done()
+        port = port_of(base)
+        # Most of a 15 MiB body (the budget: 20 MiB), the client still there...
+        big = await connect_raw(
+            self, base, b"POST /r/v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % (15 << 20),
+            b"x" * (12 << 20))
+        await wait_for(lambda: budget.held == 12 << 20, what="12 MiB held")
+        # ...so another 9 MiB body would go over the budget: 503 + Retry-After at once.
+        body = b'{"model": "m", "messages": [], "pad": "' + b"p" * (9 << 20) + b'"}'
+        data, _ = await raw_exchange(port, post_bytes(b"/r/v1/chat/completions", body), timeout=10)
+        [answer] = parse_responses(data)
+        self.assertEqual((answer.status, json.loads(answer.body)), (503, {"error": "too many request bodies held"}))
+        self.assertEqual(answer.one(b"retry-after"), b"1")
+        # The client leaves: its body is released at once, not when a GC finds it.
+        big.transport.abortConnection()  # type: ignore[union-attr]
+        await wait_for(lambda: budget.held == 0, what="the aborted body released")
+        data, _ = await raw_exchange(port, post_bytes(b"/r/v1/chat/completions", body), timeout=10)
+        self.assertEqual(parse_responses(data)[0].status, 200)
+        self.assertEqual(budget.held, 0)  # released when the answer finished
+        self.assertEqual(len(upstream_requests(host)), 1)
+        self.assertIn(503, [e["status"] for e in watch.proxied()])
