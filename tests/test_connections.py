@@ -46,6 +46,12 @@ class BoundTests(SynchronousTestCase):
         config = parse_config('listen: "tcp:0:interface=127.0.0.1"\nhosts: {a: "http://h:1"}\nroutes: {r: {hosts: [a]}}\n')
         endpoint = listen_endpoint(reactor, config)
         self.assertEqual(getattr(endpoint, "_backlog"), LISTEN_BACKLOG)
+        # The workers' SO_REUSEPORT sockets are opened from the same parse.
+        from crossbar.process.listen import tcp_address
+
+        address = tcp_address(config)
+        assert address is not None
+        self.assertEqual(address.backlog, LISTEN_BACKLOG)
 
 
 class AcceptErrorLogTests(SynchronousTestCase):
