@@ -194,13 +194,13 @@ class VersionTests(SynchronousTestCase):
 
 class PortLoggerTouchpointTests(_Private):
     def test_port_logs_accept_errors_through_its_logger(self) -> None:
-        """Touchpoint 5: ``tcp.Port._logger`` is a ``Logger`` and ``doRead`` logs accept
+        """Touchpoint 3: ``tcp.Port._logger`` is a ``Logger`` and ``doRead`` logs accept
         errors through the instance's logger (its namespace and observer)."""
         from twisted.internet import tcp
         from twisted.logger import Logger
 
-        self.require_attribute(tcp.Port, "_logger", 5, kind="attribute")
-        self.assertIsInstance(tcp.Port._logger, Logger, moved("tcp.Port._logger", 5, "not a Logger"))
+        self.require_attribute(tcp.Port, "_logger", 3, kind="attribute")
+        self.assertIsInstance(tcp.Port._logger, Logger, moved("tcp.Port._logger", 3, "not a Logger"))
         source = inspect.getsource(tcp.Port.doRead)
-        self.assertIn("self._logger.observer", source, moved("tcp.Port.doRead", 5, "no longer logs via _logger"))
-        self.assertIn("EMFILE", inspect.getsource(tcp._accept), moved("tcp._accept", 5, "EMFILE lines changed"))
+        self.assertIn("self._logger.observer", source, moved("tcp.Port.doRead", 3, "no longer logs via _logger"))
+        self.assertIn("EMFILE", inspect.getsource(tcp._accept), moved("tcp._accept", 3, "EMFILE lines changed"))
