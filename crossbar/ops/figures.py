@@ -1,0 +1,273 @@
+"""What an answer says it did: tokens, speed and cache (DESIGN.md §What the answers say).
+
+llama-server ends every answer with its figures; this module reads them from the tail
+of a relayed body, once, when the answer ended. It is pure: no I/O, no state, and it
+never raises for anything a host sends.
+
+The figures, and what each means (the same as llama-server's own ``--metrics``
+counters, so crossbar's totals equal their increase):
+
+- ``prompt``: prompt tokens **processed**, i.e. read and evaluated by the host,
+  *excluding* those taken from its KV cache: ``timings.prompt_n``; from ``usage``
+  ``prompt_tokens - prompt_tokens_details.cached_tokens`` (OpenAI),
+  ``input_tokens - input_tokens_details.cached_tokens`` (Responses), ``input_tokens``
+  (Anthropic, which already excludes cache reads); native answers without ``timings``
+  ``tokens_evaluated``. llama-server adds this to ``llamacpp:prompt_tokens_total``.
+- ``cached``: prompt tokens taken from the cache: ``timings.cache_n``,
+  ``cached_tokens``, ``cache_read_input_tokens`` (``llamacpp:prompt_tokens_cached_total``).
+  A native answer's ``tokens_cached`` is the whole context kept (prompt and generated),
+  not a prompt figure, so it is not used.
+- ``generated``: tokens generated: ``timings.predicted_n``, ``completion_tokens``,
+  ``output_tokens``, ``tokens_predicted`` (``llamacpp:tokens_predicted_total``).
+- ``prompt_speed``, ``generation_speed``: ``timings.prompt_per_second`` and
+  ``predicted_per_second`` (tokens/s), None where the answer has no ``timings``.
+
+``timings`` wins over ``usage`` where both are present. Where to look:
+
+- ``text/event-stream``: the last ``data:`` event carrying ``timings``, ``usage`` or
+  ``tokens_predicted`` (OpenAI chat/completions chunks, llama.cpp's native stream, the
+  Responses API's ``response.completed`` with its ``response.usage``); for the
+  Anthropic API, ``message_delta``'s usage plus ``message_start``'s input tokens
+  (from the tail, or from the first chunk of the body, kept by reference).
+- JSON: the top-level object, or the last element of a top-level array (the native
+  endpoints given several prompts). A JSON answer longer than the tail is read from
+  the last top-level-looking ``"timings":``, ``"usage":`` and native keys in the tail.
+
+Anything else -- no figures, a figure that is not a non-negative integer below
+:data:`MAX_TOKENS` (or a finite speed below :data:`MAX_SPEED`), a cut event, deep
+nesting -- gives None: such an answer counts no tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+__all__ = ["Figures", "MAX_SPEED", "MAX_TOKENS", "TAIL_BYTES", "read_figures"]
+
+TAIL_BYTES = 16 * 1024
+"""How much of an answer's end is looked at."""
+
+MAX_TOKENS = 1 << 31
+"""A token count at or above this is not believed (the answer counts nothing)."""
+
+MAX_SPEED = 1e9
+"""Tokens/s at or above this is not believed."""
+
+_DECODER = json.JSONDecoder()
+
+
+@dataclass(frozen=True, slots=True)
+class Figures:
+    """What one complete answer did (see the module docstring for each figure).
+
+    :ivar prompt: prompt tokens processed (read, cache excluded).
+    :ivar cached: prompt tokens taken from the host's cache.
+    :ivar generated: tokens generated.
+    :ivar prompt_speed: prompt tokens/s, or None.
+    :ivar generation_speed: generated tokens/s, or None.
+    """
+
+    prompt: int
+    cached: int
+    generated: int
+    prompt_speed: float | None = None
+    generation_speed: float | None = None
+
+
+class _Bad(Exception):
+    """A figure of the wrong shape: the answer counts nothing."""
+
+
+def _count(value: Any) -> int:
+    if type(value) is not int or not 0 <= value < MAX_TOKENS:
+        raise _Bad
+    return value
+
+
+def _opt_count(d: Any, key: str) -> int:
+    """``d[key]`` as a count, 0 when absent (or null)."""
+    if not isinstance(d, dict):
+        return 0
+    value = d.get(key)
+    return 0 if value is None else _count(value)
+
+
+def _speed(value: Any) -> float | None:
+    if value is None:
+        return None
+    if type(value) not in (int, float) or not (0 <= value < MAX_SPEED) or not math.isfinite(value):
+        raise _Bad
+    return float(value)
+
+
+def _from_timings(t: Any) -> Figures:
+    if not isinstance(t, dict) or "prompt_n" not in t or "predicted_n" not in t:
+        raise _Bad
+    return Figures(
+        prompt=_count(t["prompt_n"]), cached=_opt_count(t, "cache_n"), generated=_count(t["predicted_n"]),
+        prompt_speed=_speed(t.get("prompt_per_second")), generation_speed=_speed(t.get("predicted_per_second")),
+    )
+
+
+def _from_usage(u: Any, start: Any = None) -> Figures:
+    """OpenAI (``prompt_tokens``), Responses (``input_tokens`` + ``input_tokens_details``)
+    or Anthropic (``input_tokens`` + ``cache_read_input_tokens``) usage; ``start`` is an
+    Anthropic ``message_start`` usage supplying what a ``message_delta`` lacks."""
+    if not isinstance(u, dict):
+        raise _Bad
+    if "prompt_tokens" in u or "completion_tokens" in u:
+        total = _opt_count(u, "prompt_tokens")
+        cached = _opt_count(u.get("prompt_tokens_details"), "cached_tokens")
+        if cached > total:
+            raise _Bad
+        return Figures(total - cached, cached, _opt_count(u, "completion_tokens"))
+    if "input_tokens_details" in u:  # the Responses API: input_tokens includes the cache
+        total = _opt_count(u, "input_tokens")
+        cached = _opt_count(u.get("input_tokens_details"), "cached_tokens")
+        if cached > total:
+            raise _Bad
+        return Figures(total - cached, cached, _opt_count(u, "output_tokens"))
+    if "output_tokens" not in u and "input_tokens" not in u:
+        raise _Bad
+    # Anthropic: input_tokens excludes cache reads
+    first = start if isinstance(start, dict) else {}
+    prompt = u["input_tokens"] if "input_tokens" in u else first.get("input_tokens", 0)
+    cached = u["cache_read_input_tokens"] if "cache_read_input_tokens" in u else first.get("cache_read_input_tokens", 0)
+    return Figures(_count(prompt), _count(cached), _opt_count(u, "output_tokens"))
+
+
+def _from_object(obj: Any, start: Any = None) -> Figures | None:
+    """The figures of one answer object (or stream event), None when it has none."""
+    if not isinstance(obj, dict):
+        return None
+    if "timings" in obj:
+        return _from_timings(obj["timings"])
+    response = obj.get("response")  # Responses API stream: response.completed
+    if isinstance(response, dict) and "usage" in response and obj.get("type") == "response.completed":
+        return _from_usage(response["usage"])
+    if "usage" in obj and obj["usage"] is not None:
+        return _from_usage(obj["usage"], start)
+    if "tokens_predicted" in obj:
+        return Figures(_opt_count(obj, "tokens_evaluated"), 0, _count(obj["tokens_predicted"]))
+    return None
+
+
+def _is_sse(content_type: bytes | None) -> bool:
+    return content_type is not None and content_type.split(b";", 1)[0].strip().lower() == b"text/event-stream"
+
+
+def _is_json(content_type: bytes | None) -> bool:
+    if content_type is None:
+        return False
+    media = content_type.split(b";", 1)[0].strip().lower()
+    return media == b"application/json" or media.endswith(b"+json")
+
+
+def _data_lines(text: bytes) -> Iterable[bytes]:
+    """The ``data:`` payloads of ``text``, last first."""
+    for line in reversed(text.split(b"\n")):
+        if line.startswith(b"data:"):
+            yield line[5:].strip()
+
+
+def _message_start_usage(texts: Sequence[bytes]) -> Any:
+    """The usage of an Anthropic ``message_start`` event found in ``texts``, or None."""
+    for text in texts:
+        at = text.find(b'"message_start"')
+        if at < 0:
+            continue
+        line_start = text.rfind(b"\n", 0, at) + 1
+        line_end = text.find(b"\n", at)
+        line = text[line_start:line_end if line_end >= 0 else len(text)]
+        if not line.startswith(b"data:"):
+            continue
+        try:
+            event = json.loads(line[5:])
+        except (ValueError, RecursionError):
+            continue
+        message = event.get("message") if isinstance(event, dict) else None
+        return message.get("usage") if isinstance(message, dict) else None
+    return None
+
+
+def _read_sse(tail: bytes, head: bytes | None) -> Figures | None:
+    for payload in _data_lines(tail):
+        if b'"timings"' not in payload and b'"usage"' not in payload and b'"tokens_predicted"' not in payload:
+            continue
+        event = json.loads(payload)
+        if not isinstance(event, dict):
+            return None
+        start = None
+        if event.get("type") == "message_delta":
+            start = _message_start_usage([tail] if head is None else [tail, head])
+        return _from_object(event, start)
+    return None
+
+
+def _scan(tail: bytes) -> Figures | None:
+    """A JSON answer longer than the tail: the last ``"timings":``, ``"usage":`` and
+    native keys' values, each decoded where it starts. In JSON a quote inside a string
+    is always escaped, so these patterns only match real keys."""
+    text = tail.decode("utf-8", "replace")
+
+    def value(key: str) -> Any:
+        at = text.rfind(f'"{key}":')
+        if at < 0:
+            return None
+        at += len(key) + 3
+        while at < len(text) and text[at] in " \t\r\n":
+            at += 1
+        return _DECODER.raw_decode(text, at)[0]
+
+    timings = value("timings")
+    if timings is not None:
+        return _from_timings(timings)
+    usage = value("usage")
+    if usage is not None:
+        return _from_usage(usage)
+    predicted = value("tokens_predicted")
+    if predicted is not None:
+        return Figures(_count(value("tokens_evaluated") or 0), 0, _count(predicted))
+    return None
+
+
+def read_figures(chunks: Sequence[bytes], content_type: bytes | None, path: bytes,
+                 whole: bool, head: bytes | None = None) -> Figures | None:
+    """The figures of a complete answer, or None (counts nothing).
+
+    :param chunks: references to the body's last chunks, oldest first, covering at
+        least its last :data:`TAIL_BYTES` (or all of it); only that much is read.
+    :param content_type: the answer's ``Content-Type`` header value, or None.
+    :param path: the upstream request path (the rest after the route). Answers are
+        read by their shape, whatever the endpoint (an array answer is only ever the
+        native endpoints'), so it is not consulted today.
+    :param whole: ``chunks`` hold the whole body (nothing was dropped from its start).
+    :param head: the body's first chunk when it is no longer among ``chunks`` (an
+        Anthropic stream's ``message_start``), else None.
+    :returns: the :class:`Figures`, or None when the answer carries none or any figure
+        has an unexpected shape. Never raises.
+    """
+    del path  # every endpoint is read by the shape of its answer
+    if not chunks:
+        return None
+    sse = _is_sse(content_type)
+    if not sse and not _is_json(content_type):
+        return None
+    try:
+        tail = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        if len(tail) > TAIL_BYTES:
+            tail = tail[-TAIL_BYTES:]
+            whole = False
+        if sse:
+            return _read_sse(tail, head)
+        if not whole:
+            return _scan(tail)
+        doc = json.loads(tail)
+        if isinstance(doc, list):
+            doc = doc[-1] if doc else None
+        return _from_object(doc)
+    except (_Bad, ValueError, RecursionError, TypeError, AttributeError, KeyError):
+        return None
