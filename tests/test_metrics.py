@@ -72,11 +72,12 @@ routes:
             self.assertEqual(s[("crossbar_host_models_loaded", (("host", "a"),))], 2)
             self.assertEqual(s[("crossbar_mark_downs_total", (("host", "b"), ("reason", "connect")))], 1)
             self.assertGreaterEqual(s[("crossbar_poll_duration_seconds_count", (("host", "a"), ("result", "ok")))], 1)
-            # Conventions: counters end in _total, durations are _seconds histograms.
+            # Conventions: counters end in _total, histograms are durations in _seconds
+            # or speeds in _per_second (tokens/s).
             for family in text_string_to_metric_families(text):
                 self.assertTrue(family.name.startswith("crossbar_"), family.name)
                 if family.type == "histogram":
-                    self.assertTrue(family.name.endswith("_seconds"), family.name)
+                    self.assertTrue(family.name.endswith(("_seconds", "_per_second")), family.name)
 
             self.assertEqual((await open_stream.done)[0], "complete")
 

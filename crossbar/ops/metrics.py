@@ -23,6 +23,8 @@ from crossbar.hosts.health import HostStatus
 
 __all__ = ["CONTENT_TYPE_LATEST", "LiveCollector", "Metrics"]
 
+_SPEED_BUCKETS = (1, 2, 5, 10, 20, 35, 50, 75, 100, 150, 200, 300, 500, 1000, 2000, 5000, 10000)
+"""Tokens/s."""
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
 
 
@@ -112,6 +114,24 @@ class Metrics:
         self.ttfb = Histogram(
             "crossbar_time_to_first_byte_seconds", "Time from request sent upstream to response headers.",
             ("route", "host"), buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.ended = Counter(
+            "crossbar_answers_ended", "Answers by how they ended: complete, cut (the host died or went silent "
+            "mid-answer, or a drain's grace ran out) or client_gone.",
+            ("route", "host", "ended"), registry=r,
+        )
+        self.tokens = Counter(
+            "crossbar_tokens", "Tokens of complete answers as the hosts reported them: kind prompt (read, "
+            "cache excluded), cached (prompt tokens from the cache), generated.",
+            ("route", "host", "key", "model", "kind"), registry=r,
+        )
+        self.generation_speed = Histogram(
+            "crossbar_generation_tokens_per_second", "Generation speed of complete answers (the host's timings).",
+            ("host", "model"), buckets=_SPEED_BUCKETS, registry=r,
+        )
+        self.ttft = Histogram(
+            "crossbar_time_to_first_token_seconds", "Streamed answers: time from request sent upstream to the "
+            "first body byte.", ("route", "host"), buckets=_LATENCY_BUCKETS, registry=r,
         )
         self.queue_wait = Histogram(
             "crossbar_queue_wait_seconds", "Time a request waited in its route's queue for a host with room.",

@@ -15,9 +15,17 @@ from typing import Any, Callable
 
 from twisted.logger import Logger
 
+from crossbar.ops.figures import Figures
 from crossbar.ops.metrics import Metrics
+from crossbar.state.tokens import TokenLedger
 
-__all__ = ["NO_ROUTE", "RequestLog", "RequestRecord"]
+__all__ = ["ENDINGS", "NO_ROUTE", "OTHER_MODEL", "RequestLog", "RequestRecord"]
+
+ENDINGS = ("complete", "cut", "client_gone")
+"""How an answer ended (DESIGN.md §The proxy, rule 8)."""
+
+OTHER_MODEL = "other"
+"""The ``model`` label of tokens for a model no host of the route lists."""
 
 NO_ROUTE = "-"
 """The route (and host) label of an answer no configured route applies to: a request
@@ -43,6 +51,15 @@ class RequestRecord:
         None when no head arrived.
     :ivar duration: seconds from the request received to the answer ended.
     :ivar why: why the host was chosen (DESIGN.md §Choosing a host, rule 5), or "".
+    :ivar ended: how the answer ended, one of :data:`ENDINGS`: ``cut`` when the host
+        died or went silent mid-answer or a drain's grace ran out, ``client_gone`` when
+        the client left before the answer ended.
+    :ivar figures: what a complete answer said it did (tokens, speed), or None (an
+        answer cut short or without figures counts no tokens).
+    :ivar model: the ``model`` label of the figures: the model id the request was
+        chosen for when a host of its route lists it, else :data:`OTHER_MODEL`.
+    :ivar ttft: streamed answers: seconds from the request sent to the host to the
+        first body byte, else None.
     """
 
     route: str
@@ -57,6 +74,10 @@ class RequestRecord:
     queued: float = 0.0
     key: str = ""
     why: str = ""
+    ended: str = "complete"
+    figures: Figures | None = None
+    model: str = OTHER_MODEL
+    ttft: float | None = None
 
 
 class RequestLog:
@@ -68,8 +89,12 @@ class RequestLog:
     template (issue 14). The metrics' label children are looked up once per label set.
     """
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, metrics: Metrics, tokens: TokenLedger | None = None) -> None:
         self.metrics = metrics
+        self.tokens = tokens
+        self._ended: dict[tuple[str, str, str], Any] = {}
+        self._token_series: dict[tuple[str, str, str, str], tuple[Any, Any, Any, Any]] = {}
+        self._ttfts: dict[tuple[str, str], Any] = {}
         self._requests: dict[tuple[str, str, str, str], Any] = {}
         self._durations: dict[tuple[str, str], tuple[Any, Any]] = {}
         self._metric_failures = 0
@@ -90,13 +115,22 @@ class RequestLog:
         key_text = f" key={key}" if key else ""
         ttfb_text = "-" if ttfb_ms is None else f"{ttfb_ms}ms"
         queued = f" queued={round(record.queued * 1000, 1)}ms" if record.queued else ""
+        figures = record.figures
+        tokens_text = ""
+        if figures is not None:
+            speed = figures.generation_speed
+            tokens_text = (f" tokens={figures.prompt}+{figures.cached}/{figures.generated} "
+                           f"tps={'-' if speed is None else round(speed, 1)}")
+        ended_text = "" if record.ended == "complete" else f" ended={record.ended}"
         line = (f"{record.method} {record.target} -> {host} {status} {record.bytes}B{queued} ttfb={ttfb_text} "
-                f"{ms}ms{why}{key_text}")
+                f"{ms}ms{why}{key_text}{tokens_text}{ended_text}")
         _log.info(
             "{line}", line=line,
             route=route, host=host, method=record.method, path=record.path,
             target=record.target, status=status, bytes=record.bytes, ttfb_ms=ttfb_ms, ms=ms,
-            queued_ms=round(record.queued * 1000, 1), key=key, why=record.why,
+            queued_ms=round(record.queued * 1000, 1), key=key, why=record.why, ended=record.ended,
+            tokens=None if figures is None else (figures.prompt, figures.cached, figures.generated),
+            tps=None if figures is None else figures.generation_speed,
         )
         try:
             self._count(record, route, host)
@@ -121,3 +155,36 @@ class RequestLog:
         histograms[0].observe(record.duration)
         if record.ttfb is not None:
             histograms[1].observe(record.ttfb)
+        ended_labels = (route, host, record.ended)
+        ended = self._ended.get(ended_labels)
+        if ended is None:
+            ended = self._ended[ended_labels] = m.ended.labels(*ended_labels)
+        ended.inc()
+        if record.ttft is not None:
+            ttft = self._ttfts.get((route, host))
+            if ttft is None:
+                ttft = self._ttfts[(route, host)] = m.ttft.labels(route, host)
+            ttft.observe(record.ttft)
+        if record.figures is not None:
+            self._count_tokens(record, record.figures, route, host)
+
+    def _count_tokens(self, record: RequestRecord, figures: Figures, route: str, host: str) -> None:
+        """A complete answer's tokens: the metrics, the ledger behind status, and (the
+        one call site for key budgets) what the client key spent."""
+        labels = (route, host, record.key, record.model)
+        series = self._token_series.get(labels)
+        if series is None:
+            m = self.metrics
+            series = self._token_series[labels] = (
+                m.tokens.labels(*labels, "prompt"), m.tokens.labels(*labels, "cached"),
+                m.tokens.labels(*labels, "generated"), m.generation_speed.labels(host, record.model),
+            )
+        series[0].inc(figures.prompt)
+        series[1].inc(figures.cached)
+        series[2].inc(figures.generated)
+        if figures.generation_speed is not None:
+            series[3].observe(figures.generation_speed)
+        if self.tokens is not None:
+            self.tokens.add(route, host, figures.prompt, figures.cached, figures.generated)
+        # Key limits (§Several crossbars: what each key has spent) hook in here:
+        # spend(record.key, figures.prompt + figures.cached + figures.generated).

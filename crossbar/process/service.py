@@ -101,7 +101,7 @@ class CrossbarService(MultiService):
             runtime.limits.fleet = RedisLimits(self.cluster)
             self.metrics.registry.register(ClusterCollector(self.cluster))
         self.metrics.registry.register(LimitsCollector(runtime.limits))
-        self.requests = RequestLog(self.metrics)
+        self.requests = RequestLog(self.metrics, runtime.tokens)
         # The dashboard's recent requests: one append per request; with workers, every
         # worker's are read from its file in the workers' state directory.
         self.recent = RecentRequests(
@@ -325,6 +325,7 @@ class CrossbarService(MultiService):
         self.pools.connect_timeout = new.timeouts.connect
         self.runtime.config = new
         self.runtime.forget_removed_drains()  # drains of hosts still configured hold
+        self.runtime.tokens.configure(tuple(new.hosts), tuple(new.routes))
         if self.runtime.fleet is not None:
             self.runtime.fleet.configure(new)
             self.runtime.republish()

@@ -33,7 +33,8 @@ from crossbar.config import Config, Route
 from crossbar.upstream.hosturl import host_url
 from crossbar.state.inflight import Lease
 from crossbar.state.limits import retry_after_header
-from crossbar.ops.record import NO_ROUTE, RequestLog, RequestRecord
+from crossbar.ops.figures import Figures
+from crossbar.ops.record import NO_ROUTE, OTHER_MODEL, RequestLog, RequestRecord
 from crossbar.proxy.relay import Relay, RelayEnd
 from crossbar.errors import json_error_bytes
 from crossbar.proxy.cors import cors_headers
@@ -209,7 +210,11 @@ class Exchange:
         self.status = 0
         self.bytes = 0
         self.ttfb: float | None = None
+        self.sent_at: float | None = None
         self.why = ""
+        self.ended = "complete"  # rule 8: complete | cut | client_gone
+        self.figures: Figures | None = None
+        self.fit = ""
         self.queued_at: float | None = None
         self.queued = 0.0
         self.queue_timer: IDelayedCall | None = None
@@ -334,6 +339,7 @@ class Exchange:
         self.leave_queue()
         self.phase = Phase.FORWARDING
         host = self.host = chosen.host
+        self.fit = chosen.fit.value
         why = [chosen.fit.value] + ([chosen.pick] if chosen.pick else [])
         if self.queued_at is not None:
             why.append("queued")
@@ -470,6 +476,7 @@ class Exchange:
         byte, DESIGN.md §Quality bar), then relay the body."""
         self.attempt = None
         response = answer.response
+        self.sent_at = answer.sent_at
         self.ttfb = self.clock.seconds() - answer.sent_at
         self.phase = Phase.RELAYING
         request = self.request
@@ -514,9 +521,11 @@ class Exchange:
         if self.phase is Phase.ENDED or how is RelayEnd.STOPPED:
             return
         if how is RelayEnd.COMPLETE:
+            self.figures = self.relay.figures(self.rest)  # §What the answers say
             self.request.unregisterProducer()
             self.request.finish()
             return self.end()
+        self.ended = "cut"
         self.mark_down(how.value, self.relay.reason)
         self.abort_client()
 
@@ -527,6 +536,7 @@ class Exchange:
         if self.phase is Phase.ENDED:
             return
         self.status = 499  # nginx's "client closed request", for the log line only
+        self.ended = "client_gone"
         self.leave_queue()
         self.stop_upstream()
         self.end()
@@ -540,6 +550,7 @@ class Exchange:
         if self.phase is Phase.QUEUED:
             self.leave_queue()
             return self.answer_error(503, why)
+        self.ended = "cut"
         self.stop_upstream()
         self.abort_client()
 
@@ -629,7 +640,35 @@ class Exchange:
             queued=self.queued,
             key=self.key,
             why=self.why,
+            ended=self.ended,
+            figures=self.figures,
+            model=self.model_label() if self.figures is not None else OTHER_MODEL,
+            ttft=self.ttft_stream(),
         ))
+
+    def ttft_stream(self) -> float | None:
+        """Time to first token of a streamed answer: request sent -> first body byte."""
+        relay, answer_sent = self.relay, self.sent_at
+        if relay is None or relay.first_byte_at is None or answer_sent is None:
+            return None
+        types = self.request.responseHeaders.getRawHeaders(b"content-type")
+        if not types or not types[0].startswith(b"text/event-stream"):
+            return None
+        return relay.first_byte_at - answer_sent
+
+    def model_label(self) -> str:
+        """The ``model`` label (§What the answers say): the model chosen for when a host
+        of the route lists it, else ``other``; never a value only the request named."""
+        model, route = self.model, self.route
+        if model is None or route is None:
+            return OTHER_MODEL
+        if self.fit and self.fit != "fallback":
+            return model  # the chosen host lists it
+        for name in route.hosts:
+            status = self.runtime.table.get(name)
+            if status is not None and (model in status.loaded or model in status.loading or model in status.available):
+                return model
+        return OTHER_MODEL
 
     def release_host(self) -> None:
         """Stop counting this request as in flight to its host."""

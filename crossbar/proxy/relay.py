@@ -17,6 +17,7 @@ Its :attr:`Relay.ended` Deferred fires once with how the body ended
 
 from __future__ import annotations
 
+from collections import deque
 from enum import Enum
 from typing import Any
 
@@ -31,6 +32,7 @@ from twisted.web.iweb import IResponse
 from twisted.web.server import Request
 from zope.interface import implementer
 
+from crossbar.ops.figures import TAIL_BYTES, Figures, read_figures
 from crossbar.upstream.failures import describe_failure
 from crossbar.upstream.twisted_private import client_is_paused
 
@@ -69,6 +71,12 @@ class Relay(Protocol):
     :ivar reason: for :data:`RelayEnd.MID_ANSWER` and :data:`RelayEnd.IDLE_TIMEOUT`, a
         one-line description of what failed.
     :ivar ended: fires once with the :class:`RelayEnd`; never errbacks.
+    :ivar first_byte_at: clock seconds when the first body byte came, or None.
+
+    For the answer's figures (DESIGN.md §What the answers say) the relay keeps
+    references to the chunks of the body's last :data:`TAIL_BYTES` (and to its first
+    chunk once it left the tail): nothing is copied per chunk; :meth:`figures` reads
+    them once, at the end.
     """
 
     def __init__(self, request: Request, clock: IReactorTime, idle_timeout: float) -> None:
@@ -82,9 +90,15 @@ class Relay(Protocol):
         self.transport: Any = None
         self._timer: IDelayedCall | None = None
         self._last_byte_at = 0.0
+        self.first_byte_at: float | None = None
+        self._response: IResponse | None = None
+        self._tail: deque[bytes] = deque()
+        self._tail_bytes = 0
+        self._head: bytes | None = None
 
     def start(self, response: IResponse) -> None:
         """Register with the client's connection and start reading ``response``'s body."""
+        self._response = response
         self.request.registerProducer(self, True)
         if client_is_paused(self.request):
             self.pauseProducing()
@@ -129,9 +143,38 @@ class Relay(Protocol):
     def dataReceived(self, data: bytes) -> None:
         if self.state is RelayState.ENDED:
             return
+        now = self._last_byte_at = self._clock.seconds()
+        if not self.bytes:
+            self.first_byte_at = now
         self.bytes += len(data)
-        self._last_byte_at = self._clock.seconds()
+        tail = self._tail
+        tail.append(data)
+        self._tail_bytes += len(data)
+        if self._tail_bytes - len(tail[0]) >= TAIL_BYTES:
+            self._trim()
         self.request.write(data)
+
+    def _trim(self) -> None:
+        """Drop the oldest chunks not needed to cover the last :data:`TAIL_BYTES`."""
+        tail = self._tail
+        while self._tail_bytes - len(tail[0]) >= TAIL_BYTES:
+            old = tail.popleft()
+            self._tail_bytes -= len(old)
+            if self._head is None:
+                self._head = old
+
+    def figures(self, path: bytes) -> Figures | None:
+        """The answer's figures, read once from the kept tail (call only after a
+        :data:`RelayEnd.COMPLETE` end; a cut answer counts nothing). ``path`` is the
+        upstream request path. Releases the kept chunks."""
+        response, self._response = self._response, None
+        if response is None or self.state is not RelayState.ENDED:
+            return None
+        types = response.headers.getRawHeaders(b"content-type")
+        chunks, self._tail = self._tail, deque()
+        whole = self._head is None
+        head, self._head = self._head, None
+        return read_figures(chunks, types[0] if types else None, path, whole, head)
 
     def connectionLost(self, reason: Failure = Failure(ConnectionLost())) -> None:
         if reason.check(ResponseDone, PotentialDataLoss):

@@ -25,6 +25,7 @@ from crossbar.state.limits import KeyLimiter
 from crossbar.hosts.health import HealthTable
 from crossbar.state.inflight import Inflight
 from crossbar.state.queue import RouteQueues
+from crossbar.state.tokens import TokenLedger
 from crossbar.waiting import Condition
 
 __all__ = ["Runtime"]
@@ -42,6 +43,7 @@ class Runtime:
     :ivar rotation: where round-robin among exact ties stands, per route.
     :ivar affinity_counts: (route, ``home``/``spill``/``none``) -> requests dispatched.
     :ivar key_inflight: (route, client key name) -> requests in flight or waiting.
+    :ivar tokens: token totals per host and route, and their last minute (status).
     :ivar fleet: with workers, the fleet-wide counts (:meth:`attach`); else None.
     :ivar cluster: with ``cluster.redis``, the other instances' counts (:meth:`join`).
     :ivar limits: the client keys' request and token limits (DESIGN.md §Access).
@@ -64,6 +66,7 @@ class Runtime:
         self.rotation = Rotation()
         self.affinity_counts: Counter[tuple[str, str]] = Counter()
         self.key_inflight: Counter[tuple[str, str]] = Counter()
+        self.tokens = TokenLedger(now, tuple(config.hosts), tuple(config.routes))
         self.fleet: WorkerCounts | None = None
         self.cluster: ClusterView | None = None
         self.limits = KeyLimiter(now)
@@ -80,6 +83,7 @@ class Runtime:
         self.fleet = fleet
         self.inflight.fleet = fleet
         self.queues.on_change = self._publish_queue
+        self.tokens.fleet = fleet
         self.republish()
 
     def join(self, cluster: ClusterView) -> None:
@@ -102,6 +106,7 @@ class Runtime:
         if self.fleet is None:
             return
         self.inflight.publish()
+        self.tokens.republish()
         for route in self.config.routes:
             self._publish_queue(route)
         for (route, outcome), n in self.affinity_counts.items():

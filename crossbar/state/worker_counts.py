@@ -20,16 +20,24 @@ from __future__ import annotations
 from crossbar.config import Config, ConfigError
 from crossbar.state.shared import CELLS, SharedCounts, cell_map
 
-__all__ = ["AFFINITY_OUTCOMES", "RESTARTS", "WorkerCounts", "check_capacity"]
+__all__ = ["AFFINITY_OUTCOMES", "RESTARTS", "WorkerCounts", "check_capacity", "token_cell"]
 
 AFFINITY_OUTCOMES = ("home", "spill", "none")
 RESTARTS = "restarts"
 """The cell, in the supervisor's row, counting worker restarts."""
 
 
+def token_cell(scope: str, name: str, kind: str) -> str:
+    """The shared cell name of a token total: ``scope`` "h" (a host; kinds prompt,
+    cached, generated) or "r" (a route; prompt, cached)."""
+    return f"t{scope}\0{name}\0{kind}"
+
+
 def _names(config: Config) -> list[str]:
     names = [RESTARTS]
     names += [f"h\0{h}" for h in config.hosts]
+    names += [token_cell("h", h, k) for h in config.hosts for k in ("prompt", "cached", "generated")]
+    names += [token_cell("r", r, k) for r in config.routes for k in ("prompt", "cached")]
     for route in config.routes.values():
         names += [f"q\0{route.name}", f"qt\0{route.name}"]
         names += [f"rh\0{route.name}\0{h}" for h in route.hosts]
@@ -136,6 +144,14 @@ class WorkerCounts:
         """Requests of client key ``key`` on ``route`` in flight or waiting in every
         worker."""
         return self._total(f"k\0{route}\0{key}")
+
+    def publish_tokens(self, name: str, total: int) -> None:
+        """This worker's token total of cell ``name`` (:func:`token_cell`) is ``total``."""
+        self._set(name, total)
+
+    def tokens(self, name: str) -> int:
+        """The token total of cell ``name`` over every worker."""
+        return self._total(name)
 
     def restarts(self) -> int:
         """Worker restarts, as the supervisor counted them."""

@@ -1,0 +1,137 @@
+"""Token totals per host and per route, and their last minute, for ``status``
+(DESIGN.md §What the answers say: tokens, speed, cache).
+
+Each complete answer's figures are added here (prompt tokens processed, prompt tokens
+from cache, tokens generated per host; processed and cached per route). With workers
+the totals are published into this worker's row of the shared counts and read summed
+over every worker (:class:`~crossbar.state.worker_counts.WorkerCounts`), so status gives the
+same figures whichever worker answers.
+
+The last minute is a difference of totals: :meth:`TokenLedger.sample` keeps a sample of
+the (fleet) totals at most every :data:`SAMPLE_EVERY` seconds, and :meth:`window` reads
+the totals now minus the newest sample at least :data:`WINDOW` seconds old (the oldest
+sample while crossbar is younger than that), over the seconds between them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Callable, Mapping
+
+from crossbar.state.worker_counts import WorkerCounts, token_cell
+
+__all__ = ["HOST_KINDS", "ROUTE_KINDS", "SAMPLE_EVERY", "TokenLedger", "WINDOW", "Window"]
+
+HOST_KINDS = ("prompt", "cached", "generated")
+ROUTE_KINDS = ("prompt", "cached")
+WINDOW = 60.0
+"""Seconds of 'the last minute'."""
+SAMPLE_EVERY = 5.0
+"""Seconds between samples of the totals."""
+
+Totals = dict[str, int]
+
+
+class Window:
+    """Token counts over a span of time.
+
+    :ivar seconds: the span's length.
+    :ivar counts: cell name (:func:`~crossbar.state.worker_counts.token_cell`) -> tokens.
+    """
+
+    def __init__(self, seconds: float, counts: Mapping[str, int]) -> None:
+        self.seconds = seconds
+        self.counts = counts
+
+    def _get(self, scope: str, name: str, kind: str) -> int:
+        return self.counts.get(token_cell(scope, name, kind), 0)
+
+    def generated_per_second(self, host: str) -> float:
+        """Tokens ``host`` generated per second over the window (0.0 for an empty one)."""
+        return self._get("h", host, "generated") / self.seconds if self.seconds > 0 else 0.0
+
+    def cached_share(self, scope: str, name: str) -> float | None:
+        """Cached prompt tokens / all prompt tokens of a host (``scope`` "h") or route
+        ("r") over the window; None when it read no prompt token."""
+        cached = self._get(scope, name, "cached")
+        total = cached + self._get(scope, name, "prompt")
+        return cached / total if total > 0 else None
+
+
+class TokenLedger:
+    """This process's token totals (and the fleet's, with workers).
+
+    :param now: clock seconds.
+    :param hosts: host names; :param routes: route names (see :meth:`configure`).
+    """
+
+    def __init__(self, now: Callable[[], float], hosts: tuple[str, ...] = (), routes: tuple[str, ...] = ()) -> None:
+        self.now = now
+        self.fleet: WorkerCounts | None = None
+        self._mine: Totals = {}
+        self._names: tuple[str, ...] = ()
+        self._samples: deque[tuple[float, Totals]] = deque()
+        self.configure(hosts, routes)
+
+    def configure(self, hosts: tuple[str, ...], routes: tuple[str, ...]) -> None:
+        """Count for these hosts and routes (at start and after a reload); totals of
+        names still configured are kept."""
+        self._names = tuple(token_cell("h", h, k) for h in hosts for k in HOST_KINDS) + tuple(
+            token_cell("r", r, k) for r in routes for k in ROUTE_KINDS)
+        if not self._samples:
+            self._samples.append((self.now(), self.totals()))
+
+    def attach(self, fleet: WorkerCounts) -> None:
+        """Publish to and read from ``fleet`` from now on."""
+        self.fleet = fleet
+        self.republish()
+
+    def republish(self) -> None:
+        """Write every total of this process into the fleet (after a reload)."""
+        if self.fleet is not None:
+            for name, value in self._mine.items():
+                self.fleet.publish_tokens(name, value)
+
+    def add(self, route: str, host: str, prompt: int, cached: int, generated: int) -> None:
+        """One complete answer of ``route`` from ``host`` read ``prompt`` tokens, took
+        ``cached`` from the cache and generated ``generated``."""
+        self.sample()
+        mine = self._mine
+        for name, n in ((token_cell("h", host, "prompt"), prompt), (token_cell("h", host, "cached"), cached),
+                        (token_cell("h", host, "generated"), generated),
+                        (token_cell("r", route, "prompt"), prompt), (token_cell("r", route, "cached"), cached)):
+            if n:
+                value = mine[name] = mine.get(name, 0) + n
+                if self.fleet is not None:
+                    self.fleet.publish_tokens(name, value)
+
+    def totals(self) -> Totals:
+        """Every configured total (the fleet's with workers)."""
+        if self.fleet is not None:
+            fleet = self.fleet
+            return {name: fleet.tokens(name) for name in self._names}
+        mine = self._mine
+        return {name: mine.get(name, 0) for name in self._names}
+
+    def sample(self) -> None:
+        """Keep a sample of the totals if the last one is :data:`SAMPLE_EVERY` old,
+        dropping those no window needs any more."""
+        now = self.now()
+        samples = self._samples
+        if samples and now - samples[-1][0] < SAMPLE_EVERY:
+            return
+        samples.append((now, self.totals()))
+        while len(samples) > 1 and samples[1][0] <= now - WINDOW:
+            samples.popleft()
+
+    def window(self) -> Window:
+        """The last minute (see the module docstring)."""
+        self.sample()
+        now = self.now()
+        base_at, base = self._samples[0]
+        for at, totals in self._samples:
+            if at > now - WINDOW:
+                break
+            base_at, base = at, totals
+        current = self.totals()
+        return Window(now - base_at, {name: max(0, value - base.get(name, 0)) for name, value in current.items()})
