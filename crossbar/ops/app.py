@@ -38,6 +38,10 @@ EVENT_INTERVAL = 1.0
 """Seconds between two events of the dashboard's stream (DESIGN.md: at least every 2 s)."""
 
 
+def _share(share: float | None) -> float | None:
+    return None if share is None else round(share, 4)
+
+
 def rfc3339(seconds: float | None) -> str | None:
     """POSIX seconds as an RFC 3339 UTC timestamp (``2026-11-29T21:17:03.123Z``), or None."""
     if seconds is None:
@@ -106,6 +110,7 @@ class OpsApp:
             return self._unauthorized(request)
         runtime = self._runtime
         config = runtime.config
+        window = runtime.tokens.window()  # §What the answers say: the last minute
         hosts = {}
         for name, s in runtime.table.all().items():
             host = config.hosts.get(name)
@@ -124,6 +129,8 @@ class OpsApp:
                 **_limit(host, s),
                 "draining": name in runtime.drained,
                 "leaving": False,
+                "tokens_per_s": round(window.generated_per_second(name), 2),
+                "cached_share": _share(window.cached_share("h", name)),
             }
         for name, n in sorted(runtime.leaving().items()):
             # Removed by a reload, still answering: shown until its last request ends.
@@ -132,6 +139,7 @@ class OpsApp:
                 "last_ok": None, "last_err": None, "consecutive": 0, "failures": 0, "inflight": n,
                 "weight": None, "max_inflight": None, "max_inflight_source": None, "draining": False,
                 "leaving": True,
+                "tokens_per_s": 0.0, "cached_share": None,
             }
         routes = {}
         for name, route in config.routes.items():
@@ -141,6 +149,7 @@ class OpsApp:
                 "primary": route.primary,
                 "queued": runtime.queued(name),
                 "oldest_wait_s": None if oldest is None else round(oldest, 3),
+                "cached_share": _share(window.cached_share("r", name)),
                 "affinity": {
                     "key": route.affinity.key,
                     "balance": route.affinity.balance,

@@ -1,0 +1,204 @@
+"""Reading an answer's figures from its tail (DESIGN.md §What the answers say): every
+shape llama-server answers in, ``timings`` over ``usage``, and hostile shapes counting
+nothing without raising. The agreement with real llama-servers is in
+tests/test_tokens_real.py."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from twisted.trial.unittest import TestCase
+
+from crossbar.ops.figures import TAIL_BYTES, Figures, read_figures
+
+SSE = b"text/event-stream"
+JSON = b"application/json; charset=utf-8"
+
+
+def sse(*events: Any, named: bool = False) -> bytes:
+    out = b""
+    for event in events:
+        if named and isinstance(event, dict):
+            out += b"event: " + event["type"].encode() + b"\n"
+        out += b"data: " + (event if isinstance(event, bytes) else json.dumps(event).encode()) + b"\n\n"
+    return out
+
+
+def timings(prompt: int, cached: int, generated: int) -> dict[str, Any]:
+    return {"cache_n": cached, "prompt_n": prompt, "prompt_ms": 1.5, "prompt_per_second": 1000.0 * prompt,
+            "predicted_n": generated, "predicted_ms": 2.0, "predicted_per_second": 500.0 * generated}
+
+
+def read(body: bytes, ctype: bytes | None = JSON, path: bytes = b"/v1/chat/completions") -> Figures | None:
+    return read_figures([body], ctype, path, True)
+
+
+class ShapeTests(TestCase):
+    def test_chat_json_timings_win_over_usage(self) -> None:
+        body = json.dumps({"choices": [], "usage": {"completion_tokens": 99, "prompt_tokens": 99,
+                                                    "prompt_tokens_details": {"cached_tokens": 9}},
+                           "timings": timings(7, 30, 5)}).encode()
+        self.assertEqual(read(body), Figures(7, 30, 5, 7000.0, 2500.0))
+
+    def test_chat_json_usage_only(self) -> None:
+        body = json.dumps({"usage": {"completion_tokens": 5, "prompt_tokens": 31,
+                                     "prompt_tokens_details": {"cached_tokens": 30}}}).encode()
+        self.assertEqual(read(body), Figures(1, 30, 5))
+
+    def test_chat_stream_last_event_with_figures(self) -> None:
+        chunk = {"choices": [{"delta": {"content": " x"}}], "object": "chat.completion.chunk"}
+        last = {"choices": [{"finish_reason": "length", "delta": {}}], "timings": timings(3, 4, 5)}
+        body = sse(chunk, chunk, last, b"[DONE]")
+        self.assertEqual(read(body, SSE), Figures(3, 4, 5, 3000.0, 2500.0))
+        with_usage = sse(chunk, {**last, "usage": {"prompt_tokens": 50, "completion_tokens": 50}}, b"[DONE]")
+        self.assertEqual(read(with_usage, SSE), Figures(3, 4, 5, 3000.0, 2500.0))
+        only_usage = sse(chunk, {"choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 6,
+                                                           "prompt_tokens_details": {"cached_tokens": 2}}},
+                         b"[DONE]")
+        self.assertEqual(read(only_usage, SSE), Figures(10, 2, 6))
+        self.assertIsNone(read(sse(chunk, chunk, b"[DONE]"), SSE))
+
+    def test_native_json_array_and_stream(self) -> None:
+        native = {"content": "x", "tokens_predicted": 4, "tokens_evaluated": 6, "tokens_cached": 9,
+                  "timings": timings(1, 5, 4)}
+        self.assertEqual(read(json.dumps(native).encode(), JSON, b"/completion"), Figures(1, 5, 4, 1000.0, 2000.0))
+        first = {**native, "timings": timings(8, 0, 3)}
+        self.assertEqual(read(json.dumps([first, native]).encode(), JSON, b"/completion"),
+                         Figures(1, 5, 4, 1000.0, 2000.0))
+        no_timings = {k: v for k, v in native.items() if k != "timings"}
+        self.assertEqual(read(json.dumps(no_timings).encode(), JSON, b"/infill"), Figures(6, 0, 4))
+        stream = sse({"content": " a", "stop": False, "tokens_predicted": 1, "tokens_evaluated": 6},
+                     {"content": "", "stop": True, **native})
+        self.assertEqual(read(stream, SSE, b"/completion"), Figures(1, 5, 4, 1000.0, 2000.0))
+
+    def test_anthropic(self) -> None:
+        body = json.dumps({"type": "message", "content": [{"type": "text", "text": "x"}],
+                           "usage": {"cache_read_input_tokens": 30, "input_tokens": 1, "output_tokens": 5}}).encode()
+        self.assertEqual(read(body, JSON, b"/v1/messages"), Figures(1, 30, 5))
+        start = {"type": "message_start", "message": {"usage": {"cache_read_input_tokens": 9, "input_tokens": 22,
+                                                                "output_tokens": 0}}}
+        delta = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": " us"}}
+        end = [{"type": "message_delta", "delta": {"stop_reason": "max_tokens"}, "usage": {"output_tokens": 5}},
+               {"type": "message_stop"}]
+        stream = sse(start, delta, delta, *end, named=True)
+        self.assertEqual(read(stream, SSE, b"/v1/messages"), Figures(22, 9, 5))
+        # message_start has left the tail: it is read from the first chunk, kept aside
+        head = sse(start, named=True)
+        rest = sse(*([delta] * 400), *end, named=True)
+        self.assertGreater(len(rest), TAIL_BYTES)
+        self.assertEqual(read_figures([rest], SSE, b"/v1/messages", False, head), Figures(22, 9, 5))
+        self.assertEqual(read_figures([rest], SSE, b"/v1/messages", False, None), Figures(0, 0, 5))
+
+    def test_responses(self) -> None:
+        body = json.dumps({"object": "response", "status": "completed",
+                           "usage": {"input_tokens": 27, "output_tokens": 5, "total_tokens": 32,
+                                     "input_tokens_details": {"cached_tokens": 13}}}).encode()
+        self.assertEqual(read(body, JSON, b"/v1/responses"), Figures(14, 13, 5))
+        done = {"type": "response.completed",
+                "response": {"status": "completed", "usage": {"input_tokens": 27, "output_tokens": 5,
+                                                              "input_tokens_details": {"cached_tokens": 26}}}}
+        stream = sse({"type": "response.output_text.delta", "delta": " x"}, done, named=True)
+        self.assertEqual(read(stream, SSE, b"/v1/responses"), Figures(1, 26, 5))
+        self.assertEqual(read(sse({**done, "timings": timings(2, 25, 5)}, named=True), SSE), Figures(2, 25, 5, 2000.0, 2500.0))
+
+    def test_long_json_answer_read_from_its_tail(self) -> None:
+        body = json.dumps({"choices": [{"message": {"content": "word " * 20000}}],
+                           "usage": {"prompt_tokens": 40, "completion_tokens": 4000},
+                           "timings": timings(12, 28, 4000)}).encode()
+        chunks = [body[i:i + 4096] for i in range(0, len(body), 4096)][-5:]
+        self.assertEqual(read_figures(chunks, JSON, b"/v1/chat/completions", False), Figures(12, 28, 4000, 12000.0, 2000000.0))
+        # key-like text inside a string is escaped and never matches
+        tricky = json.dumps({"content": 'x "timings": {"prompt_n": 1, "predicted_n": 1}' * 2000,
+                             "usage": {"prompt_tokens": 3, "completion_tokens": 2}}).encode()
+        self.assertEqual(read_figures([tricky[-TAIL_BYTES:]], JSON, b"/", False), Figures(3, 0, 2))
+
+    def test_not_json_or_sse_counts_nothing(self) -> None:
+        body = json.dumps({"timings": timings(1, 2, 3)}).encode()
+        self.assertIsNone(read(body, b"text/plain"))
+        self.assertIsNone(read(body, None))
+        self.assertIsNone(read_figures([], JSON, b"/", True))
+
+
+HOSTILE_VALUES = ["12", -1, 1 << 40, 10 ** 30, 1.5, True, None, [], {"n": 1}, float("nan")]
+
+
+class HostileTests(TestCase):
+    def test_bad_counts_count_nothing(self) -> None:
+        for bad in HOSTILE_VALUES:
+            for key in ("prompt_n", "predicted_n", "cache_n"):
+                t = {**timings(1, 2, 3), key: bad}
+                if bad is None and key == "cache_n":
+                    continue  # an absent/null cache figure is 0
+                self.assertIsNone(read(json.dumps({"timings": t}).encode()), (key, bad))
+            for key in ("prompt_tokens", "completion_tokens"):
+                u = {"prompt_tokens": 5, "completion_tokens": 5, key: bad}
+                if bad is None:
+                    continue
+                self.assertIsNone(read(json.dumps({"usage": u}).encode()), (key, bad))
+        self.assertIsNone(read(json.dumps({"timings": {**timings(1, 2, 3), "predicted_per_second": -3}}).encode()))
+        self.assertIsNone(read(b'{"timings": {"prompt_n": 1, "predicted_n": 1, "predicted_per_second": 1e999}}'))
+        cached_over = {"usage": {"prompt_tokens": 5, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 6}}}
+        self.assertIsNone(read(json.dumps(cached_over).encode()))
+        self.assertIsNone(read(json.dumps({"timings": "fast", "usage": "many"}).encode()))
+
+    def test_deep_nesting_and_a_megabyte_of_usage(self) -> None:
+        deep = b'{"usage": ' + b"[" * 200000 + b"]" * 200000 + b"}"
+        self.assertIsNone(read_figures([deep[-TAIL_BYTES:]], JSON, b"/", False))
+        self.assertIsNone(read(deep))
+        self.assertIsNone(read(sse(b'{"usage": ' + b'{"a":' * 5000 + b"1" + b"}" * 5000 + b"}"), SSE))
+        big = json.dumps({"usage": {"pad": "x" * (1 << 20), "prompt_tokens": 5, "completion_tokens": 5}}).encode()
+        chunks = [big[i:i + 65536] for i in range(0, len(big), 65536)]
+        self.assertIsNone(read_figures(chunks[-1:], JSON, b"/", False))
+        self.assertIsNone(read_figures(chunks[-1:], SSE, b"/", False))
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.lists(st.binary(max_size=300), max_size=8), st.booleans(), st.booleans())
+    def test_never_raises(self, chunks: list[bytes], sse_type: bool, whole: bool) -> None:
+        stuffed = [c.replace(b"x", b'"timings":{') for c in chunks]
+        result = read_figures(stuffed, SSE if sse_type else JSON, b"/", whole, stuffed[0] if stuffed else None)
+        self.assertTrue(result is None or isinstance(result, Figures))
+
+    @settings(max_examples=200, deadline=None)
+    @given(st.recursive(st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=5),
+                        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
+                            st.sampled_from(["timings", "usage", "prompt_n", "predicted_n", "cache_n", "prompt_tokens",
+                                             "input_tokens", "output_tokens", "tokens_predicted", "response", "type"]),
+                            inner, max_size=5), max_leaves=30))
+    def test_any_json_shape(self, doc: Any) -> None:
+        body = json.dumps(doc).encode()
+        for result in (read(body), read(sse(body), SSE), read_figures([body], JSON, b"/", False)):
+            if result is not None:
+                self.assertTrue(0 <= result.prompt < 1 << 31 and 0 <= result.cached < 1 << 31
+                                and 0 <= result.generated < 1 << 31, result)
+
+
+class _Sink:
+    """The client side of a relay, as much as dataReceived uses."""
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.written.append(data)
+
+
+class RelayTailTests(TestCase):
+    def test_keeps_references_to_the_last_16k_and_the_first_chunk(self) -> None:
+        from twisted.internet.task import Clock
+
+        from crossbar.proxy.relay import Relay
+
+        relay = Relay(_Sink(), Clock(), 10.0)  # type: ignore[arg-type]
+        chunks = [bytes([65 + i % 26]) * 1000 for i in range(100)]
+        for chunk in chunks:
+            relay.dataReceived(chunk)
+        kept = list(relay._tail)
+        self.assertTrue(all(any(k is c for c in chunks) for k in kept), "a chunk was copied")
+        self.assertLess(sum(map(len, kept)) - len(kept[0]), TAIL_BYTES)
+        self.assertGreaterEqual(sum(map(len, kept)), TAIL_BYTES)
+        self.assertIs(relay._head, chunks[0])
+        self.assertIs(kept[-1], chunks[-1])
+        self.assertEqual(relay.first_byte_at, 0.0)
