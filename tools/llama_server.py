@@ -25,7 +25,7 @@ provisioned one.
 CLI (run from the repository root)::
 
     python tools/llama_server.py provision            # idempotent; last line: binary path
-    python tools/llama_server.py start PORT [--mode single|router]
+    python tools/llama_server.py start PORT [--mode single|router] [--model PATH] [--metrics] [-np N]
     python tools/llama_server.py stop PORT
     python tools/llama_server.py status               # skip reason, or OK and the binary path
     python tools/llama_server.py write-model OUT NAME SEED   # one tiny GGUF (needs gguf)
@@ -107,9 +107,15 @@ def _bin_path() -> Path:
     return home() / "bin" / "llama-server"
 
 
+MODELS_VERSION = 2
+"""Bumped whenever the generated models change (2: FIM token ids, so ``/infill``
+works): each version has its own directory, so models written by an older tool are
+never used."""
+
+
 def models_dir() -> Path:
     """Directory holding exactly the tiny models (also the router's --models-dir)."""
-    return home() / "models"
+    return home() / f"models-{MODELS_VERSION}"
 
 
 def model_path(name: str = "tiny-a") -> Path:
@@ -477,7 +483,17 @@ def _vocab() -> tuple[list[str], list[float], list[int]]:
     for i, w in enumerate(_WORDS):
         add("\u2581" + w, -float(i))
         add(w, -500.0 - i)
+    for piece in FIM_TOKENS:  # control tokens: /infill needs their ids in the metadata
+        toks.append(piece)
+        scores.append(0.0)
+        types.append(CONTROL)
     return toks, scores, types
+
+
+FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+"""The fill-in-the-middle tokens, last in the vocabulary; their ids are written as
+``tokenizer.ggml.fim_pre_token_id``, ``fim_suf`` and ``fim_mid`` (the keys llama.cpp
+reads), so llama-server's ``/infill`` works with the tiny models."""
 
 
 N_SPECIAL = 3 + 256  # control + byte tokens: never preferred by the sampler
@@ -528,6 +544,8 @@ def _write_model(out: str, name: str, seed: int, n_embd: int = 64, n_layer: int 
     w.add_add_bos_token(True)
     w.add_add_eos_token(False)
     w.add_chat_template(CHAT_TEMPLATE)
+    for key, piece in zip(("fim_pre", "fim_suf", "fim_mid"), FIM_TOKENS):
+        w.add_uint32(f"tokenizer.ggml.{key}_token_id", toks.index(piece))
 
     w.add_tensor("token_embd.weight", rand(n_vocab, n_embd, 1.0))
     w.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
@@ -601,9 +619,14 @@ def _http_status(url: str, timeout: float = 2.0) -> int | None:
         return None
 
 
-def server_command(binary: str, mode: str, port: int, extra: Sequence[str] = ()) -> list[str]:
+def server_command(binary: str, mode: str, port: int, extra: Sequence[str] = (),
+                   model: str | None = None) -> list[str]:
+    """The llama-server command line; ``model`` is a GGUF file to serve instead of
+    tiny-a in single mode (its alias: the file name without ``.gguf``)."""
     cmd = [binary, "--host", "127.0.0.1", "--port", str(port), *SERVER_ARGS]
-    if mode == "single":
+    if mode == "single" and model is not None:
+        cmd += ["-m", model, "--alias", Path(model).name.removesuffix(".gguf")]
+    elif mode == "single":
         cmd += ["-m", str(model_path("tiny-a")), "--alias", "tiny-a"]
     elif mode == "router":
         cmd += ["--models-dir", str(models_dir())]
@@ -615,14 +638,19 @@ def server_command(binary: str, mode: str, port: int, extra: Sequence[str] = ())
 class LlamaServer:
     """One llama-server process on 127.0.0.1.
 
-    ``mode="single"`` serves tiny-a (alias ``tiny-a``); ``mode="router"`` serves the
-    models directory (tiny-a, tiny-b), each loaded on demand in a child process.
+    ``mode="single"`` serves tiny-a (alias ``tiny-a``), or ``model`` (a GGUF path, alias
+    its file name without ``.gguf``); ``mode="router"`` serves the models directory
+    (tiny-a, tiny-b), each loaded on demand in a child process. ``extra_args`` go to
+    llama-server after the tool's own (``--metrics``, ``-np 4``: a later flag wins).
     """
 
     def __init__(self, mode: str = "single", port: int | None = None,
-                 extra_args: Sequence[str] = ()) -> None:
+                 extra_args: Sequence[str] = (), model: str | None = None) -> None:
         if mode not in ("single", "router"):
             raise ValueError(f"mode must be 'single' or 'router', not {mode!r}")
+        if model is not None and mode != "single":
+            raise ValueError("a model file is served in single mode only")
+        self.model = model
         self.mode = mode
         self.port = port if port is not None else free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -657,7 +685,7 @@ class LlamaServer:
         prune_run_logs(self.log_path.parent)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                server_command(binary, self.mode, self.port, self.extra_args),
+                server_command(binary, self.mode, self.port, self.extra_args, self.model),
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 start_new_session=True,
             )
@@ -747,7 +775,8 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
-def _cmd_start(port: int, mode: str, timeout: float) -> int:
+def _cmd_start(port: int, mode: str, timeout: float, model: str | None = None,
+               extra: Sequence[str] = ()) -> int:
     pidfile = _run_dir() / f"llama-{port}.pid"
     if pidfile.exists():
         try:
@@ -757,7 +786,7 @@ def _cmd_start(port: int, mode: str, timeout: float) -> int:
         if old and _pid_alive(old):
             _log(f"already running: pid {old} on port {port} (stop it with: stop {port})")
             return 1
-    srv = LlamaServer(mode, port)
+    srv = LlamaServer(mode, port, extra, model)
     srv.spawn()
     assert srv.proc is not None
     pidfile.write_text(f"{srv.proc.pid}\n")
@@ -799,6 +828,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("port", type=int)
     p.add_argument("--mode", choices=("single", "router"), default="single")
     p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--model", metavar="PATH", help="serve this GGUF file (single mode) instead of tiny-a")
+    p.add_argument("--metrics", action="store_true", help="pass --metrics (GET /metrics: llamacpp:* counters)")
+    p.add_argument("-np", "--parallel", type=int, metavar="N", help="slots (llama-server -np; default 2)")
     p = sub.add_parser("stop", help="stop the llama-server started on PORT")
     p.add_argument("port", type=int)
     sub.add_parser("status", help="print the skip reason, or OK and the binary path")
@@ -825,7 +857,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     if a.cmd == "start":
         try:
-            return _cmd_start(a.port, a.mode, a.timeout)
+            if a.model is not None and a.mode != "single":
+                _log("--model serves one file: use it with --mode single")
+                return 2
+            if a.model is not None and not os.path.isfile(a.model):
+                _log(f"--model {a.model}: no such file")
+                return 2
+            extra = (["--metrics"] if a.metrics else []) + (["-np", str(a.parallel)] if a.parallel else [])
+            model = os.path.abspath(a.model) if a.model is not None else None
+            return _cmd_start(a.port, a.mode, a.timeout, model, extra)
         except RuntimeError as e:
             _log(str(e))
             return 1
