@@ -31,7 +31,9 @@ counters, so crossbar's totals equal their increase):
   (from the tail, or from the first chunk of the body, kept by reference).
 - JSON: the top-level object, or the last element of a top-level array (the native
   endpoints given several prompts). A JSON answer longer than the tail is read from
-  the last top-level-looking ``"timings":``, ``"usage":`` and native keys in the tail.
+  the last ``"timings":``, ``"usage":`` and native keys in the tail, else in the body's
+  first chunk (a native answer with ``n_probs`` has its figures first and the token
+  probabilities after them).
 
 Anything else -- no figures, a figure that is not a non-negative integer below
 :data:`MAX_TOKENS` (or a finite speed below :data:`MAX_SPEED`), a cut event, deep
@@ -211,8 +213,13 @@ def _scan(tail: bytes) -> Figures | None:
     """A JSON answer longer than the tail: the last ``"timings":``, ``"usage":`` and
     native keys' values, each decoded where it starts. In JSON a quote inside a string
     is always escaped, so these patterns only match real keys."""
-    text = tail.decode("utf-8", "replace")
+    try:
+        return _scan_text(tail.decode("utf-8", "replace"))
+    except (ValueError, RecursionError):
+        return None
 
+
+def _scan_text(text: str) -> Figures | None:
     def value(key: str) -> Any:
         at = text.rfind(f'"{key}":')
         if at < 0:
@@ -246,7 +253,8 @@ def read_figures(chunks: Sequence[bytes], content_type: bytes | None, path: byte
         native endpoints'), so it is not consulted today.
     :param whole: ``chunks`` hold the whole body (nothing was dropped from its start).
     :param head: the body's first chunk when it is no longer among ``chunks`` (an
-        Anthropic stream's ``message_start``), else None.
+        Anthropic stream's ``message_start``, a native JSON answer's figures), else
+        None; only its first :data:`TAIL_BYTES` are read.
     :returns: the :class:`Figures`, or None when the answer carries none or any figure
         has an unexpected shape. Never raises.
     """
@@ -259,12 +267,19 @@ def read_figures(chunks: Sequence[bytes], content_type: bytes | None, path: byte
     try:
         tail = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         if len(tail) > TAIL_BYTES:
+            if whole:  # the body's start is still here: it is the head
+                head = tail[:TAIL_BYTES]
             tail = tail[-TAIL_BYTES:]
             whole = False
         if sse:
             return _read_sse(tail, head)
         if not whole:
-            return _scan(tail)
+            found = _scan(tail)
+            if found is None and head is not None:
+                # llama.cpp's native answers put their figures first and the token
+                # probabilities (n_probs) after them: look at the body's first chunk
+                found = _scan(head[:TAIL_BYTES])
+            return found
         doc = json.loads(tail)
         if isinstance(doc, list):
             doc = doc[-1] if doc else None
