@@ -1,0 +1,149 @@
+"""Tokens through crossbar from loopback hosts that misbehave (DESIGN.md §What the
+answers say; §The proxy rule 8): an answer cut by a dying host counts no tokens and is
+logged and counted as cut; figures of unexpected shapes count nothing, break nothing
+and reach the client byte for byte; with workers, one fleet-wide ledger.
+The agreement with real llama-servers is in tests/test_tokens_real.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any
+
+import treq
+from twisted.internet import reactor
+from twisted.internet.defer import ensureDeferred
+from twisted.internet.task import Clock
+from twisted.trial.unittest import SynchronousTestCase, TestCase
+from twisted.web.server import NOT_DONE_YET, Request
+
+from tests.harness import FakeLlama, http_client, listen, start_routes, wait_for
+from tests.logs import LogCapture
+from crossbar.config import parse_config
+from crossbar.state.shared import SharedCounts
+from crossbar.state.tokens import TokenLedger
+from crossbar.state.worker_counts import Fleet
+
+TIMINGS = {"cache_n": 3, "prompt_n": 4, "predicted_n": 5, "predicted_per_second": 50.0}
+
+
+def _json_answer(body: bytes) -> Any:
+    def handler(request: Request, _: bytes) -> bytes:
+        request.setHeader(b"content-type", b"application/json")
+        return body
+    return handler
+
+
+def _dies_after_figures(request: Request, _: bytes) -> Any:
+    """A stream whose figures arrive, and then the host dies before the answer ends."""
+    request.setHeader(b"content-type", b"text/event-stream")
+    request.write(b'data: {"choices":[{"delta":{"content":" a"}}]}\n\n')
+    request.write(b"data: " + json.dumps({"choices": [], "timings": TIMINGS}).encode() + b"\n\n")
+    transport = request.channel.transport
+    reactor.callLater(0.05, transport.abortConnection)  # type: ignore[attr-defined]
+    return NOT_DONE_YET
+
+
+def tokens_samples(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.startswith("crossbar_tokens_total")]
+
+
+HOSTILE = {
+    "strings": json.dumps({"timings": {"prompt_n": "4", "predicted_n": "5"}}).encode(),
+    "negative": json.dumps({"usage": {"prompt_tokens": -4, "completion_tokens": 5}}).encode(),
+    "huge": json.dumps({"usage": {"prompt_tokens": 10 ** 40, "completion_tokens": 5}}).encode(),
+    "float": json.dumps({"timings": {"prompt_n": 1.5, "predicted_n": 2}}).encode(),
+    "nested": b'{"usage": ' + b'{"usage": ' * 50000 + b"1" + b"}" * 50000 + b"}",
+    "megabyte": json.dumps({"usage": {"pad": "x" * (1 << 20), "prompt_tokens": 5, "completion_tokens": 5}}).encode(),
+    "cached over prompt": json.dumps({"usage": {"prompt_tokens": 2, "completion_tokens": 5,
+                                                "prompt_tokens_details": {"cached_tokens": 9}}}).encode(),
+}
+
+
+class ThroughCrossbarTests(TestCase):
+    timeout = 60
+
+    def test_cut_answer_counts_nothing_and_is_logged_cut(self) -> object:
+        async def go() -> None:
+            host = FakeLlama(["tiny-a"])
+            host.handlers[b"/v1/chat/completions"] = _dies_after_figures
+            service, base = await start_routes(self, {"a": await listen(self, host)})
+            logs = LogCapture(self)
+            response = await http_client(self).post(base + "/r/v1/chat/completions",
+                                                    b'{"model": "tiny-a", "stream": true}')
+            self.assertEqual(response.code, 200)
+            with self.assertRaises(Exception):
+                await treq.content(response)  # a truncated answer, never a clean end
+            lines = await wait_for(lambda: logs.proxied(), what="the log line")
+            self.assertEqual(lines[0]["ended"], "cut")
+            self.assertIsNone(lines[0]["tokens"])
+            self.assertIn(" ended=cut", lines[0]["line"])
+            self.assertNotIn("tokens=", lines[0]["line"])
+            metrics = await treq.text_content(await http_client(self).get(base + "/_crossbar/metrics"))
+            self.assertIn('crossbar_answers_ended_total{ended="cut",host="a",route="r"} 1.0', metrics)
+            self.assertEqual(tokens_samples(metrics), [])
+            status = json.loads(await treq.text_content(await http_client(self).get(base + "/_crossbar/status")))
+            self.assertIsNone(status["routes"]["r"]["cached_share"])
+            self.assertEqual(status["hosts"]["a"]["tokens_per_s"], 0)
+
+        return ensureDeferred(go())
+
+    def test_hostile_figures_count_nothing_and_pass_unchanged(self) -> object:
+        async def go() -> None:
+            host = FakeLlama(["tiny-a"])
+            service, base = await start_routes(self, {"a": await listen(self, host)})
+            logs = LogCapture(self)
+            client = http_client(self)
+            for name, body in HOSTILE.items():
+                host.handlers[b"/v1/chat/completions"] = _json_answer(body)
+                response = await client.post(base + "/r/v1/chat/completions", b'{"model": "tiny-a"}')
+                self.assertEqual(response.code, 200, name)
+                self.assertEqual(await treq.content(response), body, name)
+            # and a well-formed one still counts
+            host.handlers[b"/v1/chat/completions"] = _json_answer(json.dumps({"timings": TIMINGS}).encode())
+            response = await client.post(base + "/r/v1/chat/completions", b'{"model": "tiny-a"}')
+            await treq.content(response)
+            lines = await wait_for(lambda: len(logs.proxied()) == len(HOSTILE) + 1 and logs.proxied())
+            self.assertEqual([e["tokens"] for e in lines], [None] * len(HOSTILE) + [(4, 3, 5)])
+            self.assertEqual(logs.errors(), [])
+            metrics = await treq.text_content(await client.get(base + "/_crossbar/metrics"))
+            self.assertEqual(sorted(tokens_samples(metrics)), sorted(
+                f'crossbar_tokens_total{{host="a",key="",kind="{kind}",model="tiny-a",route="r"}} {n}.0'
+                for kind, n in (("prompt", 4), ("cached", 3), ("generated", 5))))
+
+        return ensureDeferred(go())
+
+
+class FleetLedgerTests(SynchronousTestCase):
+    """Two workers' ledgers over one shared file: the same totals and last minute
+    whichever worker is asked (DESIGN.md §Workers)."""
+
+    def test_two_workers_one_total(self) -> None:
+        config = parse_config("listen: 'tcp:0'\nhosts: {a: 'http://127.0.0.1:1', b: 'http://127.0.0.1:2'}\n"
+                              "routes: {r: {hosts: [a, b]}}\n", "t.yaml")
+        path = os.path.join(tempfile.mkdtemp(prefix="crossbar-tokens-"), "shared")
+        SharedCounts.create(path, 3)
+        clock = Clock()
+        clock.advance(1000)
+        ledgers = []
+        for row in (1, 2):
+            ledger = TokenLedger(clock.seconds, tuple(config.hosts), tuple(config.routes))
+            ledger.attach(Fleet(SharedCounts(path, 3, row), config))
+            ledgers.append(ledger)
+        ledgers[0].add("r", "a", 10, 90, 30)
+        clock.advance(10)
+        ledgers[1].add("r", "a", 0, 100, 30)
+        ledgers[1].add("r", "b", 20, 0, 6)
+        for ledger in ledgers:
+            window = ledger.window()
+            self.assertEqual(window.seconds, 10)
+            self.assertEqual(window.generated_per_second("a"), 6.0)
+            self.assertAlmostEqual(window.cached_share("r", "r") or 0, 190 / 220)
+            self.assertEqual(window.cached_share("h", "b"), 0.0)
+        # a minute later without tokens: the window is empty
+        for _ in range(14):
+            clock.advance(5)
+            ledgers[0].sample()
+        self.assertEqual(ledgers[0].window().generated_per_second("a"), 0.0)
+        self.assertIsNone(ledgers[0].window().cached_share("r", "r"))
