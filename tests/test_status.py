@@ -17,7 +17,8 @@ from twisted.trial.unittest import TestCase
 from tests.harness import FakeLlama, http_client, listen, start_crossbar
 
 FIELDS = {"url", "healthy", "loaded", "loading", "available", "last_ok", "last_err", "consecutive", "failures",
-          "inflight", "weight", "max_inflight", "max_inflight_source", "draining", "leaving"}
+          "inflight", "weight", "max_inflight", "max_inflight_source", "draining", "leaving", "tokens_per_s",
+          "cached_share"}
 
 
 def free_port() -> int:

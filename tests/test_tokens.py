@@ -81,7 +81,7 @@ class ThroughCrossbarTests(TestCase):
             self.assertIn(" ended=cut", lines[0]["line"])
             self.assertNotIn("tokens=", lines[0]["line"])
             metrics = await treq.text_content(await http_client(self).get(base + "/_crossbar/metrics"))
-            self.assertIn('crossbar_answers_ended_total{ended="cut",host="a",route="r"} 1.0', metrics)
+            self.assertIn('crossbar_unfinished_answers_total{ended="cut",host="a",route="r"} 1.0', metrics)
             self.assertEqual(tokens_samples(metrics), [])
             status = json.loads(await treq.text_content(await http_client(self).get(base + "/_crossbar/status")))
             self.assertIsNone(status["routes"]["r"]["cached_share"])
@@ -147,3 +147,40 @@ class FleetLedgerTests(SynchronousTestCase):
             ledgers[0].sample()
         self.assertEqual(ledgers[0].window().generated_per_second("a"), 0.0)
         self.assertIsNone(ledgers[0].window().cached_share("r", "r"))
+
+
+class WorkersTests(TestCase):
+    """``workers: 2`` (real processes): the token metrics and status are the fleet's,
+    whichever worker answers (DESIGN.md §Workers)."""
+
+    timeout = 120
+
+    def test_same_totals_whichever_worker_answers(self) -> object:
+        from twisted.internet.threads import deferToThread
+
+        from tests.test_workers import ask_worker, fresh, host_yaml, metric, start_workers, until_both_workers_served
+
+        async def go() -> None:
+            host = FakeLlama(["tiny-a"])
+            host.handlers[b"/v1/chat/completions"] = _json_answer(json.dumps({"timings": TIMINGS}).encode())
+            proc = await start_workers(self, host_yaml(await listen(self, host)))
+            lines = await until_both_workers_served(self, proc, fresh(self), "r")
+            n = len(lines)
+            self.assertEqual({e["worker"] for e in lines}, {0, 1})
+            self.assertEqual({tuple(e["tokens"]) for e in lines}, {(4, 3, 5)})
+            answered: list[int] = []
+            for _ in range(60):
+                worker, _, body = await deferToThread(ask_worker, proc, "/_crossbar/metrics")
+                text = body.decode()
+                for kind, per in (("prompt", 4), ("cached", 3), ("generated", 5)):
+                    self.assertEqual(metric(text, "crossbar_tokens_total", route="r", host="a", kind=kind,
+                                            model="tiny-a"), per * n, text)
+                worker, _, body = await deferToThread(ask_worker, proc, "/_crossbar/status")
+                doc = json.loads(body)
+                self.assertAlmostEqual(doc["routes"]["r"]["cached_share"], 3 / 7, places=3)
+                answered.append(worker)
+                if min(answered.count(0), answered.count(1)) >= 2:
+                    break
+            self.assertGreaterEqual(min(answered.count(0), answered.count(1)), 2, answered)
+
+        return ensureDeferred(go())

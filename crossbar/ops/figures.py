@@ -22,18 +22,20 @@ counters, so crossbar's totals equal their increase):
 - ``prompt_speed``, ``generation_speed``: ``timings.prompt_per_second`` and
   ``predicted_per_second`` (tokens/s), None where the answer has no ``timings``.
 
-``timings`` wins over ``usage`` where both are present. Where to look:
+``timings`` wins over ``usage`` where both are present. Where to look (always in the
+last :data:`TAIL_BYTES`, found by searching for the keys, so a long answer costs no
+more than a short one and only the figures' own bytes are decoded):
 
 - ``text/event-stream``: the last ``data:`` event carrying ``timings``, ``usage`` or
   ``tokens_predicted`` (OpenAI chat/completions chunks, llama.cpp's native stream, the
   Responses API's ``response.completed`` with its ``response.usage``); for the
   Anthropic API, ``message_delta``'s usage plus ``message_start``'s input tokens
   (from the tail, or from the first chunk of the body, kept by reference).
-- JSON: the top-level object, or the last element of a top-level array (the native
-  endpoints given several prompts). A JSON answer longer than the tail is read from
-  the last ``"timings":``, ``"usage":`` and native keys in the tail, else in the body's
-  first chunk (a native answer with ``n_probs`` has its figures first and the token
-  probabilities after them).
+- JSON: the last ``"timings":``, else ``"usage":``, else native key of the answer --
+  the top-level object's (llama-server writes its figures after the content), or the
+  last element's of an array (the native endpoints given several prompts). Not in the
+  tail (a native answer with ``n_probs`` puts its figures first and the token
+  probabilities after them): the same in the body's first chunk.
 
 Anything else -- no figures, a figure that is not a non-negative integer below
 :data:`MAX_TOKENS` (or a finite speed below :data:`MAX_SPEED`), a cut event, deep
@@ -44,8 +46,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, NamedTuple, Sequence
 
 __all__ = ["Figures", "MAX_SPEED", "MAX_TOKENS", "TAIL_BYTES", "read_figures"]
 
@@ -61,9 +62,9 @@ MAX_SPEED = 1e9
 _DECODER = json.JSONDecoder()
 
 
-@dataclass(frozen=True, slots=True)
-class Figures:
-    """What one complete answer did (see the module docstring for each figure).
+class Figures(NamedTuple):
+    """What one complete answer did (see the module docstring for each figure); an
+    immutable tuple (cheaper to make than a frozen dataclass: one per request).
 
     :ivar prompt: prompt tokens processed (read, cache excluded).
     :ivar cached: prompt tokens taken from the host's cache.
@@ -141,22 +142,6 @@ def _from_usage(u: Any, start: Any = None) -> Figures:
     return Figures(_count(prompt), _count(cached), _opt_count(u, "output_tokens"))
 
 
-def _from_object(obj: Any, start: Any = None) -> Figures | None:
-    """The figures of one answer object (or stream event), None when it has none."""
-    if not isinstance(obj, dict):
-        return None
-    if "timings" in obj:
-        return _from_timings(obj["timings"])
-    response = obj.get("response")  # Responses API stream: response.completed
-    if isinstance(response, dict) and "usage" in response and obj.get("type") == "response.completed":
-        return _from_usage(response["usage"])
-    if "usage" in obj and obj["usage"] is not None:
-        return _from_usage(obj["usage"], start)
-    if "tokens_predicted" in obj:
-        return Figures(_opt_count(obj, "tokens_evaluated"), 0, _count(obj["tokens_predicted"]))
-    return None
-
-
 def _is_sse(content_type: bytes | None) -> bool:
     return content_type is not None and content_type.split(b";", 1)[0].strip().lower() == b"text/event-stream"
 
@@ -168,11 +153,39 @@ def _is_json(content_type: bytes | None) -> bool:
     return media == b"application/json" or media.endswith(b"+json")
 
 
-def _data_lines(text: bytes) -> Iterable[bytes]:
-    """The ``data:`` payloads of ``text``, last first."""
-    for line in reversed(text.split(b"\n")):
-        if line.startswith(b"data:"):
-            yield line[5:].strip()
+_KEYS = (b'"timings":', b'"usage":', b'"tokens_predicted":')
+
+
+def _value(data: bytes, key: bytes) -> Any:
+    """The JSON value after the last ``key`` (e.g. ``b'"usage":'``) in ``data``, or
+    None. In JSON a quote inside a string is always escaped, so the pattern only
+    matches a real key; only the bytes from it on are decoded.
+
+    :raises ValueError: the value is cut or not JSON."""
+    at = data.rfind(key)
+    if at < 0:
+        return None
+    return _DECODER.raw_decode(data[at + len(key):].decode("utf-8", "replace").lstrip())[0]
+
+
+def _scan(data: bytes, start: Any = None) -> Figures | None:
+    """The figures in one answer object (or one stream event): its last ``timings``,
+    else its last ``usage``, else the native ``tokens_predicted``/``tokens_evaluated``.
+    For a whole answer the last occurrence is the top-level one (llama-server writes
+    its figures after the content; in an array, the last element's)."""
+    try:
+        timings = _value(data, b'"timings":')
+        if timings is not None:
+            return _from_timings(timings)
+        usage = _value(data, b'"usage":')
+        if usage is not None:
+            return _from_usage(usage, start)
+        predicted = _value(data, b'"tokens_predicted":')
+        if predicted is not None:
+            return Figures(_count(_value(data, b'"tokens_evaluated":') or 0), 0, _count(predicted))
+    except (ValueError, RecursionError):
+        return None
+    return None
 
 
 def _message_start_usage(texts: Sequence[bytes]) -> Any:
@@ -196,49 +209,20 @@ def _message_start_usage(texts: Sequence[bytes]) -> Any:
 
 
 def _read_sse(tail: bytes, head: bytes | None) -> Figures | None:
-    for payload in _data_lines(tail):
-        if b'"timings"' not in payload and b'"usage"' not in payload and b'"tokens_predicted"' not in payload:
-            continue
-        event = json.loads(payload)
-        if not isinstance(event, dict):
-            return None
-        start = None
-        if event.get("type") == "message_delta":
-            start = _message_start_usage([tail] if head is None else [tail, head])
-        return _from_object(event, start)
-    return None
-
-
-def _scan(tail: bytes) -> Figures | None:
-    """A JSON answer longer than the tail: the last ``"timings":``, ``"usage":`` and
-    native keys' values, each decoded where it starts. In JSON a quote inside a string
-    is always escaped, so these patterns only match real keys."""
-    try:
-        return _scan_text(tail.decode("utf-8", "replace"))
-    except (ValueError, RecursionError):
+    """The last ``data:`` event carrying figures: found by searching the tail for the
+    keys (no split into events), then read like an answer object."""
+    at = max(tail.rfind(key) for key in _KEYS)
+    if at < 0:
         return None
-
-
-def _scan_text(text: str) -> Figures | None:
-    def value(key: str) -> Any:
-        at = text.rfind(f'"{key}":')
-        if at < 0:
-            return None
-        at += len(key) + 3
-        while at < len(text) and text[at] in " \t\r\n":
-            at += 1
-        return _DECODER.raw_decode(text, at)[0]
-
-    timings = value("timings")
-    if timings is not None:
-        return _from_timings(timings)
-    usage = value("usage")
-    if usage is not None:
-        return _from_usage(usage)
-    predicted = value("tokens_predicted")
-    if predicted is not None:
-        return Figures(_count(value("tokens_evaluated") or 0), 0, _count(predicted))
-    return None
+    line_start = tail.rfind(b"\n", 0, at) + 1
+    line_end = tail.find(b"\n", at)
+    line = tail[line_start:line_end if line_end >= 0 else len(tail)]
+    if not line.startswith(b"data:"):
+        return None  # an event cut by the tail's start, or not an event
+    start = None
+    if b'"message_delta"' in line:  # Anthropic: the prompt figures are in message_start
+        start = _message_start_usage([tail] if head is None else [tail, head[:TAIL_BYTES]])
+    return _scan(line[5:], start)
 
 
 def read_figures(chunks: Sequence[bytes], content_type: bytes | None, path: bytes,
@@ -261,28 +245,27 @@ def read_figures(chunks: Sequence[bytes], content_type: bytes | None, path: byte
     del path  # every endpoint is read by the shape of its answer
     if not chunks:
         return None
-    sse = _is_sse(content_type)
-    if not sse and not _is_json(content_type):
+    if content_type is None:
         return None
+    if content_type.startswith(b"application/json"):  # the usual case, without parsing
+        sse = False
+    else:
+        sse = _is_sse(content_type)
+        if not sse and not _is_json(content_type):
+            return None
     try:
         tail = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         if len(tail) > TAIL_BYTES:
             if whole:  # the body's start is still here: it is the head
                 head = tail[:TAIL_BYTES]
             tail = tail[-TAIL_BYTES:]
-            whole = False
         if sse:
             return _read_sse(tail, head)
-        if not whole:
-            found = _scan(tail)
-            if found is None and head is not None:
-                # llama.cpp's native answers put their figures first and the token
-                # probabilities (n_probs) after them: look at the body's first chunk
-                found = _scan(head[:TAIL_BYTES])
-            return found
-        doc = json.loads(tail)
-        if isinstance(doc, list):
-            doc = doc[-1] if doc else None
-        return _from_object(doc)
+        found = _scan(tail)
+        if found is None and head is not None:
+            # llama.cpp's native answers put their figures first and the token
+            # probabilities (n_probs) after them: look at the body's first chunk
+            found = _scan(head[:TAIL_BYTES])
+        return found
     except (_Bad, ValueError, RecursionError, TypeError, AttributeError, KeyError):
         return None

@@ -115,9 +115,9 @@ class Metrics:
             "crossbar_time_to_first_byte_seconds", "Time from request sent upstream to response headers.",
             ("route", "host"), buckets=_LATENCY_BUCKETS, registry=r,
         )
-        self.ended = Counter(
-            "crossbar_answers_ended", "Answers by how they ended: complete, cut (the host died or went silent "
-            "mid-answer, or a drain's grace ran out) or client_gone.",
+        self.unfinished = Counter(
+            "crossbar_unfinished_answers", "Answers that did not end cleanly: ended cut (the host died or went "
+            "silent mid-answer, or a drain's grace ran out) or client_gone (the client left first).",
             ("route", "host", "ended"), registry=r,
         )
         self.tokens = Counter(

@@ -155,11 +155,12 @@ class RequestLog:
         histograms[0].observe(record.duration)
         if record.ttfb is not None:
             histograms[1].observe(record.ttfb)
-        ended_labels = (route, host, record.ended)
-        ended = self._ended.get(ended_labels)
-        if ended is None:
-            ended = self._ended[ended_labels] = m.ended.labels(*ended_labels)
-        ended.inc()
+        if record.ended != "complete":
+            ended_labels = (route, host, record.ended)
+            ended = self._ended.get(ended_labels)
+            if ended is None:
+                ended = self._ended[ended_labels] = m.unfinished.labels(*ended_labels)
+            ended.inc()
         if record.ttft is not None:
             ttft = self._ttfts.get((route, host))
             if ttft is None:
@@ -179,9 +180,12 @@ class RequestLog:
                 m.tokens.labels(*labels, "prompt"), m.tokens.labels(*labels, "cached"),
                 m.tokens.labels(*labels, "generated"), m.generation_speed.labels(host, record.model),
             )
-        series[0].inc(figures.prompt)
-        series[1].inc(figures.cached)
-        series[2].inc(figures.generated)
+        if figures.prompt:
+            series[0].inc(figures.prompt)
+        if figures.cached:
+            series[1].inc(figures.cached)
+        if figures.generated:
+            series[2].inc(figures.generated)
         if figures.generation_speed is not None:
             series[3].observe(figures.generation_speed)
         if self.tokens is not None:

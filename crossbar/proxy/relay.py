@@ -171,10 +171,10 @@ class Relay(Protocol):
         if response is None or self.state is not RelayState.ENDED:
             return None
         types = response.headers.getRawHeaders(b"content-type")
-        chunks, self._tail = self._tail, deque()
-        whole = self._head is None
         head, self._head = self._head, None
-        return read_figures(chunks, types[0] if types else None, path, whole, head)
+        figures = read_figures(self._tail, types[0] if types else None, path, head is None, head)
+        self._tail.clear()
+        return figures
 
     def connectionLost(self, reason: Failure = Failure(ConnectionLost())) -> None:
         if reason.check(ResponseDone, PotentialDataLoss):
@@ -226,5 +226,8 @@ class Relay(Protocol):
             return
         self.state = RelayState.ENDED
         self._disarm()
+        if how is not RelayEnd.COMPLETE:  # a cut answer counts nothing: let its chunks go
+            self._tail.clear()
+            self._head = self._response = None
         self.reason = reason
         self.ended.callback(how)

@@ -71,6 +71,7 @@ class TokenLedger:
         self._mine: Totals = {}
         self._names: tuple[str, ...] = ()
         self._samples: deque[tuple[float, Totals]] = deque()
+        self._cells: dict[tuple[str, str], tuple[str, ...]] = {}
         self.configure(hosts, routes)
 
     def configure(self, hosts: tuple[str, ...], routes: tuple[str, ...]) -> None:
@@ -95,15 +96,19 @@ class TokenLedger:
     def add(self, route: str, host: str, prompt: int, cached: int, generated: int) -> None:
         """One complete answer of ``route`` from ``host`` read ``prompt`` tokens, took
         ``cached`` from the cache and generated ``generated``."""
-        self.sample()
-        mine = self._mine
-        for name, n in ((token_cell("h", host, "prompt"), prompt), (token_cell("h", host, "cached"), cached),
-                        (token_cell("h", host, "generated"), generated),
-                        (token_cell("r", route, "prompt"), prompt), (token_cell("r", route, "cached"), cached)):
+        if self.now() - self._samples[-1][0] >= SAMPLE_EVERY:
+            self.sample()
+        names = self._cells.get((route, host))
+        if names is None:
+            names = self._cells[(route, host)] = (
+                token_cell("h", host, "prompt"), token_cell("h", host, "cached"), token_cell("h", host, "generated"),
+                token_cell("r", route, "prompt"), token_cell("r", route, "cached"))
+        mine, fleet = self._mine, self.fleet
+        for name, n in zip(names, (prompt, cached, generated, prompt, cached)):
             if n:
                 value = mine[name] = mine.get(name, 0) + n
-                if self.fleet is not None:
-                    self.fleet.publish_tokens(name, value)
+                if fleet is not None:
+                    fleet.publish_tokens(name, value)
 
     def totals(self) -> Totals:
         """Every configured total (the fleet's with workers)."""
