@@ -688,6 +688,7 @@ class Exchange:
             return
         self.stop_upstream()
         if self.request.startedWriting:
+            self.ended = "cut"
             self.abort_client()
         else:
             self.answer_error(500, "internal error")
