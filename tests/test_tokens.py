@@ -184,3 +184,17 @@ class WorkersTests(TestCase):
             self.assertGreaterEqual(min(answered.count(0), answered.count(1)), 2, answered)
 
         return ensureDeferred(go())
+
+
+class DashboardReadsTheRecordTests(SynchronousTestCase):
+    def test_recent_entry_shows_the_figures(self) -> None:
+        from crossbar.ops.figures import Figures
+        from crossbar.ops.record import RequestRecord
+        from crossbar.ops.recent import entry
+
+        record = RequestRecord(route="r", host="a", method="POST", path="/v1/chat/completions",
+                               target="/r/v1/chat/completions", status=200, bytes=10, duration=0.5,
+                               figures=Figures(4, 3, 5, 100.0, 50.0), model="tiny-a", ended="complete")
+        e = entry(1.0, record)
+        self.assertEqual((e["model"], e["ended"]), ("tiny-a", "complete"))
+        self.assertEqual(e["tokens"], {"prompt": 4.0, "cached": 3.0, "generated": 5.0, "tps": 50.0})

@@ -88,7 +88,9 @@ def token_figures(record: RequestRecord) -> dict[str, float | None] | None:
     say): ``prompt`` (processed), ``cached``, ``generated`` and ``tps`` (generation
     speed), read either from a ``tokens`` field (an object or dict) or from flat
     fields of the record; None when it has none."""
-    source = getattr(record, "tokens", None)
+    source = getattr(record, "figures", None)  # crossbar.ops.figures.Figures
+    if source is None:
+        source = getattr(record, "tokens", None)
     if source is None:
         kind = type(record)
         flat = _HAS_FLAT.get(kind)

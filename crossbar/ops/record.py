@@ -56,8 +56,9 @@ class RequestRecord:
         the client left before the answer ended.
     :ivar figures: what a complete answer said it did (tokens, speed), or None (an
         answer cut short or without figures counts no tokens).
-    :ivar model: the ``model`` label of the figures: the model id the request was
-        chosen for when a host of its route lists it, else :data:`OTHER_MODEL`.
+    :ivar model: the ``model`` label: the model id the request was chosen for when a
+        host of its route lists it, else :data:`OTHER_MODEL` ("" where no route
+        applies; counted as :data:`OTHER_MODEL`).
     :ivar ttft: streamed answers: seconds from the request sent to the host to the
         first body byte, else None.
     """
@@ -76,7 +77,7 @@ class RequestRecord:
     why: str = ""
     ended: str = "complete"
     figures: Figures | None = None
-    model: str = OTHER_MODEL
+    model: str = ""
     ttft: float | None = None
 
 
@@ -172,13 +173,13 @@ class RequestLog:
     def _count_tokens(self, record: RequestRecord, figures: Figures, route: str, host: str) -> None:
         """A complete answer's tokens: the metrics, the ledger behind status, and (the
         one call site for key budgets) what the client key spent."""
-        labels = (route, host, record.key, record.model)
+        labels = (route, host, record.key, record.model or OTHER_MODEL)
         series = self._token_series.get(labels)
         if series is None:
             m = self.metrics
             series = self._token_series[labels] = (
                 m.tokens.labels(*labels, "prompt"), m.tokens.labels(*labels, "cached"),
-                m.tokens.labels(*labels, "generated"), m.generation_speed.labels(host, record.model),
+                m.tokens.labels(*labels, "generated"), m.generation_speed.labels(host, labels[3]),
             )
         if figures.prompt:
             series[0].inc(figures.prompt)

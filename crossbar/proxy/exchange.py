@@ -642,7 +642,7 @@ class Exchange:
             why=self.why,
             ended=self.ended,
             figures=self.figures,
-            model=self.model_label() if self.figures is not None else OTHER_MODEL,
+            model=self.model_label() if self.route is not None else "",
             ttft=self.ttft_stream(),
         ))
 
