@@ -23,7 +23,7 @@ from tests.logs import LogCapture
 from crossbar.config import parse_config
 from crossbar.state.shared import SharedCounts
 from crossbar.state.tokens import TokenLedger
-from crossbar.state.worker_counts import Fleet
+from crossbar.state.worker_counts import WorkerCounts
 
 TIMINGS = {"cache_n": 3, "prompt_n": 4, "predicted_n": 5, "predicted_per_second": 50.0}
 
@@ -129,7 +129,7 @@ class FleetLedgerTests(SynchronousTestCase):
         ledgers = []
         for row in (1, 2):
             ledger = TokenLedger(clock.seconds, tuple(config.hosts), tuple(config.routes))
-            ledger.attach(Fleet(SharedCounts(path, 3, row), config))
+            ledger.attach(WorkerCounts(SharedCounts(path, 3, row), config))
             ledgers.append(ledger)
         ledgers[0].add("r", "a", 10, 90, 30)
         clock.advance(10)
