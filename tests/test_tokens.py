@@ -198,3 +198,36 @@ class DashboardReadsTheRecordTests(SynchronousTestCase):
         e = entry(1.0, record)
         self.assertEqual((e["model"], e["ended"]), ("tiny-a", "complete"))
         self.assertEqual(e["tokens"], {"prompt": 4.0, "cached": 3.0, "generated": 5.0, "tps": 50.0})
+
+
+class KeySpendTests(TestCase):
+    timeout = 60
+
+    def test_a_keys_answer_tokens_are_spent(self) -> object:
+        """A complete answer's tokens count against its key's token limits (DESIGN.md
+        §Access): every prompt token, cached or read, and every generated one."""
+        from tests.harness import start_crossbar
+
+        async def go() -> None:
+            host = FakeLlama(["tiny-a"])
+            host.handlers[b"/v1/chat/completions"] = _json_answer(json.dumps({"timings": TIMINGS}).encode())
+            url = await listen(self, host)
+            service, base = await start_crossbar(self, f"""
+health: {{interval: 60, timeout: 5}}
+hosts: {{a: {url}}}
+routes:
+  r:
+    hosts: [a]
+    keys: {{ci: {{secret: ci-Tq8z1-secret, limits: {{tokens_per_minute: 100000}}}}}}
+""")
+            await service.poller.when_first_round_done()
+            for _ in range(2):
+                response = await http_client(self).post(
+                    base + "/r/v1/chat/completions", b'{"model": "tiny-a"}',
+                    headers={b"Authorization": [b"Bearer ci-Tq8z1-secret"]})
+                self.assertEqual(response.code, 200)
+                await treq.content(response)
+            spent = await wait_for(lambda: service.runtime.limits.spending().get(("r", "ci")))
+            self.assertEqual((spent.tokens_minute, spent.tokens_day), (2 * 12, 2 * 12))
+
+        return ensureDeferred(go())

@@ -171,8 +171,8 @@ class RequestLog:
             self._count_tokens(record, record.figures, route, host)
 
     def _count_tokens(self, record: RequestRecord, figures: Figures, route: str, host: str) -> None:
-        """A complete answer's tokens: the metrics, the ledger behind status, and (the
-        one call site for key budgets) what the client key spent."""
+        """A complete answer's tokens: the metrics and the ledger behind status (what a
+        client key spent is counted by the exchange, ``Runtime.spend``)."""
         labels = (route, host, record.key, record.model or OTHER_MODEL)
         series = self._token_series.get(labels)
         if series is None:
@@ -191,5 +191,3 @@ class RequestLog:
             series[3].observe(figures.generation_speed)
         if self.tokens is not None:
             self.tokens.add(route, host, figures.prompt, figures.cached, figures.generated)
-        # Key limits (§Several crossbars: what each key has spent) hook in here:
-        # spend(record.key, figures.prompt + figures.cached + figures.generated).

@@ -624,9 +624,11 @@ class Exchange:
         self.phase = Phase.ENDED
         self.release_host()
         self.runtime.end(self)
-        # Key limits (DESIGN.md §Access): once an answer's token figures are read
-        # (§"What the answers say"), its tokens are counted here with
-        # self.runtime.spend(route name, self.key, prompt + generated tokens).
+        figures = self.figures
+        if figures is not None and self.key and self.route is not None:
+            # Key limits (DESIGN.md §Access): the answer's tokens (§"What the answers
+            # say"): every prompt token, cached or read, and every generated one.
+            self.runtime.spend(self.route.name, self.key, figures.prompt + figures.cached + figures.generated)
         self.proxy.requests.write(RequestRecord(
             route=self.route.name if self.route is not None else NO_ROUTE,
             host=self.host or "",
