@@ -19,7 +19,7 @@ from twisted.internet.task import deferLater
 from twisted.trial.unittest import TestCase
 from twisted.web.server import Site
 
-from crossbar.proxy.exchange import STALE_WINDOW
+from crossbar.proxy.attempt import STALE_WINDOW
 from tests.harness import FakeLlama, http_client, listen, start_routes, wait_for
 from tests.logs import LogCapture
 from tests.raw import connect_raw, post_bytes

@@ -11,7 +11,7 @@ from twisted.trial.unittest import TestCase
 from twisted.web.http_headers import Headers
 from twisted.web.server import Request
 
-from crossbar.proxy.exchange import HOP_BY_HOP, hop_by_hop_names
+from crossbar.proxy.headers import HOP_BY_HOP, hop_by_hop_names
 from tests.harness import two_hosts, upstream_requests
 from tests.logs import LogCapture
 from tests.raw import complete, parse_responses, raw_exchange, request_bytes

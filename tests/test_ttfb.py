@@ -11,7 +11,6 @@ was sent at 2 s, and the exchange records a ttfb of 1 s.
 
 from __future__ import annotations
 
-from io import BytesIO
 from typing import Any
 
 from twisted.internet.defer import Deferred
@@ -22,7 +21,6 @@ from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.client import URI, Agent, HTTPConnectionPool
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgent
-from twisted.web.server import Request
 from twisted.web.test.requesthelper import DummyChannel
 from zope.interface import implementer
 
@@ -30,6 +28,9 @@ from crossbar.proxy.attempt import Answer, Attempt
 from crossbar.config import parse_config
 from crossbar.ops.metrics import Metrics
 from crossbar.proxy.exchange import ProxyResource
+from crossbar.proxy.head import RequestHead
+from crossbar.proxy.peek import peek
+from crossbar.proxy.web import CrossbarRequest
 from crossbar.ops.record import RequestLog, RequestRecord
 from crossbar.state.runtime import Runtime
 from crossbar.upstream.pools import ConnectTracker
@@ -135,12 +136,12 @@ class ExchangeTTFBTests(SynchronousTestCase):
         log = RecordingLog()
         proxy = ProxyResource(runtime, pools, clock, log)  # type: ignore[arg-type]
 
-        request = Request(DummyChannel())
+        request = CrossbarRequest(DummyChannel())
         request.method = b"POST"
         request.uri = request.path = b"/r/v1/chat/completions"
         request.clientproto = b"HTTP/1.1"
-        request.content = BytesIO(BODY)
         request.requestHeaders.setRawHeaders(b"Content-Type", [b"application/json"])
+        request.head = RequestHead.parse(config, request.method, request.uri).with_body([BODY], peek(BODY))
         proxy.render(request)
 
         clock.advance(CONNECT_DELAY)

@@ -10,35 +10,24 @@
 
 from __future__ import annotations
 
-import re
 from typing import Any
 from urllib.parse import unquote_to_bytes
 
 from twisted.web.resource import IResource, Resource
 from twisted.web.server import Request, Site
 
-from crossbar.proxy.access import check_key
-from crossbar.proxy.channel import HeadDeadlineChannel
-from crossbar.proxy.connections import OverLimit, connection_limit
-from crossbar.proxy.cors import cors_headers
-from crossbar.config import Config
-from crossbar.ops.record import NO_ROUTE, RequestLog, RequestRecord
 from crossbar.errors import json_error_bytes
+from crossbar.ops.record import NO_ROUTE, RequestLog, RequestRecord
+from crossbar.proxy.channel import HeadDeadlineChannel
+from crossbar.proxy.head import Refusal, RequestHead, check_on_head
 from crossbar.proxy.request import CappedRequest
-from crossbar.proxy.routing import split_route, split_target
 from crossbar.state.runtime import Runtime
 
-__all__ = ["METHODS", "CrossbarRequest", "CrossbarSite", "Root"]
+__all__ = ["CrossbarRequest", "CrossbarSite", "Root"]
 
 
-METHODS = (b"GET", b"HEAD", b"POST", b"PUT", b"PATCH", b"DELETE", b"OPTIONS")
-"""The methods crossbar serves, exact case; any other is refused 405 on the head
-(DESIGN.md §The proxy, rule 9): ``trace`` as well as ``TRACE``, ``CONNECT``, ``BREW``."""
-
-_ALLOW = b", ".join(METHODS)
-
-_HOST_VALUE = re.compile(rb"\A[\x21-\x7e]*\Z")
-"""A ``Host`` value: visible ASCII (RFC 9110 §7.2: a uri-host and port), empty allowed."""
+_PHRASES = {400: b"Bad Request", 401: b"Unauthorized"}
+"""The reason phrases of the refusals made on the head."""
 
 
 
@@ -72,50 +61,46 @@ class _JSONError(Resource):
 
     def render(self, request: Request) -> bytes:
         request.setResponseCode(self._code)
-        for name, value in cors_headers(request.requestHeaders):
-            request.setHeader(name, value)
         request.setHeader(b"Content-Type", b"application/json")
         return self._body
 
 
 class CrossbarRequest(CappedRequest):
     """A capped request that says no ``Server: TwistedWeb/x.y`` (crossbar's answers
-    reveal no version), is checked against a keyed route's keys on its head (DESIGN.md
-    §Access) and records what it refuses (DESIGN.md §The proxy, rule 8).
+    reveal no version), builds its :class:`~crossbar.proxy.head.RequestHead` once when
+    the head is complete, applies the rules decided on the head
+    (:func:`~crossbar.proxy.head.check_on_head`: ``Host``, no route, the key of
+    DESIGN.md §Access) and records what it refuses (DESIGN.md §The proxy, rule 8).
 
-    :ivar config: the config current when the request head was complete: the request is
-        checked and served under it alone, whatever a reload does meanwhile.
-    :ivar key_name: the name of the client key the request presented on a keyed route,
-        else "".
+    :ivar head: the request's head, parsed under the config current when it was
+        complete (the request is checked and served under it alone, whatever a reload
+        does meanwhile); its body and peek are added before the request is processed.
+        None until the head is complete, and on a site that is not crossbar's.
     """
 
-    config: Config | None = None
-    key_name = ""
+    head: RequestHead | None = None
 
     def gotLength(self, length: int | None) -> None:
-        """On the head, in this order: the method (rule 9), the ``Host`` header (RFC 9112 §3.2: exactly one
-        in HTTP/1.1, visible ASCII), an asterisk-form target (no route), the key
-        (DESIGN.md §Access), then the body's size (rule 4): each refused at once."""
+        """On the head: build :attr:`head`, check it (each refusal answered at once),
+        then the body's size (rule 4)."""
         site = getattr(self.channel, "site", None)
         if self.refused or not isinstance(site, CrossbarSite):
             return super().gotLength(length)
-        self.config = config = site.runtime.config
-        method, target = self.head_line()
-        if method not in METHODS:
-            return self.refuse(405, b"Method Not Allowed", "method not allowed", ((b"Allow", _ALLOW),))
-        hosts = self.requestHeaders.getRawHeaders(b"host") or []
-        version = self.channel.request_version() if isinstance(self.channel, HeadDeadlineChannel) else b""
-        if len(hosts) > 1 or (not hosts and version == b"HTTP/1.1") or any(
-                _HOST_VALUE.match(h) is None for h in hosts):
-            return self.refuse(400, b"Bad Request", "bad host header")
-        if target == b"*":
-            return self.refuse(400, b"Bad Request", "missing route")
-        verdict = check_key(config, method, target, self.requestHeaders.getRawHeaders(b"authorization"),
-                            has_body=length != 0, x_api_key=self.requestHeaders.getRawHeaders(b"x-api-key"))
-        if verdict is None:
-            return self.refuse(401, b"Unauthorized", "invalid api key", ((b"WWW-Authenticate", b"Bearer"),))
-        self.key_name = verdict
+        head = self.head = RequestHead.parse(site.runtime.config, *self.head_line())
+        channel = self.channel
+        version = channel.request_version() if isinstance(channel, HeadDeadlineChannel) else b""
+        headers = self.requestHeaders
+        verdict = check_on_head(head, headers.getRawHeaders(b"host") or [], version,
+                                headers.getRawHeaders(b"authorization"), has_body=length != 0)
+        if isinstance(verdict, Refusal):
+            return self.refuse(verdict.code, _PHRASES[verdict.code], verdict.message, verdict.headers)
+        self.head = head.with_key(verdict)
         super().gotLength(length)
+
+    def process(self) -> None:
+        if self.head is not None and not self.refused:
+            self.head = self.head.with_body(self.body_chunks, self.peeked)
+        super().process()
 
     def render(self, resrc: IResource) -> None:
         self.responseHeaders.removeHeader(b"server")
@@ -129,8 +114,8 @@ class CrossbarRequest(CappedRequest):
     def refused_answer(self, code: int, body_bytes: int) -> None:
         site = getattr(self.channel, "site", None)
         if isinstance(site, CrossbarSite):
-            method, target = self.head_line()
-            site.record_early_answer(method, target, code, body_bytes, key=self.key_name)
+            head = self.head or RequestHead.parse(site.runtime.config, *self.head_line())
+            site.record_head_answer(head, code, body_bytes)
 
 
 class CrossbarSite(Site):
@@ -153,33 +138,23 @@ class CrossbarSite(Site):
         self.requests = requests
         self.open_channels: set[HeadDeadlineChannel] = set()
         """Client connections now open (each channel adds and removes itself)."""
-        self.max_connections = connection_limit()
-        """Client connections this process keeps open at once (from ``RLIMIT_NOFILE``,
-        :func:`~crossbar.proxy.connections.connection_limit`); one more is answered 503
-        and closed at once (DESIGN.md §The proxy, rule 9)."""
-
-    def buildProtocol(self, addr: Any) -> Any:
-        if len(self.open_channels) >= self.max_connections:
-            refuse = OverLimit()
-            refuse.factory = self
-            return refuse
-        return super().buildProtocol(addr)
 
     def log(self, request: Any) -> None:
         pass
 
-    def record_early_answer(self, method: bytes, uri: bytes, status: int, body_bytes: int, key: str = "") -> None:
-        """Record an answer made before any resource saw the request: a 413 for a body
-        over the limit, a 401, a 400 for a request Twisted cannot parse (``uri`` may be
-        b""); ``key`` names the valid client key it presented, if any."""
-        path, _ = split_target(uri)
-        split = split_route(path) if path else None
-        route, rest = NO_ROUTE, b""
-        if split is not None and split[0] in self.runtime.config.routes:
-            route, rest = split
+    def record_early_answer(self, method: bytes, uri: bytes, status: int, body_bytes: int) -> None:
+        """Record an answer made before the request head was complete: a 400 for a
+        request Twisted cannot parse (``uri`` may be b"")."""
+        self.record_head_answer(RequestHead.parse(self.runtime.config, method, uri), status, body_bytes)
+
+    def record_head_answer(self, head: RequestHead, status: int, body_bytes: int) -> None:
+        """Record an answer made before any resource saw the request ``head``: a 413
+        for a body over the limit, a 401, a 400 on the head."""
+        route = head.route_label
+        rest = head.rest if route != NO_ROUTE else b""
         self.requests.write(RequestRecord(
-            route=route, host="", method=method.decode("latin-1"), path=rest.decode("latin-1"),
-            target=path.decode("latin-1"), status=status, bytes=body_bytes, duration=0.0, key=key,
+            route=route, host="", method=head.method.decode("latin-1"), path=rest.decode("latin-1"),
+            target=head.path.decode("latin-1"), status=status, bytes=body_bytes, duration=0.0, key=head.key,
         ))
 
     def stop_keep_alive(self) -> int:

@@ -1,0 +1,63 @@
+"""What the exchange writes to the client's connection (DESIGN.md §The proxy, rules 6,
+7 and 9; §Operations for the drain).
+
+The mechanics of a Twisted ``Request``: crossbar's own JSON answers, the relayed
+answer's head, ``Connection: close`` during a drain, and cutting a connection so the
+client sees a truncated answer. The exchange decides; these functions write.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twisted.web.iweb import IResponse
+from twisted.web.server import Request
+
+from crossbar.proxy.headers import HOST_HEADER, answer_headers, relayable_phrase
+
+__all__ = ["abort_connection", "close_if_draining", "write_head", "write_json"]
+
+_PHRASES = {429: b"Too Many Requests"}  # codes twisted.web has no phrase for
+
+
+def close_if_draining(request: Request, draining: bool) -> None:
+    """During a drain, answer with ``Connection: close`` and close after it."""
+    if not draining:
+        return
+    request.responseHeaders.setRawHeaders(b"Connection", [b"close"])
+    channel = request.channel
+    if channel is not None:
+        channel.persistent = False
+
+
+def write_json(request: Request, code: int, body: bytes, retry_after: bool, draining: bool) -> int:
+    """Answer ``code`` with the JSON ``body`` and finish; ``retry_after`` adds
+    ``Retry-After: 1`` (busy answers). Returns the body bytes sent (0 for HEAD)."""
+    request.setResponseCode(code, _PHRASES.get(code))
+    request.responseHeaders.removeHeader(b"server")
+    if retry_after:
+        request.setHeader(b"Retry-After", b"1")
+    request.setHeader(b"Content-Type", b"application/json")
+    request.setHeader(b"Content-Length", str(len(body)).encode("ascii"))
+    close_if_draining(request, draining)
+    request.write(body)
+    request.finish()
+    return 0 if request.method == b"HEAD" else len(body)
+
+
+def write_head(request: Request, response: IResponse, host: str, draining: bool) -> None:
+    """Send the host's answer head to the client at once, before any body byte
+    (DESIGN.md §Quality bar): its status and headers (rule 6) and ``X-Crossbar-Host``."""
+    request.setResponseCode(response.code, relayable_phrase(response.phrase))
+    request.responseHeaders.removeHeader(b"server")
+    answer_headers(response, request.responseHeaders, request.method)
+    close_if_draining(request, draining)
+    request.responseHeaders.setRawHeaders(HOST_HEADER, [host.encode("utf-8")])
+    request.write(b"")  # the head goes out now, not with the first body chunk
+
+
+def abort_connection(request: Request) -> None:
+    """Cut the client's connection: it sees a truncated answer, never a clean end."""
+    transport: Any = request.channel.transport if request.channel is not None else None
+    if transport is not None:
+        transport.abortConnection()

@@ -1,0 +1,180 @@
+"""One request head, parsed once, and the rules decided on it (DESIGN.md §The proxy,
+rules 1-4; §Access).
+
+A :class:`RequestHead` is built once, when the request head is complete
+(:meth:`crossbar.proxy.web.CrossbarRequest.gotLength`), from the config current then:
+the route, the rest of the path, the query, the method and the client key. The body's
+chunks and what the peek found are added once the body is in
+(:meth:`RequestHead.with_body`). The exchange, access and the early-answer records read
+it; nothing parses the request target again.
+
+Where each of rules 1-4 lives:
+
+- on the head, before any body byte is read (:func:`check_on_head`): a ``Host``
+  header that is missing, repeated or not visible ASCII, and an asterisk-form target
+  (400); rule 2's keys (401, with :func:`crossbar.proxy.access.check_key`);
+- rule 4's size limit (413), while the body arrives:
+  :class:`crossbar.proxy.request.CappedRequest`, which also feeds the peek;
+- once the body is in (:func:`check_path`): rule 1 (400 ``missing route``), rule 2's
+  404 ``unknown route``, rule 3 (400 ``bad path``, 404 ``not found``; the pure path
+  checks are :mod:`crossbar.proxy.routing`), and methods never forwarded (405);
+- rule 4's model: :attr:`RequestHead.model` (the peek's, else the route's
+  ``default_model``).
+
+A keyed client's ``max_inflight`` (429, §Access) depends on the requests in flight: the
+exchange checks it when it starts (:meth:`crossbar.proxy.exchange.Exchange.start`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+from crossbar.config import Config, Route
+from crossbar.ops.record import NO_ROUTE
+from crossbar.proxy.access import check_key
+from crossbar.proxy.peek import NOTHING, Peeked
+from crossbar.proxy.request import NO_BODY_METHODS
+from crossbar.proxy.routing import has_dot_segment, is_allowed, is_forwardable, split_route, split_target
+
+__all__ = [
+    "MODELS_PATH", "REFUSED_METHODS", "Refusal", "RequestHead", "check_on_head", "check_path",
+]
+
+MODELS_PATH = b"/v1/models"
+"""Answered by crossbar from the health table (DESIGN.md §The proxy, rule 10)."""
+
+REFUSED_METHODS = frozenset({b"TRACE", b"CONNECT"})
+"""Never forwarded (405): a TRACE echoed by a host would show the client the host's
+``api_key`` crossbar added (DESIGN.md §Access; RFC 9110 §9.3.8), and a CONNECT is not
+a request for a path (§9.3.6)."""
+
+_HOST_VALUE = re.compile(rb"\A[\x21-\x7e]*\Z")
+"""A ``Host`` value: visible ASCII (RFC 9110 §7.2: a uri-host and port), empty allowed."""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """An answer crossbar makes itself instead of forwarding: ``code`` and the JSON
+    error ``message`` (DESIGN.md rule 9), with extra ``headers``."""
+
+    code: int
+    message: str
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+
+
+@dataclass(frozen=True)
+class RequestHead:
+    """One request's head, as parsed once (see the module docstring).
+
+    :ivar method: the request method, as sent.
+    :ivar path: the request path as received (route included), never the query.
+    :ivar query: the query string with its leading ``?``, or b"": forwarded as it is,
+        never logged or kept (DESIGN.md rule 8).
+    :ivar route_name: the first path segment (rule 1), or None when there is none.
+    :ivar rest: the path after the route segment, starting with ``/`` (b"" with no route).
+    :ivar config: the config current when the head was complete: the request is
+        checked and served under it (§Access: one config per request).
+    :ivar key: the name of the client key presented on a keyed route, else "".
+    :ivar peeked: the peek of the body (rule 4), :data:`~crossbar.proxy.peek.NOTHING`
+        until the body is in, and for GET and HEAD.
+    :ivar chunks: the body as it arrived, chunk by chunk; empty until it is in.
+    """
+
+    method: bytes
+    path: bytes
+    query: bytes = field(repr=False)
+    route_name: str | None
+    rest: bytes
+    config: Config = field(repr=False)
+    key: str = ""
+    peeked: Peeked = NOTHING
+    chunks: tuple[bytes, ...] = field(default=(), repr=False)
+
+    @classmethod
+    def parse(cls, config: Config, method: bytes, target: bytes) -> RequestHead:
+        """The head of ``method target`` under ``config`` (its key not checked yet)."""
+        path, query = split_target(target)
+        split = split_route(path)
+        route_name, rest = split if split is not None else (None, b"")
+        return cls(method, path, query, route_name, rest, config)
+
+    @property
+    def route(self) -> Route | None:
+        """The configured route the request names, or None."""
+        return None if self.route_name is None else self.config.routes.get(self.route_name)
+
+    @property
+    def route_label(self) -> str:
+        """The route a record names: the configured route, else :data:`NO_ROUTE`
+        (label values come only from the config)."""
+        return NO_ROUTE if self.route is None else self.route.name
+
+    @property
+    def model(self) -> str | None:
+        """The model the request wants (rule 4): the body's, else the route's
+        ``default_model``."""
+        model = self.peeked.model
+        if model is None and self.route is not None:
+            return self.route.default_model
+        return model
+
+    @property
+    def body(self) -> Sequence[bytes] | None:
+        """The body to forward: the chunks, or None for a GET or HEAD without one
+        (a body a client sends with one is forwarded, never peeked; rule 6)."""
+        if self.method in NO_BODY_METHODS and not self.chunks:
+            return None
+        return self.chunks
+
+    def with_key(self, key: str) -> RequestHead:
+        """This head with the client key ``key`` found on it."""
+        return replace(self, key=key)
+
+    def with_body(self, chunks: Sequence[bytes], peeked: Peeked) -> RequestHead:
+        """This head with its body in: ``chunks`` and what the peek found in them."""
+        return replace(self, chunks=tuple(chunks), peeked=peeked)
+
+
+def check_on_head(
+    head: RequestHead, hosts: Sequence[bytes], version: bytes, authorization: Sequence[bytes] | None,
+    has_body: bool,
+) -> str | Refusal:
+    """The rules decided on the request head, before any body byte is read, in this
+    order: the ``Host`` header (RFC 9112 §3.2: exactly one in HTTP/1.1, visible ASCII),
+    an asterisk-form target (rule 1: no route), the key (rule 2, §Access).
+
+    :param hosts: every ``Host`` value; :param version: the request line's version.
+    :param authorization: every ``Authorization`` value, or None.
+    :param has_body: the request announced a body (a CORS preflight never has one).
+    :returns: the name of the key presented ("" where none is needed), or the refusal.
+    """
+    if len(hosts) > 1 or (not hosts and version == b"HTTP/1.1") or any(
+            _HOST_VALUE.match(h) is None for h in hosts):
+        return Refusal(400, "bad host header")
+    if head.path == b"*":
+        return Refusal(400, "missing route")
+    key = check_key(head.route, head.method, authorization, has_body=has_body)
+    if key is None:
+        return Refusal(401, "invalid api key", ((b"WWW-Authenticate", b"Bearer"),))
+    return key
+
+
+def check_path(head: RequestHead) -> Refusal | None:
+    """Rules 1-3 on a request whose body is in, in this order: a route segment (400
+    ``missing route``), a configured route (404 ``unknown route``), a path that can be
+    forwarded as it is with no dot segment (400 ``bad path``), a path crossbar forwards
+    (404 ``not found``), a method crossbar forwards (405). None: go on."""
+    if head.route_name is None:
+        return Refusal(400, "missing route")
+    if head.route is None:
+        return Refusal(404, "unknown route")
+    rest = head.rest
+    if has_dot_segment(rest) or not is_forwardable(head.method, rest + head.query):
+        return Refusal(400, "bad path")
+    if not is_allowed(rest):
+        return Refusal(404, "not found")
+    if head.method in REFUSED_METHODS:
+        return Refusal(405, "method not allowed")
+    return None

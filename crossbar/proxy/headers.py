@@ -1,0 +1,109 @@
+"""The headers of a proxied request and its answer (DESIGN.md §The proxy, rule 6;
+§Access for ``Authorization``).
+
+Pure functions of their arguments: the exchange calls them with what it knows (the
+client's headers, the route's keys, the host's ``api_key``, the client's address), so
+each header rule is unit-tested without a socket.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import IResponse
+
+__all__ = [
+    "HOP_BY_HOP", "HOST_HEADER", "answer_headers", "hop_by_hop_names", "relayable_phrase",
+    "upstream_headers",
+]
+
+HOST_HEADER = b"X-Crossbar-Host"
+"""Set on every proxied answer: the name of the host that answered (DESIGN.md rule 6)."""
+
+HOP_BY_HOP = frozenset(
+    {
+        b"connection", b"keep-alive", b"proxy-authenticate", b"proxy-authorization",
+        b"proxy-connection", b"te", b"trailer", b"transfer-encoding", b"upgrade",
+    }
+)
+"""Hop-by-hop header names (RFC 9110 §7.6.1, plus the common ``Proxy-Connection``)."""
+
+_REPLACED_UPSTREAM = frozenset(
+    {b"host", b"content-length", b"expect", b"x-forwarded-for", b"x-forwarded-host",
+     b"x-forwarded-proto", b"forwarded"}
+)
+"""Client headers crossbar never forwards as they are: it sets its own (rule 6)."""
+
+_NO_BODY_CODES = (204, 304)
+
+
+def hop_by_hop_names(headers: Headers, connection: Iterable[bytes] = ()) -> frozenset[bytes]:
+    """The lower-cased names not to forward (DESIGN.md §The proxy, rule 6):
+    :data:`HOP_BY_HOP` and those listed in ``Connection`` -- the values in ``headers``
+    and, for an upstream answer (whose ``Connection`` Twisted keeps out of
+    ``IResponse.headers``), the raw values in ``connection``."""
+    named = {
+        token.strip().lower()
+        for value in (*headers.getRawHeaders(b"connection", []), *connection)
+        for token in value.split(b",")
+    }
+    named.discard(b"")
+    return HOP_BY_HOP | named
+
+
+def relayable_phrase(phrase: bytes) -> bytes | None:
+    """The upstream's reason phrase if it may be relayed as it is, else ``None`` (the
+    standard phrase for the code is sent instead): RFC 9112 §4 allows only HTAB, SP,
+    visible ASCII and obs-text, so a bare CR (which a lenient client could read as a
+    line end, i.e. a header injected by the host) or a NUL never reaches the client."""
+    if not phrase or any(c < 0x20 and c != 0x09 or c == 0x7F for c in phrase):
+        return None
+    return phrase
+
+
+def upstream_headers(
+    src: Headers, *, keyed: bool, api_key: str | None, client: str | None, secure: bool
+) -> Headers:
+    """The headers sent upstream (rule 6): the client's ``src``, hop-by-hop ones
+    removed, ``Host`` left to the client side (the upstream's), fresh ``X-Forwarded-*``;
+    ``Authorization`` per §Access.
+
+    :param keyed: the route has ``keys``: the client's ``Authorization`` (its crossbar
+        key) never leaves crossbar.
+    :param api_key: the host's ``api_key``: sent as ``Authorization: Bearer``, never
+        the client's; None for none.
+    :param client: the client's address (``X-Forwarded-For``, exactly it), or None.
+    :param secure: the client came over TLS (``X-Forwarded-Proto: https``).
+    """
+    drop = hop_by_hop_names(src) | _REPLACED_UPSTREAM
+    if keyed:
+        drop = drop | {b"authorization"}
+    out = Headers()
+    for name, values in src.getAllRawHeaders():
+        if name.lower() not in drop:
+            out.setRawHeaders(name, values)
+    if api_key is not None:
+        out.setRawHeaders(b"Authorization", [b"Bearer " + api_key.encode("ascii")])
+    if client:
+        out.setRawHeaders(b"X-Forwarded-For", [client.encode("ascii", "replace")])
+    host = src.getRawHeaders(b"host")
+    if host:
+        out.setRawHeaders(b"X-Forwarded-Host", [host[0]])
+    out.setRawHeaders(b"X-Forwarded-Proto", [b"https" if secure else b"http"])
+    return out
+
+
+def answer_headers(response: IResponse, out: Headers, method: bytes) -> None:
+    """Copy the upstream answer's headers onto the client's answer ``out`` (rule 6):
+    hop-by-hop ones dropped, repeated ones kept, and ``Content-Length`` kept when the
+    upstream gave one (Twisted moves it to ``response.length``), so the answer is
+    chunked only when the upstream's was. HEAD answers keep theirs in
+    ``response.headers``; 204 and 304 carry none."""
+    drop = hop_by_hop_names(response.headers, getattr(response, "upstream_connection", ()))
+    for name, values in response.headers.getAllRawHeaders():
+        if name.lower() not in drop:
+            out.setRawHeaders(name, values)
+    length = response.length
+    if isinstance(length, int) and response.code not in _NO_BODY_CODES and method != b"HEAD":
+        out.setRawHeaders(b"Content-Length", [str(length).encode("ascii")])

@@ -1,0 +1,92 @@
+"""Rule 7 as one decision (DESIGN.md §The proxy, rule 7; §Choosing a host, rule 4).
+
+:func:`decide` maps what happened to a request's upstream side -- an attempt's
+:class:`~crossbar.proxy.attempt.FailureKind` before the answer's head, a relay's
+:class:`~crossbar.proxy.relay.RelayEnd` after it, or no host left to choose
+(:attr:`~crossbar.hosts.balance.Verdict.NO_HOST`) -- and the hosts already tried to
+what the exchange does: fail over, answer an error, cut the client, finish, or nothing;
+and whether the host is marked down. It does no I/O; the exchange carries it out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Literal, Sequence
+
+from crossbar.hosts.balance import Verdict
+from crossbar.proxy.attempt import FailureKind
+from crossbar.proxy.relay import RelayEnd
+
+__all__ = ["Action", "Decision", "Event", "decide"]
+
+Event = FailureKind | RelayEnd | Literal[Verdict.NO_HOST]
+"""What happened: an attempt's failure before the head (phase ``FORWARDING``), how the
+relayed body ended (phase ``RELAYING``), or no healthy host left to choose."""
+
+
+class Action(Enum):
+    """What the exchange does next."""
+
+    FAIL_OVER = "fail over"
+    """Free the host, count it as tried, choose again among the others (may wait)."""
+    ANSWER = "answer"
+    """Answer crossbar's JSON error :attr:`Decision.code` / :attr:`Decision.message`."""
+    ABORT_CLIENT = "abort client"
+    """Cut the client's connection: it sees a truncated answer, never a clean end."""
+    FINISH = "finish"
+    """The answer ended cleanly: finish it."""
+    NOTHING = "nothing"
+    """Stopped from our side (the client left, a drain): nothing more to do."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What to do about one :data:`Event`.
+
+    :ivar action: the next step.
+    :ivar mark_down: take the host out of rotation (it really failed).
+    :ivar code: for :attr:`Action.ANSWER`, the status; :ivar message: its error text.
+    :ivar host: for :attr:`Action.ANSWER`, the host named in the JSON error, or None.
+    """
+
+    action: Action
+    mark_down: bool = False
+    code: int = 0
+    message: str = ""
+    host: str | None = None
+
+
+_FINISH = Decision(Action.FINISH)
+_NOTHING = Decision(Action.NOTHING)
+_CUT = Decision(Action.ABORT_CLIENT, mark_down=True)
+
+
+def decide(event: Event, host: str | None, tried: Sequence[str]) -> Decision:
+    """Rule 7: what to do about ``event`` on a request now at ``host`` (None before
+    one was chosen) that has already failed over from the hosts ``tried``.
+
+    - no connection (``CONNECT``): mark down, fail over;
+    - the host failed after the request was sent, before the head (``REQUEST``): mark
+      down, 502 ``upstream failed`` naming it (no retry: it may have started the work);
+    - no head within ``timeouts.first_byte``: mark down, 504 ``upstream timed out``;
+    - the host died or went silent mid-answer: mark down, cut the client;
+    - a clean end: finish; stopped from our side: nothing;
+    - no healthy host left: 502 naming the last host tried after a failover, else 503
+      ``no healthy host`` (nothing is marked down by choosing).
+    """
+    if event is Verdict.NO_HOST:
+        if tried:
+            return Decision(Action.ANSWER, code=502, message="upstream failed", host=tried[-1])
+        return Decision(Action.ANSWER, code=503, message="no healthy host")
+    if event is FailureKind.CONNECT:
+        return Decision(Action.FAIL_OVER, mark_down=True)
+    if event is FailureKind.FIRST_BYTE_TIMEOUT:
+        return Decision(Action.ANSWER, mark_down=True, code=504, message="upstream timed out")
+    if event is FailureKind.REQUEST:
+        return Decision(Action.ANSWER, mark_down=True, code=502, message="upstream failed", host=host)
+    if event is RelayEnd.COMPLETE:
+        return _FINISH
+    if event is RelayEnd.STOPPED:
+        return _NOTHING
+    return _CUT  # RelayEnd.MID_ANSWER, RelayEnd.IDLE_TIMEOUT
