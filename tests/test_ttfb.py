@@ -27,7 +27,7 @@ from zope.interface import implementer
 from crossbar.proxy.attempt import Answer, Attempt
 from crossbar.config import parse_config
 from crossbar.ops.metrics import Metrics
-from crossbar.proxy.exchange import ProxyResource
+from crossbar.proxy.resource import ProxyResource
 from crossbar.proxy.head import RequestHead
 from crossbar.proxy.peek import peek
 from crossbar.proxy.web import CrossbarRequest

@@ -28,7 +28,7 @@ from crossbar.ops.metrics import LiveCollector, Metrics
 from crossbar.ops.app import OpsApp
 from crossbar.ops.recent import TICK, RecentRequests
 from crossbar.hosts.poller import HealthPoller, HTTPProbe
-from crossbar.proxy.exchange import ProxyResource
+from crossbar.proxy.resource import ProxyResource
 from crossbar.ops.record import RequestLog
 from crossbar.process.reload import REFUSED, SIGHUPReload, catch_second_stop_signal, next_config, plan_reload
 from crossbar.state.cluster import ClusterCollector, RedisCluster

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from twisted.internet.address import IPv4Address, IPv6Address
+from twisted.web.http_headers import Headers
 from twisted.web.iweb import IResponse
 from twisted.web.server import Request
 
-from crossbar.proxy.headers import HOST_HEADER, answer_headers, relayable_phrase
+from crossbar.proxy.headers import HOST_HEADER, answer_headers, relayable_phrase, upstream_headers
 
-__all__ = ["abort_connection", "close_if_draining", "write_head", "write_json"]
+__all__ = ["abort_connection", "close_if_draining", "forwarded_headers", "write_head", "write_json"]
 
 _PHRASES = {429: b"Too Many Requests"}  # codes twisted.web has no phrase for
 
@@ -61,3 +63,13 @@ def abort_connection(request: Request) -> None:
     transport: Any = request.channel.transport if request.channel is not None else None
     if transport is not None:
         transport.abortConnection()
+
+
+def forwarded_headers(request: Request, keyed: bool, api_key: str | None) -> Headers:
+    """The headers to send upstream for ``request`` (rule 6,
+    :func:`~crossbar.proxy.headers.upstream_headers`): its client's address and whether
+    it came over TLS read from the connection."""
+    client = request.getClientAddress()
+    return upstream_headers(
+        request.requestHeaders, keyed=keyed, api_key=api_key, secure=request.isSecure(),
+        client=client.host if isinstance(client, (IPv4Address, IPv6Address)) else None)
