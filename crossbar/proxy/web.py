@@ -1,11 +1,10 @@
-"""Web plumbing: the site, its request class, the root resource and the listener
-(DESIGN.md §Shape).
+"""Web plumbing: the site, its request class and the root resource (DESIGN.md §Shape).
 
 :class:`CrossbarSite` is a ``twisted.web`` ``Site`` whose root (:class:`Root`) sends
 ``/_crossbar/...`` to the ops app and every other path to the proxy. Its requests are
-:class:`CrossbarRequest` (bodies capped, no ``Server`` header), its connections
-:class:`~crossbar.proxy.channel.HeadDeadlineChannel`. :class:`ListenService` listens on the
-``listen`` endpoint while running.
+:class:`CrossbarRequest` (bodies capped, no ``Server`` header; the request head built
+once as a :class:`~crossbar.proxy.head.RequestHead` and checked on the head), its
+connections :class:`~crossbar.proxy.channel.HeadDeadlineChannel`.
 """
 
 from __future__ import annotations
