@@ -1,5 +1,5 @@
 """Issue 17: a request's record is written before its freed host slot dispatches a
-waiting request (DESIGN.md §The proxy, rule 8; §Choosing a host, rule 4), so its
+waiting request (docs/design.md §The proxy, rule 8; §Choosing a host, rule 4), so its
 duration never includes another request's dispatch.
 
 Unit level, on a :class:`~twisted.internet.task.Clock`, with the real exchange, queue,

@@ -1,4 +1,4 @@
-"""One request head (issue 17; DESIGN.md §The proxy, rules 1-4, §Access): parsed once,
+"""One request head (issue 17; docs/design.md §The proxy, rules 1-4, §Access): parsed once,
 the checks on the head and on the whole request in their order, the body and model."""
 
 from __future__ import annotations
@@ -6,7 +6,8 @@ from __future__ import annotations
 from twisted.trial.unittest import SynchronousTestCase
 
 from crossbar.config import parse_config
-from crossbar.proxy.head import Refusal, RequestHead, check_on_head, check_path
+from crossbar.paths import PathKind
+from crossbar.proxy.head import Refusal, RequestHead, check_on_head, check_path, wanted_model
 from crossbar.proxy.peek import NOTHING, Peeked
 
 _CONFIG = """\
@@ -17,6 +18,7 @@ routes:
   open:
     hosts: [a]
     default_model: tiny
+    aliases: {gpt-4o: tiny-a}
   keyed:
     hosts: [a]
     keys:
@@ -63,18 +65,28 @@ class HeadTests(SynchronousTestCase):
             (b"/", b"POST", Refusal(400, "missing route")),
             (b"/nope/v1/../x", b"POST", Refusal(404, "unknown route")),
             (b"/open/v1/%2e%2e/slots", b"POST", Refusal(400, "bad path")),
-            (b"/open/slots", b"POST", Refusal(404, "not found")),
-            (b"/open/v1/x", b"TRACE", Refusal(405, "method not allowed")),
-            (b"/open/v1/chat/completions", b"POST", None),
+            (b"/open/slots", b"TRACE", Refusal(405, "method not allowed")),
+            (b"/open/slots", b"POST", Refusal(403, "forbidden path")),
+            (b"/open/v1/slots", b"GET", Refusal(403, "forbidden path")),
+            (b"/open/nowhere", b"POST", Refusal(404, "not found")),
+            (b"/open/v1/chat/completions", b"POST", PathKind.FORWARD),
+            (b"/open/infill", b"POST", PathKind.FORWARD),
+            (b"/open/v1/models", b"GET", PathKind.MODEL_LIST),
+            (b"/open/models", b"HEAD", PathKind.MODEL_LIST),
         ]
         for target, method, expected in cases:
             self.assertEqual(check_path(self.head(target, method)), expected, target)
 
     def test_body_and_model(self) -> None:
-        head = self.head(b"/open/v1/chat/completions")
-        self.assertEqual((head.body, head.model, head.peeked), ((), "tiny", NOTHING))
+        route = self.config.routes["open"]
+        head = self.head(b"/open/v1/chat/completions?x=1")
+        self.assertEqual((head.body, wanted_model(head, route), head.peeked), ((), ("tiny", b"?x=1"), NOTHING))
         full = head.with_key("k").with_body([b"a", b"b"], Peeked("m", "k:1"))
-        self.assertEqual((full.body, full.model, full.key), ((b"a", b"b"), "m", "k"))
+        self.assertEqual((full.body, wanted_model(full, route), full.key), ((b"a", b"b"), ("m", b"?x=1"), "k"))
+        aliased = head.with_body([b"{}"], Peeked("gpt-4o", None))
+        self.assertEqual(wanted_model(aliased, route), ("tiny-a", b"?x=1"), "a body's alias: the body is not rewritten")
+        props = self.head(b"/open/props?model=gpt-4o&x=1", b"GET")
+        self.assertEqual(wanted_model(props, route), ("tiny-a", b"?model=tiny-a&x=1"), "a query's alias is rewritten")
         self.assertEqual(head.body, (), "the head it came from is unchanged")
         get = self.head(b"/open/health", b"GET")
         self.assertIsNone(get.body)

@@ -1,4 +1,4 @@
-"""Rule 7 as one decision (DESIGN.md §The proxy, rule 7): :func:`crossbar.proxy.policy.decide`
+"""Rule 7 as one decision (docs/design.md §The proxy, rule 7): :func:`crossbar.proxy.policy.decide`
 on every event, without sockets."""
 
 from __future__ import annotations
@@ -42,8 +42,13 @@ class DecideTests(SynchronousTestCase):
         self.assertEqual(decide(Verdict.NO_HOST, None, ["a", "b"]),
                          Decision(Action.ANSWER, code=502, message="upstream failed", host="b"))
 
+    def test_no_host_serves_the_model(self) -> None:
+        for tried in ([], ["a"]):
+            self.assertEqual(decide(Verdict.NO_MODEL, None, tried),
+                             Decision(Action.ANSWER, code=404, message="model not found"))
+
     def test_only_real_host_failures_mark_down(self) -> None:
-        events = [*FailureKind, *RelayEnd, Verdict.NO_HOST]
+        events = [*FailureKind, *RelayEnd, Verdict.NO_HOST, Verdict.NO_MODEL]
         marked = {e for e in events if decide(e, "a", []).mark_down}  # type: ignore[arg-type]
         self.assertEqual(marked, {FailureKind.CONNECT, FailureKind.REQUEST, FailureKind.FIRST_BYTE_TIMEOUT,
                                   RelayEnd.MID_ANSWER, RelayEnd.IDLE_TIMEOUT})

@@ -1,4 +1,4 @@
-"""What the exchange writes to the client's connection (DESIGN.md §The proxy, rules 6,
+"""What the exchange writes to the client's connection (docs/design.md §The proxy, rules 6,
 7 and 9; §Operations for the drain).
 
 The mechanics of a Twisted ``Request``: crossbar's own JSON answers, the relayed
@@ -49,7 +49,7 @@ def write_json(request: Request, code: int, body: bytes, retry_after: bool, drai
 
 def write_head(request: Request, response: IResponse, host: str, draining: bool) -> None:
     """Send the host's answer head to the client at once, before any body byte
-    (DESIGN.md §Quality bar): its status and headers (rule 6) and ``X-Crossbar-Host``."""
+    (docs/design.md §Quality bar): its status and headers (rule 6) and ``X-Crossbar-Host``."""
     request.setResponseCode(response.code, relayable_phrase(response.phrase))
     request.responseHeaders.removeHeader(b"server")
     answer_headers(response, request.responseHeaders, request.method)

@@ -1,10 +1,11 @@
-"""One request's sequence through the proxy (DESIGN.md §The proxy).
+"""One request's sequence through the proxy (docs/design.md §The proxy).
 
 Each request is one :class:`Exchange`, moving through the phases of
 :mod:`crossbar.proxy.phase`. It only sequences; where each rule lives:
 
-- rules 1-4: :mod:`crossbar.proxy.head` (the head parsed once; every check in order);
-  the 413 and the peek in :class:`crossbar.proxy.request.CappedRequest`;
+- rules 1-4 and §Model names: :mod:`crossbar.proxy.head` (the head parsed once; every
+  check in order; :func:`~crossbar.proxy.head.wanted_model`); the 413 and the peek in
+  :class:`crossbar.proxy.request.CappedRequest`;
 - rule 5: :meth:`Exchange.forward` (:func:`crossbar.hosts.balance.choose`, the queue);
 - rule 6: :mod:`crossbar.proxy.headers` (pure), :mod:`crossbar.proxy.client` (writes
   to the client), :class:`crossbar.proxy.relay.Relay` (the body);
@@ -33,13 +34,13 @@ from crossbar.hosts.balance import Chosen, Verdict, choose
 from crossbar.ops.record import NO_ROUTE
 from crossbar.proxy.attempt import Answer, Attempt, UpstreamFailed
 from crossbar.proxy.client import abort_connection, forwarded_headers, write_head, write_json
-from crossbar.proxy.head import MODELS_PATH, RequestHead, check_path
+from crossbar.paths import PathKind
+from crossbar.proxy.head import Refusal, RequestHead, check_path, wanted_model
 from crossbar.proxy.modellist import route_models
 from crossbar.proxy.place import QueuePlace
 from crossbar.proxy.phase import LIVE, NEXT, Phase, acts_in
 from crossbar.proxy.policy import Action, Decision, decide
 from crossbar.proxy.relay import Relay, RelayEnd
-from crossbar.proxy.request import NO_BODY_METHODS
 from crossbar.proxy.tally import Tally
 from crossbar.state.inflight import Lease
 from crossbar.upstream.hosturl import host_url
@@ -53,7 +54,7 @@ _log = Logger(namespace="crossbar.proxy")
 
 
 class Exchange:
-    """One proxied request, from ``render`` to its record (DESIGN.md §The proxy).
+    """One proxied request, from ``render`` to its record (docs/design.md §The proxy).
 
     :param head: the request's head, checked under the config current when it was
         complete; the request is served under that config (one still waiting in a queue
@@ -65,6 +66,8 @@ class Exchange:
         self.runtime, self.clock = proxy.runtime, proxy.clock
         self.config: Config = head.config
         self.route: Route | None = head.route
+        self.model: str | None = None
+        self.query = head.query
         self.tally = Tally(head, proxy.requests, self.clock.seconds)
         self.phase = Phase.ROUTING
         self.tried: list[str] = []
@@ -95,15 +98,16 @@ class Exchange:
         ``max_inflight`` (429, §Access), then forward."""
         self.request.notifyFinish().addErrback(self.on_client_gone)
         head = self.head
-        refusal = check_path(head)
-        if refusal is not None:
-            return self.answer_error(refusal.code, refusal.message)
+        checked = check_path(head)
+        if isinstance(checked, Refusal):
+            return self.answer_error(checked.code, checked.message)
         assert self.route is not None
-        if head.rest == MODELS_PATH and head.method in NO_BODY_METHODS:
+        if checked is PathKind.MODEL_LIST:
             doc = route_models(self.route, self.runtime.table.all())
             if doc is None:
                 return self.answer_error(503, "no healthy host")
             return self.answer_json(200, json.dumps(doc).encode("utf-8"))
+        self.model, self.query = wanted_model(head, self.route)
         if head.key and not self.runtime.key_admits(self.route, head.key):
             return self.answer_error(429, "too many requests", retry_after=True)
         self.runtime.begin(self)
@@ -116,7 +120,7 @@ class Exchange:
         """Rules 1-3 of §Choosing a host for this request, among the hosts not tried."""
         assert self.route is not None
         runtime, head = self.runtime, self.head
-        return choose(self.route, self.config.hosts, runtime.table.all(), runtime.inflight.host, head.model,
+        return choose(self.route, self.config.hosts, runtime.table.all(), runtime.inflight.host, self.model,
                       head.peeked.affinity_key, runtime.rotation, exclude=self.tried)
 
     def forward(self, waiting: bool = False) -> bool:
@@ -135,7 +139,8 @@ class Exchange:
         return True
 
     def dispatch(self, chosen: Chosen) -> None:
-        """Count the request against ``chosen.host`` and send it there (rules 6-7)."""
+        """Count the request against ``chosen.host`` and send it there (rules 6-7): the
+        head's body as it came, the query as :func:`~crossbar.proxy.head.wanted_model` gave it."""
         assert self.route is not None
         self._enter(Phase.FORWARDING)
         if not self.tried:
@@ -144,7 +149,7 @@ class Exchange:
         self.lease = self.runtime.inflight.enter(self.route.name, chosen.host)
         host = self.config.hosts[chosen.host]
         headers = forwarded_headers(self.request, keyed=bool(self.route.keys), api_key=host.api_key)
-        target = host_url(host.url).target(self.head.rest + self.head.query)
+        target = host_url(host.url).target(self.head.rest + self.query)
         self.attempt = Attempt(self.proxy.pools, self.clock, self.head.method, target, headers, self.head.body,
                                self.config.timeouts.first_byte).start()
         self.attempt.addCallbacks(self.on_answer, self.on_attempt_failed)

@@ -1,4 +1,4 @@
-"""One request head, parsed once, and the rules decided on it (DESIGN.md §The proxy,
+"""One request head, parsed once, and the rules decided on it (docs/design.md §The proxy,
 rules 1-4; §Access).
 
 A :class:`RequestHead` is built once, when the request head is complete
@@ -16,10 +16,11 @@ Where each of rules 1-4 lives:
 - rule 4's size limit (413), while the body arrives:
   :class:`crossbar.proxy.request.CappedRequest`, which also feeds the peek;
 - once the body is in (:func:`check_path`): rule 1 (400 ``missing route``), rule 2's
-  404 ``unknown route``, rule 3 (400 ``bad path``, 404 ``not found``; the pure path
-  checks are :mod:`crossbar.proxy.routing`), and methods never forwarded (405);
-- rule 4's model: :attr:`RequestHead.model` (the peek's, else the route's
-  ``default_model``).
+  404 ``unknown route``, rule 3 (400 ``bad path``, 405, 403 ``forbidden path``, 404
+  ``not found``; the pure path checks are :mod:`crossbar.proxy.routing` and
+  :mod:`crossbar.paths`), and rule 10's model list;
+- rule 4's model and §Model names: :func:`wanted_model` (the peek's, the query's for a
+  GET or HEAD, else the route's ``default_model``; aliases resolved).
 
 A keyed client's ``max_inflight`` (429, §Access) depends on the requests in flight: the
 exchange checks it when it starts (:meth:`crossbar.proxy.exchange.Exchange.start`).
@@ -36,18 +37,18 @@ from crossbar.ops.record import NO_ROUTE
 from crossbar.proxy.access import check_key
 from crossbar.proxy.peek import NOTHING, Peeked
 from crossbar.proxy.request import NO_BODY_METHODS
-from crossbar.proxy.routing import has_dot_segment, is_allowed, is_forwardable, split_route, split_target
+from crossbar.paths import PathKind, classify_path
+from crossbar.proxy.routing import (
+    has_dot_segment, is_forwardable, query_model, replace_query_model, split_route, split_target,
+)
 
 __all__ = [
-    "MODELS_PATH", "REFUSED_METHODS", "Refusal", "RequestHead", "check_on_head", "check_path",
+    "REFUSED_METHODS", "Refusal", "RequestHead", "check_on_head", "check_path", "wanted_model",
 ]
-
-MODELS_PATH = b"/v1/models"
-"""Answered by crossbar from the health table (DESIGN.md §The proxy, rule 10)."""
 
 REFUSED_METHODS = frozenset({b"TRACE", b"CONNECT"})
 """Never forwarded (405): a TRACE echoed by a host would show the client the host's
-``api_key`` crossbar added (DESIGN.md §Access; RFC 9110 §9.3.8), and a CONNECT is not
+``api_key`` crossbar added (docs/design.md §Access; RFC 9110 §9.3.8), and a CONNECT is not
 a request for a path (§9.3.6)."""
 
 _HOST_VALUE = re.compile(rb"\A[\x21-\x7e]*\Z")
@@ -57,7 +58,7 @@ _HOST_VALUE = re.compile(rb"\A[\x21-\x7e]*\Z")
 @dataclass(frozen=True)
 class Refusal:
     """An answer crossbar makes itself instead of forwarding: ``code`` and the JSON
-    error ``message`` (DESIGN.md rule 9), with extra ``headers``."""
+    error ``message`` (docs/design.md §The proxy, rule 9), with extra ``headers``."""
 
     code: int
     message: str
@@ -71,7 +72,7 @@ class RequestHead:
     :ivar method: the request method, as sent.
     :ivar path: the request path as received (route included), never the query.
     :ivar query: the query string with its leading ``?``, or b"": forwarded as it is,
-        never logged or kept (DESIGN.md rule 8).
+        never logged or kept (docs/design.md §The proxy, rule 8).
     :ivar route_name: the first path segment (rule 1), or None when there is none.
     :ivar rest: the path after the route segment, starting with ``/`` (b"" with no route).
     :ivar config: the config current when the head was complete: the request is
@@ -110,15 +111,6 @@ class RequestHead:
         """The route a record names: the configured route, else :data:`NO_ROUTE`
         (label values come only from the config)."""
         return NO_ROUTE if self.route is None else self.route.name
-
-    @property
-    def model(self) -> str | None:
-        """The model the request wants (rule 4): the body's, else the route's
-        ``default_model``."""
-        model = self.peeked.model
-        if model is None and self.route is not None:
-            return self.route.default_model
-        return model
 
     @property
     def body(self) -> Sequence[bytes] | None:
@@ -161,20 +153,47 @@ def check_on_head(
     return key
 
 
-def check_path(head: RequestHead) -> Refusal | None:
+def check_path(head: RequestHead) -> Refusal | PathKind:
     """Rules 1-3 on a request whose body is in, in this order: a route segment (400
     ``missing route``), a configured route (404 ``unknown route``), a path that can be
-    forwarded as it is with no dot segment (400 ``bad path``), a path crossbar forwards
-    (404 ``not found``), a method crossbar forwards (405). None: go on."""
+    forwarded as it is with no dot segment (400 ``bad path``), a method crossbar
+    forwards (405), a path not forbidden (403 ``forbidden path``) and one crossbar
+    forwards or answers (404 ``not found``; :func:`crossbar.paths.classify_path`).
+
+    :returns: the refusal, else :attr:`~crossbar.paths.PathKind.FORWARD` or
+        :attr:`~crossbar.paths.PathKind.MODEL_LIST` (rule 10).
+    """
     if head.route_name is None:
         return Refusal(400, "missing route")
-    if head.route is None:
+    route = head.route
+    if route is None:
         return Refusal(404, "unknown route")
     rest = head.rest
     if has_dot_segment(rest) or not is_forwardable(head.method, rest + head.query):
         return Refusal(400, "bad path")
-    if not is_allowed(rest):
-        return Refusal(404, "not found")
     if head.method in REFUSED_METHODS:
         return Refusal(405, "method not allowed")
-    return None
+    kind = classify_path(head.method, rest, route.paths)
+    if kind is PathKind.FORBIDDEN:
+        return Refusal(403, "forbidden path")
+    if kind is PathKind.NOT_FOUND:
+        return Refusal(404, "not found")
+    return kind
+
+
+def wanted_model(head: RequestHead, route: Route) -> tuple[str | None, bytes]:
+    """Rule 4 and §Model names for a request of ``route``: the model it is chosen for
+    and the query it is forwarded with.
+
+    The model is the body's (the peek's), else for a GET or HEAD the query's ``model``
+    parameter, else the route's ``default_model``; an alias of the route is replaced by
+    its target (:meth:`crossbar.config.Route.resolve`), in the query too. This is where
+    a model name is rewritten for the upstream; the body is forwarded as it came.
+    """
+    query, named = head.query, head.peeked.model
+    if named is None and head.method in NO_BODY_METHODS:
+        named = query_model(query)
+        if named is not None and route.resolve(named) != named:
+            query = replace_query_model(query, route.resolve(named))
+    wanted = named if named is not None else route.default_model
+    return (None if wanted is None else route.resolve(wanted)), query

@@ -1,4 +1,4 @@
-"""The headers of a proxied request and its answer (DESIGN.md §The proxy, rule 6;
+"""The headers of a proxied request and its answer (docs/design.md §The proxy, rule 6;
 §Access for ``Authorization``).
 
 Pure functions of their arguments: the exchange calls them with what it knows (the
@@ -19,7 +19,7 @@ __all__ = [
 ]
 
 HOST_HEADER = b"X-Crossbar-Host"
-"""Set on every proxied answer: the name of the host that answered (DESIGN.md rule 6)."""
+"""Set on every proxied answer: the name of the host that answered (docs/design.md §The proxy, rule 6)."""
 
 HOP_BY_HOP = frozenset(
     {
@@ -39,7 +39,7 @@ _NO_BODY_CODES = (204, 304)
 
 
 def hop_by_hop_names(headers: Headers, connection: Iterable[bytes] = ()) -> frozenset[bytes]:
-    """The lower-cased names not to forward (DESIGN.md §The proxy, rule 6):
+    """The lower-cased names not to forward (docs/design.md §The proxy, rule 6):
     :data:`HOP_BY_HOP` and those listed in ``Connection`` -- the values in ``headers``
     and, for an upstream answer (whose ``Connection`` Twisted keeps out of
     ``IResponse.headers``), the raw values in ``connection``."""

@@ -1,4 +1,4 @@
-"""Where one exchange is, and every move it may make (DESIGN.md §The proxy).
+"""Where one exchange is, and every move it may make (docs/design.md §The proxy).
 
 :data:`NEXT` is the whole transition table of :class:`Phase`; an
 :class:`~crossbar.proxy.exchange.Exchange` moves only through it, and each of its event

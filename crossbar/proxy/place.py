@@ -1,4 +1,4 @@
-"""One request's place in its route's queue (DESIGN.md §Choosing a host, rule 4).
+"""One request's place in its route's queue (docs/design.md §Choosing a host, rule 4).
 
 A :class:`QueuePlace` is the :class:`~crossbar.state.queue.Waiter` the route's queue
 sees: it joins the queue with its ``queue.timeout``, leaves it (dispatched, answered,

@@ -1,9 +1,9 @@
-"""Rule 7 as one decision (DESIGN.md §The proxy, rule 7; §Choosing a host, rule 4).
+"""Rule 7 as one decision (docs/design.md §The proxy, rule 7; §Choosing a host, rule 4).
 
 :func:`decide` maps what happened to a request's upstream side -- an attempt's
 :class:`~crossbar.proxy.attempt.FailureKind` before the answer's head, a relay's
 :class:`~crossbar.proxy.relay.RelayEnd` after it, or no host left to choose
-(:attr:`~crossbar.hosts.balance.Verdict.NO_HOST`) -- and the hosts already tried to
+(:class:`~crossbar.hosts.balance.Verdict`) -- and the hosts already tried to
 what the exchange does: fail over, answer an error, cut the client, finish, or nothing;
 and whether the host is marked down. It does no I/O; the exchange carries it out.
 """
@@ -20,9 +20,11 @@ from crossbar.proxy.relay import RelayEnd
 
 __all__ = ["Action", "Decision", "Event", "decide"]
 
-Event = FailureKind | RelayEnd | Literal[Verdict.NO_HOST]
+Event = FailureKind | RelayEnd | Literal[Verdict.NO_HOST, Verdict.NO_MODEL]
 """What happened: an attempt's failure before the head (phase ``FORWARDING``), how the
-relayed body ended (phase ``RELAYING``), or no healthy host left to choose."""
+relayed body ended (phase ``RELAYING``), or no host left to choose (``NO_HOST``), or
+none that serves the model (``NO_MODEL``: every healthy host is in router mode and none
+lists it)."""
 
 
 class Action(Enum):
@@ -73,8 +75,11 @@ def decide(event: Event, host: str | None, tried: Sequence[str]) -> Decision:
     - the host died or went silent mid-answer: mark down, cut the client;
     - a clean end: finish; stopped from our side: nothing;
     - no healthy host left: 502 naming the last host tried after a failover, else 503
-      ``no healthy host`` (nothing is marked down by choosing).
+      ``no healthy host``; no host serves the model: 404 ``model not found``
+      (§Choosing a host rule 1; nothing is marked down by choosing).
     """
+    if event is Verdict.NO_MODEL:
+        return Decision(Action.ANSWER, code=404, message="model not found")
     if event is Verdict.NO_HOST:
         if tried:
             return Decision(Action.ANSWER, code=502, message="upstream failed", host=tried[-1])

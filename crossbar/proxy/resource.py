@@ -1,5 +1,5 @@
 """The proxy's resource: every request outside ``/_crossbar`` becomes one
-:class:`~crossbar.proxy.exchange.Exchange` (DESIGN.md §The proxy), started on the
+:class:`~crossbar.proxy.exchange.Exchange` (docs/design.md §The proxy), started on the
 request's :class:`~crossbar.proxy.head.RequestHead`; the drain (§Operations) waits for
 them and aborts what is left.
 """

@@ -1,5 +1,5 @@
 """What one request's record needs, collected while it runs, and its metrics
-(DESIGN.md §The proxy, rule 8; §Choosing a host, rule 5).
+(docs/design.md §The proxy, rule 8; §Choosing a host, rule 5).
 
 A :class:`Tally` is made when the exchange starts and told what happens -- the host
 chosen and why, the queue joined and left, the answer's head and bytes, a host marked
