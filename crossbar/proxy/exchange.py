@@ -63,6 +63,7 @@ class Exchange:
 
     def __init__(self, proxy: ProxyResource, request: Request, head: RequestHead) -> None:
         self.proxy, self.request, self.head = proxy, request, head
+        self.key = head.key  # the client key's name, or "" (the runtime's per-key counts)
         self.runtime, self.clock = proxy.runtime, proxy.clock
         self.config: Config = head.config
         self.route: Route | None = head.route
@@ -82,11 +83,6 @@ class Exchange:
             return False
         self.phase = phase
         return True
-
-    @property
-    def key(self) -> str:
-        """The client key's name, or "" (for the runtime's per-key counts)."""
-        return self.head.key
 
     @property
     def route_name(self) -> str:

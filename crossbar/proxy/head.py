@@ -29,7 +29,7 @@ exchange checks it when it starts (:meth:`crossbar.proxy.exchange.Exchange.start
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from crossbar.config import Config, Route
@@ -75,6 +75,7 @@ class RequestHead:
         never logged or kept (docs/design.md §The proxy, rule 8).
     :ivar route_name: the first path segment (rule 1), or None when there is none.
     :ivar rest: the path after the route segment, starting with ``/`` (b"" with no route).
+    :ivar route: the configured route named by ``route_name`` under ``config``, or None.
     :ivar config: the config current when the head was complete: the request is
         checked and served under it (§Access: one config per request).
     :ivar key: the name of the client key presented on a keyed route, else "".
@@ -88,6 +89,7 @@ class RequestHead:
     query: bytes = field(repr=False)
     route_name: str | None
     rest: bytes
+    route: Route | None = field(repr=False)
     config: Config = field(repr=False)
     key: str = ""
     peeked: Peeked = NOTHING
@@ -99,12 +101,8 @@ class RequestHead:
         path, query = split_target(target)
         split = split_route(path)
         route_name, rest = split if split is not None else (None, b"")
-        return cls(method, path, query, route_name, rest, config)
-
-    @property
-    def route(self) -> Route | None:
-        """The configured route the request names, or None."""
-        return None if self.route_name is None else self.config.routes.get(self.route_name)
+        route = None if route_name is None else config.routes.get(route_name)
+        return cls(method, path, query, route_name, rest, route, config)
 
     @property
     def route_label(self) -> str:
@@ -120,13 +118,18 @@ class RequestHead:
             return None
         return self.chunks
 
+    # The two copies below name every field (a frozen dataclass's ``replace`` costs twice
+    # as much on the request path); tests/test_head.py checks that they keep all others.
+
     def with_key(self, key: str) -> RequestHead:
         """This head with the client key ``key`` found on it."""
-        return replace(self, key=key)
+        return RequestHead(self.method, self.path, self.query, self.route_name, self.rest, self.route,
+                           self.config, key, self.peeked, self.chunks)
 
     def with_body(self, chunks: Sequence[bytes], peeked: Peeked) -> RequestHead:
         """This head with its body in: ``chunks`` and what the peek found in them."""
-        return replace(self, chunks=tuple(chunks), peeked=peeked)
+        return RequestHead(self.method, self.path, self.query, self.route_name, self.rest, self.route,
+                           self.config, self.key, peeked, tuple(chunks))
 
 
 def check_on_head(

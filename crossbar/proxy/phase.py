@@ -29,6 +29,10 @@ class Phase(Enum):
     ENDED = "ended"
     """Answered, failed or abandoned; the record was written."""
 
+    # Identity hashing in C (members are singletons): Enum's own ``__hash__`` is a Python
+    # call, and every move looks the phase up in :data:`NEXT`.
+    __hash__ = object.__hash__
+
 
 NEXT: Final[dict[Phase, frozenset[Phase]]] = {
     Phase.ROUTING: frozenset({Phase.FORWARDING, Phase.ENDED}),

@@ -19,6 +19,7 @@ from crossbar.errors import json_error_bytes
 from crossbar.ops.record import NO_ROUTE, RequestLog, RequestRecord
 from crossbar.proxy.channel import HeadDeadlineChannel
 from crossbar.proxy.head import Refusal, RequestHead, check_on_head
+from crossbar.proxy.peek import NOTHING
 from crossbar.proxy.request import CappedRequest
 from crossbar.state.runtime import Runtime
 
@@ -93,12 +94,14 @@ class CrossbarRequest(CappedRequest):
                                 headers.getRawHeaders(b"authorization"), has_body=length != 0)
         if isinstance(verdict, Refusal):
             return self.refuse(verdict.code, _PHRASES[verdict.code], verdict.message, verdict.headers)
-        self.head = head.with_key(verdict)
+        if verdict:
+            self.head = head.with_key(verdict)
         super().gotLength(length)
 
     def process(self) -> None:
-        if self.head is not None and not self.refused:
-            self.head = self.head.with_body(self.body_chunks, self.peeked)
+        head = self.head
+        if head is not None and not self.refused and (self.body_chunks or self.peeked is not NOTHING):
+            self.head = head.with_body(self.body_chunks, self.peeked)
         super().process()
 
     def render(self, resrc: IResource) -> None:
