@@ -117,7 +117,7 @@ class Exchange:
         assert self.route is not None
         runtime, head = self.runtime, self.head
         return choose(self.route, self.config.hosts, runtime.table.all(), runtime.inflight.host, self.model,
-                      head.peeked.affinity_key, runtime.rotation, exclude=self.tried)
+                      head.peeked.affinity_key, runtime.rotation, exclude=self.tried, draining=runtime.drained)
 
     def forward(self, waiting: bool = False) -> bool:
         """Send the request to the host chosen, or wait for room (a ``waiting`` request
