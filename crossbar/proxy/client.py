@@ -32,13 +32,14 @@ def close_if_draining(request: Request, draining: bool) -> None:
         channel.persistent = False
 
 
-def write_json(request: Request, code: int, body: bytes, retry_after: bool, draining: bool) -> int:
-    """Answer ``code`` with the JSON ``body`` and finish; ``retry_after`` adds
-    ``Retry-After: 1`` (busy answers). Returns the body bytes sent (0 for HEAD)."""
+def write_json(request: Request, code: int, body: bytes, retry_after: bool | int, draining: bool) -> int:
+    """Answer ``code`` with the JSON ``body`` and finish; ``retry_after``: True for
+    ``Retry-After: 1`` (busy answers), or a number of seconds. Returns the body bytes
+    sent (0 for HEAD)."""
     request.setResponseCode(code, _PHRASES.get(code))
     request.responseHeaders.removeHeader(b"server")
     if retry_after:
-        request.setHeader(b"Retry-After", b"1")
+        request.setHeader(b"Retry-After", str(int(retry_after)).encode("ascii"))
     request.setHeader(b"Content-Type", b"application/json")
     request.setHeader(b"Content-Length", str(len(body)).encode("ascii"))
     close_if_draining(request, draining)

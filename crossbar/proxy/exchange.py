@@ -43,6 +43,7 @@ from crossbar.proxy.policy import Action, Decision, decide
 from crossbar.proxy.relay import Relay, RelayEnd
 from crossbar.proxy.tally import Tally
 from crossbar.state.inflight import Lease
+from crossbar.state.limits import retry_after_header
 from crossbar.upstream.hosturl import host_url
 
 if TYPE_CHECKING:
@@ -106,6 +107,24 @@ class Exchange:
         self.model, self.query = wanted_model(head, self.route)
         if head.key and not self.runtime.key_admits(self.route, head.key):
             return self.answer_error(429, "too many requests", retry_after=True)
+        if head.key and self.route.keys[head.key].limits:
+            # §Access: the key's limits (fleet-wide with cluster.redis: up to 50 ms).
+            limited = self.runtime.check_limits(self.route, head.key)
+            limited.addCallback(self.on_limits_checked)
+            limited.addErrback(self.on_bug)
+            return
+        self.admitted()
+
+    @acts_in(Phase.ROUTING)
+    def on_limits_checked(self, wait: float) -> None:
+        """The key's limits answered: 429 with ``Retry-After`` saying when the window
+        allows the next request, else go on (a client that left meanwhile ended it)."""
+        if wait > 0:
+            return self.answer_error(429, "too many requests", retry_after=retry_after_header(wait))
+        self.admitted()
+
+    def admitted(self) -> None:
+        """The request may start: it counts from now (the drain, its key) and goes."""
         self.runtime.begin(self)
         self._enter(Phase.FORWARDING)
         self.forward()
@@ -276,13 +295,14 @@ class Exchange:
         abort_connection(self.request)
 
     @acts_in(*LIVE)
-    def answer_error(self, code: int, message: str, retry_after: bool = False, host: str | None = None) -> None:
+    def answer_error(self, code: int, message: str, retry_after: bool | int = False, host: str | None = None) -> None:
         """Answer crossbar's own JSON error (rule 9) and end; ``retry_after`` adds
-        ``Retry-After: 1`` (busy answers), ``host`` names the host that failed."""
+        ``Retry-After: 1`` (busy answers) or that many seconds, ``host`` names the host
+        that failed."""
         body = json_error_bytes(message) if host is None else json_error_bytes(message, host=host)
         self.answer_json(code, body, retry_after)
 
-    def answer_json(self, code: int, body: bytes, retry_after: bool = False) -> None:
+    def answer_json(self, code: int, body: bytes, retry_after: bool | int = False) -> None:
         """Answer ``code`` with the JSON ``body`` and end."""
         self.tally.answered(code)
         self.tally.bytes = write_json(self.request, code, body, retry_after, self.runtime.draining)

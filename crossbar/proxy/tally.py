@@ -6,7 +6,8 @@ chosen and why, the queue joined and left, the answer's head and bytes, a host m
 down -- and becomes the one :class:`~crossbar.ops.record.RequestRecord` at the end
 (:meth:`Tally.write`). The request's metrics that are not the record's (time in the
 queue, mark-downs) are counted here too, so a request's accounting is in one place.
-Extra figures for the record (tokens, a client stall) are added here.
+Extra figures for the record (tokens, a client stall) are added here; so is a key's
+token spending once an answer's figures are read (``Runtime.spend``, §Access limits).
 """
 
 from __future__ import annotations
