@@ -84,7 +84,7 @@ class HeadTests(SynchronousTestCase):
         head = self.head(b"/open/v1/chat/completions?x=1")
         self.assertEqual((head.body, wanted_model(head, route), head.peeked), ((), ("tiny", b"?x=1"), NOTHING))
         full = head.with_key("k").with_body([b"a", b"b"], Peeked("m", "k:1"))
-        self.assertEqual((full.body, wanted_model(full, route), full.key), ((b"a", b"b"), ("m", b"?x=1"), "k"))
+        self.assertEqual((full.body, wanted_model(full, route), full.key), ([b"a", b"b"], ("m", b"?x=1"), "k"))
         aliased = head.with_body([b"{}"], Peeked("gpt-4o", None))
         self.assertEqual(wanted_model(aliased, route), ("tiny-a", b"?x=1"), "a body's alias: the body is not rewritten")
         props = self.head(b"/open/props?model=gpt-4o&x=1", b"GET")
@@ -92,7 +92,7 @@ class HeadTests(SynchronousTestCase):
         self.assertEqual(head.body, (), "the head it came from is unchanged")
         get = self.head(b"/open/health", b"GET")
         self.assertIsNone(get.body)
-        self.assertEqual(get.with_body([b"x"], NOTHING).body, (b"x",), "a GET's body is forwarded when sent")
+        self.assertEqual(get.with_body([b"x"], NOTHING).body, [b"x"], "a GET's body is forwarded when sent")
 
     def test_copies_keep_every_other_field(self) -> None:
         head = self.head(b"/keyed/v1/x?q=1").with_body([b"{}"], Peeked("m", "k:1")).with_key("alice")
@@ -100,4 +100,4 @@ class HeadTests(SynchronousTestCase):
             for f in fields(head):
                 if f.name not in changed.split():
                     self.assertEqual(getattr(copy, f.name), getattr(head, f.name), f.name)
-        self.assertEqual((head.key, head.peeked, head.chunks), ("alice", Peeked("m", "k:1"), (b"{}",)))
+        self.assertEqual((head.key, head.peeked, head.chunks), ("alice", Peeked("m", "k:1"), [b"{}"]))

@@ -1,7 +1,7 @@
 """Client keys of a route (DESIGN.md §Access): which key, if any, a request presents.
 
-:func:`authorize` looks only at the request head's ``Authorization`` value, so a keyed
-route can refuse a request before any of its body is read.
+:func:`check_key` looks only at the request head's ``Authorization`` and ``X-Api-Key``
+values, so a keyed route can refuse a request before any of its body is read.
 """
 
 from __future__ import annotations
@@ -47,12 +47,14 @@ def authorize(keys: Mapping[str, ClientKey], authorization: bytes | None) -> str
 
 
 def check_key(
-    route: Route | None, method: bytes, authorization: Sequence[bytes] | None, has_body: bool = False
+    route: Route | None, method: bytes, authorization: Sequence[bytes] | None, has_body: bool = False,
+    x_api_key: Sequence[bytes] | None = None,
 ) -> str | None:
     """Rule 2 of DESIGN.md §The proxy, on the request head: the name of the key the
     request presents on a keyed route, "" where no key is needed (no such route, a
     route without keys, a CORS preflight: ``OPTIONS`` without a body), None when the
-    request must be refused 401 (no valid key; more than one ``Authorization`` header).
+    request must be refused 401 (no valid key; more than one ``Authorization`` or
+    ``X-Api-Key`` header; the two naming different keys).
 
     :param route: the configured route the request names (parsed once, in
         :class:`crossbar.proxy.head.RequestHead`), or None.
@@ -60,9 +62,15 @@ def check_key(
     :param authorization: every ``Authorization`` value of the request, or None.
     :param has_body: the request announced a body (``Content-Length`` above 0, or
         chunked): a preflight never has one, so such an ``OPTIONS`` needs a key.
+    :param x_api_key: every ``X-Api-Key`` value (``X-Api-Key: <secret>``, what
+        Anthropic-style clients send; DESIGN.md §Access), or None.
     """
     if route is None or not route.keys or (method == b"OPTIONS" and not has_body):
         return ""
-    if authorization is None or len(authorization) != 1:
+    if (authorization is not None and len(authorization) != 1) or (x_api_key is not None and len(x_api_key) != 1):
         return None
-    return authorize(route.keys, authorization[0])
+    by_bearer = authorize(route.keys, authorization[0]) if authorization else None
+    by_header = authorize(route.keys, b"Bearer " + x_api_key[0]) if x_api_key else None
+    if by_bearer is not None and by_header is not None and by_bearer != by_header:
+        return None
+    return by_bearer if by_bearer is not None else by_header

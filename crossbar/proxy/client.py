@@ -15,6 +15,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IResponse
 from twisted.web.server import Request
 
+from crossbar.proxy.cors import cors_headers
 from crossbar.proxy.headers import HOST_HEADER, answer_headers, relayable_phrase, upstream_headers
 
 __all__ = ["abort_connection", "close_if_draining", "forwarded_headers", "write_head", "write_json"]
@@ -40,6 +41,8 @@ def write_json(request: Request, code: int, body: bytes, retry_after: bool | int
     request.responseHeaders.removeHeader(b"server")
     if retry_after:
         request.setHeader(b"Retry-After", str(int(retry_after)).encode("ascii"))
+    for name, value in cors_headers(request.requestHeaders):  # like the hosts' answers
+        request.setHeader(name, value)
     request.setHeader(b"Content-Type", b"application/json")
     request.setHeader(b"Content-Length", str(len(body)).encode("ascii"))
     close_if_draining(request, draining)

@@ -163,7 +163,9 @@ class Exchange:
         self.tally.chose(chosen, failover=bool(self.tried))
         self.lease = self.runtime.inflight.enter(self.route.name, chosen.host)
         host = self.config.hosts[chosen.host]
-        headers = forwarded_headers(self.request, keyed=bool(self.route.keys), api_key=host.api_key)
+        keyless_preflight = bool(self.route.keys) and not self.key  # never the host's key (§Access)
+        headers = forwarded_headers(self.request, keyed=bool(self.route.keys),
+                                    api_key=None if keyless_preflight else host.api_key)
         target = host_url(host.url).target(self.head.rest + self.query)
         self.attempt = Attempt(self.proxy.pools, self.clock, self.head.method, target, headers, self.head.body,
                                self.config.timeouts.first_byte).start()

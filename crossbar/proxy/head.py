@@ -43,8 +43,14 @@ from crossbar.proxy.routing import (
 )
 
 __all__ = [
-    "REFUSED_METHODS", "Refusal", "RequestHead", "check_on_head", "check_path", "wanted_model",
+    "METHODS", "REFUSED_METHODS", "Refusal", "RequestHead", "check_on_head", "check_path", "wanted_model",
 ]
+
+METHODS = (b"GET", b"HEAD", b"POST", b"PUT", b"PATCH", b"DELETE", b"OPTIONS")
+"""The methods crossbar serves, exact case; any other is refused 405 on the head
+(DESIGN.md §The proxy, rule 9): ``trace`` as well as ``TRACE``, ``CONNECT``, ``BREW``."""
+
+_ALLOW = b", ".join(METHODS)
 
 REFUSED_METHODS = frozenset({b"TRACE", b"CONNECT"})
 """Never forwarded (405): a TRACE echoed by a host would show the client the host's
@@ -81,7 +87,10 @@ class RequestHead:
     :ivar key: the name of the client key presented on a keyed route, else "".
     :ivar peeked: the peek of the body (rule 4), :data:`~crossbar.proxy.peek.NOTHING`
         until the body is in, and for GET and HEAD.
-    :ivar chunks: the body as it arrived, chunk by chunk; empty until it is in.
+    :ivar chunks: the body as it arrived, in pieces; empty until it is in. The request's
+        own list (never a copy): emptied in place when the request ends or its client
+        leaves (:meth:`crossbar.proxy.request.CappedRequest.release_body`), so a failover
+        copy is never what holds a body.
     """
 
     method: bytes
@@ -93,7 +102,7 @@ class RequestHead:
     config: Config = field(repr=False)
     key: str = ""
     peeked: Peeked = NOTHING
-    chunks: tuple[bytes, ...] = field(default=(), repr=False)
+    chunks: Sequence[bytes] = field(default=(), repr=False)
 
     @classmethod
     def parse(cls, config: Config, method: bytes, target: bytes) -> RequestHead:
@@ -129,28 +138,32 @@ class RequestHead:
     def with_body(self, chunks: Sequence[bytes], peeked: Peeked) -> RequestHead:
         """This head with its body in: ``chunks`` and what the peek found in them."""
         return RequestHead(self.method, self.path, self.query, self.route_name, self.rest, self.route,
-                           self.config, self.key, peeked, tuple(chunks))
+                           self.config, self.key, peeked, chunks)
 
 
 def check_on_head(
     head: RequestHead, hosts: Sequence[bytes], version: bytes, authorization: Sequence[bytes] | None,
-    has_body: bool,
+    has_body: bool, x_api_key: Sequence[bytes] | None = None,
 ) -> str | Refusal:
     """The rules decided on the request head, before any body byte is read, in this
-    order: the ``Host`` header (RFC 9112 §3.2: exactly one in HTTP/1.1, visible ASCII),
-    an asterisk-form target (rule 1: no route), the key (rule 2, §Access).
+    order: the method (rule 9: :data:`METHODS`, else 405 with ``Allow``), the ``Host``
+    header (RFC 9112 §3.2: exactly one in HTTP/1.1, visible ASCII), an asterisk-form
+    target (rule 1: no route), the key (rule 2, §Access: ``Authorization`` or ``X-Api-Key``).
 
     :param hosts: every ``Host`` value; :param version: the request line's version.
-    :param authorization: every ``Authorization`` value, or None.
+    :param authorization: every ``Authorization`` value, or None; :param x_api_key:
+        every ``X-Api-Key`` value, or None.
     :param has_body: the request announced a body (a CORS preflight never has one).
     :returns: the name of the key presented ("" where none is needed), or the refusal.
     """
+    if head.method not in METHODS:
+        return Refusal(405, "method not allowed", ((b"Allow", _ALLOW),))
     if len(hosts) > 1 or (not hosts and version == b"HTTP/1.1") or any(
             _HOST_VALUE.match(h) is None for h in hosts):
         return Refusal(400, "bad host header")
     if head.path == b"*":
         return Refusal(400, "missing route")
-    key = check_key(head.route, head.method, authorization, has_body=has_body)
+    key = check_key(head.route, head.method, authorization, has_body=has_body, x_api_key=x_api_key)
     if key is None:
         return Refusal(401, "invalid api key", ((b"WWW-Authenticate", b"Bearer"),))
     return key

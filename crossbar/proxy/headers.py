@@ -35,6 +35,9 @@ _REPLACED_UPSTREAM = frozenset(
 )
 """Client headers crossbar never forwards as they are: it sets its own (rule 6)."""
 
+_CLIENT_KEY_HEADERS = frozenset({b"authorization", b"x-api-key"})
+"""Where a client presents a keyed route's key; neither reaches a host (DESIGN.md §Access)."""
+
 _NO_BODY_CODES = (204, 304)
 
 
@@ -69,16 +72,16 @@ def upstream_headers(
     removed, ``Host`` left to the client side (the upstream's), fresh ``X-Forwarded-*``;
     ``Authorization`` per §Access.
 
-    :param keyed: the route has ``keys``: the client's ``Authorization`` (its crossbar
-        key) never leaves crossbar.
+    :param keyed: the route has ``keys``: the client's ``Authorization`` and
+        ``X-Api-Key`` (its crossbar key) never leave crossbar.
     :param api_key: the host's ``api_key``: sent as ``Authorization: Bearer``, never
-        the client's; None for none.
+        the client's; None for none (and for a keyless preflight on a keyed route).
     :param client: the client's address (``X-Forwarded-For``, exactly it), or None.
     :param secure: the client came over TLS (``X-Forwarded-Proto: https``).
     """
     drop = hop_by_hop_names(src) | _REPLACED_UPSTREAM
     if keyed:
-        drop = drop | {b"authorization"}
+        drop = drop | _CLIENT_KEY_HEADERS
     out = Headers()
     for name, values in src.getAllRawHeaders():
         if name.lower() not in drop:

@@ -18,15 +18,17 @@ from twisted.web.server import Request, Site
 from crossbar.errors import json_error_bytes
 from crossbar.ops.record import NO_ROUTE, RequestLog, RequestRecord
 from crossbar.proxy.channel import HeadDeadlineChannel
-from crossbar.proxy.head import Refusal, RequestHead, check_on_head
+from crossbar.proxy.connections import OverLimit, connection_limit
+from crossbar.proxy.cors import cors_headers
+from crossbar.proxy.head import METHODS, Refusal, RequestHead, check_on_head
 from crossbar.proxy.peek import NOTHING
 from crossbar.proxy.request import CappedRequest
 from crossbar.state.runtime import Runtime
 
-__all__ = ["CrossbarRequest", "CrossbarSite", "Root"]
+__all__ = ["METHODS", "CrossbarRequest", "CrossbarSite", "Root"]
 
 
-_PHRASES = {400: b"Bad Request", 401: b"Unauthorized"}
+_PHRASES = {400: b"Bad Request", 401: b"Unauthorized", 405: b"Method Not Allowed"}
 """The reason phrases of the refusals made on the head."""
 
 
@@ -61,6 +63,8 @@ class _JSONError(Resource):
 
     def render(self, request: Request) -> bytes:
         request.setResponseCode(self._code)
+        for name, value in cors_headers(request.requestHeaders):
+            request.setHeader(name, value)
         request.setHeader(b"Content-Type", b"application/json")
         return self._body
 
@@ -91,7 +95,8 @@ class CrossbarRequest(CappedRequest):
         version = channel.request_version() if isinstance(channel, HeadDeadlineChannel) else b""
         headers = self.requestHeaders
         verdict = check_on_head(head, headers.getRawHeaders(b"host") or [], version,
-                                headers.getRawHeaders(b"authorization"), has_body=length != 0)
+                                headers.getRawHeaders(b"authorization"), has_body=length != 0,
+                                x_api_key=headers.getRawHeaders(b"x-api-key"))
         if isinstance(verdict, Refusal):
             return self.refuse(verdict.code, _PHRASES[verdict.code], verdict.message, verdict.headers)
         if verdict:
@@ -140,6 +145,17 @@ class CrossbarSite(Site):
         self.requests = requests
         self.open_channels: set[HeadDeadlineChannel] = set()
         """Client connections now open (each channel adds and removes itself)."""
+        self.max_connections = connection_limit()
+        """Client connections this process keeps open at once (from ``RLIMIT_NOFILE``,
+        :func:`~crossbar.proxy.connections.connection_limit`); one more is answered 503
+        and closed at once (DESIGN.md §The proxy, rule 9)."""
+
+    def buildProtocol(self, addr: Any) -> Any:
+        if len(self.open_channels) >= self.max_connections:
+            refuse = OverLimit()
+            refuse.factory = self
+            return refuse
+        return super().buildProtocol(addr)
 
     def log(self, request: Any) -> None:
         pass
