@@ -105,6 +105,7 @@ class Exchange:
                 return self.answer_error(503, "no healthy host")
             return self.answer_json(200, json.dumps(doc).encode("utf-8"))
         self.model, self.query = wanted_model(head, self.route)
+        self.tally.model = self.model
         if head.key and not self.runtime.key_admits(self.route, head.key):
             return self.answer_error(429, "too many requests", retry_after=True)
         if head.key and self.route.keys[head.key].limits:
@@ -231,6 +232,7 @@ class Exchange:
         elif decision.action is Action.ANSWER:
             self.answer_error(decision.code, decision.message, host=decision.host)
         elif decision.action is Action.ABORT_CLIENT:
+            self.tally.ended = "cut"
             self.abort_client()
         elif decision.action is Action.FINISH:
             self.request.unregisterProducer()
@@ -246,6 +248,8 @@ class Exchange:
         self._enter(Phase.RELAYING)
         self.tally.answered(answer.response.code, answer.sent_at)
         write_head(self.request, answer.response, self.tally.host, self.runtime.draining)
+        types = self.request.responseHeaders.getRawHeaders(b"content-type")
+        self.tally.streamed = types is not None and bool(types) and types[0].startswith(b"text/event-stream")
         relay = self.relay = Relay(self.request, self.clock, self.config.timeouts.idle)
         relay.ended.addCallback(self.on_relay_end)
         relay.ended.addErrback(self.on_bug)
@@ -255,6 +259,8 @@ class Exchange:
         """Rule 7 after the head: a clean end finishes; a dead or silent host is cut."""
         assert self.relay is not None
         self.tally.bytes = self.relay.bytes
+        if how is RelayEnd.COMPLETE and self.phase is Phase.RELAYING:
+            self.tally.figures = self.relay.figures(self.head.rest)  # §What the answers say
         if self.phase is Phase.RELAYING:
             self.carry_out(decide(how, self.tally.host, self.tried), how.value, self.relay.reason)
 
@@ -264,6 +270,7 @@ class Exchange:
     def on_client_gone(self, reason: Failure | None) -> None:
         """The client's connection closed before the answer ended: cancel upstream."""
         self.tally.status = 499  # nginx's "client closed request", for the log line only
+        self.tally.ended = "client_gone"
         self.leave_queue()
         self.stop_upstream()
         self.end()
@@ -276,6 +283,7 @@ class Exchange:
         if self.phase is Phase.QUEUED:
             self.leave_queue()
             return self.answer_error(503, why)
+        self.tally.ended = "cut"
         self.stop_upstream()
         self.abort_client()
 
@@ -314,7 +322,14 @@ class Exchange:
         """Once: write the record (rule 8), then free the host's slot -- which may
         dispatch a waiting request, whose work is not this request's duration."""
         if self._enter(Phase.ENDED):
-            self.tally.write()
+            if self.relay is not None:
+                self.tally.first_byte_at = self.relay.first_byte_at
+            figures = self.tally.figures
+            if figures is not None and self.key and self.route is not None:
+                # Key limits (§Access): the answer's tokens (§"What the answers say"):
+                # every prompt token, cached or read, and every generated one.
+                self.runtime.spend(self.route.name, self.key, figures.prompt + figures.cached + figures.generated)
+            self.tally.write(self.runtime.table.get)
             self.release_host()
             self.runtime.end(self)
 
@@ -330,6 +345,7 @@ class Exchange:
         if self.phase is not Phase.ENDED:
             self.stop_upstream()
             if self.request.startedWriting:
+                self.tally.ended = "cut"
                 self.abort_client()
             else:
                 self.answer_error(500, "internal error")

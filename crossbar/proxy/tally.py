@@ -12,11 +12,15 @@ token spending once an answer's figures are read (``Runtime.spend``, §Access li
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from crossbar.hosts.balance import Chosen
-from crossbar.ops.record import RequestLog, RequestRecord
+from crossbar.ops.figures import Figures
+from crossbar.ops.record import OTHER_MODEL, RequestLog, RequestRecord
 from crossbar.proxy.head import RequestHead
+
+if TYPE_CHECKING:
+    from crossbar.hosts.health import HostStatus
 
 __all__ = ["Tally"]
 
@@ -34,6 +38,13 @@ class Tally:
     :ivar host: the host chosen last, or "".
     :ivar queued_at: reactor seconds when the request first joined its queue, or None.
     :ivar queued: seconds spent in the queue so far.
+    :ivar ended: how the answer ended (rule 8): ``complete``, ``cut`` or ``client_gone``.
+    :ivar figures: what a complete answer said it did (§What the answers say), or None.
+    :ivar model: the model the request was chosen for (rule 4), or None.
+    :ivar fit: the chosen host's fit tier (``loaded``, ..., ``fallback``), or "".
+    :ivar sent_at: reactor seconds the request was sent to the host that answered, or None.
+    :ivar first_byte_at: reactor seconds of the answer's first body byte, or None.
+    :ivar streamed: the answer was ``text/event-stream``.
     """
 
     def __init__(self, head: RequestHead, log: RequestLog, now: Callable[[], float]) -> None:
@@ -49,11 +60,19 @@ class Tally:
         self.queued_at: float | None = None
         self.queued = 0.0
         self._joined = 0.0
+        self.ended = "complete"
+        self.figures: Figures | None = None
+        self.model: str | None = None
+        self.fit = ""
+        self.sent_at: float | None = None
+        self.first_byte_at: float | None = None
+        self.streamed = False
 
     def chose(self, chosen: Chosen, failover: bool) -> None:
         """``chosen`` took the request: the host and why (``fit pick [queued]
         [failover] affinity=...``)."""
         self.host = chosen.host
+        self.fit = chosen.fit.value
         why = [chosen.fit.value] + ([chosen.pick] if chosen.pick else [])
         if self.queued_at is not None:
             why.append("queued")
@@ -79,22 +98,45 @@ class Tally:
         sent to the host (time to first byte counts from there), None for crossbar's own."""
         self.status = status
         if sent_at is not None:
+            self.sent_at = sent_at
             self.ttfb = self.now() - sent_at
 
     def marked_down(self, host: str, kind: str) -> None:
         """This request took ``host`` out of rotation, for a failure of ``kind``."""
         self.log.metrics.mark_downs.labels(host, kind).inc()
 
-    def record(self) -> RequestRecord:
-        """The request's record as of now."""
+    def model_label(self, statuses: Callable[[str], HostStatus | None]) -> str:
+        """The ``model`` label (§What the answers say): the model chosen for when a host
+        of the route lists it, else ``other``; never a value only the request named.
+        ``statuses``: a host's health-table entry by name."""
+        model, route = self.model, self.head.route
+        if model is None or route is None:
+            return OTHER_MODEL
+        if self.fit and self.fit != "fallback":
+            return model  # the chosen host lists it
+        for name in route.hosts:
+            status = statuses(name)
+            if status is not None and (model in status.loaded or model in status.loading or model in status.available):
+                return model
+        return OTHER_MODEL
+
+    def ttft(self) -> float | None:
+        """Time to first token of a streamed answer: request sent -> first body byte."""
+        if not self.streamed or self.first_byte_at is None or self.sent_at is None:
+            return None
+        return self.first_byte_at - self.sent_at
+
+    def record(self, model: str = "") -> RequestRecord:
+        """The request's record as of now, with the ``model`` label."""
         head = self.head
         return RequestRecord(
             route=head.route_label, host=self.host, method=head.method.decode("latin-1"),
             path=head.rest.decode("latin-1"),
             target=head.path.decode("latin-1"), status=self.status, bytes=self.bytes,
             duration=self.now() - self.received, ttfb=self.ttfb, queued=self.queued, key=head.key, why=self.why,
+            ended=self.ended, figures=self.figures, model=model, ttft=self.ttft(),
         )
 
-    def write(self) -> None:
+    def write(self, statuses: Callable[[str], HostStatus | None]) -> None:
         """Write the record (log line and request metrics); once, at the end."""
-        self.log.write(self.record())
+        self.log.write(self.record(self.model_label(statuses) if self.head.route is not None else ""))
