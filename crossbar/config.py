@@ -85,6 +85,9 @@ class Timeouts:
     connect: float = 5.0
     first_byte: float = 300.0
     idle: float = 120.0
+    client_stall: float = 60.0
+    """Seconds a client may take no byte of an answer crossbar holds for it before it is
+    cut (nginx's ``send_timeout``; rule 7)."""
 
 
 @dataclass(frozen=True)
@@ -722,12 +725,13 @@ def parse_config(text: str, path: str = "<config>", environ: Mapping[str, str] |
     )
 
     t_raw = c.section("timeouts", top)
-    c.known_keys("timeouts", t_raw, ("connect", "first_byte", "idle"))
+    c.known_keys("timeouts", t_raw, ("connect", "first_byte", "idle", "client_stall"))
     dt = Timeouts()
     timeouts = Timeouts(
         connect=c.positive("timeouts.connect", t_raw.get("connect", dt.connect)),
         first_byte=c.positive("timeouts.first_byte", t_raw.get("first_byte", dt.first_byte)),
         idle=c.positive("timeouts.idle", t_raw.get("idle", dt.idle)),
+        client_stall=c.positive("timeouts.client_stall", t_raw.get("client_stall", dt.client_stall)),
     )
 
     dr_raw = c.section("drain", top)

@@ -13,7 +13,10 @@ from twisted.trial.unittest import TestCase
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
+from twisted.logger import formatEvent
+
 from crossbar.proxy.channel import HEAD_DEADLINE, HeadDeadlineChannel
+from tests.logs import LogCapture
 
 
 class _Slow(Resource):
@@ -79,6 +82,32 @@ class HeadDeadlineTests(TestCase):
         self.assertFalse(transport.disconnecting)
         clock.advance(HEAD_DEADLINE)  # idle keep-alive: closed after the same time
         self.assertTrue(transport.disconnecting)
+
+    def test_idle_keep_alive_closed_is_not_a_slow_request(self) -> None:
+        """Issue 20 item 10: an idle keep-alive connection closed after the deadline is
+        no request: not logged as ``request head or body too slow``; a trickled head
+        still is."""
+        watch = LogCapture(self)
+        slow = _Slow()
+        channel, transport, clock = _channel(slow)
+        channel.dataReceived(b"GET /r/v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        slow.pending[0].finish()
+        clock.advance(HEAD_DEADLINE)
+        self.assertTrue(transport.disconnecting)
+        texts = [formatEvent(e) or "" for e in watch.events]
+        self.assertFalse([t for t in texts if "too slow" in t], texts)
+        self.assertTrue([t for t in texts if "idle connection" in t], texts)
+
+        channel, transport, clock = _channel(slow)
+        clock.advance(HEAD_DEADLINE)  # opened, never sent a byte: idle too
+        self.assertTrue(transport.disconnecting)
+        self.assertFalse([e for e in watch.events if "too slow" in (formatEvent(e) or "")])
+
+        channel, transport, clock = _channel(slow)
+        channel.dataReceived(b"GET /r/v1/mod")
+        clock.advance(HEAD_DEADLINE)
+        self.assertTrue(transport.disconnecting)
+        self.assertTrue([e for e in watch.events if "too slow" in (formatEvent(e) or "")])
 
     def test_pipelined_request_is_not_cut(self) -> None:
         """A second request already buffered behind the first is parsed as the first

@@ -105,7 +105,7 @@ class DefaultsTests(_Case):
         c = parse(MINIMAL)
         self.assertEqual(c.listen, "tcp:7777:interface=127.0.0.1")
         self.assertEqual(c.health, HealthSettings(interval=5.0, timeout=5.0, recovery_polls=2, failure_threshold=1))
-        self.assertEqual(c.timeouts, Timeouts(connect=5.0, first_byte=300.0, idle=120.0))
+        self.assertEqual(c.timeouts, Timeouts(connect=5.0, first_byte=300.0, idle=120.0, client_stall=60.0))
         self.assertEqual(c.drain, DrainSettings(delay=5.0, grace=25.0))
         self.assertEqual(c.ops, OpsSettings(token=None))
         self.assertEqual(dict(c.hosts), {"a": Host("a", "http://127.0.0.1:8080")})
@@ -200,7 +200,7 @@ class StructureTests(_Case):
     def test_unknown_key_in_timeouts(self) -> None:
         self.assertRejected(
             doc(timeouts={"read": 5}),
-            "x.yaml: timeouts.read: unknown key (expected one of: connect, first_byte, idle)",
+            "x.yaml: timeouts.read: unknown key (expected one of: connect, first_byte, idle, client_stall)",
         )
 
     def test_unknown_key_in_drain(self) -> None:

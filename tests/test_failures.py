@@ -20,7 +20,7 @@ from twisted.trial.unittest import TestCase
 from twisted.web.server import Site
 
 from crossbar.proxy.attempt import STALE_WINDOW
-from tests.harness import FakeLlama, http_client, listen, start_routes, wait_for
+from tests.harness import FakeLlama, http_client, listen, start_crossbar, start_routes, wait_for
 from tests.logs import LogCapture
 from tests.raw import connect_raw, post_bytes
 from tests.upstreams import Die, Hang, KillReused, host_status
@@ -258,6 +258,7 @@ class HostFailureTests(TestCase):
             response = await http_client(self).post(base + "/r/v1/chat/completions", json=_PLAIN)
             self.assertEqual(response.code, 502)
             self.assertEqual(await treq.json_content(response), {"error": "upstream failed", "host": "a"})
+            self.assertEqual(response.headers.getRawHeaders(b"x-crossbar-host"), [b"a"])
             self.assertEqual(die.requests, 1)
             self.assertEqual([s.uri for s in other.seen if s.uri.startswith(b"/v1/chat")], [])
             hosts = await host_status(self, base)
@@ -282,7 +283,8 @@ class HostFailureTests(TestCase):
             took = time.monotonic() - start
             self.assertEqual(response.code, 504)
             self.assertEqual(response.headers.getRawHeaders(b"content-type"), [b"application/json"])
-            self.assertEqual(await treq.json_content(response), {"error": "upstream timed out"})
+            self.assertEqual(await treq.json_content(response), {"error": "upstream timed out", "host": "a"})
+            self.assertEqual(response.headers.getRawHeaders(b"x-crossbar-host"), [b"a"])
             self.assertGreaterEqual(took, 0.45)
             self.assertLess(took, 5.0)
             await _within(hang.closed, 1.0)
@@ -291,6 +293,62 @@ class HostFailureTests(TestCase):
             self.assertFalse(status["healthy"])
             self.assertIn("no response headers within 0.5s", status["last_err"])
             self.assertEqual(status["inflight"], 0)
+
+        return ensureDeferred(go())
+
+    def test_busy_host_slow_on_one_request_is_not_marked_down(self) -> object:
+        """Issue 20 item 5: a long non-streamed generation gets its 504 (naming the
+        host), but the host answered another request meanwhile: busy, not dead, so it
+        stays healthy and serves the next request."""
+
+        async def go() -> None:
+            hang = Hang()
+            upstream = FakeLlama()
+
+            def chat(request: Any, body: bytes) -> Any:
+                if b'"slow"' in body:
+                    return hang(request, body)
+                request.setHeader(b"content-type", b"application/json")
+                return b'{"object": "chat.completion"}'
+
+            upstream.handlers[b"/v1/chat/completions"] = chat
+            _, base = await start_routes(self, {"a": await listen(self, upstream)}, timeouts="{first_byte: 1}")
+            client = http_client(self)
+            slow = client.post(base + "/r/v1/chat/completions", json={"slow": True})
+            await deferLater(reactor, 0.3)
+            other = await client.post(base + "/r/v1/chat/completions", json=_PLAIN)
+            self.assertEqual(other.code, 200)
+            await treq.content(other)
+            response = await slow
+            self.assertEqual(response.code, 504)
+            self.assertEqual(await treq.json_content(response), {"error": "upstream timed out", "host": "a"})
+            self.assertEqual(response.headers.getRawHeaders(b"x-crossbar-host"), [b"a"])
+            status = (await host_status(self, base))["a"]
+            self.assertTrue(status["healthy"], status)
+            self.assertEqual(status["inflight"], 0)
+            after = await client.post(base + "/r/v1/chat/completions", json=_PLAIN)
+            self.assertEqual(after.code, 200)
+            await treq.content(after)
+
+        return ensureDeferred(go())
+
+    def test_busy_host_that_answers_its_polls_is_not_marked_down(self) -> object:
+        """A good poll that finished after the request was sent is a sign of life too."""
+
+        async def go() -> None:
+            hang = Hang()
+            upstream = FakeLlama()
+            upstream.handlers[b"/v1/chat/completions"] = hang
+            text = ("health: {interval: 0.2, timeout: 1}\ntimeouts: {first_byte: 1}\n"
+                    f"hosts:\n  a: {await listen(self, upstream)}\nroutes:\n  r:\n    hosts: [a]\n")
+            service, base = await start_crossbar(self, text)
+            await service.poller.when_first_round_done()
+            response = await http_client(self).post(base + "/r/v1/chat/completions", json=_PLAIN)
+            self.assertEqual(response.code, 504)
+            await treq.content(response)
+            status = (await host_status(self, base))["a"]
+            self.assertTrue(status["healthy"], status)
+            self.assertEqual(status["last_err"], "")
 
         return ensureDeferred(go())
 

@@ -289,3 +289,28 @@ class HostTextInTheLogTests(TestCase):
         [line] = [formatEvent(e) for e in log.events if "is healthy" in formatEvent(e)]
         self.assertEqual(line, "host a is healthy: 1 good poll(s) in a row (models: m\\x1b[31mRED, \\ud800)")
         line.encode("utf-8")  # no lone surrogate left
+
+
+class SignOfLifeTests(TestCase):
+    """A host slow on one request is busy, not dead, when it showed another sign of
+    life since (DESIGN.md §The proxy rule 7; issue 20 item 5)."""
+
+    def test_a_good_poll_or_a_byte_of_an_answer_since(self) -> None:
+        clock = Clock()
+        table = HealthTable(["a", "b"], 2, 1, clock.seconds)
+        table.record_success("a", ["m"])
+        clock.advance(10)
+        self.assertFalse(table.alive_since("a", 5.0))  # the poll was before
+        self.assertTrue(table.alive_since("a", 0.0))
+        table.seen["b"] = 12.0
+        self.assertTrue(table.alive_since("b", 11.0))
+        self.assertFalse(table.alive_since("b", 12.5))
+        clock.advance(5)
+        table.record_success("a", ["m"])
+        self.assertTrue(table.alive_since("a", 14.0))
+        self.assertFalse(table.alive_since("unknown", 0.0))
+        seen = table.seen
+        table.seen["a"] = 16.0
+        table.set_hosts(["a", "b"], reset=["b"])  # b's URL changed: its signs of life were another host's
+        self.assertIs(table.seen, seen)
+        self.assertEqual(table.seen, {"a": 16.0})

@@ -25,8 +25,20 @@ class DecideTests(SynchronousTestCase):
     def test_no_head_in_time_is_a_504(self) -> None:
         self.assertEqual(
             decide(FailureKind.FIRST_BYTE_TIMEOUT, "a", []),
-            Decision(Action.ANSWER, mark_down=True, code=504, message="upstream timed out"),
+            Decision(Action.ANSWER, mark_down=True, code=504, message="upstream timed out", host="a"),
         )
+
+    def test_no_head_in_time_from_a_host_alive_meanwhile_marks_nothing(self) -> None:
+        """Issue 20 item 5: busy is not dead."""
+        self.assertEqual(
+            decide(FailureKind.FIRST_BYTE_TIMEOUT, "a", [], alive=True),
+            Decision(Action.ANSWER, mark_down=False, code=504, message="upstream timed out", host="a"),
+        )
+        for kind in (FailureKind.CONNECT, FailureKind.REQUEST):  # only the timeout is spared
+            self.assertTrue(decide(kind, "a", [], alive=True).mark_down, kind)
+
+    def test_client_stall_cuts_the_client_and_marks_nothing(self) -> None:
+        self.assertEqual(decide(RelayEnd.CLIENT_STALL, "a", []), Decision(Action.ABORT_CLIENT))
 
     def test_host_dead_or_silent_mid_answer_cuts_the_client(self) -> None:
         for how in (RelayEnd.MID_ANSWER, RelayEnd.IDLE_TIMEOUT):

@@ -32,6 +32,9 @@ from crossbar.proxy.relay import Relay, RelayEnd, RelayState
 from crossbar.upstream.h1client import H1Connection, H1Pool
 
 IDLE = 120.0
+STALL = 1e6
+"""``timeouts.client_stall`` far off: these tests are about other matters (the client
+stall's own are in tests/test_client_stall.py)."""
 
 
 class _Hold(Resource):
@@ -104,11 +107,16 @@ class RelayTests(SynchronousTestCase):
         self.channel.connectionLost(Failure(ConnectionDone()))
 
     def relay(self, response: Any | None = None) -> tuple[Relay, Any]:
-        relay = Relay(self.request, self.clock, IDLE)
+        relay = Relay(self.request, self.clock, IDLE, STALL)
         relay.ended.addCallback(self.ends.append)
         response = response if response is not None else FakeResponse()
         relay.start(response)
         return relay, response
+
+    def idle_calls(self) -> list[Any]:
+        """The relay's idle timer among the clock's delayed calls (the client stall's
+        runs beside it)."""
+        return [c for c in self.clock.getDelayedCalls() if getattr(c.func, "__name__", "") == "_idle_check"]
 
     def body(self) -> bytes:
         """What the client got after the head (chunked framing included)."""
@@ -183,14 +191,14 @@ class RelayTests(SynchronousTestCase):
         """Issue 14: a chunk only records its time; the one timer stays as armed until it
         fires, then waits for what is left after the last byte."""
         _, response = self.relay()
-        [timer] = self.clock.getDelayedCalls()
+        [timer] = self.idle_calls()
         for i in range(50):
             self.clock.advance(1)
             response.protocol.dataReceived(b"data: %d\n\n" % i)
-        self.assertEqual(self.clock.getDelayedCalls(), [timer])
+        self.assertEqual(self.idle_calls(), [timer])
         self.assertEqual(timer.getTime(), IDLE)  # not pushed back by any chunk
         self.clock.advance(IDLE - 50)  # fires at IDLE, 70 s after the last byte
-        [later] = self.clock.getDelayedCalls()
+        [later] = self.idle_calls()
         self.assertEqual(later.getTime(), 50 + IDLE)
         self.assertEqual(self.ends, [])
         self.clock.advance(50)
@@ -237,7 +245,7 @@ class RelayTests(SynchronousTestCase):
         self.channel.pauseProducing()  # the client's send buffer is full
         self.assertIs(relay.state, RelayState.PAUSED)
         self.assertEqual(response.transport.producerState, "paused")
-        self.assertEqual(self.clock.getDelayedCalls(), [])
+        self.assertEqual(self.idle_calls(), [])
         self.clock.advance(100 * IDLE)  # a slow client is not a silent host
         self.assertEqual(self.ends, [])
 
@@ -262,10 +270,10 @@ class RelayTests(SynchronousTestCase):
         relay, response = self.relay()
         self.assertIs(relay.state, RelayState.PAUSED)
         self.assertEqual(response.transport.producerState, "paused")
-        self.assertEqual(self.clock.getDelayedCalls(), [])
+        self.assertEqual(self.idle_calls(), [])
         self.channel.resumeProducing()
         self.assertEqual(response.transport.producerState, "producing")
-        self.assertEqual(len(self.clock.getDelayedCalls()), 1)
+        self.assertEqual(len(self.idle_calls()), 1)
 
     def test_client_filling_up_during_the_hand_over(self) -> None:
         """A buffered chunk written during deliverBody fills the client: the upstream

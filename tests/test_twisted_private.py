@@ -13,9 +13,10 @@ import inspect
 from typing import Any
 
 import twisted
+from twisted.internet.abstract import FileDescriptor
 from twisted.internet.error import ConnectionDone
 from twisted.internet.task import Clock
-from twisted.internet.testing import StringTransport
+from twisted.internet.testing import MemoryReactor, StringTransport
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.http import HTTPChannel
@@ -23,7 +24,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 from twisted.web.test.requesthelper import DummyChannel, DummyRequest
 
-from crossbar.upstream.twisted_private import BadRequestHook, client_is_paused
+from crossbar.upstream.twisted_private import BadRequestHook, client_is_paused, pending_write_bytes
 
 
 def moved(name: str, touchpoint: int, what: str) -> str:
@@ -204,3 +205,37 @@ class PortLoggerTouchpointTests(_Private):
         source = inspect.getsource(tcp.Port.doRead)
         self.assertIn("self._logger.observer", source, moved("tcp.Port.doRead", 3, "no longer logs via _logger"))
         self.assertIn("EMFILE", inspect.getsource(tcp._accept), moved("tcp._accept", 3, "EMFILE lines changed"))
+
+
+# -- touchpoint 4: FileDescriptor.dataBuffer, offset, _tempDataLen ---------------------------------
+
+
+class _Kernel(FileDescriptor):
+    """A TCP transport whose kernel takes at most ``take`` bytes per write."""
+
+    take = 4
+
+    def writeSomeData(self, data: bytes) -> int:
+        return min(len(data), self.take)
+
+
+class PendingWriteBytesTests(_Private):
+    def test_counts_what_the_transport_still_holds(self) -> None:
+        name = "FileDescriptor.dataBuffer/offset/_tempDataLen"
+        fd = _Kernel(reactor=MemoryReactor())  # type: ignore[no-untyped-call]
+        fd.connected = 1
+        request: Any = DummyRequest([b""])
+        request.channel = type("Channel", (), {"transport": fd})()
+        self.assertEqual(pending_write_bytes(request), 0, moved(name, 4, "not 0 at first"))
+        fd.write(b"x" * 10)
+        self.assertEqual(pending_write_bytes(request), 10, moved(name, 4, "a write not counted"))
+        fd.doWrite()  # the kernel took 4
+        self.assertEqual(pending_write_bytes(request), 6, moved(name, 4, "bytes taken still counted"))
+        fd.write(b"y" * 5)
+        fd.doWrite()
+        self.assertEqual(pending_write_bytes(request), 7, moved(name, 4, "buffers not added up"))
+
+    def test_a_transport_that_does_not_say(self) -> None:
+        request: Any = DummyRequest([b""])
+        request.channel = type("Channel", (), {"transport": StringTransport()})()
+        self.assertIsNone(pending_write_bytes(request))

@@ -83,6 +83,19 @@ class HealthTable:
         self.recovery_polls = recovery_polls
         self.failure_threshold = failure_threshold
         self._now = now
+        self.seen: dict[str, float] = {}
+        """Per host, the clock seconds a byte of an answer from it last arrived (a
+        sign of life, DESIGN.md §The proxy rule 7): written by the proxy on every
+        answer head and body chunk, read by :meth:`alive_since`."""
+
+    def alive_since(self, name: str, since: float) -> bool:
+        """Whether ``name`` showed a sign of life at or after clock second ``since``: a
+        good poll finished, or a byte of an answer arrived (rule 7: a host slow on one
+        request while it answers others is busy, not dead)."""
+        status = self._hosts.get(name)
+        if status is not None and status.last_ok is not None and status.last_ok >= since:
+            return True
+        return self.seen.get(name, float("-inf")) >= since
 
     def get(self, name: str) -> HostStatus | None:
         """The status of ``name``, or None for a host the table does not track."""
@@ -180,6 +193,8 @@ class HealthTable:
         self._hosts = {
             name: old[name] if name in old and name not in fresh else HostStatus() for name in names
         }
+        for name in [n for n in self.seen if n not in self._hosts or n in fresh]:
+            del self.seen[name]  # in place: relays in flight hold this dict
 
     def _set(self, name: str, old: HostStatus, new: HostStatus) -> None:
         self._hosts[name] = new

@@ -117,7 +117,8 @@ class Metrics:
         )
         self.unfinished = Counter(
             "crossbar_unfinished_answers", "Answers that did not end cleanly: ended cut (the host died or went "
-            "silent mid-answer, or a drain's grace ran out) or client_gone (the client left first).",
+            "silent mid-answer, or a drain's grace ran out) or client_gone (the client left first, or took no "
+            "byte for timeouts.client_stall).",
             ("route", "host", "ended"), registry=r,
         )
         self.tokens = Counter(

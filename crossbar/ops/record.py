@@ -53,7 +53,8 @@ class RequestRecord:
     :ivar why: why the host was chosen (DESIGN.md §Choosing a host, rule 5), or "".
     :ivar ended: how the answer ended, one of :data:`ENDINGS`: ``cut`` when the host
         died or went silent mid-answer or a drain's grace ran out, ``client_gone`` when
-        the client left before the answer ended.
+        the client left (or took no byte for ``timeouts.client_stall``) before the
+        answer ended; a client that left after a complete answer's last event: complete.
     :ivar figures: what a complete answer said it did (tokens, speed), or None (an
         answer cut short or without figures counts no tokens).
     :ivar model: the ``model`` label: the model id the request was chosen for when a

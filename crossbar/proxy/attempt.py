@@ -52,17 +52,20 @@ class FailureKind(Enum):
     REQUEST = "request"
     """The host failed after the request was sent, before the head: mark down, 502."""
     FIRST_BYTE_TIMEOUT = "first_byte_timeout"
-    """No head within ``timeouts.first_byte``: mark down, 504."""
+    """No head within ``timeouts.first_byte``: 504; mark down only if the host showed
+    no other sign of life meanwhile."""
 
 
 class UpstreamFailed(Exception):
     """An attempt failed: ``kind`` says how, ``reason`` is a one-line description
-    (for ``last_err`` and the log)."""
+    (for ``last_err`` and the log), ``sent_at`` the clock seconds the request was sent
+    (for a ``FIRST_BYTE_TIMEOUT``: signs of life after it spare the host), else None."""
 
-    def __init__(self, kind: FailureKind, reason: str) -> None:
+    def __init__(self, kind: FailureKind, reason: str, sent_at: float | None = None) -> None:
         super().__init__(f"{kind.value}: {reason}")
         self.kind = kind
         self.reason = reason
+        self.sent_at = sent_at
 
 
 @dataclass(frozen=True)
@@ -190,6 +193,7 @@ class Attempt:
         self._timeout = first_byte_timeout
         self._current: Deferred[IResponse] | None = None
         self._cancelled = False
+        self._requested = 0.0
         self.result: Deferred[Answer] = Deferred(self._cancel)
 
     def start(self) -> Deferred[Answer]:
@@ -200,7 +204,7 @@ class Attempt:
     def _send(self, fresh: bool) -> None:
         agent, tracker = self._pools.agent(fresh=fresh)
         producer = None if self._body is None else BytesProducer(self._body)
-        requested = self._clock.seconds()
+        requested = self._requested = self._clock.seconds()
         d = agent.request(self._method, self._url, self._headers, producer)
         self._current = d
         d.addTimeout(self._timeout, self._clock, onTimeoutCancel=self._timed_out)
@@ -210,7 +214,8 @@ class Attempt:
     def _timed_out(self, result: IResponse | Failure, timeout: float) -> Failure:
         if not isinstance(result, Failure):  # the head won the race with the cancel
             result.deliverBody(_Discard())  # nobody reads it: close its connection
-        return Failure(UpstreamFailed(FailureKind.FIRST_BYTE_TIMEOUT, f"no response headers within {timeout:g}s"))
+        return Failure(UpstreamFailed(FailureKind.FIRST_BYTE_TIMEOUT, f"no response headers within {timeout:g}s",
+                                      sent_at=self._requested))
 
     def _answered(self, response: IResponse, tracker: ConnectTracker, requested: float) -> None:
         self._current = None

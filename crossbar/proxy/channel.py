@@ -92,6 +92,7 @@ class HeadDeadlineChannel(BadRequestHook, HTTPChannel):
     _slice_call: IDelayedCall | None = None
     _paused_for_slices = False
     _awaiting_request_line = True
+    _idle = True
     _method = b""
     _target = b""
     _version = b""
@@ -222,7 +223,12 @@ class HeadDeadlineChannel(BadRequestHook, HTTPChannel):
             open_channels.discard(self)
         super().connectionLost(reason)
 
+    def dataReceived(self, data: bytes) -> None:
+        self._idle = False
+        super().dataReceived(data)
+
     def _arm_head_deadline(self) -> None:
+        self._idle = True  # no byte of the next request yet
         self._disarm_head_deadline()
         self._head_timer = self.callLater(self.head_deadline, self._head_deadline_passed)
 
@@ -262,5 +268,10 @@ class HeadDeadlineChannel(BadRequestHook, HTTPChannel):
         if self.transport is None:
             return
         peer = self.transport.getPeer()
-        _log.debug("closing {peer}: request head or body too slow", peer=str(peer))
+        if self._idle and self._awaiting_request_line:
+            # No byte of a request since the connection was ready for one: an idle
+            # keep-alive connection, no request (nothing for the request log, rule 8).
+            _log.debug("closing idle connection {peer}", peer=str(peer))
+        else:
+            _log.debug("closing {peer}: request head or body too slow", peer=str(peer))
         self.transport.abortConnection()  # type: ignore[attr-defined]

@@ -35,6 +35,7 @@ from crossbar.ops.record import NO_ROUTE
 from crossbar.proxy.attempt import Answer, Attempt, UpstreamFailed
 from crossbar.proxy.client import abort_connection, forwarded_headers, write_head, write_json
 from crossbar.paths import PathKind
+from crossbar.proxy.headers import HOST_HEADER
 from crossbar.proxy.head import Refusal, RequestHead, check_path, wanted_model
 from crossbar.proxy.modellist import route_models
 from crossbar.proxy.place import QueuePlace
@@ -218,7 +219,9 @@ class Exchange:
             failure.trap(UpstreamFailed)
             failed = failure.value
             assert isinstance(failed, UpstreamFailed)
-            self.carry_out(decide(failed.kind, self.tally.host, self.tried), failed.kind.value, failed.reason)
+            host = self.tally.host
+            alive = failed.sent_at is not None and self.runtime.table.alive_since(host, failed.sent_at)
+            self.carry_out(decide(failed.kind, host, self.tried, alive), failed.kind.value, failed.reason)
 
     def carry_out(self, decision: Decision, kind: str = "", reason: str = "") -> None:
         """Do what rule 7 decided about a failure of ``kind`` (``reason`` says what)."""
@@ -232,7 +235,8 @@ class Exchange:
         elif decision.action is Action.ANSWER:
             self.answer_error(decision.code, decision.message, host=decision.host)
         elif decision.action is Action.ABORT_CLIENT:
-            self.tally.ended = "cut"
+            if self.tally.ended == "complete":  # a stalled client's cut stays client_gone
+                self.tally.ended = "cut"
             self.abort_client()
         elif decision.action is Action.FINISH:
             self.request.unregisterProducer()
@@ -246,11 +250,15 @@ class Exchange:
         """The host's head arrived: send it to the client at once, then relay the body."""
         self.attempt = None
         self._enter(Phase.RELAYING)
+        host = self.tally.host
+        table = self.runtime.table
+        table.seen[host] = self.clock.seconds()  # the host is alive (rule 7)
         self.tally.answered(answer.response.code, answer.sent_at)
-        write_head(self.request, answer.response, self.tally.host, self.runtime.draining)
+        write_head(self.request, answer.response, host, self.runtime.draining)
         types = self.request.responseHeaders.getRawHeaders(b"content-type")
         self.tally.streamed = types is not None and bool(types) and types[0].startswith(b"text/event-stream")
-        relay = self.relay = Relay(self.request, self.clock, self.config.timeouts.idle)
+        timeouts = self.config.timeouts
+        relay = self.relay = Relay(self.request, self.clock, timeouts.idle, timeouts.client_stall, host, table.seen)
         relay.ended.addCallback(self.on_relay_end)
         relay.ended.addErrback(self.on_bug)
         relay.start(answer.response)
@@ -262,17 +270,27 @@ class Exchange:
         if how is RelayEnd.COMPLETE and self.phase is Phase.RELAYING:
             self.tally.figures = self.relay.figures(self.head.rest)  # §What the answers say
         if self.phase is Phase.RELAYING:
+            if how is RelayEnd.CLIENT_STALL:  # the client's doing (rule 8): like one that left
+                self.tally.status, self.tally.ended = 499, "client_gone"
             self.carry_out(decide(how, self.tally.host, self.tried), how.value, self.relay.reason)
 
     # -- endings ----------------------------------------------------------------------
 
     @acts_in(*LIVE)
     def on_client_gone(self, reason: Failure | None) -> None:
-        """The client's connection closed before the answer ended: cancel upstream."""
-        self.tally.status = 499  # nginx's "client closed request", for the log line only
-        self.tally.ended = "client_gone"
+        """The client's connection closed before the answer ended: cancel upstream. A
+        client that left after the last byte of a complete answer (``[DONE]``) before
+        the host's end reached crossbar saw a complete answer (rule 8): its status and
+        figures are recorded as for a clean end."""
+        relay = self.relay
+        complete = relay is not None and relay.delivered_complete()
+        if not complete:
+            self.tally.status = 499  # nginx's "client closed request", for the log line only
+            self.tally.ended = "client_gone"
         self.leave_queue()
         self.stop_upstream()
+        if complete and relay is not None:
+            self.tally.figures = relay.figures(self.head.rest)  # §What the answers say
         self.end()
 
     @acts_in(*LIVE)
@@ -308,14 +326,19 @@ class Exchange:
     def answer_error(self, code: int, message: str, retry_after: bool | int = False, host: str | None = None) -> None:
         """Answer crossbar's own JSON error (rule 9) and end; ``retry_after`` adds
         ``Retry-After: 1`` (busy answers) or that many seconds, ``host`` names the host
-        that failed."""
-        body = json_error_bytes(message) if host is None else json_error_bytes(message, host=host)
+        that failed (in the body and ``X-Crossbar-Host``, like a relayed answer)."""
+        if host is None:
+            body = json_error_bytes(message)
+        else:
+            body = json_error_bytes(message, host=host)
+            self.request.setHeader(HOST_HEADER, host.encode("utf-8"))
         self.answer_json(code, body, retry_after)
 
     def answer_json(self, code: int, body: bytes, retry_after: bool | int = False) -> None:
-        """Answer ``code`` with the JSON ``body`` and end."""
+        """Answer ``code`` with the JSON ``body`` and end; every 503 carries
+        ``Retry-After`` (rule 10: clients' retries then back off)."""
         self.tally.answered(code)
-        self.tally.bytes = write_json(self.request, code, body, retry_after, self.runtime.draining)
+        self.tally.bytes = write_json(self.request, code, body, retry_after or code == 503, self.runtime.draining)
         self.end()
 
     def end(self) -> None:

@@ -62,17 +62,22 @@ class Decision:
 _FINISH = Decision(Action.FINISH)
 _NOTHING = Decision(Action.NOTHING)
 _CUT = Decision(Action.ABORT_CLIENT, mark_down=True)
+_CUT_CLIENT = Decision(Action.ABORT_CLIENT)  # the client's fault: the host is fine
 
 
-def decide(event: Event, host: str | None, tried: Sequence[str]) -> Decision:
+def decide(event: Event, host: str | None, tried: Sequence[str], alive: bool = False) -> Decision:
     """Rule 7: what to do about ``event`` on a request now at ``host`` (None before
-    one was chosen) that has already failed over from the hosts ``tried``.
+    one was chosen) that has already failed over from the hosts ``tried``; ``alive``:
+    the host showed another sign of life since this request was sent (a good poll, a
+    byte of another answer).
 
     - no connection (``CONNECT``): mark down, fail over;
     - the host failed after the request was sent, before the head (``REQUEST``): mark
       down, 502 ``upstream failed`` naming it (no retry: it may have started the work);
-    - no head within ``timeouts.first_byte``: mark down, 504 ``upstream timed out``;
+    - no head within ``timeouts.first_byte``: 504 ``upstream timed out`` naming it;
+      mark down only if not ``alive`` (a busy host is not dead);
     - the host died or went silent mid-answer: mark down, cut the client;
+    - the client took no byte for ``timeouts.client_stall``: cut it, mark nothing;
     - a clean end: finish; stopped from our side: nothing;
     - no healthy host left: 502 naming the last host tried after a failover, else 503
       ``no healthy host``; no host serves the model: 404 ``model not found``
@@ -87,11 +92,13 @@ def decide(event: Event, host: str | None, tried: Sequence[str]) -> Decision:
     if event is FailureKind.CONNECT:
         return Decision(Action.FAIL_OVER, mark_down=True)
     if event is FailureKind.FIRST_BYTE_TIMEOUT:
-        return Decision(Action.ANSWER, mark_down=True, code=504, message="upstream timed out")
+        return Decision(Action.ANSWER, mark_down=not alive, code=504, message="upstream timed out", host=host)
     if event is FailureKind.REQUEST:
         return Decision(Action.ANSWER, mark_down=True, code=502, message="upstream failed", host=host)
     if event is RelayEnd.COMPLETE:
         return _FINISH
     if event is RelayEnd.STOPPED:
         return _NOTHING
+    if event is RelayEnd.CLIENT_STALL:
+        return _CUT_CLIENT
     return _CUT  # RelayEnd.MID_ANSWER, RelayEnd.IDLE_TIMEOUT

@@ -11,6 +11,15 @@ re-armed lazily: a body chunk only records the time it came (no timer work per e
 issue 14); when the timer fires early because bytes came since, it re-arms itself for
 what is left.
 
+The client stall (``timeouts.client_stall``, rule 7; nginx's ``send_timeout``) is the
+other side: a client that takes no byte for that long while crossbar holds bytes for it
+(the relay paused because the client's transport is full, or bytes waiting in the
+transport) is cut, so that a client that never reads cannot hold a host's slot. Its
+timer is reset when the client resumes us; when it fires it asks the transport how many
+bytes it still holds (:func:`~crossbar.upstream.twisted_private.pending_write_bytes`):
+a client that took some since the last check is slow, not stalled, and gets another
+window. No work per body chunk.
+
 Its :attr:`Relay.ended` Deferred fires once with how the body ended
 (:class:`RelayEnd`); the exchange decides what that means for the client and the host.
 """
@@ -34,9 +43,12 @@ from zope.interface import implementer
 
 from crossbar.ops.figures import TAIL_BYTES, Figures, read_figures
 from crossbar.upstream.failures import describe_failure
-from crossbar.upstream.twisted_private import client_is_paused
+from crossbar.upstream.twisted_private import client_is_paused, pending_write_bytes
 
 __all__ = ["Relay", "RelayEnd", "RelayState"]
+
+_LAST_EVENTS = (b"event: message_stop", b"event: response.completed")
+"""The server-sent events that end an Anthropic Messages and an OpenAI Responses stream."""
 
 
 class RelayState(Enum):
@@ -56,6 +68,9 @@ class RelayEnd(Enum):
     """The host died mid-answer (rule 7): the client must see a truncated answer."""
     IDLE_TIMEOUT = "idle_timeout"
     """No body byte for ``timeouts.idle`` (rule 7)."""
+    CLIENT_STALL = "client_stall"
+    """The client took no byte for ``timeouts.client_stall`` while crossbar held bytes
+    for it (rule 7): cut it, cancel upstream, mark nothing."""
     STOPPED = "stopped"
     """Stopped from our side: the client left, or a drain's grace ran out."""
 
@@ -67,9 +82,13 @@ class Relay(Protocol):
     :param request: the client's request (its connection is the consumer).
     :param clock: the reactor (the idle timeout runs on it).
     :param idle_timeout: seconds without a body byte before giving up on the host.
+    :param client_stall: seconds the client may take no byte crossbar holds for it.
+    :param host: the host's name, for ``seen``.
+    :param seen: per host, the clock seconds it last sent a byte of an answer (a sign
+        of life, rule 7): each body chunk stores its time there; None: not kept.
     :ivar bytes: body bytes written to the client so far.
-    :ivar reason: for :data:`RelayEnd.MID_ANSWER` and :data:`RelayEnd.IDLE_TIMEOUT`, a
-        one-line description of what failed.
+    :ivar reason: for :data:`RelayEnd.MID_ANSWER`, :data:`RelayEnd.IDLE_TIMEOUT` and
+        :data:`RelayEnd.CLIENT_STALL`, a one-line description of what failed.
     :ivar ended: fires once with the :class:`RelayEnd`; never errbacks.
     :ivar first_byte_at: clock seconds when the first body byte came, or None.
 
@@ -79,10 +98,17 @@ class Relay(Protocol):
     them once, at the end.
     """
 
-    def __init__(self, request: Request, clock: IReactorTime, idle_timeout: float) -> None:
+    def __init__(self, request: Request, clock: IReactorTime, idle_timeout: float, client_stall: float = 60.0,
+                 host: str = "", seen: dict[str, float] | None = None) -> None:
         self.request = request
         self._clock = clock
         self.idle_timeout = idle_timeout
+        self.client_stall = client_stall
+        self._host = host
+        self._seen = seen
+        self._stall_timer: IDelayedCall | None = None
+        self._held = False  # at the last stall check (or pause) crossbar held bytes for the client
+        self._taken: int | None = None  # bytes the client had taken then (None: unknown)
         self.state = RelayState.STREAMING
         self.bytes = 0
         self.reason = ""
@@ -100,6 +126,7 @@ class Relay(Protocol):
         """Register with the client's connection and start reading ``response``'s body."""
         self._response = response
         self.request.registerProducer(self, True)
+        self._arm_stall(held=False)
         if client_is_paused(self.request):
             self.pauseProducing()
         if self.state is RelayState.STREAMING:
@@ -147,6 +174,8 @@ class Relay(Protocol):
         if not self.bytes:
             self.first_byte_at = now
         self.bytes += len(data)
+        if self._seen is not None:
+            self._seen[self._host] = now  # a sign of life (rule 7)
         tail = self._tail
         tail.append(data)
         self._tail_bytes += len(data)
@@ -188,6 +217,57 @@ class Relay(Protocol):
         self._end(RelayEnd.IDLE_TIMEOUT, f"no body byte within {self.idle_timeout:g}s")
         self._close_upstream()
 
+    # -- the client stall ----------------------------------------------------------
+
+    def _taken_now(self) -> tuple[bool, int | None]:
+        """Whether crossbar holds bytes for the client now, and how many body bytes it
+        has taken (written minus still held; None when the transport does not say)."""
+        pending = pending_write_bytes(self.request)
+        if pending is None:
+            return self.state is RelayState.PAUSED, None
+        return self.state is RelayState.PAUSED or pending > 0, self.bytes - pending
+
+    def _arm_stall(self, held: bool) -> None:
+        """Start a whole stall window from now: ``held`` says whether crossbar holds bytes
+        for the client at its start (True when it just paused us)."""
+        self._disarm_stall()
+        self._held = held
+        self._taken = self._taken_now()[1] if held else None  # only a held window can end in a cut
+        self._stall_timer = self._clock.callLater(self.client_stall, self._stall_check)
+
+    def _disarm_stall(self) -> None:
+        timer, self._stall_timer = self._stall_timer, None
+        if timer is not None and timer.active():
+            timer.cancel()
+
+    def _stall_check(self) -> None:
+        """A stall window passed: cut the client if it held bytes all along and took
+        none (rule 7), else start another window."""
+        self._stall_timer = None
+        held, taken = self._taken_now()
+        if held and self._held and (taken is None or self._taken is None or taken <= self._taken):
+            self._end(RelayEnd.CLIENT_STALL, f"the client took no byte within {self.client_stall:g}s")
+            self._close_upstream()
+            return
+        self._arm_stall(held)
+
+    def delivered_complete(self) -> bool:
+        """Whether the body relayed so far is a whole answer as its client can tell:
+        as long as the answer's ``Content-Length``, or a stream whose last event ended
+        it (``data: [DONE]``, Anthropic's ``message_stop``, the Responses API's
+        ``response.completed``). A client that leaves after that saw a complete answer
+        (rule 8)."""
+        response = self._response
+        if response is not None and isinstance(response.length, int):
+            return self.bytes >= response.length > 0
+        tail = self._tail[-1].rstrip() if self._tail else b""  # the last body chunk
+        if tail.endswith(b"data: [DONE]"):
+            return True
+        if not tail.endswith(b"}"):
+            return False
+        event = tail[tail.rfind(b"\n\n") + 2:].lstrip() if b"\n\n" in tail else tail
+        return event.startswith(_LAST_EVENTS)
+
     # -- IPushProducer: the client's connection ------------------------------------
 
     def pauseProducing(self) -> None:
@@ -195,6 +275,7 @@ class Relay(Protocol):
             return
         self.state = RelayState.PAUSED
         self._disarm()
+        self._arm_stall(held=True)
         if self.transport is not None:
             self.transport.pauseProducing()
 
@@ -205,6 +286,7 @@ class Relay(Protocol):
         if self.transport is not None:
             self.transport.resumeProducing()
         self._arm()
+        self._arm_stall(held=False)
 
     def stopProducing(self) -> None:
         self.stop()
@@ -226,7 +308,10 @@ class Relay(Protocol):
             return
         self.state = RelayState.ENDED
         self._disarm()
-        if how is not RelayEnd.COMPLETE:  # a cut answer counts nothing: let its chunks go
+        self._disarm_stall()
+        if how is not RelayEnd.COMPLETE and not (how is RelayEnd.STOPPED and self.delivered_complete()):
+            # a cut answer counts nothing: let its chunks go (a client that left after the
+            # last event of a complete one saw it whole: its figures are still read)
             self._tail.clear()
             self._head = self._response = None
         self.reason = reason

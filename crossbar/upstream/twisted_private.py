@@ -17,6 +17,11 @@ take a new Twisted on purpose, after that test and the suite pass.
    accept (``EMFILE``: 350 KB of log in 45 s under a descriptor shortage), and no
    public API filters one port's events (DESIGN.md §The proxy, rule 9: at most once a
    minute).
+4. :func:`pending_write_bytes` reads ``FileDescriptor.dataBuffer``, ``offset`` and
+   ``_tempDataLen`` of the client's TCP transport: whether a client took any byte of
+   what crossbar holds for it (``timeouts.client_stall``, DESIGN.md §The proxy rule 7).
+   Twisted tells a producer only when its buffer is empty again, so a slow client that
+   keeps reading would look stalled for as long as one buffer takes to drain.
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from typing import Any, Callable
 from twisted.logger import Logger
 from twisted.web.server import Request
 
-__all__ = ["BadRequestHook", "client_is_paused", "wrap_port_logger"]
+__all__ = ["BadRequestHook", "client_is_paused", "pending_write_bytes", "wrap_port_logger"]
 
 
 class BadRequestHook:
@@ -56,3 +61,18 @@ def wrap_port_logger(port: object, wrap: Callable[[Any], Any]) -> bool:
         return False
     setattr(port, "_logger", Logger(namespace=logger.namespace, source=logger.source, observer=wrap(logger.observer)))
     return True
+
+
+def pending_write_bytes(request: Request) -> int | None:
+    """Bytes written to the client connection of ``request`` that its transport still
+    holds (not yet taken by the kernel), or None when the transport does not say
+    (touchpoint 4). A TLS connection's bytes are counted on the TCP transport under it."""
+    transport: Any = getattr(request.channel, "transport", None)
+    for _ in range(3):  # the channel's transport, or a TLS protocol's TCP transport
+        if transport is None:
+            return None
+        data = getattr(transport, "dataBuffer", None)
+        if isinstance(data, bytes):
+            return len(data) - int(transport.offset) + int(transport._tempDataLen)
+        transport = getattr(transport, "transport", None)
+    return None
