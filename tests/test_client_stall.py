@@ -24,6 +24,7 @@ from twisted.internet.task import Clock, deferLater
 from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
+from twisted.web.iweb import UNKNOWN_LENGTH
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
@@ -86,7 +87,7 @@ class BufferingTransport(StringTransport):
 class FakeResponse:
     """An upstream response whose body the test delivers."""
 
-    length: Any = "unknown"
+    length: Any = UNKNOWN_LENGTH
 
     def __init__(self) -> None:
         self.transport = StringTransport()
@@ -278,7 +279,7 @@ class DeliveredCompleteTests(_RelayCase):
     """What a client that leaves before the host's end has seen (rule 8): a complete
     answer (logged with its status) or not (499 client_gone)."""
 
-    def complete(self, *chunks: bytes, length: Any = "unknown") -> bool:
+    def complete(self, *chunks: bytes, length: Any = UNKNOWN_LENGTH) -> bool:
         """Whether a relay that wrote ``chunks`` of an answer of ``length`` says so."""
         relay = Relay(self.request, self.clock, IDLE, STALL)
         response = FakeResponse()

@@ -24,6 +24,7 @@ from twisted.web._newclient import Response
 from twisted.web.client import ResponseDone, ResponseFailed
 from twisted.web.http import HTTPChannel, PotentialDataLoss
 from twisted.web.http_headers import Headers
+from twisted.web.iweb import UNKNOWN_LENGTH
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
@@ -72,6 +73,8 @@ class _ClientTransport(StringTransport):
 class FakeResponse:
     """An upstream response: ``deliverBody`` does what Twisted's ``Response`` does (hand
     over the transport, deliver buffered chunks, resume the transport)."""
+
+    length: Any = UNKNOWN_LENGTH  # IResponse.length: a chunked answer
 
     def __init__(self, buffered: tuple[bytes, ...] = ()) -> None:
         self.transport = StringTransport()
