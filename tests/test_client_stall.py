@@ -24,6 +24,7 @@ from twisted.internet.task import Clock, deferLater
 from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
+from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
@@ -90,6 +91,7 @@ class FakeResponse:
     length: Any = UNKNOWN_LENGTH
 
     def __init__(self) -> None:
+        self.headers = Headers()
         self.transport = StringTransport()
         self.protocol: Any = None
 
@@ -309,3 +311,25 @@ class DeliveredCompleteTests(_RelayCase):
     def test_content_length(self) -> None:
         self.assertTrue(self.complete(b'{"a": 1}', length=8))
         self.assertFalse(self.complete(b'{"a": ', length=8))
+
+    def test_figures_of_an_answer_seen_whole_survive_the_stop(self) -> None:
+        """A client that left after ``[DONE]`` saw a complete answer: its tokens still count
+        (the stop keeps the tail it would drop for a cut answer)."""
+        usage = (b'data: {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3, '
+                 b'"total_tokens": 8}}\n\ndata: [DONE]\n\n')
+        for chunks, counted in (((b"data: {}\n\n", usage), True), ((b"data: {}\n\n", usage[:40]), False)):
+            relay = Relay(self.request, self.clock, IDLE, STALL)
+            response = FakeResponse()
+            response.headers = Headers({b"content-type": [b"text/event-stream"]})
+            relay.start(response)  # type: ignore[arg-type]
+            for chunk in chunks:
+                response.protocol.dataReceived(chunk)
+                self.client.take()
+            relay.stop()
+            figures = relay.figures(b"/v1/chat/completions")
+            self.request.unregisterProducer()
+            if counted:
+                assert figures is not None
+                self.assertEqual((figures.prompt + figures.cached, figures.generated), (5, 3))
+            else:
+                self.assertIsNone(figures)
