@@ -1,5 +1,5 @@
 """Client keys (crossbar/proxy/access.py, DESIGN.md §Access): the one rule of which key a
-request's ``Authorization`` header presents."""
+request's ``Authorization`` (or ``X-Api-Key``) header presents."""
 
 from __future__ import annotations
 
@@ -8,10 +8,12 @@ import hmac
 from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.http_headers import Headers
 
 from crossbar.proxy import access
 from crossbar.proxy.access import authorize
 from crossbar.config import ClientKey, parse_config
+from crossbar.proxy.headers import upstream_headers
 
 _CONFIG = """\
 listen: tcp:1
@@ -88,3 +90,46 @@ class AuthorizeTests(SynchronousTestCase):
 
     def test_digest_is_sha256_of_the_secret(self) -> None:
         self.assertEqual(self.keys["alice"].digest, hashlib.sha256(b"alice-s3cret").digest())
+
+
+class ApiKeyHeaderTests(SynchronousTestCase):
+    """``X-Api-Key: <secret>`` (what Anthropic-style clients send) presents a key too,
+    and on a keyed route neither key header reaches a host (DESIGN.md §Access)."""
+
+    def setUp(self) -> None:
+        self.config = parse_config(_CONFIG, "x.yaml", environ={})
+
+    def test_x_api_key_presents_a_key(self) -> None:
+        route = self.config.routes["r"]
+        self.assertEqual(access.check_key(route, b"POST", None, x_api_key=[b"alice-s3cret"]), "alice")
+        self.assertEqual(access.check_key(route, b"POST", None, x_api_key=[b" ci-s3cret-longer-than-alice "]), "ci")
+
+    def test_wrong_or_foreign_x_api_key_is_refused(self) -> None:
+        route = self.config.routes["r"]
+        for secret in (b"", b"nope", b"bob-s3cret", b"Bearer alice-s3cret"):
+            self.assertIsNone(access.check_key(route, b"POST", None, x_api_key=[secret]), secret)
+
+    def test_either_header_may_carry_the_valid_key(self) -> None:
+        route = self.config.routes["r"]
+        self.assertEqual(access.check_key(route, b"POST", [b"Bearer alice-s3cret"], x_api_key=[b"junk"]), "alice")
+        self.assertEqual(access.check_key(route, b"POST", [b"Bearer junk"], x_api_key=[b"alice-s3cret"]), "alice")
+
+    def test_repeated_x_api_key_is_refused(self) -> None:
+        route = self.config.routes["r"]
+        self.assertIsNone(access.check_key(route, b"POST", None, x_api_key=[b"alice-s3cret", b"alice-s3cret"]))
+
+    def test_unkeyed_route_needs_none(self) -> None:
+        self.assertEqual(access.check_key(self.config.routes["open"], b"POST", None, x_api_key=[b"x"]), "")
+
+    def test_no_key_header_reaches_a_host_from_a_keyed_route(self) -> None:
+        src = Headers({b"Authorization": [b"Bearer alice-s3cret"], b"X-Api-Key": [b"alice-s3cret"],
+                       b"anthropic-version": [b"2023-06-01"]})
+        keyed = upstream_headers(src, keyed=True, api_key=None, client=None, secure=False)
+        self.assertFalse(keyed.hasHeader(b"authorization"))
+        self.assertFalse(keyed.hasHeader(b"x-api-key"))
+        self.assertEqual(keyed.getRawHeaders(b"anthropic-version"), [b"2023-06-01"])
+        with_host_key = upstream_headers(src, keyed=True, api_key="host-secret", client=None, secure=False)
+        self.assertEqual(with_host_key.getRawHeaders(b"authorization"), [b"Bearer host-secret"])
+        self.assertFalse(with_host_key.hasHeader(b"x-api-key"))
+        unkeyed = upstream_headers(src, keyed=False, api_key=None, client=None, secure=False)
+        self.assertEqual(unkeyed.getRawHeaders(b"x-api-key"), [b"alice-s3cret"])  # not crossbar's key: passed on

@@ -12,7 +12,7 @@ from typing import Mapping, Sequence
 
 from crossbar.config import ClientKey, Route
 
-__all__ = ["authorize", "check_key"]
+__all__ = ["authorize", "check_key", "key_named"]
 
 _BEARER = b"bearer"
 
@@ -38,7 +38,16 @@ def authorize(keys: Mapping[str, ClientKey], authorization: bytes | None) -> str
     parts = authorization.strip().split(None, 1)
     if len(parts) != 2 or parts[0].lower() != _BEARER:
         return None
-    presented = hashlib.sha256(parts[1].strip()).digest()
+    return key_named(keys, parts[1])
+
+
+def key_named(keys: Mapping[str, ClientKey], secret: bytes) -> str | None:
+    """The name of the key in ``keys`` whose secret is ``secret`` (bytes as received,
+    whitespace around it tolerated), or None (an empty or wrong secret, no keys);
+    compared as :func:`authorize` says, in constant time against every key."""
+    if not keys:
+        return None
+    presented = hashlib.sha256(secret.strip()).digest()
     found: str | None = None
     for name, key in keys.items():
         if hmac.compare_digest(presented, key.digest) and found is None:
@@ -60,6 +69,8 @@ def check_key(
         :class:`crossbar.proxy.head.RequestHead`), or None.
     :param method: the request method.
     :param authorization: every ``Authorization`` value of the request, or None.
+    :param api_key: every ``X-Api-Key`` value (the bare secret: §Access), or None. A
+        request may present its key in either header; a valid one in either admits it.
     :param has_body: the request announced a body (``Content-Length`` above 0, or
         chunked): a preflight never has one, so such an ``OPTIONS`` needs a key.
     :param x_api_key: every ``X-Api-Key`` value (``X-Api-Key: <secret>``, what

@@ -36,7 +36,7 @@ from crossbar.proxy.attempt import Answer, Attempt, UpstreamFailed
 from crossbar.proxy.client import abort_connection, forwarded_headers, write_head, write_json
 from crossbar.paths import PathKind
 from crossbar.proxy.headers import HOST_HEADER
-from crossbar.proxy.head import Refusal, RequestHead, check_path, wanted_model
+from crossbar.proxy.head import Refusal, RequestHead, check_path, upstream_body, wanted_model
 from crossbar.proxy.modellist import route_models
 from crossbar.proxy.place import QueuePlace
 from crossbar.proxy.phase import LIVE, NEXT, Phase, acts_in
@@ -157,7 +157,9 @@ class Exchange:
 
     def dispatch(self, chosen: Chosen) -> None:
         """Count the request against ``chosen.host`` and send it there (rules 6-7): the
-        head's body as it came, the query as :func:`~crossbar.proxy.head.wanted_model` gave it."""
+        body as :func:`~crossbar.proxy.head.upstream_body` gives it for this host (decided
+        per host: a failover may move it between a router-mode and a single-model host),
+        the query as :func:`~crossbar.proxy.head.wanted_model` gave it."""
         assert self.route is not None
         self._enter(Phase.FORWARDING)
         if not self.tried:
@@ -169,10 +171,19 @@ class Exchange:
         headers = forwarded_headers(self.request, keyed=bool(self.route.keys),
                                     api_key=None if keyless_preflight else host.api_key)
         target = host_url(host.url).target(self.head.rest + self.query)
-        self.attempt = Attempt(self.proxy.pools, self.clock, self.head.method, target, headers, self.head.body,
+        head = self.head
+        body = head.body
+        if head.peeked.spot is not None and head.peeked.model != self.model:  # an alias, or no model named
+            body = upstream_body(head, self.model, lambda: self.is_router(chosen.host))
+        self.attempt = Attempt(self.proxy.pools, self.clock, head.method, target, headers, body,
                                self.config.timeouts.first_byte).start()
         self.attempt.addCallbacks(self.on_answer, self.on_attempt_failed)
         self.attempt.addErrback(self.on_bug)
+
+    def is_router(self, host: str) -> bool:
+        """``host`` is in router mode at its last good poll (§"Model names")."""
+        status = self.runtime.table.get(host)
+        return status is not None and status.router
 
     def enqueue(self) -> None:
         """No host of the tier has room (§Choosing a host, rule 4): wait in the route's

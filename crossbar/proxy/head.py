@@ -20,7 +20,9 @@ Where each of rules 1-4 lives:
   ``not found``; the pure path checks are :mod:`crossbar.proxy.routing` and
   :mod:`crossbar.paths`), and rule 10's model list;
 - rule 4's model and §Model names: :func:`wanted_model` (the peek's, the query's for a
-  GET or HEAD, else the route's ``default_model``; aliases resolved).
+  GET or HEAD, else the route's ``default_model``; aliases resolved) and
+  :func:`upstream_body` (the body a chosen host gets: an alias's target written in, or
+  the model a router-mode host needs).
 
 A keyed client's ``max_inflight`` (429, §Access) depends on the requests in flight: the
 exchange checks it when it starts (:meth:`crossbar.proxy.exchange.Exchange.start`).
@@ -30,12 +32,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 from crossbar.config import Config, Route
 from crossbar.ops.record import NO_ROUTE
 from crossbar.proxy.access import check_key
-from crossbar.proxy.peek import NOTHING, Peeked
+from crossbar.proxy.peek import NOTHING, Peeked, rewrite_model
 from crossbar.proxy.request import NO_BODY_METHODS
 from crossbar.paths import PathKind, classify_path
 from crossbar.proxy.routing import (
@@ -43,7 +45,7 @@ from crossbar.proxy.routing import (
 )
 
 __all__ = [
-    "METHODS", "REFUSED_METHODS", "Refusal", "RequestHead", "check_on_head", "check_path", "wanted_model",
+    "METHODS", "REFUSED_METHODS", "Refusal", "RequestHead", "check_on_head", "check_path", "upstream_body", "wanted_model",
 ]
 
 METHODS = (b"GET", b"HEAD", b"POST", b"PUT", b"PATCH", b"DELETE", b"OPTIONS")
@@ -203,8 +205,8 @@ def wanted_model(head: RequestHead, route: Route) -> tuple[str | None, bytes]:
 
     The model is the body's (the peek's), else for a GET or HEAD the query's ``model``
     parameter, else the route's ``default_model``; an alias of the route is replaced by
-    its target (:meth:`crossbar.config.Route.resolve`), in the query too. This is where
-    a model name is rewritten for the upstream; the body is forwarded as it came.
+    its target (:meth:`crossbar.config.Route.resolve`), in the query too (the body's
+    is written in per host by :func:`upstream_body`).
     """
     query, named = head.query, head.peeked.model
     if named is None and head.method in NO_BODY_METHODS:
@@ -213,3 +215,32 @@ def wanted_model(head: RequestHead, route: Route) -> tuple[str | None, bytes]:
             query = replace_query_model(query, route.resolve(named))
     wanted = named if named is not None else route.default_model
     return (None if wanted is None else route.resolve(wanted)), query
+
+
+def upstream_body(head: RequestHead, model: str | None, router: Callable[[], bool]) -> Sequence[bytes] | None:
+    """The body sent to a host chosen for ``model`` (§"Model names"): the client's chunks
+    as they came, except
+
+    - a top-level ``"model"`` string that names an alias (``model``, the target, differs
+      from it): its value replaced by ``model``, for every host;
+    - a host in router mode (``router()`` says so; it refuses a request naming no model) and a JSON object
+      naming none (no top-level ``"model"``, or an empty string): ``"model": <model>``
+      written as the object's first member (or the empty value replaced). A single-model
+      host gets such a body unchanged.
+
+    Only the bytes at the peek's :class:`~crossbar.proxy.peek.Spot` change
+    (:func:`~crossbar.proxy.peek.rewrite_model`: at most two chunks copied); the upstream
+    ``Content-Length`` is the new chunks' length (:class:`crossbar.proxy.attempt.BytesProducer`).
+    A body needing neither costs a comparison or two, no copy (``router`` is asked only
+    of a body that names no model).
+
+    :param model: the model the request was chosen for (:func:`wanted_model`), or None.
+    :param router: whether the chosen host is in router mode
+        (:attr:`crossbar.hosts.health.HostStatus.router`).
+    """
+    peeked = head.peeked
+    spot = peeked.spot
+    named = peeked.model
+    if spot is None or model is None or named == model or (named is None and not router()):
+        return head.body
+    return rewrite_model(head.chunks, spot, model).chunks
