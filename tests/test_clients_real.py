@@ -45,9 +45,10 @@ VOLATILE = frozenset({"timings", "id_slot", "tokens_cached", "truncated", "gener
 
 
 def stable(doc: Any) -> Any:
-    """``doc`` without :data:`VOLATILE` fields (at any depth)."""
+    """``doc`` without :data:`VOLATILE` fields (at any depth; ``timings/prompt_n`` is
+    how ``response_fields`` names a field of ``timings``)."""
     if isinstance(doc, dict):
-        return {k: stable(v) for k, v in doc.items() if k not in VOLATILE}
+        return {k: stable(v) for k, v in doc.items() if k.split("/")[0] not in VOLATILE}
     if isinstance(doc, list):
         return [stable(v) for v in doc]
     return doc
@@ -143,6 +144,7 @@ routes:
     aliases: {{gpt-4o: tiny-b, "claude-*": tiny-a}}
   mixed: {{hosts: [one, router], default_model: tiny-a}}
   fim: {{hosts: [one, two], default_model: tiny-a}}
+  fimplain: {{hosts: [one, two], default_model: tiny-a, affinity: {{key: none}}}}
   keyed:
     hosts: [one]
     default_model: tiny-a
@@ -283,39 +285,55 @@ routes:
 
         return ensureDeferred(go())
 
+    async def replay(self, base: str, route: str, run: str, sessions: int) -> tuple[dict[str, list[str]], int, int]:
+        """``sessions`` llama.vim sessions (one file each) through ``route``, one after
+        the other: the ring's warm-up, keystrokes with a growing prefix, a chunk appended
+        to the ring and its warm-up, one more keystroke. Returns each session's hosts in
+        order, and over the keystrokes after a session's first two: the prompt tokens
+        the hosts read anew (``timings.prompt_n``) and the tokens their slot then held."""
+        homes: dict[str, list[str]] = {}
+        evaluated = cached = 0
+        for n in range(sessions):
+            path = f"pkg/{run}_module_{n}.py"
+            ring = [chunk(f"pkg/{run}_other_{n}.py", f"def other_{n}(y):  # {run}\n    return y + {n}\n")]
+            steps: list[dict[str, Any]] = [vim_warmup(ring)]
+            line = f"result_{n} = other_{n}(compute(values))"
+            for k in range(8, len(line), 6):  # typing the line, one request per few keystrokes
+                steps.append(vim_infill(f"import other_{n}\n\n", line[:k], "\n", ring, n_predict=4))
+            ring = [*ring, chunk(path, f"values = [1, 2, 3]\ncompute = sum  # {n}\n")]  # the ring grows
+            steps.append(vim_warmup(ring))
+            steps.append(vim_infill(f"import other_{n}\n\n", line, "\n", ring, n_predict=4))
+            seen = homes[path] = []
+            for doc in steps:
+                code, answer, host = await self.post(f"{base}/{route}/infill", doc)
+                self.assertEqual(code, 200, answer)
+                assert host is not None
+                seen.append(host)
+                if doc["n_predict"] and len(seen) > 2:
+                    evaluated += int(answer["timings/prompt_n"])
+                    cached += int(answer["tokens_cached"])
+        return homes, evaluated, cached
+
     def test_an_infill_session_sticks_to_one_host(self) -> object:
         """llama.vim sessions replayed through a route of two hosts with affinity on:
-        every request of one session (the ring's warm-ups, keystrokes with a growing
-        prefix, a chunk appended to the ring) lands on one host; the split of the
-        sessions over the hosts is printed."""
+        every request of one session lands on one host, whose cache then holds most of
+        each next prompt; sessions of other files spread over both hosts. The same
+        sessions through a route with ``affinity: {key: none}`` are printed beside."""
         async def go() -> None:
             base = await self.crossbar()
             sessions = 8
-            homes: dict[str, set[str]] = {}
-            cached: list[int] = []
-            for n in range(sessions):
-                path = f"pkg/module_{n}.py"
-                ring = [chunk(f"pkg/other_{n}.py", f"def other_{n}(y):\n    return y + {n}\n")]
-                seen: list[str] = []
-                steps: list[dict[str, Any]] = [vim_warmup(ring)]
-                line = f"result_{n} = other_{n}(compute(values))"
-                for k in range(8, len(line), 6):  # typing the line, one request per few keystrokes
-                    steps.append(vim_infill(f"import other_{n}\n\n", line[:k], "\n", ring, n_predict=4))
-                ring = [*ring, chunk(path, f"values = [1, 2, 3]\ncompute = sum  # {n}\n")]  # the ring grows
-                steps.append(vim_warmup(ring))
-                steps.append(vim_infill(f"import other_{n}\n\n", line, "\n", ring, n_predict=4))
-                for doc in steps:
-                    code, answer, host = await self.post(base + "/fim/infill", doc)
-                    self.assertEqual(code, 200, answer)
-                    assert host is not None
-                    seen.append(host)
-                    if doc["n_predict"] and isinstance(answer, dict) and "tokens_cached" in answer:
-                        cached.append(int(answer["tokens_cached"]))
-                homes[path] = set(seen)
-                self.assertEqual(len(homes[path]), 1, (path, seen))
-            split = Counter(next(iter(h)) for h in homes.values())
-            print(f"\ninfill sessions per host: {dict(split)} ({sessions} sessions, one host each); "
-                  f"tokens_cached per completion: {cached}", file=sys.stderr)
+            homes, evaluated, cached = await self.replay(base, "fim", "aff", sessions)
+            for path, seen in homes.items():
+                self.assertEqual(len(set(seen)), 1, (path, seen))
+            split = Counter(seen[0] for seen in homes.values())
+            p_homes, p_evaluated, p_cached = await self.replay(base, "fimplain", "plain", sessions)
+            moved = sum(len(set(seen)) > 1 for seen in p_homes.values())
+            print(f"\ninfill, affinity on: sessions per host {dict(split)}, one host each; prompt tokens "
+                  f"read anew after a session's first keystroke: {evaluated} of {cached} "
+                  f"({evaluated / cached:.0%})\ninfill, affinity off: {moved} of {sessions} sessions on "
+                  f"both hosts; read anew: {p_evaluated} of {p_cached} ({p_evaluated / p_cached:.0%})",
+                  file=sys.stderr)
+            self.assertLess(evaluated / cached, 0.5)  # the host kept the session's prefix
             self.assertEqual(len(split), 2, split)  # sessions of other files do spread
 
         return ensureDeferred(go())
