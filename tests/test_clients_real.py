@@ -198,6 +198,12 @@ routes:
                 d_code, d_doc = await self.get(server.url + target)
                 c_code, c_doc = await self.get(f"{base}/{route}{target}")
                 self.assertEqual((c_code, stable(c_doc)), (d_code, stable(d_doc)), route)
+            # what changes a host or shows other clients' data: refused (a fake host shows
+            # that none sees it: tests/test_model_names.py)
+            for method, path in (("GET", "/slots"), ("POST", "/slots/0?action=erase"), ("POST", "/models/load"),
+                                 ("GET", "/metrics"), ("POST", "/props")):
+                response = await http_client(self).request(method, f"{base}/one{path}", data=b"{}")
+                self.assertEqual((response.code, await treq.json_content(response)), (403, {"error": "forbidden path"}))
             # Continue posts /completion with no model: the route's default_model, on a router host too
             code, doc, _ = await self.post(base + "/router/completion", {"prompt": "hi", "n_predict": 2, "stream": False})
             self.assertEqual((code, doc.get("model")), (200, "tiny-b"), doc)
