@@ -1,4 +1,4 @@
-"""How long the body peek holds the reactor (DESIGN.md §"Quality bar"; issue 11 item 3).
+"""How long the body peek holds the reactor (docs/design.md §"Quality bar"; issue 11 item 3).
 
     python bench/peek.py [--mib 15] [--chunk 65536] [--rounds 5] [--shapes]
 

@@ -298,7 +298,7 @@ _WRK_LUA_KEYLESS = _WRK_LUA.replace(
     '"messages":[{"role":"user","content":"Say hello."}]', '"messages":[],"x":[{"role":"user","content":"Say hello."}]'
 )
 
-# (f): (label, route, keyed body?) -- DESIGN.md §"Cache affinity" must cost <= 5% of (a)
+# (f): (label, route, keyed body?) -- docs/design.md §"Cache affinity" must cost <= 5% of (a)
 G_VARIANTS = [
     ("keyed, affinity on", "/aff", True),
     ("keyed, affinity: {key: none}", "/noaff", True),

@@ -1,6 +1,6 @@
 """crossbar: a streaming reverse proxy for fleets of llama.cpp ``llama-server`` hosts.
 
-The specification is ``DESIGN.md`` (kept beside the project); module docstrings name
+The specification is ``docs/design.md`` (kept beside the project); module docstrings name
 the section each rule comes from.
 """
 

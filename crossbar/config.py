@@ -1,4 +1,4 @@
-"""Load and validate ``crossbar.yaml`` into frozen records (DESIGN.md §Configuration).
+"""Load and validate ``crossbar.yaml`` into frozen records (docs/design.md §Configuration).
 
 Every problem is reported as one :class:`ConfigError` naming the file, the key path and
 the problem, e.g. ``crossbar.yaml: routes.a.hosts[1]: unknown host 'gpu-z'``.
@@ -67,7 +67,7 @@ def one_line(text: str) -> str:
 
 @dataclass(frozen=True)
 class HealthSettings:
-    """``health:`` — poll cadence and hysteresis (DESIGN.md §The health table).
+    """``health:`` — poll cadence and hysteresis (docs/design.md §The health table).
 
     ``interval`` and ``timeout`` are seconds; the thresholds count polls.
     """
@@ -80,7 +80,7 @@ class HealthSettings:
 
 @dataclass(frozen=True)
 class Timeouts:
-    """``timeouts:`` for the proxy path, in seconds (DESIGN.md §The proxy, rule 7)."""
+    """``timeouts:`` for the proxy path, in seconds (docs/design.md §The proxy, rule 7)."""
 
     connect: float = 5.0
     first_byte: float = 300.0
@@ -92,7 +92,7 @@ class Timeouts:
 
 @dataclass(frozen=True)
 class DrainSettings:
-    """``drain:`` for SIGTERM, in seconds (DESIGN.md §Operations)."""
+    """``drain:`` for SIGTERM, in seconds (docs/design.md §Operations)."""
 
     delay: float = 5.0
     grace: float = 25.0
@@ -110,11 +110,11 @@ class OpsSettings:
 
 @dataclass(frozen=True)
 class HostTLSSettings:
-    """``hosts.<h>.tls:`` for an ``https://`` host (DESIGN.md §Access, §Configuration).
+    """``hosts.<h>.tls:`` for an ``https://`` host (docs/design.md §Access, §Configuration).
 
     The files are read (and checked to hold PEM certificates / an unencrypted private
     key) when the config is loaded, so a reload picks up rotated files and a host whose
-    files changed counts as changed (it starts over, DESIGN.md §Operations).
+    files changed counts as changed (it starts over, docs/design.md §Operations).
 
     :ivar ca: path of the PEM CA bundle to trust, or None for the system trust store.
     :ivar verify: False turns off every check of the host's certificate (an explicit
@@ -136,7 +136,7 @@ class HostTLSSettings:
 
 @dataclass(frozen=True)
 class Host:
-    """One upstream host (DESIGN.md §Configuration, §Choosing a host, §Access).
+    """One upstream host (docs/design.md §Configuration, §Choosing a host, §Access).
 
     :ivar name: its configured name.
     :ivar url: its base URL (no trailing slash).
@@ -148,7 +148,7 @@ class Host:
     :ivar tls: TLS settings (``https://`` hosts only), or None for the defaults
         (verified against the system trust store).
     :ivar max_inflight_slots: ``max_inflight: slots``: the limit is the number of slots
-        the host reports (``GET /props`` → ``total_slots``, DESIGN.md §Choosing a host,
+        the host reports (``GET /props`` → ``total_slots``, docs/design.md §Choosing a host,
         rule 2), read by the poller.
     """
 
@@ -163,7 +163,7 @@ class Host:
     def connection_settings(self) -> tuple[object, ...]:
         """What a connection to the host depends on: URL, ``tls`` and ``api_key``.
 
-        A reload that changes any of them makes the host start over (DESIGN.md
+        A reload that changes any of them makes the host start over (docs/design.md
         §Operations).
         """
         return (self.url, self.tls, self.api_key)
@@ -171,7 +171,7 @@ class Host:
 
 @dataclass(frozen=True)
 class QueueSettings:
-    """``routes.<r>.queue:`` (DESIGN.md §Choosing a host, rule 4).
+    """``routes.<r>.queue:`` (docs/design.md §Choosing a host, rule 4).
 
     :ivar max: requests that may wait for a free host (0: never wait).
     :ivar timeout: seconds one request may wait.
@@ -183,7 +183,7 @@ class QueueSettings:
 
 @dataclass(frozen=True)
 class AffinitySettings:
-    """``routes.<r>.affinity:`` (DESIGN.md §Cache affinity).
+    """``routes.<r>.affinity:`` (docs/design.md §Cache affinity).
 
     :ivar key: ``"prefix"`` (keep a conversation on one host) or ``"none"`` (off).
     :ivar balance: a host takes its share up to this factor (>= 1) of the tier's mean load.
@@ -195,7 +195,7 @@ class AffinitySettings:
 
 @dataclass(frozen=True)
 class KeyLimits:
-    """``routes.<r>.keys.<k>.limits:`` (DESIGN.md §Access); each None when absent (off).
+    """``routes.<r>.keys.<k>.limits:`` (docs/design.md §Access); each None when absent (off).
 
     :ivar requests_per_minute: requests admitted in any sliding 60 s.
     :ivar tokens_per_minute: tokens (prompt + generated, as the hosts report them)
@@ -213,7 +213,7 @@ class KeyLimits:
 
 @dataclass(frozen=True)
 class RedisURL:
-    """Where the Redis of ``cluster.redis`` is (DESIGN.md §Several crossbars).
+    """Where the Redis of ``cluster.redis`` is (docs/design.md §Several crossbars).
 
     :ivar tls: ``rediss://`` (verified against the system trust store).
     :ivar host: its host name or address; :ivar port: its TCP port (default 6379).
@@ -237,7 +237,7 @@ class RedisURL:
 
 @dataclass(frozen=True)
 class ClusterSettings:
-    """``cluster:`` (DESIGN.md §Several crossbars): several crossbars share counts.
+    """``cluster:`` (docs/design.md §Several crossbars): several crossbars share counts.
 
     :ivar redis: the Redis they share them through.
     """
@@ -247,7 +247,7 @@ class ClusterSettings:
 
 @dataclass(frozen=True)
 class ClientKey:
-    """One client key of a route (DESIGN.md §Access).
+    """One client key of a route (docs/design.md §Access).
 
     :ivar name: the key's name (goes into log lines and the ``key`` metric label).
     :ivar secret: what clients send as ``Authorization: Bearer <secret>``; left out of
@@ -320,7 +320,7 @@ class Config:
     """A whole validated configuration. ``hosts`` and ``routes`` keep file order.
 
     :ivar workers: processes sharing the listener (``auto`` already resolved to the
-        usable CPUs, DESIGN.md §Workers).
+        usable CPUs, docs/design.md §Workers).
     :ivar cluster: where several crossbars share their counts, or None (one box).
     :ivar warnings: one line each for settings that load but are probably mistakes (a
         host URL ending in ``/v1``, ``tls.verify: false``); :func:`load_config` logs them.
@@ -474,7 +474,7 @@ class _Checker:
 
     A value that came (wholly or partly) from ``${NAME}`` is never quoted back in an
     error: the message shows it as written in the file, references unexpanded, so a
-    secret put in the wrong place cannot end up in a log (DESIGN.md §Access).
+    secret put in the wrong place cannot end up in a log (docs/design.md §Access).
     """
 
     def __init__(self, path: str, environ: Mapping[str, str]) -> None:
@@ -662,7 +662,7 @@ def load_config(path: str, environ: Mapping[str, str] | None = None, text: str |
     text its supervisor validated); ``path`` still names the file in messages and
     anchors relative ``tls`` paths.
 
-    :raises ConfigError: for an unreadable file, bad YAML, or any rule of DESIGN.md
+    :raises ConfigError: for an unreadable file, bad YAML, or any rule of docs/design.md
         §Configuration broken; its message is one line naming file, key and problem.
     """
     if text is None:
@@ -768,7 +768,7 @@ def parse_config(text: str, path: str = "<config>", environ: Mapping[str, str] |
 
 
 def _workers(c: _Checker, raw: Any) -> int:
-    """``workers: N | auto`` (DESIGN.md §Workers); ``auto`` -> :func:`usable_cpus`."""
+    """``workers: N | auto`` (docs/design.md §Workers); ``auto`` -> :func:`usable_cpus`."""
     if isinstance(raw, str) and c.expand("workers", raw).strip().lower() == "auto":
         return min(usable_cpus(), MAX_WORKERS)
     if raw is None or isinstance(raw, (bool, list, dict)):
@@ -786,7 +786,7 @@ def _workers(c: _Checker, raw: Any) -> int:
 
 
 def _cluster(c: _Checker, top: dict[str, Any]) -> ClusterSettings | None:
-    """``cluster: {redis: URL}`` (DESIGN.md §Several crossbars); None when absent."""
+    """``cluster: {redis: URL}`` (docs/design.md §Several crossbars); None when absent."""
     if top.get("cluster") is None:
         return None
     body = c.mapping("cluster", top["cluster"])
@@ -842,7 +842,7 @@ def _redis_url(c: _Checker, key: str, raw: Any) -> RedisURL:
 
 
 def _limits(c: _Checker, key: str, raw: Any) -> KeyLimits:
-    """``keys.<k>.limits`` (DESIGN.md §Access): each a whole number of at least 1."""
+    """``keys.<k>.limits`` (docs/design.md §Access): each a whole number of at least 1."""
     if raw is None:
         return KeyLimits()
     body = c.mapping(key, raw)
@@ -958,7 +958,7 @@ def _tls(c: _Checker, key: str, raw: Any) -> HostTLSSettings:
 
 def _check_certificates(c: _Checker, key: str, pem: bytes) -> list[Any]:
     """The PEM certificates in ``pem`` (at least one). cryptography is imported only
-    when a config has ``tls`` files (it is heavy, DESIGN.md §Workers memory)."""
+    when a config has ``tls`` files (it is heavy, docs/design.md §Workers memory)."""
     from cryptography import x509
 
     try:
@@ -1144,7 +1144,7 @@ def _affinity(c: _Checker, key: str, body: dict[str, Any]) -> AffinitySettings:
 def _keys(
     c: _Checker, key: str, raw: Any, secrets: dict[bytes, tuple[str, str]]
 ) -> Mapping[str, ClientKey]:
-    """``routes.<r>.keys`` (DESIGN.md §Access). ``secrets`` collects every secret seen
+    """``routes.<r>.keys`` (docs/design.md §Access). ``secrets`` collects every secret seen
     so far in the config (by digest), so the same secret under two names is refused."""
     if raw is None:
         return _NO_KEYS

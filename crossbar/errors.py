@@ -1,4 +1,4 @@
-"""Error answers crossbar makes itself (DESIGN.md rule 9): always JSON ``{"error": ...}``."""
+"""Error answers crossbar makes itself (docs/design.md rule 9): always JSON ``{"error": ...}``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ __all__ = ["json_error_bytes"]
 
 
 def json_error_bytes(message: str, **extra: str) -> bytes:
-    """The body of an error answer: ``{"error": message, ...extra}`` (DESIGN.md rule 9).
+    """The body of an error answer: ``{"error": message, ...extra}`` (docs/design.md rule 9).
 
     :param message: the error text, never a secret or a body.
     :param extra: more string members (``host`` for 502/504).

@@ -1,4 +1,4 @@
-"""Helpers for the access tests (DESIGN.md §Access): crossbar from a real config FILE
+"""Helpers for the access tests (docs/design.md §Access): crossbar from a real config FILE
 (so ``${NAME}`` secrets, ``load_config``'s warnings and ``service.reload()`` work as in
 production), loopback TLS hosts with ``trustme`` certificates, and a recorder of every
 upstream request's headers.

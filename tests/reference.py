@@ -1,4 +1,4 @@
-"""Reference answers for tests: what ``json.loads`` says a body's model is (DESIGN.md
+"""Reference answers for tests: what ``json.loads`` says a body's model is (docs/design.md
 §The proxy, rule 4). crossbar itself peeks incrementally (:mod:`crossbar.proxy.peek`); its
 answers are checked against this one."""
 

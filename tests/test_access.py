@@ -1,4 +1,4 @@
-"""Client keys (crossbar/proxy/access.py, DESIGN.md §Access): the one rule of which key a
+"""Client keys (crossbar/proxy/access.py, docs/design.md §Access): the one rule of which key a
 request's ``Authorization`` (or ``X-Api-Key``) header presents."""
 
 from __future__ import annotations
@@ -94,7 +94,7 @@ class AuthorizeTests(SynchronousTestCase):
 
 class ApiKeyHeaderTests(SynchronousTestCase):
     """``X-Api-Key: <secret>`` (what Anthropic-style clients send) presents a key too,
-    and on a keyed route neither key header reaches a host (DESIGN.md §Access)."""
+    and on a keyed route neither key header reaches a host (docs/design.md §Access)."""
 
     def setUp(self) -> None:
         self.config = parse_config(_CONFIG, "x.yaml", environ={})

@@ -1,4 +1,4 @@
-"""Client keys and host keys end to end (DESIGN.md §Access): a real crossbar loaded
+"""Client keys and host keys end to end (docs/design.md §Access): a real crossbar loaded
 from a config file with ``${NAME}`` secrets, real loopback FakeLlama hosts that record
 every header they get, treq and raw sockets as clients."""
 

@@ -1,4 +1,4 @@
-"""Keys with the real ``openai`` client and a real llama-server (DESIGN.md §Access).
+"""Keys with the real ``openai`` client and a real llama-server (docs/design.md §Access).
 
 - The client's ``api_key=`` is crossbar's key of a keyed route; it streams through.
 - A llama-server started with ``--api-key`` behind a host with ``api_key: ${...}``:

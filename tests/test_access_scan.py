@@ -1,4 +1,4 @@
-"""No secret leaks (DESIGN.md §Access): one scenario exercising every secret of the
+"""No secret leaks (docs/design.md §Access): one scenario exercising every secret of the
 config — client keys (one with ``max_inflight``), a host ``api_key``, the ops token, a
 mutual-TLS client key file, a client's wrong key — through 200s, 401s, a 429, failed
 hosts (a dead one with an ``api_key``, a TLS host that refuses the handshake) and a

@@ -1,4 +1,4 @@
-"""TLS end to end through a real crossbar (DESIGN.md §Access, §The proxy rule 7):
+"""TLS end to end through a real crossbar (docs/design.md §Access, §The proxy rule 7):
 hosts served over TLS with ``trustme`` certificates made in the test run, crossbar
 loaded from a config file, and a TLS listener reached by the ``openai`` client.
 

@@ -1,4 +1,4 @@
-"""Weighted rendezvous hashing with bounded load (crossbar.hosts.affinity; DESIGN.md §"Cache
+"""Weighted rendezvous hashing with bounded load (crossbar.hosts.affinity; docs/design.md §"Cache
 affinity"; the property tests issue 12 lists)."""
 
 from __future__ import annotations

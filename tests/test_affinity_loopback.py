@@ -1,4 +1,4 @@
-"""Cache affinity end to end on loopback (DESIGN.md §"Cache affinity"; issue 12).
+"""Cache affinity end to end on loopback (docs/design.md §"Cache affinity"; issue 12).
 
 A real crossbar in-process (tests/harness.py) in front of two :class:`FakeLlama` hosts:
 every turn of a conversation (growing ``messages``) goes to the host its key ranks

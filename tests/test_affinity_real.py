@@ -1,4 +1,4 @@
-"""Cache affinity against two real llama-servers: the measure that matters (DESIGN.md
+"""Cache affinity against two real llama-servers: the measure that matters (docs/design.md
 §"Cache affinity"; issue 12).
 
 Two single-model llama-servers (tiny-a, four slots each) behind one crossbar, with two

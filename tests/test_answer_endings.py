@@ -1,5 +1,5 @@
 """How an answer ended, in the log and the metrics, and the 503s' ``Retry-After``
-(DESIGN.md §The proxy, rules 8 and 10; issue 20 item 10). Real loopback sockets."""
+(docs/design.md §The proxy, rules 8 and 10; issue 20 item 10). Real loopback sockets."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Answers (DESIGN.md §The proxy, rules 6-7): bodiless answers stay bodiless, upstream
+"""Answers (docs/design.md §The proxy, rules 6-7): bodiless answers stay bodiless, upstream
 errors are relayed as they are and mark nothing, framing follows the upstream's."""
 
 from __future__ import annotations

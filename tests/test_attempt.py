@@ -1,4 +1,4 @@
-"""Socket-free unit tests of :class:`crossbar.proxy.attempt.Attempt` (DESIGN.md §The proxy,
+"""Socket-free unit tests of :class:`crossbar.proxy.attempt.Attempt` (docs/design.md §The proxy,
 rules 6-7): one upstream request to one host, classified as an :class:`Answer` or an
 :class:`UpstreamFailed` of one :class:`FailureKind`.
 

@@ -1,4 +1,4 @@
-"""Property tests of :func:`crossbar.hosts.balance.choose` (DESIGN.md §Choosing a host, rules 1-3).
+"""Property tests of :func:`crossbar.hosts.balance.choose` (docs/design.md §Choosing a host, rules 1-3).
 
 Each example is a route over a few hosts with random health, model states, weights,
 ``max_inflight`` limits, in-flight counts, exclusions and a primary; the properties are

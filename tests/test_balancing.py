@@ -1,4 +1,4 @@
-"""Balancing over loopback hosts (DESIGN.md §Choosing a host; §The proxy, rule 10).
+"""Balancing over loopback hosts (docs/design.md §Choosing a host; §The proxy, rule 10).
 
 A real crossbar runs in-process (:func:`tests.harness.start_crossbar`) in front of
 :class:`~tests.harness.FakeLlama` hosts whose completions are answered by a
@@ -156,7 +156,7 @@ async def gather(ds: list[Deferred[Any]]) -> list[Any]:
 
 
 def fleet_config(hosts: str, route: str, health: str = "{interval: 60, timeout: 5}") -> str:
-    """A config whose route ``r`` has cache affinity off (DESIGN.md §Cache affinity):
+    """A config whose route ``r`` has cache affinity off (docs/design.md §Cache affinity):
     these tests are about least-busy balancing, and their bodies would carry a key."""
     return f"health: {health}\nhosts:\n{hosts}\nroutes:\n  r:\n{route}\n    affinity: {{key: none}}\n"
 

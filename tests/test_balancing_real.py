@@ -1,4 +1,4 @@
-"""Balancing against real llama-servers (DESIGN.md §Choosing a host; §The proxy, rule 10).
+"""Balancing against real llama-servers (docs/design.md §Choosing a host; §The proxy, rule 10).
 
 Two single-model servers with the same model behind one route share concurrent streamed
 requests made with the real ``openai`` client; a router-mode server takes a request for a

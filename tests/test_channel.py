@@ -162,7 +162,7 @@ class NoDelayTests(TestCase):
 
 class BadRequestTests(TestCase):
     """What Twisted cannot parse is answered ``400 {"error": "bad request"}`` in JSON
-    (DESIGN.md §The proxy, rule 9), and the connection closed."""
+    (docs/design.md §The proxy, rule 9), and the connection closed."""
 
     def answer(self, data: bytes) -> bytes:
         channel, transport, _ = _channel(_Slow())

@@ -1,5 +1,5 @@
 """A client that takes no byte of an answer crossbar holds for it is cut after
-``timeouts.client_stall`` (DESIGN.md §The proxy, rule 7; issue 20 item 3).
+``timeouts.client_stall`` (docs/design.md §The proxy, rule 7; issue 20 item 3).
 
 Unit tests: :class:`~crossbar.proxy.relay.Relay` on a :class:`Clock`, its client a real
 Twisted ``Site``/``HTTPChannel``/``Request`` over a transport that buffers written bytes

@@ -1,4 +1,4 @@
-"""Every client of a llama.cpp fleet, against real llama-servers (issue 18; DESIGN.md
+"""Every client of a llama.cpp fleet, against real llama-servers (issue 18; docs/design.md
 §The proxy rules 3-4, §"Model names", §Access, §"Choosing a host" rule 1).
 
 Three llama-servers for the whole class: ``one`` (single-model tiny-a, embeddings on),

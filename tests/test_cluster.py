@@ -1,4 +1,4 @@
-"""Several crossbars sharing counts through a real Redis (DESIGN.md §Several crossbars).
+"""Several crossbars sharing counts through a real Redis (docs/design.md §Several crossbars).
 
 Two crossbar services (two instances, each with its own id in Redis) in front of one
 loopback host with ``max_inflight: 2``; Debian's ``redis-server`` is started on a free
@@ -232,7 +232,7 @@ class TwoInstances(TestCase):
 
 
 class AffinityBound(TestCase):
-    """The affinity bound counts both instances' requests (DESIGN.md §Cache affinity):
+    """The affinity bound counts both instances' requests (docs/design.md §Cache affinity):
     four requests of one conversation, alternately through two instances, hosts without
     limits, ``balance: 1.25``. The bound ceil(1.25 x (tier's in-flight + 1) / 2) over
     the fleet's load sends the third to the other host: 3 + 1 (alone, each instance

@@ -1,4 +1,4 @@
-"""The rules the runtime applies to a cluster's view (DESIGN.md §Several crossbars),
+"""The rules the runtime applies to a cluster's view (docs/design.md §Several crossbars),
 over a fake :class:`~crossbar.state.cluster.ClusterView` (the real one, over Redis, is
 tested in tests/test_cluster.py)."""
 

@@ -1,4 +1,4 @@
-"""Every validation rule of DESIGN.md §Configuration, each pinned by its exact message.
+"""Every validation rule of docs/design.md §Configuration, each pinned by its exact message.
 
 A message is one line ``FILE: KEY.PATH: problem``; the tests compare the whole line so
 a change of key path or wording is a visible decision, not an accident.
@@ -113,7 +113,7 @@ class DefaultsTests(_Case):
         self.assertEqual(c.source, "x.yaml")
 
     def test_dataclass_defaults_match_design(self) -> None:
-        """The records' own defaults are DESIGN's too (other modules build them directly)."""
+        """The records' own defaults are the design's too (other modules build them directly)."""
         self.assertEqual(
             (HealthSettings(), Timeouts(), DrainSettings(), OpsSettings()),
             (HealthSettings(5, 5, 2, 1), Timeouts(5, 300, 120), DrainSettings(5, 25), OpsSettings(None)),
@@ -797,7 +797,7 @@ SECRETS = {"GPU_B_KEY": "gpu-b-s3cret-Q9", "ALICE_KEY": "alice-s3cret-Z7", "CI_K
 
 
 class NewKeyDefaultsTests(_FilesCase):
-    """DESIGN.md §Configuration: the keys of balancing, affinity, access and workers."""
+    """docs/design.md §Configuration: the keys of balancing, affinity, access and workers."""
 
     def test_defaults(self) -> None:
         c = parse(MINIMAL)
@@ -876,7 +876,7 @@ class HostBalancingKeyTests(_Case):
 
     def test_max_inflight_slots(self) -> None:
         """Issue 22: ``max_inflight: slots`` takes the host's own slot count; no number
-        until the poller reads it (DESIGN.md §Choosing a host, rule 2)."""
+        until the poller reads it (docs/design.md §Choosing a host, rule 2)."""
         host = self.host(max_inflight="slots")
         self.assertEqual((host.max_inflight, host.max_inflight_slots), (None, True))
         self.assertFalse(self.host(max_inflight=4).max_inflight_slots)

@@ -1,4 +1,4 @@
-"""Bounds on client connections and descriptors (issue 20 item 4; DESIGN.md §The
+"""Bounds on client connections and descriptors (issue 20 item 4; docs/design.md §The
 proxy, rule 9): beyond a bound a connection is refused at once (503, closed) and the
 others go on being served; the listen backlog is not Twisted's 50; accept errors
 (EMFILE) are logged at most once a minute. Loopback crossbar and raw sockets; the log

@@ -1,5 +1,5 @@
 """``contrib/haproxy/haproxy.cfg`` in front of two real crossbar processes: SIGTERM one
-under streaming load and no request fails (DESIGN.md §Workers, last point; §Operations,
+under streaming load and no request fails (docs/design.md §Workers, last point; §Operations,
 SIGTERM drains).
 
 The test runs the shipped file itself, unchanged: every address in it is an environment

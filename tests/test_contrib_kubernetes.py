@@ -1,4 +1,4 @@
-"""``contrib/kubernetes/`` checked against the crossbar config it ships (DESIGN.md
+"""``contrib/kubernetes/`` checked against the crossbar config it ships (docs/design.md
 §Operations: drain timing; §Workers: a Kubernetes Service probing readyz).
 
 The manifests are loaded with PyYAML; the ConfigMap's ``crossbar.yaml`` is parsed by

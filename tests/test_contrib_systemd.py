@@ -1,4 +1,4 @@
-"""contrib/systemd agrees with itself (DESIGN.md §Operations; README "Running in
+"""contrib/systemd agrees with itself (docs/design.md §Operations; README "Running in
 production"): the unit requires the environment file that supplies the variables the
 shipped example config needs, the config parses with that file's variables (and not
 without them), and the unit's stop timeout covers the example's drain."""

@@ -1,4 +1,4 @@
-"""Host drain and the dashboard's server side (DESIGN.md §Operations): the drain actions
+"""Host drain and the dashboard's server side (docs/design.md §Operations): the drain actions
 and their token, a drained host skipped while its in-flight requests finish, drains
 across a reload, a removed host shown as leaving, the page's headers and files, the
 data's token and secrets, the event stream, the recent-requests ring, and with workers
@@ -476,7 +476,7 @@ class WorkerTests(TestCase):
 
 
 class DrainChoiceProperties(SynchronousTestCase):
-    """A draining host is skipped as if it had no room and pins no tier (DESIGN.md
+    """A draining host is skipped as if it had no room and pins no tier (docs/design.md
     §Operations): choosing with it draining is choosing without it, except that a
     request whose only healthy hosts drain waits (BUSY) rather than fail."""
 

@@ -1,4 +1,4 @@
-"""The dashboard in a real headless Chromium (DESIGN.md §Operations): a real crossbar on
+"""The dashboard in a real headless Chromium (docs/design.md §Operations): a real crossbar on
 loopback with loopback hosts, the page driven by selenium (tests/browser.py).
 
 What a user sees: the login form (and again after a wrong token), each host and route,
@@ -280,7 +280,7 @@ class RealHostBrowserTests(TestCase):
             rows = await browser.wait(lambda d: [r for r in _recent_rows(d) if r[1] == "chat"], 2,
                                       "the real answer in the recent list")
             self.assertEqual((rows[0][4], rows[0][5]), ("llama", "200"))
-            # Its tokens as the record has them (DESIGN.md §What the answers say), else "—".
+            # Its tokens as the record has them (docs/design.md §What the answers say), else "—".
             figures = token_figures(seen[-1])
             if figures is None:
                 self.assertEqual(rows[0][9], "—")

@@ -1,4 +1,4 @@
-"""Drain on SIGTERM with a real ``twistd`` process (DESIGN.md §Operations).
+"""Drain on SIGTERM with a real ``twistd`` process (docs/design.md §Operations).
 
 Timeline of :meth:`DrainTests.test_sigterm_drains`: three long streams from a loopback
 upstream are in flight when SIGTERM arrives. During ``drain.delay`` readiness says 503
@@ -207,7 +207,7 @@ class DrainClosesKeepAliveTests(TestCase):
 
 
 class QueuedDrainTests(TestCase):
-    """DESIGN.md §Choosing a host, rule 4: a request still waiting in its route's queue
+    """docs/design.md §Choosing a host, rule 4: a request still waiting in its route's queue
     when the drain's grace ends is answered 503; the one in flight is cut."""
 
     def test_waiting_request_gets_503_when_the_grace_ends(self) -> object:

@@ -1,4 +1,4 @@
-"""Failing hosts and leaving clients on real loopback sockets (DESIGN.md §The proxy,
+"""Failing hosts and leaving clients on real loopback sockets (docs/design.md §The proxy,
 rule 7): fail over on a refused connection, 502/504 without retry once the request was
 sent (a POST the host may have read is never sent twice), truncated answers on mid-answer
 death or idle silence, and a client that leaves cancels the upstream at once. After
@@ -437,7 +437,7 @@ class HostFailureTests(TestCase):
 class CrossbarBugTests(TestCase):
     """A bug in crossbar itself (here: the upstream agent raising synchronously) still
     gets the client a JSON 500, one log line, and leaves no request counted in flight
-    (DESIGN.md §The proxy, rules 8-9)."""
+    (docs/design.md §The proxy, rules 8-9)."""
 
     def test_synchronous_error_in_forwarding(self) -> object:
         async def go() -> None:

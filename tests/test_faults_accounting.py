@@ -1,5 +1,5 @@
 """Issue 11 item 6: every answer crossbar gives is logged once and counted
-(DESIGN.md §The proxy, rule 8) -- the 413 for a body over the limit, the 400 for a
+(docs/design.md §The proxy, rule 8) -- the 413 for a body over the limit, the 400 for a
 request Twisted cannot parse, and crossbar's own JSON errors -- with the body bytes the
 client really received, and the route label of the configured route where one
 applies, else ``-``."""

@@ -1,5 +1,5 @@
 """Issue 11 item 8: a GET or HEAD that carries a body has it forwarded unchanged
-(DESIGN.md §The proxy, rule 6), whether the client framed it with ``Content-Length``
+(docs/design.md §The proxy, rule 6), whether the client framed it with ``Content-Length``
 or chunked; a GET without a body gets no framing header upstream."""
 
 from __future__ import annotations

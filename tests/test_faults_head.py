@@ -1,5 +1,5 @@
 """Issue 11 item 1: the response head reaches the client as soon as it comes from the
-host, before any body byte (DESIGN.md §Quality bar), and a host that then goes silent
+host, before any body byte (docs/design.md §Quality bar), and a host that then goes silent
 leaves the client a 200 and a truncated body, and is marked down (rule 7).
 
 The host is a raw socket (:class:`tests.upstreams.RawHost`) so the head and the first

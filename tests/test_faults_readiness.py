@@ -1,4 +1,4 @@
-"""Issue 11 item 5: readiness after a reload (DESIGN.md §Operations): every host's
+"""Issue 11 item 5: readiness after a reload (docs/design.md §Operations): every host's
 first poll must be done, hosts a reload added included. A running, ready crossbar
 reloads a config that adds host ``b``, whose ``/health`` answer the test holds back:
 readyz says 503 until that first poll of ``b`` finished, then 200."""

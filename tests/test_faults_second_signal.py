@@ -1,5 +1,5 @@
 """Issue 11 item 4: a second SIGTERM or Ctrl-C (SIGINT) during a drain ends it at once
-(DESIGN.md §Operations), with a real ``twistd`` process: one log line about it, the
+(docs/design.md §Operations), with a real ``twistd`` process: one log line about it, the
 stream still in flight aborted (its client sees a truncated answer), a clean exit
 within a couple of seconds although ``drain.delay`` + ``drain.grace`` is 30 s, and no
 ``ReactorNotRunning`` traceback."""

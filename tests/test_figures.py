@@ -1,4 +1,4 @@
-"""Reading an answer's figures from its tail (DESIGN.md §What the answers say): every
+"""Reading an answer's figures from its tail (docs/design.md §What the answers say): every
 shape llama-server answers in, ``timings`` over ``usage``, and hostile shapes counting
 nothing without raising. The agreement with real llama-servers is in
 tests/test_tokens_real.py."""

@@ -1,4 +1,4 @@
-"""Never crash (DESIGN.md §The proxy, rule 9): random requests over raw sockets.
+"""Never crash (docs/design.md §The proxy, rule 9): random requests over raw sockets.
 
 Hypothesis runs in a worker thread, each example a blocking socket exchange with a real
 crossbar serving on the reactor thread, so examples shrink as usual. Every request gets

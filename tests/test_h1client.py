@@ -1,5 +1,5 @@
 """Socket-free tests of crossbar's HTTP/1.1 upstream client (crossbar/upstream/h1client.py,
-issue 14; DESIGN.md §The proxy, rules 6-7 and 9): the real parser and pool over a
+issue 14; docs/design.md §The proxy, rules 6-7 and 9): the real parser and pool over a
 ``MemoryReactorClock``, the host's side written into a ``StringTransport``. The
 loopback versions of these rules (through the whole proxy) are in
 tests/test_failures.py, tests/test_hostile_hosts.py and tests/test_streaming.py.

@@ -1,4 +1,4 @@
-"""Headers in both directions (DESIGN.md §The proxy, rule 6), on real loopback sockets."""
+"""Headers in both directions (docs/design.md §The proxy, rule 6), on real loopback sockets."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The health table's bookkeeping, one DESIGN.md §"The health table" rule per test.
+"""The health table's bookkeeping, one docs/design.md §"The health table" rule per test.
 
 No I/O: a ``Clock`` gives the time, results are fed in directly.
 """
@@ -293,7 +293,7 @@ class HostTextInTheLogTests(TestCase):
 
 class SignOfLifeTests(TestCase):
     """A host slow on one request is busy, not dead, when it showed another sign of
-    life since (DESIGN.md §The proxy rule 7; issue 20 item 5)."""
+    life since (docs/design.md §The proxy rule 7; issue 20 item 5)."""
 
     def test_a_good_poll_or_a_byte_of_an_answer_since(self) -> None:
         clock = Clock()

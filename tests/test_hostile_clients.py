@@ -1,4 +1,4 @@
-"""Hostile clients (DESIGN.md §The proxy, rule 9: no request can crash crossbar or
+"""Hostile clients (docs/design.md §The proxy, rule 9: no request can crash crossbar or
 leave it serving less), on real loopback sockets against crossbar in front of two
 :class:`~tests.harness.FakeLlama` hosts (:func:`tests.harness.two_hosts`).
 

@@ -1,4 +1,4 @@
-"""Hostile hosts (DESIGN.md §The proxy, rules 6, 7 and 9): a host that answers with
+"""Hostile hosts (docs/design.md §The proxy, rules 6, 7 and 9): a host that answers with
 malformed or abusive HTTP must never crash crossbar, make it send a malformed answer,
 make it buffer without bound, or leave it serving less.
 

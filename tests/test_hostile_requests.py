@@ -1,4 +1,4 @@
-"""Requests found by attacking crossbar with hostile clients (DESIGN.md §The proxy,
+"""Requests found by attacking crossbar with hostile clients (docs/design.md §The proxy,
 rules 3, 8 and 9; §Access; RFC 9110/9112), each once answered wrongly: a ``#`` that
 hid a dot segment and cut the target, a HEAD refusal with a body, asterisk-form
 targets answered by Twisted (its version header, no JSON, no log line), a non-UTF-8

@@ -1,4 +1,4 @@
-"""Host URLs (DESIGN.md §Configuration ``hosts``; §The health table; §The proxy, rule 6):
+"""Host URLs (docs/design.md §Configuration ``hosts``; §The health table; §The proxy, rule 6):
 every form the config accepts works the same for polls and for requests.
 
 ``HostURLTests`` check :class:`~crossbar.upstream.hosturl.HostURL` itself, and that it accepts

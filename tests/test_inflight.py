@@ -1,4 +1,4 @@
-"""Socket-free unit tests of :mod:`crossbar.state.inflight` (DESIGN.md §Choosing a host,
+"""Socket-free unit tests of :mod:`crossbar.state.inflight` (docs/design.md §Choosing a host,
 rule 2: the one in-flight count that status, metrics and choosing read)."""
 
 from __future__ import annotations

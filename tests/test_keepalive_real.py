@@ -1,4 +1,4 @@
-"""Pooled connections and the host's keep-alive timeout, on real sockets (DESIGN.md
+"""Pooled connections and the host's keep-alive timeout, on real sockets (docs/design.md
 §The proxy, rule 7; issue 20 item 6).
 
 ``PeerClosedTests``: the pool never hands out a connection whose host already closed it

@@ -1,4 +1,4 @@
-"""The package's wings import only downwards (issue 17): a newcomer finds one DESIGN.md
+"""The package's wings import only downwards (issue 17): a newcomer finds one docs/design.md
 section's code in one folder, and no wing reaches into a wing that builds on it.
 
 Order, bottom to top: the core modules (``crossbar/*.py``), ``upstream`` (talking to

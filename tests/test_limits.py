@@ -1,4 +1,4 @@
-"""A client key's limits (DESIGN.md §Access): requests and tokens per minute, tokens per
+"""A client key's limits (docs/design.md §Access): requests and tokens per minute, tokens per
 UTC day, 429 with a ``Retry-After`` that says when the window allows the next request;
 per process alone, fleet-wide through a real Redis with ``cluster.redis``. The clock
 of the limits is injected."""

@@ -1,4 +1,4 @@
-"""Prometheus metrics at /_crossbar/metrics (DESIGN.md §Operations), after real traffic
+"""Prometheus metrics at /_crossbar/metrics (docs/design.md §Operations), after real traffic
 through an in-process crossbar on loopback sockets, parsed with prometheus_client."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""resident_models: which models a ``/v1/models`` answer lists as resident (DESIGN.md
+"""resident_models: which models a ``/v1/models`` answer lists as resident (docs/design.md
 §"The health table", rule 2), against recorded real llama-server answers and edge cases."""
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ class BadBodyTests(TestCase):
         self.assertModelsError(b'{"data": {"id": "a"}}', '"data" is not a list')
 
     def test_entry_not_an_object_is_dropped(self) -> None:
-        """DESIGN.md §health rule 2: a malformed entry is dropped, not a failed poll."""
+        """docs/design.md §health rule 2: a malformed entry is dropped, not a failed poll."""
         self.assertEqual(resident_models(doc({"id": "a"}, "b", None, 7)), ("a",))
 
     def test_id_not_a_string_is_dropped(self) -> None:

@@ -1,4 +1,4 @@
-"""The operations endpoints (DESIGN.md §Operations): probes, the ops token, and no
+"""The operations endpoints (docs/design.md §Operations): probes, the ops token, and no
 version header. In-process crossbar on real loopback sockets; one real twistd check."""
 
 from __future__ import annotations

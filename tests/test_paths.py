@@ -1,4 +1,4 @@
-"""Paths (DESIGN.md §The proxy, rules 1 and 3): the rest of the path goes upstream byte
+"""Paths (docs/design.md §The proxy, rules 1 and 3): the rest of the path goes upstream byte
 for byte with its query string; dot-segments are refused. Raw sockets, so twisted.web
 and the test client normalise nothing before crossbar sees the exact bytes."""
 

@@ -1,4 +1,4 @@
-"""The incremental body peek (crossbar.proxy.peek; DESIGN.md §The proxy rule 4, §"Cache
+"""The incremental body peek (crossbar.proxy.peek; docs/design.md §The proxy rule 4, §"Cache
 affinity"): the same model as ``json.loads`` (``tests.reference.peek_model``) however the body is
 cut into chunks, long strings never held, and the affinity key's rules."""
 
@@ -332,7 +332,7 @@ class NeverRaisesTests(SynchronousTestCase):
 
 
 def canonical(doc: object) -> object:
-    """What the affinity key must depend on (DESIGN.md §"Cache affinity"), from the
+    """What the affinity key must depend on (docs/design.md §"Cache affinity"), from the
     parsed document: an independent statement of the rules, for the property below."""
     if not isinstance(doc, dict):
         return None

@@ -1,5 +1,5 @@
 """The body peek's additions for issues 18 and 20: where the model lies and the rewrite
-in place (DESIGN.md §"Model names"), the infill affinity key for editor plugins
+in place (docs/design.md §"Model names"), the infill affinity key for editor plugins
 (§"Cache affinity"), and the bound on the key rules' work (issue 20 item 8)."""
 
 from __future__ import annotations

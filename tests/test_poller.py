@@ -1,4 +1,4 @@
-"""The health poller (DESIGN.md §"The health table", rules 2, 6, 7, 9).
+"""The health poller (docs/design.md §"The health table", rules 2, 6, 7, 9).
 
 ``HealthPollerTests`` drive :class:`HealthPoller` with a :class:`FakeProbe` and a
 ``Clock``: no sockets, no sleeps. ``HTTPProbeTests`` run the real :class:`HTTPProbe`

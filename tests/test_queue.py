@@ -1,4 +1,4 @@
-"""Unit tests of :class:`crossbar.state.queue.RouteQueues` (DESIGN.md §Choosing a host, rule 4)
+"""Unit tests of :class:`crossbar.state.queue.RouteQueues` (docs/design.md §Choosing a host, rule 4)
 and :func:`crossbar.proxy.modellist.route_models` (§The proxy, rule 10)."""
 
 from __future__ import annotations

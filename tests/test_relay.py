@@ -1,4 +1,4 @@
-"""Socket-free unit tests of :class:`crossbar.proxy.relay.Relay`, the body pump (DESIGN.md
+"""Socket-free unit tests of :class:`crossbar.proxy.relay.Relay`, the body pump (docs/design.md
 §The proxy, rules 6-7; §Quality bar: memory per stream stays bounded).
 
 The client side is real: Twisted's ``Site``/``HTTPChannel``/``Request`` over a

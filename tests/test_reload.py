@@ -1,4 +1,4 @@
-"""SIGHUP reload (DESIGN.md §Operations): the plan, the table and poller changes, and a
+"""SIGHUP reload (docs/design.md §Operations): the plan, the table and poller changes, and a
 real ``twistd`` process reloaded with a stream in flight."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ class PlanTests(TestCase):
         self.assertEqual(plan_reload(old, old), ReloadPlan(fresh=(), removed=(), listen_changed=False))
 
     def test_changed_connection_settings_start_over(self) -> None:
-        """DESIGN.md §Operations: a host whose URL, ``tls`` or ``api_key`` changed starts over."""
+        """docs/design.md §Operations: a host whose URL, ``tls`` or ``api_key`` changed starts over."""
         ca_dir = self.mktemp()
         os.makedirs(ca_dir)
         ca = trustme.CA()
@@ -257,7 +257,7 @@ class TwistdReloadTests(TestCase):
 class ReloadWithWaitingRequestsTests(TestCase):
     """A reload that resets a host (its URL, ``tls`` or ``api_key`` changed) must not
     answer the route's waiting requests 503 while that host waits for its first poll
-    (DESIGN.md §Operations: reload drops no waiting request)."""
+    (docs/design.md §Operations: reload drops no waiting request)."""
 
     async def test_api_key_rotation_keeps_the_queue(self) -> None:
         from tests.harness import start_crossbar

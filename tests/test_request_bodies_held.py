@@ -1,4 +1,4 @@
-"""Request bodies held in memory (issue 20 items 1 and 2; DESIGN.md §The proxy, rule 9):
+"""Request bodies held in memory (issue 20 items 1 and 2; docs/design.md §The proxy, rule 9):
 a body costs at most 1.25 times its size whatever its framing, framing that is mostly
 overhead is refused early, a body is released the moment its request ends or its client
 leaves, and all held bodies together stay under a budget (503 with ``Retry-After``).

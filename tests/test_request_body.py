@@ -1,4 +1,4 @@
-"""Request bodies (DESIGN.md §The proxy, rule 4): the 16 MiB cap refused early, chunked
+"""Request bodies (docs/design.md §The proxy, rule 4): the 16 MiB cap refused early, chunked
 bodies cut off at the limit or forwarded with a Content-Length. Raw loopback sockets, so
 exactly the bytes a client would send are sent."""
 

@@ -1,4 +1,4 @@
-"""The per-request log line (DESIGN.md §The proxy, rule 8): one structured event after
+"""The per-request log line (docs/design.md §The proxy, rule 8): one structured event after
 each proxied request ends, with its fields; never a body, an Authorization value or the
 query string."""
 

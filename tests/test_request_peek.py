@@ -1,4 +1,4 @@
-"""CappedRequest peeks the body as it arrives (DESIGN.md §The proxy rule 4, §"Quality
+"""CappedRequest peeks the body as it arrives (docs/design.md §The proxy rule 4, §"Quality
 bar"): ``request.peeked`` is right once the body is complete, whether it came with a
 Content-Length or chunked, in one piece or many. Real loopback sockets."""
 

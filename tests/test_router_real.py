@@ -1,4 +1,4 @@
-"""Router mode against a real llama-server (DESIGN.md §"The health table", rule 2).
+"""Router mode against a real llama-server (docs/design.md §"The health table", rule 2).
 
 llama-server in router mode lists every model it could load, each with a status; only
 ``loaded`` ones are resident. Here: a model shows as not loaded, a chat completion

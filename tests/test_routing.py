@@ -1,4 +1,4 @@
-"""Routing rules 1-5 (DESIGN.md §The proxy): the pure rules, then crossbar's answers on
+"""Routing rules 1-5 (docs/design.md §The proxy): the pure rules, then crossbar's answers on
 real loopback sockets, then the model peek's edge cases end to end."""
 
 from __future__ import annotations
@@ -159,7 +159,7 @@ class PeekModelTests(TestCase):
 
 class ChooseTests(TestCase):
     """The fit rules of :func:`crossbar.hosts.balance.choose` for idle hosts and keyless
-    requests (DESIGN.md §Choosing a host: fit tier, then route order among equals)."""
+    requests (docs/design.md §Choosing a host: fit tier, then route order among equals)."""
 
     healthy = {"a": True, "b": True, "c": True}
     loaded = {"a": ("m1",), "b": ("m2",), "c": ("m2", "m3")}

@@ -1,4 +1,4 @@
-"""The counts workers share (DESIGN.md §Workers): :class:`SharedCounts` rows in one
+"""The counts workers share (docs/design.md §Workers): :class:`SharedCounts` rows in one
 mapped file, :func:`cell_map` naming cells the same in every process, and
 :class:`WorkerCounts` publishing one worker's counts and reading the fleet's."""
 

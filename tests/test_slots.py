@@ -1,4 +1,4 @@
-"""``max_inflight: slots``: room from the host's own slot count (issue 22; DESIGN.md
+"""``max_inflight: slots``: room from the host's own slot count (issue 22; docs/design.md
 §Choosing a host, rule 2).
 
 ``SlotsReadTests`` drive the real :class:`HealthPoller` with a :class:`FakeProbe` and a

@@ -1,4 +1,4 @@
-"""Start-up through a real ``twistd`` process (DESIGN.md §Configuration, §Operations).
+"""Start-up through a real ``twistd`` process (docs/design.md §Configuration, §Operations).
 
 A bad configuration stops ``twistd -n crossbar --config FILE`` at once: exit status 1,
 exactly one line ``crossbar: FILE: KEY: problem`` on stderr, no traceback anywhere. A

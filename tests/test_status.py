@@ -1,4 +1,4 @@
-"""``GET /_crossbar/status`` reflects the health table (DESIGN.md §Operations and §"The
+"""``GET /_crossbar/status`` reflects the health table (docs/design.md §Operations and §"The
 health table"): in-process crossbar, real loopback hosts."""
 
 from __future__ import annotations

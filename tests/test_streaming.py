@@ -1,4 +1,4 @@
-"""Streaming through crossbar on real loopback sockets (DESIGN.md §The proxy rule 6,
+"""Streaming through crossbar on real loopback sockets (docs/design.md §The proxy rule 6,
 §Quality bar): each chunk reaches the client before the next is sent, no extra
 coalescing against a direct connection, backpressure from a slow client bounds what
 crossbar holds, and the idle timeout does not run while the client is the slow side.

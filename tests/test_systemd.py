@@ -1,4 +1,4 @@
-"""systemd notification and socket activation (DESIGN.md §Operations).
+"""systemd notification and socket activation (docs/design.md §Operations).
 
 A unix datagram socket stands in for systemd's ``$NOTIFY_SOCKET``; the process tests
 run a real ``twistd``.

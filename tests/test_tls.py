@@ -1,4 +1,4 @@
-"""TLS to hosts (crossbar/upstream/tls.py, crossbar/upstream/pools.py; DESIGN.md §Access, rule 7).
+"""TLS to hosts (crossbar/upstream/tls.py, crossbar/upstream/pools.py; docs/design.md §Access, rule 7).
 
 Real loopback TLS servers (Twisted's ``ssl:`` server endpoint) with certificates made
 in the test run by ``trustme``; crossbar's side is the real ``UpstreamEndpoints`` under

@@ -1,4 +1,4 @@
-"""Tokens through crossbar from loopback hosts that misbehave (DESIGN.md §What the
+"""Tokens through crossbar from loopback hosts that misbehave (docs/design.md §What the
 answers say; §The proxy rule 8): an answer cut by a dying host counts no tokens and is
 logged and counted as cut; figures of unexpected shapes count nothing, break nothing
 and reach the client byte for byte; with workers, one fleet-wide ledger.
@@ -117,7 +117,7 @@ class ThroughCrossbarTests(TestCase):
 
 class FleetLedgerTests(SynchronousTestCase):
     """Two workers' ledgers over one shared file: the same totals and last minute
-    whichever worker is asked (DESIGN.md §Workers)."""
+    whichever worker is asked (docs/design.md §Workers)."""
 
     def test_two_workers_one_total(self) -> None:
         config = parse_config("listen: 'tcp:0'\nhosts: {a: 'http://127.0.0.1:1', b: 'http://127.0.0.1:2'}\n"
@@ -151,7 +151,7 @@ class FleetLedgerTests(SynchronousTestCase):
 
 class WorkersTests(TestCase):
     """``workers: 2`` (real processes): the token metrics and status are the fleet's,
-    whichever worker answers (DESIGN.md §Workers)."""
+    whichever worker answers (docs/design.md §Workers)."""
 
     timeout = 120
 
@@ -204,7 +204,7 @@ class KeySpendTests(TestCase):
     timeout = 60
 
     def test_a_keys_answer_tokens_are_spent(self) -> object:
-        """A complete answer's tokens count against its key's token limits (DESIGN.md
+        """A complete answer's tokens count against its key's token limits (docs/design.md
         §Access): every prompt token, cached or read, and every generated one."""
         from tests.harness import start_crossbar
 

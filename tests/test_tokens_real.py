@@ -1,4 +1,4 @@
-"""Tokens, speed and cache through crossbar against real llama-servers (DESIGN.md §What
+"""Tokens, speed and cache through crossbar against real llama-servers (docs/design.md §What
 the answers say): every API llama-server speaks, streamed and not, through raw HTTP
 and the real openai and anthropic SDKs. crossbar's counts must equal what the host
 reported in the very same answers (read here, in the test, from the whole body) and

@@ -1,5 +1,5 @@
 """Issue 11 item 7: time to first byte counts from when the request (body included) was
-sent to the host, not from when the connection attempt began (DESIGN.md
+sent to the host, not from when the connection attempt began (docs/design.md
 §Configuration, ``timeouts``; rule 8).
 
 Unit level, on a :class:`~twisted.internet.task.Clock`: Twisted's real ``Agent`` and

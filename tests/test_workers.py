@@ -1,4 +1,4 @@
-"""``workers: N`` (DESIGN.md §Workers), with a real ``twistd`` supervisor and its real
+"""``workers: N`` (docs/design.md §Workers), with a real ``twistd`` supervisor and its real
 worker processes in front of loopback fake hosts.
 
 Requests are sent on fresh connections (no keep-alive) so the kernel spreads them over
@@ -1116,7 +1116,7 @@ def burst_split(proc: Twistd, connections: int, rounds: int = 1) -> Counter[int]
 
 
 class BurstTests(TestCase):
-    """Workers share a burst (DESIGN.md §Workers, issue 23): each has its own
+    """Workers share a burst (docs/design.md §Workers, issue 23): each has its own
     ``SO_REUSEPORT`` socket, so the kernel spreads connections evenly, however fast
     they come (one shared socket gave most of a burst to whichever worker woke first)."""
 

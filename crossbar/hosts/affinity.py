@@ -1,5 +1,5 @@
 """Cache affinity: which host of a tier a request with an affinity key goes to
-(DESIGN.md §"Cache affinity"; issue 12).
+(docs/design.md §"Cache affinity"; issue 12).
 
 Weighted rendezvous hashing (highest random weight) ranks a tier's hosts for a key:
 each host scores ``-weight / ln(h)`` with ``h`` a uniform (0, 1) hash of the key and the
@@ -58,7 +58,7 @@ def rank(key: str, hosts: Sequence[tuple[str, float]]) -> list[str]:
 @dataclass(frozen=True)
 class Candidate:
     """One host of the chosen tier: its ``name``, ``weight`` (> 0), ``inflight`` requests
-    (an int >= 0, DESIGN.md §"Choosing a host" rule 2) and whether it ``has_room``
+    (an int >= 0, docs/design.md §"Choosing a host" rule 2) and whether it ``has_room``
     (in-flight below its ``max_inflight``)."""
 
     name: str
@@ -77,7 +77,7 @@ class Pick:
 
 def bound(balance: float, tier_inflight: int, weight: float, total_weight: float) -> int:
     """The in-flight count a host must stay below to take a keyed request:
-    ``ceil(balance * (tier_inflight + 1) * weight / total_weight)`` (DESIGN.md §"Cache
+    ``ceil(balance * (tier_inflight + 1) * weight / total_weight)`` (docs/design.md §"Cache
     affinity"). ``balance`` >= 1; ``total_weight`` > 0. Raises ValueError otherwise."""
     if balance < 1 or total_weight <= 0:
         raise ValueError(f"balance must be >= 1 and total weight > 0 (got {balance}, {total_weight})")
@@ -90,7 +90,7 @@ def pick(key: str, candidates: Sequence[Candidate], balance: float) -> Pick | No
     The first host in ``rank(key, ...)`` that has room and whose in-flight count is below
     its :func:`bound`: ``Pick(host, "home")`` if it is the first-ranked host, else
     ``Pick(host, "spill")``. None when no host may take it (none has room, or every host
-    with room is at its bound; the caller then waits, DESIGN.md rule 4). ``balance`` >= 1,
+    with room is at its bound; the caller then waits, docs/design.md rule 4). ``balance`` >= 1,
     else ValueError; an empty tier or one without positive weight gives None.
     """
     total_weight = sum(c.weight for c in candidates if c.weight > 0)

@@ -1,4 +1,4 @@
-"""Choosing a host for a request (DESIGN.md §Choosing a host, rules 1-3 and 5; §Cache
+"""Choosing a host for a request (docs/design.md §Choosing a host, rules 1-3 and 5; §Cache
 affinity).
 
 :func:`choose` is pure: it reads the route's config, the hosts' health records and the
@@ -140,7 +140,7 @@ def choose(
     draining: Collection[str] = (),
 ) -> Chosen | Verdict:
     """Choose a host of ``route`` for a request wanting ``model`` with affinity ``key``
-    (DESIGN.md §Choosing a host, rules 1-3, and §Cache affinity).
+    (docs/design.md §Choosing a host, rules 1-3, and §Cache affinity).
 
     :param hosts: the config's hosts (weights, limits).
     :param statuses: the health table's records.
@@ -148,7 +148,7 @@ def choose(
     :param key: the request's affinity key, or None; ignored when the route's
         ``affinity.key`` is ``none``.
     :param exclude: hosts already tried for this request.
-    :param draining: hosts being drained (DESIGN.md §Operations): they take no new
+    :param draining: hosts being drained (docs/design.md §Operations): they take no new
         request, as if they had no room, and pin no tier; a request whose only healthy
         hosts are draining waits (:data:`Verdict.BUSY`) for another host.
     """

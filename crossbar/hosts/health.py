@@ -1,4 +1,4 @@
-"""The health table: what crossbar believes about every host (DESIGN.md §The health table).
+"""The health table: what crossbar believes about every host (docs/design.md §The health table).
 
 The table is pure bookkeeping: it performs no I/O. The poller (:mod:`crossbar.hosts.poller`)
 feeds it poll results and the proxy feeds it :meth:`HealthTable.mark_down`. Readers get
@@ -28,7 +28,7 @@ class HostStatus:
     :ivar loading: sorted ids the host was loading at the last good poll (router mode).
     :ivar available: sorted ids the host lists and can load on demand (router mode).
     :ivar entries: id -> the host's ``/v1/models`` entry as JSON text, for the route
-        model list (DESIGN.md §The proxy, rule 10).
+        model list (docs/design.md §The proxy, rule 10).
     :ivar router: the host listed its models with a ``status`` (llama-server router
         mode) at its last good poll: it never takes the fallback tier.
     :ivar aliases: names the host reported as ``aliases`` of its entries -> the id.
@@ -85,7 +85,7 @@ class HealthTable:
         self._now = now
         self.seen: dict[str, float] = {}
         """Per host, the clock seconds a byte of an answer from it last arrived (a
-        sign of life, DESIGN.md §The proxy rule 7): written by the proxy on every
+        sign of life, docs/design.md §The proxy rule 7): written by the proxy on every
         answer head and body chunk, read by :meth:`alive_since`."""
 
     def alive_since(self, name: str, since: float) -> bool:
@@ -143,7 +143,7 @@ class HealthTable:
         self._set(name, old, new)
 
     def record_slots(self, name: str, slots: int) -> None:
-        """``name`` reported ``slots`` slots (``max_inflight: slots``, DESIGN.md
+        """``name`` reported ``slots`` slots (``max_inflight: slots``, docs/design.md
         §Choosing a host, rule 2). Unknown names are ignored."""
         old = self._hosts.get(name)
         if old is not None and old.slots != slots:
@@ -182,7 +182,7 @@ class HealthTable:
         self._set(name, old, new)
 
     def set_hosts(self, names: Iterable[str], reset: Iterable[str] = ()) -> None:
-        """Track exactly ``names``, in that order (a config reload, DESIGN.md §Operations).
+        """Track exactly ``names``, in that order (a config reload, docs/design.md §Operations).
 
         A host already tracked and not in ``reset`` keeps its status; a new host, or
         one in ``reset`` (its URL changed), starts afresh (rule 1); hosts not in

@@ -1,4 +1,4 @@
-"""Read a host's ``GET /v1/models`` answer (DESIGN.md §The health table, rule 2).
+"""Read a host's ``GET /v1/models`` answer (docs/design.md §The health table, rule 2).
 
 llama-server in single-model mode (and other OpenAI-compatible servers) lists models
 without a ``status``: each counts as loaded. In router mode every model it *could* load

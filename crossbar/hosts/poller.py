@@ -1,4 +1,4 @@
-"""The health poller: polls every host and records the result (DESIGN.md §The health table).
+"""The health poller: polls every host and records the result (docs/design.md §The health table).
 
 One poll of one host is ``GET <base>/health`` (must be 200), then ``GET <base>/v1/models``
 (must be 200 and list models); see :class:`HTTPProbe`. Both URLs are built by
@@ -9,7 +9,7 @@ in flight (rule 7), bounds each by ``health.timeout``, and records every result 
 anything else that would make a host load a model (rule 9).
 
 For a host with ``max_inflight: slots`` it also reads ``GET <base>/props`` →
-``total_slots`` (DESIGN.md §Choosing a host, rule 2): after the host's first good poll
+``total_slots`` (docs/design.md §Choosing a host, rule 2): after the host's first good poll
 and after each recovery (and after a good poll while the number is still unknown),
 never for a host in router mode (its ``/v1/models`` entries carry a ``status``). That
 read is not part of the poll: it fails nothing, and until it succeeds the host has no
@@ -44,7 +44,7 @@ from crossbar.waiting import Condition
 __all__ = ["MAX_POLL_BODY", "HTTPProbe", "HealthPoller", "IHostProbe", "PollCancelled", "PollFailed", "parse_slots"]
 
 MAX_POLL_BODY = 1 << 20
-"""Bytes read at most from a ``/health`` or ``/v1/models`` body (DESIGN.md §health, rule 2)."""
+"""Bytes read at most from a ``/health`` or ``/v1/models`` body (docs/design.md §health, rule 2)."""
 
 
 class PollFailed(Exception):
@@ -164,7 +164,7 @@ def _cancelled(failure: Failure) -> bool:
 
 @implementer(IHostProbe)
 class HTTPProbe:
-    """The real probe: two bounded GETs on ``agent`` (DESIGN.md §health, rule 2).
+    """The real probe: two bounded GETs on ``agent`` (docs/design.md §health, rule 2).
 
     The URLs are :meth:`HostURL.target` bytes handed to ``agent.request`` as they are:
     not through treq, whose URL handling (hyperlink) refuses IPv6 literals and
@@ -173,7 +173,7 @@ class HTTPProbe:
 
     :param agent: the agent polls go through.
     :param api_keys: host base URL -> the host's ``api_key``, sent as
-        ``Authorization: Bearer`` on both requests (DESIGN.md §Access).
+        ``Authorization: Bearer`` on both requests (docs/design.md §Access).
 
     Redirects are not followed (a 3xx is not 200). Bodies are read only up to
     :data:`MAX_POLL_BODY` bytes: a longer one fails the poll and its connection is
@@ -200,7 +200,7 @@ class HTTPProbe:
             raise PollFailed(f"{phase}: bad host URL: {e}") from None
         headers = Headers()
         api_key = self._api_keys.get(parsed.url)
-        if api_key is not None:  # DESIGN.md §Access: the host's key on polls too
+        if api_key is not None:  # docs/design.md §Access: the host's key on polls too
             headers.setRawHeaders(b"Authorization", [b"Bearer " + api_key.encode("ascii")])
         return parsed.target(path), headers
 

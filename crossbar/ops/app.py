@@ -1,4 +1,4 @@
-"""The operations app under ``/_crossbar`` (DESIGN.md §Operations), built on Klein.
+"""The operations app under ``/_crossbar`` (docs/design.md §Operations), built on Klein.
 
 ``status``, ``metrics`` and the dashboard's data (``dashboard.json``, the ``events``
 stream) show topology and need the ops token when one is configured; the host actions
@@ -35,7 +35,7 @@ from crossbar.state.runtime import Runtime
 __all__ = ["EVENT_INTERVAL", "OpsApp", "rfc3339"]
 
 EVENT_INTERVAL = 1.0
-"""Seconds between two events of the dashboard's stream (DESIGN.md: at least every 2 s)."""
+"""Seconds between two events of the dashboard's stream (docs/design.md: at least every 2 s)."""
 
 
 def _share(share: float | None) -> float | None:
@@ -159,7 +159,7 @@ class OpsApp:
             }
         doc: dict[str, Any] = {"hosts": hosts, "routes": routes}
         cluster = runtime.cluster
-        if cluster is not None:  # DESIGN.md §Several crossbars
+        if cluster is not None:  # docs/design.md §Several crossbars
             doc["cluster"] = {"shared": cluster.joined, "instances": cluster.instances()}
         return self._json(request, 200, doc)
 
@@ -171,7 +171,7 @@ class OpsApp:
         request.setHeader(b"Content-Type", CONTENT_TYPE_LATEST.encode("ascii"))
         return self._metrics.render()
 
-    # -- host drain (DESIGN.md §Operations) ----------------------------------------------
+    # -- host drain (docs/design.md §Operations) ----------------------------------------------
 
     @app.route("/hosts/<name>/drain", methods=["POST"])
     def drain(self, request: IRequest, name: str) -> bytes:
@@ -313,6 +313,6 @@ class OpsApp:
 
 def _limit(host: Host | None, status: HostStatus) -> dict[str, object]:
     """``max_inflight`` in force and ``max_inflight_source`` (``config``, ``slots`` or
-    None for no limit), DESIGN.md §Choosing a host, rules 2 and 5."""
+    None for no limit), docs/design.md §Choosing a host, rules 2 and 5."""
     limit, source = limit_in_force(host, status) if host is not None else (None, None)
     return {"max_inflight": limit, "max_inflight_source": source}

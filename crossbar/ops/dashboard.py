@@ -1,4 +1,4 @@
-"""The dashboard's page and data (DESIGN.md §Operations: ``GET /_crossbar/``).
+"""The dashboard's page and data (docs/design.md §Operations: ``GET /_crossbar/``).
 
 The page is four static files shipped in the package (``crossbar/ops/dashboard/``:
 ``index.html``, ``app.js``, ``style.css``, ``favicon.svg``), read once and served with a

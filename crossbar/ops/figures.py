@@ -1,4 +1,4 @@
-"""What an answer says it did: tokens, speed and cache (DESIGN.md §What the answers say).
+"""What an answer says it did: tokens, speed and cache (docs/design.md §What the answers say).
 
 llama-server ends every answer with its figures; this module reads them from the tail
 of a relayed body, once, when the answer ended. It is pure: no I/O, no state, and it

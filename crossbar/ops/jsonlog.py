@@ -1,8 +1,8 @@
-"""JSON log lines for log shippers (DESIGN.md §Shape: "JSON observers work").
+"""JSON log lines for log shippers (docs/design.md §Shape: "JSON observers work").
 
 Run ``twistd --logger crossbar.ops.jsonlog.observer -n crossbar --config crossbar.yaml``:
 every log event becomes one JSON object on one line of standard output, e.g. the
-per-request event of the proxy (DESIGN.md §The proxy, rule 8)::
+per-request event of the proxy (docs/design.md §The proxy, rule 8)::
 
     {"time": "2026-11-29T21:17:03.123Z", "level": "info", "namespace": "crossbar.proxy",
      "message": "POST /r/v1/chat/completions -> gpu-a 200 5120B ttfb=81.2ms 2203.4ms",

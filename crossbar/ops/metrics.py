@@ -1,4 +1,4 @@
-"""Prometheus metrics (DESIGN.md §Operations), on a registry of crossbar's own.
+"""Prometheus metrics (docs/design.md §Operations), on a registry of crossbar's own.
 
 Every crossbar service owns one :class:`Metrics`; nothing is registered globally, so
 several crossbars (tests) can live in one process. Counters and histograms are updated
@@ -156,7 +156,7 @@ class Metrics:
         """The Prometheus text exposition of every collector. With workers
         (``$PROMETHEUS_MULTIPROC_DIR`` set by the supervisor), counters and histograms
         are summed over every worker by prometheus_client's multiprocess mode, and the
-        live gauges read the fleet's shared counts (DESIGN.md §Workers)."""
+        live gauges read the fleet's shared counts (docs/design.md §Workers)."""
         directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         if not directory:
             return generate_latest(self.registry)

@@ -1,5 +1,5 @@
 """The dashboard's memory: the recent requests and tokens/s per host over the last
-15 minutes (DESIGN.md §Operations, the dashboard).
+15 minutes (docs/design.md §Operations, the dashboard).
 
 On the request path this costs one append to a bounded ring
 (:meth:`RecentRequests.observe`, a :class:`~crossbar.ops.record.RequestLog` observer):
@@ -84,7 +84,7 @@ _HAS_FLAT: dict[type, bool] = {}
 
 
 def token_figures(record: RequestRecord) -> dict[str, float | None] | None:
-    """The token figures of ``record`` where it has them (DESIGN.md §What the answers
+    """The token figures of ``record`` where it has them (docs/design.md §What the answers
     say): ``prompt`` (processed), ``cached``, ``generated`` and ``tps`` (generation
     speed), read either from a ``tokens`` field (an object or dict) or from flat
     fields of the record; None when it has none."""

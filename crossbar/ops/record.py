@@ -1,5 +1,5 @@
 """One immutable record per answered request, and the one place it becomes a log line
-and metrics (DESIGN.md §The proxy, rule 8).
+and metrics (docs/design.md §The proxy, rule 8).
 
 Whatever crossbar answers -- a proxied answer, one of its own JSON errors, a 413 for a
 body over the limit, a 400 for a request Twisted cannot parse -- ends in exactly one
@@ -22,7 +22,7 @@ from crossbar.state.tokens import TokenLedger
 __all__ = ["ENDINGS", "NO_ROUTE", "OTHER_MODEL", "RequestLog", "RequestRecord"]
 
 ENDINGS = ("complete", "cut", "client_gone")
-"""How an answer ended (DESIGN.md §The proxy, rule 8)."""
+"""How an answer ended (docs/design.md §The proxy, rule 8)."""
 
 OTHER_MODEL = "other"
 """The ``model`` label of tokens for a model no host of the route lists."""
@@ -50,7 +50,7 @@ class RequestRecord:
     :ivar ttfb: seconds from the request sent to the host to its response head, or
         None when no head arrived.
     :ivar duration: seconds from the request received to the answer ended.
-    :ivar why: why the host was chosen (DESIGN.md §Choosing a host, rule 5), or "".
+    :ivar why: why the host was chosen (docs/design.md §Choosing a host, rule 5), or "".
     :ivar ended: how the answer ended, one of :data:`ENDINGS`: ``cut`` when the host
         died or went silent mid-answer or a drain's grace ran out, ``client_gone`` when
         the client left (or took no byte for ``timeouts.client_stall``) before the

@@ -1,4 +1,4 @@
-"""systemd service notification (DESIGN.md §Operations): ``READY=1``, ``WATCHDOG=1``,
+"""systemd service notification (docs/design.md §Operations): ``READY=1``, ``WATCHDOG=1``,
 ``STOPPING=1`` and ``STATUS=`` over ``$NOTIFY_SOCKET``.
 
 The protocol (``sd_notify(3)``) is one datagram of newline-separated ``KEY=value``

@@ -1,4 +1,4 @@
-"""The listening sockets of crossbar (DESIGN.md §Shape, §Workers): the server endpoint
+"""The listening sockets of crossbar (docs/design.md §Shape, §Workers): the server endpoint
 from ``listen`` and the service that listens on it (:class:`ListenService`: the single
 process, and a worker on the socket its supervisor opened), and the sockets a
 supervisor opens for its workers (:class:`WorkerListeners`)."""
@@ -173,7 +173,7 @@ def tcp_address(config: Config) -> TCPAddress | None:
 
 
 class WorkerListeners(MultiService):
-    """The listening sockets of a supervisor's workers (DESIGN.md §Workers), opened by
+    """The listening sockets of a supervisor's workers (docs/design.md §Workers), opened by
     the supervisor before ``twistd`` drops privileges (so ports below 1024 work), and
     never accepted on by it.
 

@@ -1,4 +1,4 @@
-"""Configuration reload on SIGHUP (DESIGN.md §Operations), one path for both process
+"""Configuration reload on SIGHUP (docs/design.md §Operations), one path for both process
 models.
 
 :func:`next_config` decides whether a reload happens and with which config, for the
@@ -48,7 +48,7 @@ def next_config(
     not load, a new ``listen`` that start-up would refuse, or what ``check`` raises
     (:class:`~crossbar.config.ConfigError`) for the config to be swapped in. ``listen``,
     ``workers`` and ``cluster`` apply only at a restart: a change is logged as a warning and the
-    running value kept (DESIGN.md §Operations).
+    running value kept (docs/design.md §Operations).
 
     :param reactor: parses a new ``listen`` (:func:`~crossbar.process.listen.listen_endpoint`).
     :param log: where the refusal and the warnings go (the caller's namespace).
@@ -81,7 +81,7 @@ class ReloadPlan:
 
     :ivar fresh: hosts that are new or whose connection settings (URL, ``tls``,
         ``api_key``: :meth:`~crossbar.config.Host.connection_settings`) changed: they
-        start over (unhealthy, polled at once), DESIGN.md §Operations.
+        start over (unhealthy, polled at once), docs/design.md §Operations.
     :ivar removed: hosts no longer configured.
     :ivar listen_changed: ``listen`` differs; it cannot change without a restart.
     :ivar changed: hosts in both configs with any setting changed (``weight``,
@@ -160,7 +160,7 @@ def catch_second_stop_signal(reactor: Any, hurry: Callable[[], object]) -> None:
     """From now on (a drain has started), SIGTERM and SIGINT call ``hurry`` on the
     reactor thread instead of Twisted's ``reactor.stop`` (which would only log a
     ``ReactorNotRunning`` traceback): a second signal ends the drain at once
-    (DESIGN.md §Operations). Does nothing off the main thread."""
+    (docs/design.md §Operations). Does nothing off the main thread."""
     if threading.current_thread() is not threading.main_thread():
         return
 

@@ -1,5 +1,5 @@
-"""Assemble crossbar from a :class:`~crossbar.config.Config` (DESIGN.md §Shape), drain
-it on shutdown and reload it on SIGHUP (DESIGN.md §Operations).
+"""Assemble crossbar from a :class:`~crossbar.config.Config` (docs/design.md §Shape), drain
+it on shutdown and reload it on SIGHUP (docs/design.md §Operations).
 
 :func:`make_service` builds one :class:`CrossbarService` (a ``MultiService``): the
 health poller and the web service (a :class:`~crossbar.proxy.web.CrossbarSite` on the
@@ -62,7 +62,7 @@ class CrossbarService(MultiService):
     :param listen: the server endpoint to listen on, instead of ``config.listen``'s (a
         worker adopts its supervisor's socket, :mod:`crossbar.process.worker`).
     :param worker_counts: with workers, the counts shared by every worker, which this
-        worker publishes to and reads from (DESIGN.md §Workers).
+        worker publishes to and reads from (docs/design.md §Workers).
     """
 
     _log = Logger(namespace="crossbar")
@@ -95,7 +95,7 @@ class CrossbarService(MultiService):
             draining=lambda: runtime.drained,
         ))
         self.cluster: RedisCluster | None = None
-        if config.cluster is not None:  # DESIGN.md §Several crossbars
+        if config.cluster is not None:  # docs/design.md §Several crossbars
             self.cluster = RedisCluster(config.cluster.redis, reactor, on_change=runtime.others_changed)
             runtime.join(self.cluster)
             runtime.limits.fleet = RedisLimits(self.cluster)
@@ -218,7 +218,7 @@ class CrossbarService(MultiService):
             await DeferredList([self.pools.close(), self._poll_pool.close()])
 
     def drain(self) -> Deferred[None]:
-        """Drain (DESIGN.md §Operations): readiness 503 at once, keep serving for
+        """Drain (docs/design.md §Operations): readiness 503 at once, keep serving for
         ``drain.delay`` s, stop accepting, give in-flight requests ``drain.grace`` s,
         then abort what is left. Calling it again returns the drain under way; the
         Deferred never fails."""
@@ -290,7 +290,7 @@ class CrossbarService(MultiService):
             catch_second_stop_signal(self.reactor, self.hurry)
 
     def reload(self, text: str | None = None) -> bool:
-        """Re-read and validate the config file (SIGHUP, DESIGN.md §Operations); with
+        """Re-read and validate the config file (SIGHUP, docs/design.md §Operations); with
         ``text``, validate that instead (a worker: the text its supervisor validated).
 
         An invalid file is logged and the running config kept (returns False). A valid
@@ -370,7 +370,7 @@ def make_service(
 def make_daemon(config: Config, twistd: Mapping[str, Any] | None = None, stall: float | None = None) -> MultiService:
     """What ``twistd crossbar`` runs for ``config``: one :class:`CrossbarService` with
     signal handling, or with ``workers`` > 1 a :class:`~crossbar.process.supervisor.Supervisor`
-    of that many (DESIGN.md §Workers). ``twistd`` is twistd's own options: when its
+    of that many (docs/design.md §Workers). ``twistd`` is twistd's own options: when its
     ``--logger`` is :func:`crossbar.ops.jsonlog.observer`, workers log straight to the same
     standard output. ``stall``: seconds a worker may be silent before it is killed (the
     plugin's ``--worker-stall``; default :data:`~crossbar.process.supervisor.STALL`).

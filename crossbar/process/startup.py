@@ -1,4 +1,4 @@
-"""Fail fast at start-up with one line, never a traceback (DESIGN.md §Configuration).
+"""Fail fast at start-up with one line, never a traceback (docs/design.md §Configuration).
 
 A bad configuration file, a ``listen`` string Twisted cannot parse, or a ``listen``
 address that cannot be bound (port in use, no such interface) must stop ``twistd`` at
@@ -46,7 +46,7 @@ def as_config_error(error: ConfigError | CannotListenError, source: str) -> Conf
 def check_config(path: str, stdout: TextIO, stderr: TextIO) -> int:
     """``twistd crossbar --config PATH --check``: validate the file without starting.
 
-    Loads and validates the config as a start would (every check of DESIGN.md
+    Loads and validates the config as a start would (every check of docs/design.md
     §Configuration) and parses its ``listen`` endpoint (an ``ssl:`` listener's key and
     certificate files are read; a ``systemd:`` one is not looked up, it exists only
     under systemd). Nothing is bound and no host is contacted.

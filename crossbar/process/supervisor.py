@@ -1,4 +1,4 @@
-"""The supervisor of a crossbar with ``workers: N`` (DESIGN.md §Workers).
+"""The supervisor of a crossbar with ``workers: N`` (docs/design.md §Workers).
 
 The twistd process opens the listening sockets before it drops privileges (so ports
 below 1024 work), never accepts on them, and runs N worker processes
@@ -351,7 +351,7 @@ class Supervisor(MultiService):
 
     def drain_host(self, host: str, draining: bool) -> None:
         """A worker drained (or undrained) ``host``: every worker does, and workers
-        started later are told (DESIGN.md §Operations)."""
+        started later are told (docs/design.md §Operations)."""
         if host not in self.config.hosts:
             return
         if draining:

@@ -1,4 +1,4 @@
-"""One worker process of a crossbar with ``workers: N`` (DESIGN.md §Workers).
+"""One worker process of a crossbar with ``workers: N`` (docs/design.md §Workers).
 
 The supervisor (:mod:`crossbar.process.supervisor`) starts each worker as
 ``python -m crossbar.process.worker --config FILE --snapshot SNAPSHOT --row I --rows N+1

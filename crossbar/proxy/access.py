@@ -1,4 +1,4 @@
-"""Client keys of a route (DESIGN.md §Access): which key, if any, a request presents.
+"""Client keys of a route (docs/design.md §Access): which key, if any, a request presents.
 
 :func:`check_key` looks only at the request head's ``Authorization`` and ``X-Api-Key``
 values, so a keyed route can refuse a request before any of its body is read.
@@ -59,7 +59,7 @@ def check_key(
     route: Route | None, method: bytes, authorization: Sequence[bytes] | None, has_body: bool = False,
     x_api_key: Sequence[bytes] | None = None,
 ) -> str | None:
-    """Rule 2 of DESIGN.md §The proxy, on the request head: the name of the key the
+    """Rule 2 of docs/design.md §The proxy, on the request head: the name of the key the
     request presents on a keyed route, "" where no key is needed (no such route, a
     route without keys, a CORS preflight: ``OPTIONS`` without a body), None when the
     request must be refused 401 (no valid key; more than one ``Authorization`` or
@@ -74,7 +74,7 @@ def check_key(
     :param has_body: the request announced a body (``Content-Length`` above 0, or
         chunked): a preflight never has one, so such an ``OPTIONS`` needs a key.
     :param x_api_key: every ``X-Api-Key`` value (``X-Api-Key: <secret>``, what
-        Anthropic-style clients send; DESIGN.md §Access), or None.
+        Anthropic-style clients send; docs/design.md §Access), or None.
     """
     if route is None or not route.keys or (method == b"OPTIONS" and not has_body):
         return ""

@@ -1,4 +1,4 @@
-"""One upstream request to one chosen host (DESIGN.md §The proxy, rules 6-7).
+"""One upstream request to one chosen host (docs/design.md §The proxy, rules 6-7).
 
 An :class:`Attempt` sends the request, retries once on a fresh connection when a reused
 pooled connection turns out dead before any byte of the request was written (the host
@@ -40,7 +40,7 @@ _log = Logger(namespace="crossbar.proxy")
 STALE_WINDOW = 1.0
 """Seconds after sending within which a reused pooled connection found dead before any
 byte of the request was written (``RequestNotSent``) is retried once on a fresh
-connection (DESIGN.md rule 7). A connection that dies once the request was written may
+connection (docs/design.md rule 7). A connection that dies once the request was written may
 have been read by the host: that is a host failure (mark_down, 502, no retry)."""
 
 
@@ -74,7 +74,7 @@ class Answer:
 
     :ivar response: the response (its body not read yet).
     :ivar sent_at: reactor seconds when the request (body included) was handed to the
-        connection: time to first byte counts from here (DESIGN.md §Configuration).
+        connection: time to first byte counts from here (docs/design.md §Configuration).
     """
 
     response: IResponse
@@ -92,10 +92,10 @@ class BytesProducer:
     producer as a streaming producer of the connection). Written at once, Twisted would
     join the head and the whole body into one new buffer in a single reactor turn
     (measured: 2.5-8 ms for 15 MiB, every other stream stalled that long; bench (h),
-    DESIGN.md §"Quality bar"); in slices no reactor turn copies more than a slice.
+    docs/design.md §"Quality bar"); in slices no reactor turn copies more than a slice.
 
     :param body: the whole body, as one ``bytes`` or as the chunks it arrived in (a
-        sequence of ``bytes``: never joined into one buffer, DESIGN.md §Quality bar).
+        sequence of ``bytes``: never joined into one buffer, docs/design.md §Quality bar).
     """
 
     SLICE = INLINE_BODY

@@ -9,7 +9,7 @@ the same time. The deadline does not run while a request is being answered, so l
 streams are unaffected. A request body then gets :data:`HEAD_DEADLINE` seconds plus one
 second per :data:`MIN_BODY_RATE` bytes of it (of the 16 MiB limit when it is chunked):
 a body trickled a byte a minute no longer holds a connection for days either.
-(DESIGN.md §The proxy, rule 9: no request can leave crossbar serving less.)
+(docs/design.md §The proxy, rule 9: no request can leave crossbar serving less.)
 
 It also refuses hostile request heads (:func:`hostile_header`, obs-folds) with a JSON
 400, and feeds a chunked body that is dense with framing to Twisted's chunk decoder in
@@ -50,7 +50,7 @@ SLICE = 2048
 """Bytes of a chunked body handed to Twisted's chunk decoder in one reactor turn when a
 read is dense with chunk framing: the decoder costs several microseconds per chunk, so a
 64 KiB read of 1-byte chunks (10,000 of them) would hold the reactor for 50-100 ms; in
-2 KiB slices no request holds it for more than a few ms (DESIGN.md §The proxy, rule 9)."""
+2 KiB slices no request holds it for more than a few ms (docs/design.md §The proxy, rule 9)."""
 
 _DENSE = 256
 """More CRLFs than this in a window of a chunked body (about 128 chunks) and it is fed in
@@ -64,7 +64,7 @@ _CONTROL = bytes(range(0x20)).replace(b"\t", b"") + b"\x7f"
 
 
 def hostile_header(name: bytes, value: bytes, repeated_te: bool) -> str | None:
-    """Why the request header ``name: value`` must be refused 400 (DESIGN.md §The
+    """Why the request header ``name: value`` must be refused 400 (docs/design.md §The
     proxy, rule 9), or None when it may pass: a control byte in the value (HTAB
     excepted; Twisted itself refuses only NUL, CR and LF), a name with ``_`` that a
     server could read as ``Content-Length`` or ``Transfer-Encoding``, or a second
@@ -240,13 +240,13 @@ class HeadDeadlineChannel(BadRequestHook, HTTPChannel):
     def lineLengthExceeded(self, line: bytes) -> None:
         """A request line or header line over ``MAX_LENGTH`` (16 KiB): Twisted would
         just close the connection; crossbar answers its JSON 400 and records it
-        (DESIGN.md §The proxy, rules 8-9)."""
+        (docs/design.md §The proxy, rules 8-9)."""
         self.respond_to_bad_request()
 
     def respond_to_bad_request(self, message: str = "bad request") -> None:
         """Twisted's answer to a request it cannot parse (bad request line, header,
         framing or size) is a bare ``400``; crossbar's error answers are JSON
-        (DESIGN.md §The proxy, rule 9) and recorded like any other answer (rule 8).
+        (docs/design.md §The proxy, rule 9) and recorded like any other answer (rule 8).
         Called through :class:`~crossbar.upstream.twisted_private.BadRequestHook`; the tests in
         tests/test_channel.py pin it."""
         if self.transport is None or getattr(self.transport, "disconnecting", False):

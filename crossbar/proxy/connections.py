@@ -1,4 +1,4 @@
-"""Bounds on client connections and file descriptors (DESIGN.md §The proxy, rule 9;
+"""Bounds on client connections and file descriptors (docs/design.md §The proxy, rule 9;
 issue 20 item 4): connections beyond a bound are refused at once, the listen backlog
 is not Twisted's 50, and running out of descriptors is logged at most once a minute.
 

@@ -50,7 +50,7 @@ __all__ = [
 
 METHODS = (b"GET", b"HEAD", b"POST", b"PUT", b"PATCH", b"DELETE", b"OPTIONS")
 """The methods crossbar serves, exact case; any other is refused 405 on the head
-(DESIGN.md §The proxy, rule 9): ``trace`` as well as ``TRACE``, ``CONNECT``, ``BREW``."""
+(docs/design.md §The proxy, rule 9): ``trace`` as well as ``TRACE``, ``CONNECT``, ``BREW``."""
 
 _ALLOW = b", ".join(METHODS)
 

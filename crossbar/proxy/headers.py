@@ -36,7 +36,7 @@ _REPLACED_UPSTREAM = frozenset(
 """Client headers crossbar never forwards as they are: it sets its own (rule 6)."""
 
 _CLIENT_KEY_HEADERS = frozenset({b"authorization", b"x-api-key"})
-"""Where a client presents a keyed route's key; neither reaches a host (DESIGN.md §Access)."""
+"""Where a client presents a keyed route's key; neither reaches a host (docs/design.md §Access)."""
 
 _NO_BODY_CODES = (204, 304)
 

@@ -1,5 +1,5 @@
 """The route model list: ``GET /{route}/v1/models`` answered from the health table
-(DESIGN.md §The proxy, rule 10).
+(docs/design.md §The proxy, rule 10).
 
 Clients fill model pickers from ``/v1/models``; behind crossbar that list is every model
 a healthy host of the route has loaded, loading or available, not just what the one
@@ -21,7 +21,7 @@ _STATES = ("loaded", "loading", "available")
 _STATUS_KEYS = ("value", "failed", "exit_code")
 """What a router-mode host's ``status`` may pass to clients: its state, never the
 ``args`` (the model's command line: absolute paths) or the ``preset`` (the same as an
-INI text) (DESIGN.md §The proxy, rule 10; issue 20)."""
+INI text) (docs/design.md §The proxy, rule 10; issue 20)."""
 
 
 def _public(entry: dict[str, Any]) -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """The body pump: an upstream answer's body streamed to the client with backpressure
-(DESIGN.md §The proxy, rules 6-7; §Quality bar).
+(docs/design.md §The proxy, rules 6-7; §Quality bar).
 
 A :class:`Relay` is the ``IProtocol`` the upstream body is delivered to and the
 ``IPushProducer`` the client's connection pauses and resumes: each chunk is written to
@@ -92,7 +92,7 @@ class Relay(Protocol):
     :ivar ended: fires once with the :class:`RelayEnd`; never errbacks.
     :ivar first_byte_at: clock seconds when the first body byte came, or None.
 
-    For the answer's figures (DESIGN.md §What the answers say) the relay keeps
+    For the answer's figures (docs/design.md §What the answers say) the relay keeps
     references to the chunks of the body's last :data:`TAIL_BYTES` (and to its first
     chunk once it left the tail): nothing is copied per chunk; :meth:`figures` reads
     them once, at the end.

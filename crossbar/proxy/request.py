@@ -1,12 +1,12 @@
 """The HTTP request class crossbar's site uses: bodies capped while they arrive.
 
 twisted.web reads a whole request body before ``render``; :class:`CappedRequest` refuses
-one over :data:`MAX_BODY` as soon as it is known to be too big (DESIGN.md §The proxy,
+one over :data:`MAX_BODY` as soon as it is known to be too big (docs/design.md §The proxy,
 rule 4): on ``Content-Length`` before any of the body is read (and before ``100 Continue``
 would be sent), or, for a chunked body, at the byte that crosses the limit. The body is
 held in memory (never a temporary file: no blocking disk I/O on the reactor thread).
 
-Bodies cost bounded memory (DESIGN.md §The proxy, rule 9; issue 20 items 1-2): small
+Bodies cost bounded memory (docs/design.md §The proxy, rule 9; issue 20 items 1-2): small
 chunks are joined into :data:`PIECE`-byte pieces as they arrive (at most ~1.1 times the
 body's size whatever its framing), a chunked body whose chunks average under
 :data:`MIN_CHUNK_AVERAGE` bytes is refused 400, a body is released the moment its
@@ -15,7 +15,7 @@ request ends or its client leaves, and all held bodies together stay under
 
 Each piece is also fed to a :class:`crossbar.proxy.peek.BodyPeek` as it arrives, so the model
 and the affinity key are known when the body is complete (``request.peeked``) without
-ever parsing the whole body in one reactor turn (DESIGN.md §"Quality bar").
+ever parsing the whole body in one reactor turn (docs/design.md §"Quality bar").
 """
 
 from __future__ import annotations
@@ -35,16 +35,16 @@ __all__ = [
 ]
 
 MAX_BODY = 16 * 1024 * 1024
-"""The largest request body crossbar accepts, in bytes (DESIGN.md §The proxy, rule 4)."""
+"""The largest request body crossbar accepts, in bytes (docs/design.md §The proxy, rule 4)."""
 
 NO_BODY_METHODS = frozenset({b"GET", b"HEAD"})
-"""Methods whose body (if any) is never peeked (DESIGN.md §The proxy, rule 4)."""
+"""Methods whose body (if any) is never peeked (docs/design.md §The proxy, rule 4)."""
 
 _LINGER_SECONDS = 5.0
 
 BODY_BUDGET = 256 * 1024 * 1024
 """Bytes of request bodies one crossbar process holds at once, all requests together
-(DESIGN.md §The proxy, rule 9): a body that would go over it is refused 503 with
+(docs/design.md §The proxy, rule 9): a body that would go over it is refused 503 with
 ``Retry-After`` (16 full-size bodies at once; the rest wait for a retry)."""
 
 PIECE = 64 * 1024
@@ -56,7 +56,7 @@ MIN_CHUNK_AVERAGE = 64
 """A chunked body whose chunks average fewer bytes than this, past the first
 :data:`_CHUNK_GRACE` of them, is refused 400: framing that is mostly overhead costs the
 reactor one parse per chunk (16 million 1-byte chunks took 40 s of CPU) and is no
-client's honest shape (DESIGN.md §The proxy, rule 9)."""
+client's honest shape (docs/design.md §The proxy, rule 9)."""
 
 _CHUNK_GRACE = 1024
 
@@ -174,7 +174,7 @@ class CappedRequest(Request):
 
     def release_body(self) -> None:
         """Drop the held body now and give its bytes back to the budget: the request
-        ended or its client left (DESIGN.md §The proxy, rule 9). The list is emptied in
+        ended or its client left (docs/design.md §The proxy, rule 9). The list is emptied in
         place, so whoever else holds it (the exchange, for a failover) lets go too."""
         self.body_chunks.clear()
         self._tail = bytearray()
@@ -194,7 +194,7 @@ class CappedRequest(Request):
     def refuse(self, code: int, phrase: bytes, message: str, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
         """Answer ``code phrase`` with the JSON error ``message`` (and ``headers``) now,
         on the request head, without reading the body: the 413 for a body over the
-        limit, a keyed route's 401 (DESIGN.md §Access). The connection closes after it.
+        limit, a keyed route's 401 (docs/design.md §Access). The connection closes after it.
         """
         if self.refused:
             return
@@ -238,7 +238,7 @@ class CappedRequest(Request):
 
     def refused_answer(self, code: int, body_bytes: int) -> None:
         """Called once a refusal (``code``, with ``body_bytes`` of body) was written: a
-        subclass records it (DESIGN.md §The proxy, rule 8). This one does nothing."""
+        subclass records it (docs/design.md §The proxy, rule 8). This one does nothing."""
 
     def connectionLost(self, reason: Any) -> None:
         if self._linger is not None and self._linger.active():

@@ -1,4 +1,4 @@
-"""Pure routing rules of the proxy (DESIGN.md §The proxy, rules 1-4; choosing a host
+"""Pure routing rules of the proxy (docs/design.md §The proxy, rules 1-4; choosing a host
 is :mod:`crossbar.hosts.balance`).
 
 Nothing here does I/O: each function takes bytes or names and answers, so each rule is
@@ -70,7 +70,7 @@ def is_forwardable(method: bytes, target: bytes) -> bool:
 
     twisted.web's server lets other bytes through (only a space splits the request
     line); the client side refuses them. Such a request is answered 400 ``bad path``
-    (DESIGN.md §The proxy, rule 3) instead of being forwarded.
+    (docs/design.md §The proxy, rule 3) instead of being forwarded.
     """
     return _TOKEN.match(method) is not None and _VISIBLE_ASCII.match(target) is not None
 

@@ -1,4 +1,4 @@
-"""Web plumbing: the site, its request class and the root resource (DESIGN.md §Shape).
+"""Web plumbing: the site, its request class and the root resource (docs/design.md §Shape).
 
 :class:`CrossbarSite` is a ``twisted.web`` ``Site`` whose root (:class:`Root`) sends
 ``/_crossbar/...`` to the ops app and every other path to the proxy. Its requests are
@@ -52,7 +52,7 @@ class Root(Resource):
 
 
 class _JSONError(Resource):
-    """An answer of crossbar's own JSON error (DESIGN.md rule 9) for any method."""
+    """An answer of crossbar's own JSON error (docs/design.md rule 9) for any method."""
 
     isLeaf = True
 
@@ -74,7 +74,7 @@ class CrossbarRequest(CappedRequest):
     reveal no version), builds its :class:`~crossbar.proxy.head.RequestHead` once when
     the head is complete, applies the rules decided on the head
     (:func:`~crossbar.proxy.head.check_on_head`: ``Host``, no route, the key of
-    DESIGN.md §Access) and records what it refuses (DESIGN.md §The proxy, rule 8).
+    docs/design.md §Access) and records what it refuses (docs/design.md §The proxy, rule 8).
 
     :ivar head: the request's head, parsed under the config current when it was
         complete (the request is checked and served under it alone, whatever a reload
@@ -148,7 +148,7 @@ class CrossbarSite(Site):
         self.max_connections = connection_limit()
         """Client connections this process keeps open at once (from ``RLIMIT_NOFILE``,
         :func:`~crossbar.proxy.connections.connection_limit`); one more is answered 503
-        and closed at once (DESIGN.md §The proxy, rule 9)."""
+        and closed at once (docs/design.md §The proxy, rule 9)."""
 
     def buildProtocol(self, addr: Any) -> Any:
         if len(self.open_channels) >= self.max_connections:

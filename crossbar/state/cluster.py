@@ -1,4 +1,4 @@
-"""Counts shared by several crossbars through Redis (DESIGN.md §Several crossbars).
+"""Counts shared by several crossbars through Redis (docs/design.md §Several crossbars).
 
 Each crossbar process (an *instance*: a whole crossbar, or one worker of one) keeps its
 own counts -- requests in flight per host, per (route, host) and per client key -- in

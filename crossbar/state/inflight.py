@@ -1,5 +1,5 @@
 """In-flight requests per host: the one count that status, metrics and choosing read
-(DESIGN.md §Choosing a host, rule 2).
+(docs/design.md §Choosing a host, rule 2).
 
 A request counts against its host from the moment the host is chosen (connecting
 included) until its answer ends (streams included) or fails; a failover moves it.
@@ -26,9 +26,9 @@ class Inflight:
     :param on_release: called (no arguments) whenever a lease is released or moved
         away from a host: a slot freed (the route queues listen here).
     :ivar fleet: with workers, where this worker's counts are published and the
-        fleet's are read (DESIGN.md §Workers); None for one process.
+        fleet's are read (docs/design.md §Workers); None for one process.
     :ivar cluster: with ``cluster.redis``, the other instances' counts and where this
-        one's go (DESIGN.md §Several crossbars); None without.
+        one's go (docs/design.md §Several crossbars); None without.
     """
 
     def __init__(self, on_release: Callable[[], None] | None = None) -> None:
@@ -47,7 +47,7 @@ class Inflight:
             name = f"h\0{host}"
             n = self._by_host.get(host, 0) + cluster.others(name)
             # Until Redis has this instance's latest rise, each other instance may have
-            # taken a slot unseen (DESIGN.md: max_inflight exceeded by at most instances - 1).
+            # taken a slot unseen (docs/design.md: max_inflight exceeded by at most instances - 1).
             return n + cluster.instances() - 1 if cluster.unsettled(name) else n
         if self.fleet is not None:
             return self.fleet.host(host)

@@ -1,4 +1,4 @@
-"""A client key's limits (DESIGN.md §Access): requests and tokens per minute, tokens per
+"""A client key's limits (docs/design.md §Access): requests and tokens per minute, tokens per
 UTC day, checked when a request arrives.
 
 :class:`KeyLimiter` keeps what each (route, key) has been admitted and has spent in
@@ -141,7 +141,7 @@ class KeyLimiter:
         window.requests.append(now)
 
     def check(self, route: str, key: str, limits: KeyLimits) -> Deferred[float]:
-        """Whether a request of ``key`` on ``route`` may start now (DESIGN.md §Access):
+        """Whether a request of ``key`` on ``route`` may start now (docs/design.md §Access):
         fires with 0 when it may (and counts it), else with the seconds until the
         window allows the next one (429). Fires at once without ``cluster``; with it,
         within :data:`~crossbar.state.cluster.BOUND` (this process's own counts decide

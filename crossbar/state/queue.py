@@ -1,4 +1,4 @@
-"""Requests waiting for a host with room (DESIGN.md §Choosing a host, rule 4).
+"""Requests waiting for a host with room (docs/design.md §Choosing a host, rule 4).
 
 Each route has one queue, in arrival order. Nothing polls: whenever a slot frees, the
 health table changes or the config is reloaded, :meth:`RouteQueues.wake` looks at the

@@ -46,9 +46,9 @@ class Runtime:
     :ivar tokens: token totals per host and route, and their last minute (status).
     :ivar fleet: with workers, the fleet-wide counts (:meth:`attach`); else None.
     :ivar cluster: with ``cluster.redis``, the other instances' counts (:meth:`join`).
-    :ivar limits: the client keys' request and token limits (DESIGN.md §Access).
+    :ivar limits: the client keys' request and token limits (docs/design.md §Access).
     :ivar active: the requests being handled (proxy exchanges), until each ends.
-    :ivar draining: a drain has started (DESIGN.md §Operations).
+    :ivar draining: a drain has started (docs/design.md §Operations).
     :ivar drained: hosts being drained one by one (``POST /_crossbar/hosts/<name>/drain``):
         they take no new request while their in-flight ones finish.
     :ivar on_drain_change: called with (host, draining) when :meth:`drain_host` changes
@@ -76,7 +76,7 @@ class Runtime:
         self.on_drain_change: Callable[[str, bool], None] | None = None
         self.idle = Condition(lambda: not self.active)
 
-    # -- counts that are fleet-wide with workers (DESIGN.md §Workers) ------------------
+    # -- counts that are fleet-wide with workers (docs/design.md §Workers) ------------------
 
     def attach(self, fleet: WorkerCounts) -> None:
         """Publish this process's counts to ``fleet`` and read the fleet's from now on."""
@@ -88,7 +88,7 @@ class Runtime:
 
     def join(self, cluster: ClusterView) -> None:
         """Share this process's in-flight counts (per host, per client key) with the
-        other instances of ``cluster`` and count theirs (DESIGN.md §Several crossbars)."""
+        other instances of ``cluster`` and count theirs (docs/design.md §Several crossbars)."""
         self.cluster = cluster
         self.inflight.cluster = cluster
         self.inflight.publish()
@@ -151,7 +151,7 @@ class Runtime:
             return self.fleet.affinity(route, outcome)
         return self.affinity_counts[(route, outcome)]
 
-    # -- host drain (DESIGN.md §Operations) -------------------------------------------
+    # -- host drain (docs/design.md §Operations) -------------------------------------------
 
     def drain_host(self, host: str, draining: bool, tell: bool = True) -> bool:
         """Start (``draining``) or end the drain of configured ``host``; returns False
@@ -186,7 +186,7 @@ class Runtime:
 
     @property
     def ready(self) -> bool:
-        """Readiness (DESIGN.md §Operations): every host's first poll is done, some
+        """Readiness (docs/design.md §Operations): every host's first poll is done, some
         host is healthy, and crossbar is not draining."""
         if self.draining:
             return False
@@ -195,7 +195,7 @@ class Runtime:
 
     def key_admits(self, route: Route, key: str) -> bool:
         """Whether a request with client key ``key`` of ``route`` may start: the key has
-        fewer than its ``max_inflight`` requests in flight or waiting (DESIGN.md §Access;
+        fewer than its ``max_inflight`` requests in flight or waiting (docs/design.md §Access;
         429 otherwise)."""
         settings = route.keys.get(key)
         limit = settings.max_inflight if settings is not None else None
@@ -209,7 +209,7 @@ class Runtime:
         return self.key_inflight[(route.name, key)] < limit
 
     def check_limits(self, route: Route, key: str) -> Deferred[float]:
-        """A key's ``limits`` for a request arriving now (DESIGN.md §Access): fires with
+        """A key's ``limits`` for a request arriving now (docs/design.md §Access): fires with
         0 when it may start (it is counted), else with the seconds until the window
         allows the next one (429 with that ``Retry-After``). At once without
         ``cluster``; within 50 ms with it. Never fails."""
@@ -220,7 +220,7 @@ class Runtime:
 
     def key_status(self, route: Route) -> dict[str, Any]:
         """Status of ``route``'s keys that have ``limits``: the limits and what each has
-        been admitted and spent, as this process counted it (DESIGN.md §Access)."""
+        been admitted and spent, as this process counted it (docs/design.md §Access)."""
         spending = self.limits.spending()
         out: dict[str, Any] = {}
         for name, key in route.keys.items():

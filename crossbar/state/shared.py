@@ -1,4 +1,4 @@
-"""Counts shared by the worker processes of one crossbar (DESIGN.md §Workers).
+"""Counts shared by the worker processes of one crossbar (docs/design.md §Workers).
 
 With ``workers: N`` every worker is a whole crossbar, yet room, least-busy, the queue,
 status and metrics must see the fleet: requests in flight to a host from *any* worker.

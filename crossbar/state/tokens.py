@@ -1,5 +1,5 @@
 """Token totals per host and per route, and their last minute, for ``status``
-(DESIGN.md §What the answers say: tokens, speed, cache).
+(docs/design.md §What the answers say: tokens, speed, cache).
 
 Each complete answer's figures are added here (prompt tokens processed, prompt tokens
 from cache, tokens generated per host; processed and cached per route). With workers

@@ -1,8 +1,8 @@
-"""The counts the workers of one crossbar share (DESIGN.md §Workers): what
+"""The counts the workers of one crossbar share (docs/design.md §Workers): what
 ``workers: N`` needs so that room, least-busy, the queue, key limits, status and
 metrics see every worker's requests, not one process's.
 
-(Not the "fleet" of DESIGN.md, which is the hosts: this module counts requests of the
+(Not the "fleet" of docs/design.md, which is the hosts: this module counts requests of the
 crossbar's own worker processes, on one machine.)
 
 One process (``workers: 1``) counts for itself and :class:`WorkerCounts` is not used.
@@ -137,7 +137,7 @@ class WorkerCounts:
 
     def publish_key(self, route: str, key: str, count: int) -> None:
         """This worker has ``count`` requests of client key ``key`` on ``route`` in
-        flight or waiting (DESIGN.md §Access: a key's ``max_inflight``)."""
+        flight or waiting (docs/design.md §Access: a key's ``max_inflight``)."""
         self._set(f"k\0{route}\0{key}", count)
 
     def key(self, route: str, key: str) -> int:

@@ -16,7 +16,7 @@ def describe_failure(failure: Failure, limit: int = 300) -> str:
     a list of failures (``reasons``): the first one is described instead. A TLS
     failure anywhere inside is described by its short reason
     (:func:`crossbar.upstream.tls.tls_failure_reason`: ``unknown CA``, ``client certificate
-    required by the host``, ...; DESIGN.md §Access), never OpenSSL's raw error list.
+    required by the host``, ...; docs/design.md §Access), never OpenSSL's raw error list.
     """
     tls = tls_failure_reason(failure)
     if tls is not None:

@@ -1,5 +1,5 @@
 """crossbar's HTTP/1.1 client to hosts, for proxied requests and health polls alike,
-over ``httptools`` (issues 14 and 17; DESIGN.md §Configuration, §The proxy, rules 6-7
+over ``httptools`` (issues 14 and 17; docs/design.md §Configuration, §The proxy, rules 6-7
 and 9; §Quality bar).
 
 Twisted's ``Agent`` decodes every chunked body into a buffer and wraps each call in
@@ -72,7 +72,7 @@ __all__ = [
 
 MAX_RESPONSE_HEAD = 64 * 1024
 """The most bytes of an upstream answer's head (status lines and headers, interim
-``1xx`` answers included) crossbar reads before giving up on it (DESIGN.md §The proxy,
+``1xx`` answers included) crossbar reads before giving up on it (docs/design.md §The proxy,
 rule 9); the same bound holds for chunk framing and trailers with no body byte between."""
 
 INLINE_BODY = 256 * 1024
@@ -86,7 +86,7 @@ connection reused sooner costs no system call)."""
 
 KEEP_ALIVE_MARGIN = 1.0
 """Seconds before a host's advertised keep-alive timeout (``Keep-Alive: timeout=N``)
-that crossbar stops reusing an idle connection to it (DESIGN.md rule 7): the host
+that crossbar stops reusing an idle connection to it (docs/design.md rule 7): the host
 would close it at N, possibly while a request is on its way."""
 
 
@@ -110,7 +110,7 @@ _NO_BODY_CODES = frozenset({204, 304})
 
 class BodyTruncated(Exception):
     """A ``Content-Length`` or chunked answer body ended before its framing said
-    (DESIGN.md rule 7: the client must see a truncated answer)."""
+    (docs/design.md rule 7: the client must see a truncated answer)."""
 
 
 class UnsolicitedAnswer(Exception):
@@ -643,7 +643,7 @@ class H1Pool:
 
     An idle connection is closed ``idle_seconds`` after it was put back, or sooner when
     its host said it keeps idle connections for less (``Keep-Alive: timeout=N``: closed
-    :data:`KEEP_ALIVE_MARGIN` seconds before N, DESIGN.md rule 7); one timer per pool
+    :data:`KEEP_ALIVE_MARGIN` seconds before N, docs/design.md rule 7); one timer per pool
     checks them, so a request costs no timer work, and :meth:`take` never hands out one
     past its time. Nor one whose host already closed it or sent bytes nobody asked for
     while the reactor had not read them yet (a look at the socket without reading):
@@ -926,7 +926,7 @@ def split_url(url: bytes) -> tuple[Origin, bytes]:
 
     Origins are remembered (``URI.fromBytes`` costs 4.7 us a request; a fleet has few
     hosts), keyed by ``scheme://host:port`` alone: never by a path or a query string,
-    which crossbar does not keep (DESIGN.md rule 8).
+    which crossbar does not keep (docs/design.md rule 8).
 
     :raises ValueError: when ``url`` has no ``scheme://``.
     """

@@ -1,5 +1,5 @@
 """One configured host URL, parsed once, for polls and for proxied requests alike
-(DESIGN.md §Configuration: a host is an absolute ``http://`` or ``https://`` URL, a
+(docs/design.md §Configuration: a host is an absolute ``http://`` or ``https://`` URL, a
 trailing slash trimmed; §The health table: polls are ``<url>/health`` and
 ``<url>/v1/models``; §The proxy, rule 6: a request goes to ``<url><rest of path>``).
 
@@ -31,7 +31,7 @@ class HostURLError(ValueError):
 
 @dataclass(frozen=True)
 class HostURL:
-    """A host's base URL (DESIGN.md §Configuration, ``hosts``).
+    """A host's base URL (docs/design.md §Configuration, ``hosts``).
 
     :ivar url: the URL as configured, surrounding blanks and trailing slashes trimmed
         (``str``, printable ASCII).

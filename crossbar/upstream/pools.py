@@ -1,4 +1,4 @@
-"""Connections to upstream hosts for the proxy path (DESIGN.md §The proxy, rules 6-7).
+"""Connections to upstream hosts for the proxy path (docs/design.md §The proxy, rules 6-7).
 
 The proxy needs to know, for a request that failed, whether crossbar could not *open* a
 connection to the host (fail over to the next host) or whether a *reused* pooled
@@ -7,7 +7,7 @@ An agent does not say; :class:`ConnectTracker` learns it from the public
 ``IAgentEndpointFactory`` seam: ``connect()`` is only called for a new connection.
 Requests and polls go through one HTTP/1.1 client, crossbar's own
 (:mod:`crossbar.upstream.h1client`, issues 14 and 17): the same head limits, ``101``
-refusal, framing rules and TLS for both (DESIGN.md §Configuration: every host URL works
+refusal, framing rules and TLS for both (docs/design.md §Configuration: every host URL works
 for polls and requests alike). :class:`PollAgent` is the poller's.
 """
 
@@ -72,7 +72,7 @@ class UpstreamEndpoints:
     completes its handshake before the connection counts as open
     (:class:`crossbar.upstream.tls.HandshakeFirstEndpoint`, within ``connect_timeout`` more
     seconds): a refused certificate is a connect failure with a short reason
-    (:func:`crossbar.upstream.tls.tls_failure_reason`), DESIGN.md §Access and rule 7.
+    (:func:`crossbar.upstream.tls.tls_failure_reason`), docs/design.md §Access and rule 7.
 
     :param reactor: the reactor.
     :param connect_timeout: seconds to open a connection (and again for the handshake).
@@ -184,7 +184,7 @@ class PollAgent:
 
     A GET or HEAD without a body whose *reused* connection died before any answer
     byte is sent once more on a new connection, as Twisted's ``Agent`` did for the
-    poller: a poll is idempotent and loads nothing (DESIGN.md §The health table,
+    poller: a poll is idempotent and loads nothing (docs/design.md §The health table,
     rule 9), so a host that closed an idle connection as it was reused is not
     failed for it. Proxied requests never get this (rule 7).
 

@@ -12,7 +12,7 @@ def no_delay(transport: Any) -> None:
 
     A proxied request's head and body, and every event of a stream, are separate small
     writes. With Nagle on, each waits for the peer's delayed ACK (up to 40 ms on
-    Linux): requests stall and stream events coalesce (DESIGN.md §Quality bar: a chunk
+    Linux): requests stall and stream events coalesce (docs/design.md §Quality bar: a chunk
     reaches the client without waiting for the next one). Other transports (UNIX
     sockets, TLS wrappers without the method) are left alone.
     """

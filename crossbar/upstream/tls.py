@@ -1,4 +1,4 @@
-"""TLS to ``https://`` hosts (DESIGN.md §Access, §The proxy rule 7, §Configuration).
+"""TLS to ``https://`` hosts (docs/design.md §Access, §The proxy rule 7, §Configuration).
 
 - :func:`client_creator` turns a host's ``tls`` settings into the
   ``IOpenSSLClientConnectionCreator`` Twisted's TLS wants: verified against ``tls.ca``
@@ -181,7 +181,7 @@ def unverified_creator(hostname: str, tls: HostTLSSettings | None = None) -> IOp
 
 
 def client_creator(hostname: str, tls: HostTLSSettings | None) -> IOpenSSLClientConnectionCreator:
-    """The TLS creator for one host (DESIGN.md §Access).
+    """The TLS creator for one host (docs/design.md §Access).
 
     :param hostname: the host's name or IP address (no brackets), from its URL: what
         the certificate must name (and the SNI for a name).

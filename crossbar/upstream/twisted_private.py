@@ -10,16 +10,16 @@ take a new Twisted on purpose, after that test and the suite pass.
    are JSON and logged (rules 8-9).
 2. :func:`client_is_paused` reads ``HTTPChannel._waitingForTransport``: a producer
    registered on a request whose connection is already full (a pipelined answer before
-   it) is told of later pauses only, so the proxy must ask (DESIGN.md §Quality bar:
+   it) is told of later pauses only, so the proxy must ask (docs/design.md §Quality bar:
    memory per stream stays bounded).
 3. :func:`wrap_port_logger` replaces a listening ``tcp.Port``'s ``_logger`` (a class
    attribute, read in ``doRead``): Twisted logs one line per connection it could not
    accept (``EMFILE``: 350 KB of log in 45 s under a descriptor shortage), and no
-   public API filters one port's events (DESIGN.md §The proxy, rule 9: at most once a
+   public API filters one port's events (docs/design.md §The proxy, rule 9: at most once a
    minute).
 4. :func:`pending_write_bytes` reads ``FileDescriptor.dataBuffer``, ``offset`` and
    ``_tempDataLen`` of the client's TCP transport: whether a client took any byte of
-   what crossbar holds for it (``timeouts.client_stall``, DESIGN.md §The proxy rule 7).
+   what crossbar holds for it (``timeouts.client_stall``, docs/design.md §The proxy rule 7).
    Twisted tells a producer only when its buffer is empty again, so a slow client that
    keeps reading would look stalled for as long as one buffer takes to drain.
 """

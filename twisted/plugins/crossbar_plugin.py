@@ -1,4 +1,4 @@
-"""twistd plugin: ``twistd -n crossbar --config crossbar.yaml`` (DESIGN.md §Shape)."""
+"""twistd plugin: ``twistd -n crossbar --config crossbar.yaml`` (docs/design.md §Shape)."""
 
 from __future__ import annotations
 

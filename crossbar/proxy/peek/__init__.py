@@ -1,5 +1,5 @@
 """The body peek: the model, the affinity key and where the model lies, read from a
-request body chunk by chunk as it arrives (DESIGN.md §The proxy rule 4, §"Model names",
+request body chunk by chunk as it arrives (docs/design.md §The proxy rule 4, §"Model names",
 §"Cache affinity", §"Quality bar").
 
 - :mod:`.lexer`: the front end. :class:`BodyPeek` turns chunks into ijson events (yajl,

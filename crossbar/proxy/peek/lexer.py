@@ -1,5 +1,5 @@
 """The lexer front end of the body peek: a request body, chunk by chunk as it arrives,
-turned into ijson events for the key rules (:mod:`.rules`; DESIGN.md §The proxy rule 4,
+turned into ijson events for the key rules (:mod:`.rules`; docs/design.md §The proxy rule 4,
 §"Cache affinity", §"Model names", §"Quality bar": no request holds the reactor more than
 a few milliseconds), and where the top-level ``"model"`` lies in the body's bytes.
 

@@ -1,4 +1,4 @@
-"""The model written into a request body in place (DESIGN.md §"Model names"): the bytes
+"""The model written into a request body in place (docs/design.md §"Model names"): the bytes
 of the top-level ``"model"`` value replaced, or a ``"model"`` member inserted first, at
 the :class:`~crossbar.proxy.peek.rules.Spot` the peek found; every other byte as the
 client sent it, and only the chunk(s) holding changed bytes copied (§"Model names":

@@ -1,4 +1,4 @@
-"""The key rules of the body peek: the model (DESIGN.md §The proxy rule 4), where it lies
+"""The key rules of the body peek: the model (docs/design.md §The proxy rule 4), where it lies
 for a rewrite (§"Model names") and the affinity key (§"Cache affinity").
 
 Each rule is written twice, side by side in this one file: over ijson ``basic_parse``
@@ -48,7 +48,7 @@ MAX_DEPTH: Final = 900
 """Deeper nesting gives no answer (``json.loads`` raises RecursionError near 1000)."""
 
 PROMPT_BYTES: Final = 4096
-"""Bytes of a ``prompt`` (or infill text) the affinity key is taken from (DESIGN.md
+"""Bytes of a ``prompt`` (or infill text) the affinity key is taken from (docs/design.md
 §"Cache affinity")."""
 
 KEY_EVENTS: Final = 16384
@@ -58,7 +58,7 @@ About 2,700 messages of a conversation start, or 5 ms of CPU."""
 
 
 class SpotKind(enum.Enum):
-    """What a model rewrite does at a :class:`Spot` (DESIGN.md §"Model names")."""
+    """What a model rewrite does at a :class:`Spot` (docs/design.md §"Model names")."""
 
     VALUE = "value"
     """Replace the bytes ``[start, end)``: the top-level ``"model"`` string, quotes included."""
@@ -83,7 +83,7 @@ class Peeked:
     """What the body peek found.
 
     ``model``: the top-level non-empty string ``"model"`` of a JSON object body, else None
-    (DESIGN.md §The proxy rule 4). ``affinity_key``: the request's affinity key (§"Cache
+    (docs/design.md §The proxy rule 4). ``affinity_key``: the request's affinity key (§"Cache
     affinity"), a short string ``"<source>:<hex>"`` with source ``k`` (prompt_cache_key),
     ``u`` (user), ``m`` (messages), ``i`` (infill) or ``p`` (prompt), else None.
     ``spot``: where a rewrite of the model goes (§"Model names"): the top-level
