@@ -155,10 +155,10 @@ class ShippedManifestTests(SynchronousTestCase):
         self.assertEqual(problems(manifests), [])
 
     def test_readme_shows_the_shipped_probe_numbers(self) -> None:
-        """Issue 20 item 11: the README's Kubernetes snippet had other probe numbers than
+        """Issue 20 item 11: the operations guide's Kubernetes snippet had other probe numbers than
         the shipped deployment (a readiness period of 2 s and threshold 1 against 1 s
         and 2). Every number it shows is the manifest's."""
-        with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        with open(os.path.join(ROOT, "docs", "operations.md"), encoding="utf-8") as f:
             readme = f.read()
         block = readme.split("\nKubernetes:\n", 1)[1].split("```yaml\n", 1)[1].split("```", 1)[0]
         shown = yaml.safe_load(block)

@@ -74,13 +74,13 @@ class SystemdContribTests(SynchronousTestCase):
         self.assertGreater(float(timeout), config.drain.delay + config.drain.grace)
 
     def test_readme_installs_the_venv_the_unit_runs(self) -> None:
-        """Issue 20 item 11: the README's production install is a venv of its own, the
+        """Issue 20 item 11: the operations guide's production install is a venv of its own, the
         one ``ExecStart`` runs, not the demo's test ``.venv``; and the unit's
         ``--logger`` names a module crossbar has."""
         [exec_start] = self.unit["ExecStart"]
         twistd = exec_start.split()[0]
         venv = os.path.dirname(os.path.dirname(twistd))
-        with open(os.path.join(os.path.dirname(os.path.dirname(CONTRIB)), "README.md"), encoding="utf-8") as f:
+        with open(os.path.join(os.path.dirname(os.path.dirname(CONTRIB)), "docs", "operations.md"), encoding="utf-8") as f:
             readme = f.read()
         install = readme.split("### systemd", 1)[1].split("`contrib/systemd/crossbar.service` runs", 1)[0]
         self.assertIn(f"python3 -m venv {venv}", install)

@@ -1152,7 +1152,7 @@ class BurstTests(TestCase):
 
 class SocketActivationTests(TestCase):
     """``systemd:`` socket activation with workers: the one inherited socket cannot be
-    split, so every worker accepts on it (README, "Workers")."""
+    split, so every worker accepts on it (docs/operations.md, "Workers")."""
 
     timeout = 120
 
