@@ -6,7 +6,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from twisted.internet.defer import Deferred
+from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET, Request
 from zope.interface import implementer
 
 from crossbar.hosts.poller import IHostProbe, PollCancelled, PollFailed
@@ -64,3 +68,18 @@ class FakeProbe:
         d = self.pending(url)[0]
         self._phase.pop(id(d), None)
         d.errback(PollFailed(reason))
+
+
+class HoldResource(Resource):
+    """A leaf resource that keeps every request open (``NOT_DONE_YET``) in
+    :attr:`requests`, for the test to answer or abandon."""
+
+    isLeaf = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.requests: list[Request] = []
+
+    def render(self, request: Request) -> Any:
+        self.requests.append(request)
+        return NOT_DONE_YET

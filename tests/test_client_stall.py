@@ -26,8 +26,7 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH
-from twisted.web.resource import Resource
-from twisted.web.server import NOT_DONE_YET, Request, Site
+from twisted.web.server import Request, Site
 
 from crossbar.proxy.channel import HeadDeadlineChannel
 from crossbar.proxy.relay import Relay, RelayEnd, RelayState
@@ -35,21 +34,12 @@ from tests.harness import FakeLlama, http_client, listen, start_crossbar, wait_f
 from tests.logs import LogCapture
 from tests.raw import connect_raw, post_bytes
 from tests.upstreams import Firehose, host_status
+from tests.fakes import HoldResource
 
 IDLE = 120.0
 STALL = 10.0
 
 
-class _Hold(Resource):
-    isLeaf = True
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.requests: list[Request] = []
-
-    def render(self, request: Request) -> Any:
-        self.requests.append(request)
-        return NOT_DONE_YET
 
 
 class BufferingTransport(StringTransport):
@@ -105,7 +95,7 @@ class _RelayCase(SynchronousTestCase):
 
     def setUp(self) -> None:
         self.clock = Clock()
-        self.resource = _Hold()
+        self.resource = HoldResource()
         site = Site(self.resource, reactor=Clock())
         site.protocol = HeadDeadlineChannel  # type: ignore[assignment]
         channel = site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 5555))

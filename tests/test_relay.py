@@ -25,12 +25,12 @@ from twisted.web.client import ResponseDone, ResponseFailed
 from twisted.web.http import HTTPChannel, PotentialDataLoss
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH
-from twisted.web.resource import Resource
-from twisted.web.server import NOT_DONE_YET, Request, Site
+from twisted.web.server import Request, Site
 
 from crossbar.proxy.channel import HeadDeadlineChannel
 from crossbar.proxy.relay import Relay, RelayEnd, RelayState
 from crossbar.upstream.h1client import H1Connection, H1Pool
+from tests.fakes import HoldResource
 
 IDLE = 120.0
 STALL = 1e6
@@ -38,18 +38,6 @@ STALL = 1e6
 stall's own are in tests/test_client_stall.py)."""
 
 
-class _Hold(Resource):
-    """Keeps every request open, for the test to answer."""
-
-    isLeaf = True
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.requests: list[Request] = []
-
-    def render(self, request: Request) -> Any:
-        self.requests.append(request)
-        return NOT_DONE_YET
 
 
 class _ClientTransport(StringTransport):
@@ -93,7 +81,7 @@ class FakeResponse:
 class RelayTests(SynchronousTestCase):
     def setUp(self) -> None:
         self.clock = Clock()
-        self.resource = _Hold()
+        self.resource = HoldResource()
         site = Site(self.resource, reactor=Clock())  # the channel's own timers stay apart
         site.protocol = HeadDeadlineChannel  # type: ignore[assignment]  # crossbar's channel
         channel = site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 5555))
@@ -321,7 +309,7 @@ class RealUpstreamTests(SynchronousTestCase):
 
     def setUp(self) -> None:
         self.clock = Clock()
-        resource = _Hold()
+        resource = HoldResource()
         site = Site(resource, reactor=Clock())
         site.protocol = HeadDeadlineChannel  # type: ignore[assignment]
         self.channel = site.buildProtocol(IPv4Address("TCP", "127.0.0.1", 5555))

@@ -21,11 +21,12 @@ from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 from twisted.trial.unittest import TestCase
 from twisted.web.resource import Resource
-from twisted.web.server import NOT_DONE_YET, Request, Site
+from twisted.web.server import Site
 
 from crossbar.proxy import request as request_module
 from crossbar.proxy.channel import HeadDeadlineChannel
 from crossbar.proxy.request import CappedRequest
+from tests.fakes import HoldResource
 
 
 class _Counting(CappedRequest):
@@ -39,18 +40,6 @@ class _Counting(CappedRequest):
     def handleContentChunk(self, data: bytes) -> None:
         _Counting.chunks_parsed += 1
         super().handleContentChunk(data)
-
-
-class _Hold(Resource):
-    isLeaf = True
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.pending: list[Request] = []
-
-    def render(self, request: Request) -> object:
-        self.pending.append(request)
-        return NOT_DONE_YET
 
 
 def _channel(resource: Resource, clock: Clock | None = None) -> tuple[HeadDeadlineChannel, StringTransport]:
@@ -97,7 +86,7 @@ class FramingTests(_Case):
     def test_tiny_reads_cost_at_most_one_and_a_quarter_the_body(self) -> None:
         """Item 2: a body that arrives a byte at a time (here 200 KB of Content-Length
         body in 1-byte reads) was held as 200,000 ``bytes`` objects, ~40 times its size."""
-        hold = _Hold()
+        hold = HoldResource()
         channel, _ = _channel(hold)
         size = 200_000
         channel.dataReceived(b"POST /r/v1/x HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % size)
@@ -105,21 +94,21 @@ class FramingTests(_Case):
         assert len(body) == size
         for i in range(size):
             channel.dataReceived(body[i:i + 1])
-        [request] = hold.pending
+        [request] = hold.requests
         assert isinstance(request, CappedRequest)
         self.assertEqual(b"".join(request.body_chunks), body)
         self.assertLessEqual(held_bytes(request), 1.25 * size)
         self.assertEqual(request.peeked.model, "m")  # the peek saw it all
 
     def test_chunks_of_honest_sizes_cost_at_most_one_and_a_quarter(self) -> None:
-        hold = _Hold()
+        hold = HoldResource()
         channel, _ = _channel(hold)
         channel.dataReceived(b"POST /r/v1/x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
         piece = b"y" * 300
         wire = b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for _ in range(3000)) + b"0\r\n\r\n"
         for i in range(0, len(wire), 1400):
             channel.dataReceived(wire[i:i + 1400])
-        [request] = hold.pending
+        [request] = hold.requests
         assert isinstance(request, CappedRequest)
         self.assertEqual(b"".join(request.body_chunks), piece * 3000)
         self.assertLessEqual(held_bytes(request), 1.25 * len(piece) * 3000)
@@ -128,7 +117,7 @@ class FramingTests(_Case):
         """Item 2: 16 million 1-byte chunks (92 MiB on the wire, 15 MiB decoded) were
         all parsed and held. Framing that is mostly overhead is a 400 after a bounded
         number of chunks, and what follows is dropped unparsed."""
-        hold = _Hold()
+        hold = HoldResource()
         clock = Clock()
         channel, transport = _channel(hold, clock)
         channel.dataReceived(b"POST /r/v1/x HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
@@ -148,7 +137,7 @@ class FramingTests(_Case):
         head, _, body = transport.value().partition(b"\r\n\r\n")
         self.assertTrue(head.startswith(b"HTTP/1.1 400 "), head)
         self.assertEqual(json.loads(body), {"error": "chunk framing too small"})
-        self.assertEqual(hold.pending, [])
+        self.assertEqual(hold.requests, [])
         # The reactor parsed at most a slice past the limit, not 500,000 chunks.
         self.assertLessEqual(_Counting.chunks_parsed, 1024 + 2048 // 6 + 1)
         [request] = _Counting.made
@@ -159,7 +148,7 @@ class FramingTests(_Case):
         """Chunks of 100 bytes (under the refusal bound's average, dense with framing)
         are fed in slices, one per reactor turn, and the body arrives whole, in order,
         with a pipelined request after it served too."""
-        hold = _Hold()
+        hold = HoldResource()
         clock = Clock()
         channel, _ = _channel(hold, clock)
         pieces = [bytes([65 + i % 26]) * 100 for i in range(2000)]
@@ -169,24 +158,24 @@ class FramingTests(_Case):
         for i in range(0, len(data), 65536):
             channel.dataReceived(data[i:i + 65536])
         turns = 0
-        while channel._slice_call is not None and not hold.pending:
+        while channel._slice_call is not None and not hold.requests:
             reactor_turn(channel)
             turns += 1
         self.assertGreater(turns, 10)
-        [request] = hold.pending
+        [request] = hold.requests
         assert isinstance(request, CappedRequest)
         self.assertEqual(b"".join(request.body_chunks), b"".join(pieces))
         request.write(b"ok")
         request.finish()
-        self.assertEqual(len(hold.pending), 2)
-        self.assertEqual(hold.pending[1].uri, b"/r/v1/models")
+        self.assertEqual(len(hold.requests), 2)
+        self.assertEqual(hold.requests[1].uri, b"/r/v1/models")
 
 
 class ReleaseTests(_Case):
     def test_client_leaving_mid_body_releases_it_at_once(self) -> None:
         """Item 1: a client that sent most of a body and left kept it held for minutes
         (the request and its channel form a cycle only the garbage collector frees)."""
-        channel, _ = _channel(_Hold())
+        channel, _ = _channel(HoldResource())
         channel.dataReceived(b"POST /r/v1/x HTTP/1.1\r\nHost: x\r\nContent-Length: 3000000\r\n\r\n")
         for _ in range(40):
             channel.dataReceived(b"z" * 65536)
@@ -198,10 +187,10 @@ class ReleaseTests(_Case):
         self.assertEqual(self.budget.held, 0)
 
     def test_finished_request_releases_its_body(self) -> None:
-        hold = _Hold()
+        hold = HoldResource()
         channel, _ = _channel(hold)
         channel.dataReceived(b"POST /r/v1/x HTTP/1.1\r\nHost: x\r\nContent-Length: 200000\r\n\r\n" + b"q" * 200000)
-        [request] = hold.pending
+        [request] = hold.requests
         assert isinstance(request, CappedRequest)
         kept = request.body_chunks  # what an exchange holds for a failover
         self.assertEqual(self.budget.held, 200000)
@@ -213,7 +202,7 @@ class ReleaseTests(_Case):
         """Item 1: all held bodies together are bounded; beyond it a 503 JSON with
         ``Retry-After``, on ``Content-Length`` before the body or as a chunked body
         grows; the budget comes back as requests end."""
-        hold = _Hold()
+        hold = HoldResource()
         first, _ = _channel(hold)
         first.dataReceived(b"POST /r/v1/x HTTP/1.1\r\nHost: x\r\nContent-Length: 3000000\r\n\r\n" + b"a" * 3000000)
         self.assertEqual(self.budget.held, 3000000)

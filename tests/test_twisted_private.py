@@ -20,11 +20,11 @@ from twisted.internet.testing import MemoryReactor, StringTransport
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.http import HTTPChannel
-from twisted.web.resource import Resource
-from twisted.web.server import NOT_DONE_YET, Request, Site
+from twisted.web.server import Site
 from twisted.web.test.requesthelper import DummyChannel, DummyRequest
 
 from crossbar.upstream.twisted_private import BadRequestHook, client_is_paused, pending_write_bytes
+from tests.fakes import HoldResource
 
 
 def moved(name: str, touchpoint: int, what: str) -> str:
@@ -49,20 +49,10 @@ class _Private(SynchronousTestCase):
 # -- touchpoint 1: HTTPChannel._respondToBadRequestAndDisconnect ----------------------------
 
 
-class _Hold(Resource):
-    isLeaf = True
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.requests: list[Request] = []
-
-    def render(self, request: Request) -> Any:
-        self.requests.append(request)
-        return NOT_DONE_YET
 
 
-def _serve(protocol: type[HTTPChannel]) -> tuple[HTTPChannel, StringTransport, _Hold]:
-    resource = _Hold()
+def _serve(protocol: type[HTTPChannel]) -> tuple[HTTPChannel, StringTransport, HoldResource]:
+    resource = HoldResource()
     site = Site(resource, reactor=Clock())
     site.protocol = protocol  # type: ignore[assignment]
     channel = site.buildProtocol(None)
