@@ -162,7 +162,10 @@ async def run_streams(
     """Open ``streams`` concurrent SSE streams of ``events`` events ``delay_ms`` apart
     through ``http://host:port{prefix}/v1/chat/completions`` and wait for all of them
     (each gives up after ``timeout`` seconds)."""
-    body = b'{"model":"bench","stream":true,"messages":[{"role":"user","content":"hi"}]}'
+    # the query for crossbar and direct, the same in the body for the gateways that drop
+    # the query string (smg, vllm-router forward the body's unknown fields)
+    body = (b'{"model":"bench","stream":true,"bench_n":%d,"bench_d":%s,'
+            b'"messages":[{"role":"user","content":"hi"}]}' % (events, f"{delay_ms:g}".encode()))
     request = (
         f"POST {prefix}/v1/chat/completions?stream=1&n={events}&d={delay_ms:g} HTTP/1.1\r\n"
         f"Host: {host}:{port}\r\nContent-Type: application/json\r\nAccept: text/event-stream\r\n"
@@ -174,9 +177,11 @@ async def run_streams(
     return StreamsResult(list(results), wall, (time.process_time() - cpu0) / wall)
 
 
-async def slow_read(host: str, port: int, path: str, chunk: int, pause: float, duration: float) -> int:
-    """Read ``GET path`` ``chunk`` bytes every ``pause`` seconds for ``duration`` seconds
-    with a 64 KiB receive buffer, then close. Returns the bytes read."""
+async def slow_read(host: str, port: int, path: str, chunk: int, pause: float, duration: float,
+                    body: bytes | None = None) -> int:
+    """Read ``GET path`` (``POST`` of the JSON ``body`` when given) ``chunk`` bytes every
+    ``pause`` seconds for ``duration`` seconds with a 64 KiB receive buffer, then close.
+    Returns the bytes read."""
     loop = asyncio.get_running_loop()
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
@@ -184,7 +189,12 @@ async def slow_read(host: str, port: int, path: str, chunk: int, pause: float, d
     got = 0
     try:
         await loop.sock_connect(sock, (host, port))
-        await loop.sock_sendall(sock, f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n".encode())
+        if body is None:
+            head = f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\nConnection: close\r\n\r\n"
+        else:
+            head = (f"POST {path} HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+                    f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+        await loop.sock_sendall(sock, head.encode() + (body or b""))
         deadline = time.monotonic() + duration
         while time.monotonic() < deadline:
             data = await asyncio.wait_for(loop.sock_recv(sock, chunk), duration)

@@ -25,7 +25,7 @@ import threading
 import time
 import urllib.request
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Awaitable, Callable
 
@@ -109,9 +109,16 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen[Any]) -> None:
 
 
 PROXIES = ("crossbar", "workers2")
-"""The proxy targets: crossbar as one process (no ``workers`` key), and crossbar with
+"""The crossbar targets: crossbar as one process (no ``workers`` key), and crossbar with
 ``workers: N`` (``--workers``, default 2; the column is named ``workers2`` whatever N)."""
 TARGETS = ("direct",) + PROXIES
+PEERS = ("haproxy", "vllm-router", "smg")
+"""The other proxies in front of the same upstream (``--peers``, issue 23): HAProxy
+(Debian's), and the LLM gateways vllm-router and smg (Rust, PyPI wheels, each in its
+own venv made here). They get the bare ``/v1/...`` paths and run (a)-(d) only."""
+PEER_SCENARIOS = frozenset("abcd")
+PEER_PACKAGES = {"vllm-router": "vllm-router==0.1.17", "smg": "smg==1.13.0"}
+"""Pinned so that a table can be taken again; ``BENCH_PEER_LATEST=1`` takes PyPI's newest."""
 
 
 @dataclass
@@ -125,17 +132,22 @@ class Procs:
     up2_port: int = 0
     workers2: subprocess.Popen[Any] | None = None
     w2_port: int = 0
+    peers: dict[str, tuple[subprocess.Popen[Any], int]] = field(default_factory=dict)
 
     def proxy(self, target: str) -> tuple[subprocess.Popen[Any], int]:
-        """The process and port of a proxy target (one of :data:`PROXIES`)."""
+        """The process and port of a proxy target (:data:`PROXIES` or a started peer)."""
         if target == "workers2" and self.workers2 is not None:
             return self.workers2, self.w2_port
         if target == "crossbar":
             return self.crossbar, self.cb_port
+        if target in self.peers:
+            return self.peers[target]
         raise KeyError(target)
 
     def targets(self) -> tuple[str, ...]:
-        return TARGETS if self.workers2 is not None else ("direct", "crossbar")
+        """direct, the crossbar columns, then the peers that started (PEERS' order)."""
+        own = TARGETS if self.workers2 is not None else ("direct", "crossbar")
+        return own + tuple(p for p in PEERS if p in self.peers)
 
 
 def start_upstream(workdir: Path, name: str) -> tuple[subprocess.Popen[Any], int]:
@@ -152,11 +164,13 @@ def start_upstream(workdir: Path, name: str) -> tuple[subprocess.Popen[Any], int
     return up, int(line.split()[1])
 
 
-def start(workdir: Path, workers: int) -> Procs:
+def start(workdir: Path, workers: int, peers: bool = False, notes: list[str] | None = None) -> Procs:
     """Start the two upstreams, then crossbar (a real ``twistd -n crossbar``, one
     process): route ``bench`` over ``up`` alone, route ``bench2`` over ``up`` and ``up2``
     (scenario (f)); with ``workers`` > 1 also a second crossbar, the same config with
-    ``workers: N`` (column ``workers2``)."""
+    ``workers: N`` (column ``workers2``); with ``peers`` each of :data:`PEERS` in front
+    of ``up`` (one that cannot be installed or started is skipped with one line, printed
+    and added to ``notes``)."""
     up, up_port = start_upstream(workdir, "upstream")
     up2, up2_port = start_upstream(workdir, "upstream2")
     procs = Procs(up, up, up_port, 0, workdir, up2, up2_port)  # crossbar set below
@@ -164,10 +178,146 @@ def start(workdir: Path, workers: int) -> Procs:
         procs.crossbar, procs.cb_port = start_crossbar(workdir, "crossbar", up_port, up2_port, 1)
         if workers > 1:
             procs.workers2, procs.w2_port = start_crossbar(workdir, "workers2", up_port, up2_port, workers)
+        if peers:
+            for name in PEERS:
+                try:
+                    procs.peers[name] = start_peer(workdir, name, up_port)
+                except PeerSkipped as e:
+                    line = f"{name} column skipped: {e}"
+                    print(f"bench: {line}", file=sys.stderr)
+                    if notes is not None:
+                        notes.append(line)
     except BaseException:
         stop(procs)
         raise
     return procs
+
+
+class PeerSkipped(Exception):
+    """A peer proxy could not be installed or started (the one-line reason)."""
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def peer_venv(name: str) -> Path:
+    """``bench/.venv-<name>`` with :data:`PEER_PACKAGES` ``[name]`` installed (made
+    when its executable is missing; ``BENCH_PEER_VENVS`` puts them elsewhere); returns
+    the executable."""
+    root = Path(os.environ.get("BENCH_PEER_VENVS", HERE))
+    venv = root / f".venv-{name}"
+    exe = venv / "bin" / name
+    if exe.exists():
+        return exe
+    spec = name if os.environ.get("BENCH_PEER_LATEST") else PEER_PACKAGES[name]
+    print(f"bench: installing {spec} into {venv}", file=sys.stderr)
+    base = getattr(sys, "_base_executable", None) or sys.executable
+    for cmd in ([base, "-m", "venv", "--clear", str(venv)],
+                [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check", spec]):
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise PeerSkipped(f"cannot install {spec}: {e}") from None
+        if done.returncode != 0:
+            last = (done.stderr.strip().splitlines() or ["?"])[-1]
+            raise PeerSkipped(f"cannot install {spec} ({' '.join(cmd[2:4])}: {last})")
+    if not exe.exists():
+        raise PeerSkipped(f"{spec} installed but {exe} is missing")
+    return exe
+
+
+def haproxy_exe() -> str:
+    """Debian's haproxy, installed with apt-get when missing (as bench/run does wrk)."""
+    exe = shutil.which("haproxy") or ("/usr/sbin/haproxy" if Path("/usr/sbin/haproxy").exists() else None)
+    if exe:
+        return exe
+    print("bench: installing haproxy (apt-get)", file=sys.stderr)
+    sudo = [] if os.getuid() == 0 else ["sudo"]
+    for cmd in (sudo + ["apt-get", "install", "-y", "-qq", "haproxy"],
+                sudo + ["apt-get", "update", "-qq"], sudo + ["apt-get", "install", "-y", "-qq", "haproxy"]):
+        try:
+            ok = subprocess.run(cmd, capture_output=True, timeout=600).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            ok = False
+        if ok and cmd[-1] == "haproxy":
+            break
+    exe = shutil.which("haproxy") or ("/usr/sbin/haproxy" if Path("/usr/sbin/haproxy").exists() else None)
+    if not exe:
+        raise PeerSkipped("haproxy not found and apt-get install haproxy failed")
+    return exe
+
+
+HAPROXY_CFG = """# bench: HAProxy in front of the fake upstream (issue 23): http mode, one server,
+# keep-alive on both sides (http-keep-alive on the client side, idle server connections
+# reused), no logging; threads: HAProxy's default (one per core)
+global
+    maxconn 4096
+defaults
+    mode http
+    option http-keep-alive
+    http-reuse safe
+    timeout connect 5s
+    timeout client 120s
+    timeout server 120s
+    timeout http-keep-alive 60s
+frontend bench
+    bind {host}:{port}
+    default_backend up
+backend up
+    server up {host}:{up_port}
+"""
+
+
+def peer_command(workdir: Path, name: str, port: int, up_port: int) -> list[str]:
+    """The command line of peer ``name`` listening on ``port`` in front of ``up_port``."""
+    up = f"http://{HOST}:{up_port}"
+    if name == "haproxy":
+        cfg = workdir / "haproxy.cfg"
+        cfg.write_text(HAPROXY_CFG.format(host=HOST, port=port, up_port=up_port))
+        return [haproxy_exe(), "-db", "-f", str(cfg)]
+    exe = str(peer_venv(name))
+    # both: one worker URL, round robin, their metrics listener on a free loopback port,
+    # their default log level (a line per request, as crossbar writes one)
+    common = ["--host", HOST, "--port", str(port), "--worker-urls", up, "--policy", "round_robin",
+              "--prometheus-host", HOST, "--prometheus-port", str(free_port())]
+    return [exe, "launch", *common] if name == "smg" else [exe, *common]
+
+
+def start_peer(workdir: Path, name: str, up_port: int) -> tuple[subprocess.Popen[Any], int]:
+    """Start peer ``name`` and wait until it forwards a chat completion (smg registers
+    the upstream in the background after it listens); raises :class:`PeerSkipped`."""
+    port = free_port()
+    cmd = peer_command(workdir, name, port, up_port)
+    log = workdir / f"{name}.log"
+    try:
+        proc = subprocess.Popen(cmd, cwd=workdir, stdin=subprocess.DEVNULL, stdout=open(log, "w"),
+                                stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+    except OSError as e:
+        raise PeerSkipped(f"cannot start {cmd[0]}: {e}") from None
+    body = b'{"model":"bench","messages":[{"role":"user","content":"hi"}],"max_tokens":16}'
+    deadline = time.monotonic() + 60
+    last = "no answer"
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            tail = re.sub(r"\x1b\[[0-9;]*m", "", log.read_text(errors="replace")).strip().splitlines()[-1:]
+            raise PeerSkipped(f"exited with {proc.returncode} before answering ({' '.join(tail)[:200]})")
+        try:
+            req = urllib.request.Request(f"http://{HOST}:{port}/v1/chat/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+            with urllib.request.urlopen(req, timeout=2) as r:
+                if r.status == 200 and b"chat.completion" in r.read():
+                    return proc, port
+        except OSError as e:
+            last = str(e)
+        time.sleep(0.2)
+    proc.kill()
+    proc.wait()
+    raise PeerSkipped(f"did not forward a chat completion within 60 s (last: {last[:120]})")
 
 
 def start_crossbar(workdir: Path, name: str, up_port: int, up2_port: int, workers: int
@@ -217,13 +367,14 @@ def start_crossbar(workdir: Path, name: str, up_port: int, up2_port: int, worker
 
 def stop(procs: Procs) -> None:
     proxies = [p for p in (procs.crossbar, procs.workers2) if p is not None and p is not procs.upstream]
-    everything = proxies + [p for p in (procs.upstream, procs.upstream2) if p is not None]
+    peers = [p for p, _ in procs.peers.values()]
+    everything = proxies + peers + [p for p in (procs.upstream, procs.upstream2) if p is not None]
     for p in everything:
         if p.poll() is None:
-            p.send_signal(signal.SIGTERM if p in proxies else signal.SIGINT)
+            p.send_signal(signal.SIGTERM if p in proxies or p in peers else signal.SIGINT)
     for p in everything:
         try:
-            p.wait(40)
+            p.wait(5 if p in peers else 40)  # smg waits out a drain window: no need here
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
@@ -250,6 +401,8 @@ class CpuMeter:
             self.pids["workers2"] = procs.workers2.pid
         if procs.upstream2 is not None:
             self.pids["upstream2"] = procs.upstream2.pid
+        for name, (proc, _) in procs.peers.items():
+            self.pids[name] = proc.pid
         self.t0 = time.monotonic()
         self.c0 = {k: tree_cpu_seconds(p) for k, p in self.pids.items()}
 
@@ -260,7 +413,7 @@ class CpuMeter:
 
 def proxy_cpu(cpu: dict[str, float], target: str) -> float:
     """The CPU share of the proxy measured by ``target`` (for "direct": crossbar's, ~0)."""
-    return cpu.get(target, 0.0) if target in PROXIES else cpu["crossbar"]
+    return cpu.get(target, 0.0) if target != "direct" else cpu["crossbar"]
 
 
 class RssPeak:
@@ -432,7 +585,10 @@ class Bench:
         self.notes: list[str] = []
 
     def target(self, name: str) -> tuple[int, str]:
-        return (self.procs.up_port, "") if name == "direct" else (self.procs.proxy(name)[1], ROUTE)
+        """(port, path prefix): crossbar's routes are a prefix, the rest get bare paths."""
+        if name == "direct":
+            return self.procs.up_port, ""
+        return self.procs.proxy(name)[1], (ROUTE if name in PROXIES else "")
 
     def put(self, group: str, metric: str, target: str, value: float) -> None:
         self.r[(group, metric, target)].append(value)
@@ -447,7 +603,7 @@ class Bench:
             self.put(g, k, target, out[k])
         self.put(g, "crossbar_cpu", target, proxy_cpu(cpu, target))
         self.put(g, "upstream_cpu", target, cpu["upstream"])
-        if target in PROXIES:
+        if target != "direct":
             self.put(g, "cpu_us", target, 1e6 * proxy_cpu(cpu, target) / out["rps"])
         if out["bad"]:
             self.notes.append(f"(a) c={c} {target}: {out['bad']:g} non-2xx answers")
@@ -517,7 +673,7 @@ class Bench:
         self.put(g, "crossbar_cpu", target, proxy_cpu(cpu, target))
         self.put(g, "upstream_cpu", target, cpu["upstream"])
         events = sum(s.events for s in res.streams)
-        if target in PROXIES and events:
+        if target != "direct" and events:
             self.put(g, "cpu_us", target, 1e6 * proxy_cpu(cpu, target) * res.wall_s / events)
         errors = [s.error for s in res.streams if not s.done]
         if errors:
@@ -528,23 +684,30 @@ class Bench:
         res = await self.streams(target, n, 200, 5, 30)
         self.put_streams(f"b {n} streams", target, res, meter.read())
 
-    async def scenario_c(self) -> None:
-        with RssPeak(self.procs.crossbar.pid) as peak:
-            res = await self.streams("crossbar", 200, 200, 5, 30)
-        self.put("c", "rss_200", "crossbar", peak.peak)
+    async def scenario_c(self, target: str = "crossbar") -> None:
+        """(c) 200 streams through ``target``: the peak RSS of its whole process tree
+        (crossbar alone: its one process)."""
+        proc, _ = self.procs.proxy(target)
+        with RssPeak(proc.pid, whole_tree=True) as peak:
+            res = await self.streams(target, 200, 200, 5, 30)
+        self.put("c", "rss_200", target, peak.peak)
         if res.completed != 200:
-            self.notes.append(f"(c) only {res.completed}/200 streams completed")
+            self.notes.append(f"(c) {target}: only {res.completed}/200 streams completed")
 
     async def scenario_d(self, target: str = "crossbar") -> None:
-        """(d) through one proxy target; with workers the RSS is the whole tree's (the
-        one connection lands on one worker, so that is that worker's growth)."""
+        """(d) through one proxy target: a 50 MiB SSE answer (16 KiB events, the
+        upstream as fast as the connection takes them) read slowly; the RSS is the
+        whole tree's (with workers the one connection lands on one worker, so that is
+        that worker's growth)."""
         proc, port = self.procs.proxy(target)
-        whole = target != "crossbar"
+        _, prefix = self.target(target)
+        body = (b'{"model":"bench","stream":true,"bench_bytes":%d,'
+                b'"messages":[{"role":"user","content":"hi"}]}' % (50 * 1024 * 1024))
         await asyncio.sleep(0.5)
-        with RssPeak(proc.pid, whole_tree=whole) as peak:
+        with RssPeak(proc.pid, whole_tree=True) as peak:
             base = peak.peak
-            got = await slow_read(HOST, port, f"{ROUTE}/v1/blob?size={50 * 1024 * 1024}",
-                                  16 * 1024, 0.05, self.s.d_seconds)
+            got = await slow_read(HOST, port, f"{prefix}/v1/chat/completions",
+                                  16 * 1024, 0.05, self.s.d_seconds, body)
         self.put("d", "rss_growth", target, peak.peak - base)
         self.put("d", "read_mib", target, got / 2**20)
 
@@ -602,17 +765,21 @@ class Bench:
 
     async def run(self, only: set[str]) -> None:
         pid = self.procs.crossbar.pid
+        proxies = self.procs.targets()[1:]
         await asyncio.sleep(1)
         self.put("c", "rss_idle", "crossbar", rss_mib(pid))
         if self.procs.workers2 is not None:
             sup, worker = tree_rss_mib(self.procs.workers2.pid)
             self.put("c", "rss_idle", "workers2", worker)
             self.put("c", "rss_supervisor", "workers2", sup)
+        for t in proxies:
+            self.put("c", "rss_idle_tree", t, sum(rss_mib(q) for q in tree(self.procs.proxy(t)[0].pid)))
         if "c" in only:
             # Before any other load through crossbar: Python keeps the heap it grew, so
             # after (e)'s 1000 streams this would measure (e), not 200 streams.
-            print("c crossbar", file=sys.stderr)
-            await self.scenario_c()
+            for t in proxies:
+                print(f"c {t}", file=sys.stderr)
+                await self.scenario_c(t)
         await self.ceilings()
         for rnd in range(self.s.rounds):
             order = self.procs.targets() if rnd % 2 == 0 else self.procs.targets()[::-1]
@@ -634,6 +801,8 @@ class Bench:
                 for t in order:
                     if name.startswith("f ") and t != "crossbar":
                         continue  # two hosts behind one address: only through crossbar (one process)
+                    if t in PEERS and name[0] not in PEER_SCENARIOS:
+                        continue
                     print(f"  {name} {t}", file=sys.stderr)
                     await step(t)
                     await asyncio.sleep(0.3)
@@ -644,7 +813,7 @@ class Bench:
                     await self.scenario_g(label, route, keyed)
                     await asyncio.sleep(0.3)
             if "h" in only:
-                for t in order:
+                for t in (t for t in order if t not in PEERS):
                     for images in ((False, True) if rnd % 2 == 0 else (True, False)):
                         print(f"  h {'images' if images else 'plain'} {t}", file=sys.stderr)
                         await self.scenario_h(t, images)
@@ -708,9 +877,10 @@ ROWS: list[tuple[str, str, str, int, str, Callable[[float, float], bool] | None]
     ("h images", "crossbar_cpu", "(h) crossbar CPU share, images", 2, "", None),
     ("c", "rss_idle", "(c) RSS idle MiB (one worker)", 1, "<= 45", lambda d, c: c <= 45),
     ("c", "rss_supervisor", "(c) RSS idle MiB, supervisor", 1, "", None),
-    ("c", "rss_200", "(c) crossbar RSS 200 streams MiB", 1, "<= 60", lambda d, c: c <= 60),
+    ("c", "rss_idle_tree", "(c) RSS idle MiB, whole tree", 1, "", None),
+    ("c", "rss_200", "(c) RSS 200 streams MiB, whole tree", 1, "<= 60", lambda d, c: c <= 60),
     ("c", "rss_end", "(c) crossbar RSS after all, MiB", 1, "", None),
-    ("d", "rss_growth", "(d) slow client RSS growth MiB", 1, "<= 5", lambda d, c: c <= 5),
+    ("d", "rss_growth", "(d) slow client RSS growth MiB, tree", 1, "<= 5", lambda d, c: c <= 5),
     ("d", "read_mib", "(d) slow client read MiB", 1, "", None),
     ("e 1000 streams", "completed", "(e) 1000 streams completed", 0, "= 1000", lambda d, c: c >= 1000),
     ("e 1000 streams", "ttfe", "(e) 1000 streams first event ms", 1, "", None),
@@ -727,9 +897,10 @@ def table(r: Results, targets: tuple[str, ...]) -> str:
     ``ok`` per proxy column (targets are for one worker or for ``workers: 2`` as the
     issue says: read the row's own column)."""
     proxies = [t for t in targets if t != "direct"]
-    names = {"direct": "direct", "crossbar": "1 worker", "workers2": "workers: 2"}
-    short = {"crossbar": "1w", "workers2": "2w"}
-    head = (f"{'figure':36} " + " ".join(f"{names[t]:>24}" for t in targets)
+    names = dict(NAMES)
+    short = {"crossbar": "1w", "workers2": "2w", "haproxy": "hap", "vllm-router": "vllm", "smg": "smg"}
+    width = 24 if len(targets) <= 3 else 21
+    head = (f"{'figure':36} " + " ".join(f"{names[t]:>{width}}" for t in targets)
             + " " + " ".join(f"{'x/d ' + short[t]:>8}" for t in proxies) + f"  {'target':10} ok")
     lines = [head, "-" * len(head)]
     for group, metric, label, digits, target, check in ROWS:
@@ -740,9 +911,10 @@ def table(r: Results, targets: tuple[str, ...]) -> str:
         d = vals["direct"]
         ratios = [f"{med[t] / med['direct']:.2f}" if d and vals[t] and med["direct"] else "" for t in proxies]
         verdicts = []
-        if check is not None:
-            verdicts = [("yes" if check(med["direct"], med[t]) else "NO") if vals[t] else "-" for t in proxies]
-        lines.append(f"{label:36} " + " ".join(f"{fmt(vals[t], digits):>24}" for t in targets) + " "
+        if check is not None:  # crossbar's targets: its own columns only
+            verdicts = [("yes" if check(med["direct"], med[t]) else "NO") if vals[t] else "-"
+                        for t in proxies if t in PROXIES]
+        lines.append(f"{label:36} " + " ".join(f"{fmt(vals[t], digits):>{width}}" for t in targets) + " "
                      + " ".join(f"{x:>8}" for x in ratios) + f"  {target:10} {'/'.join(verdicts)}")
     lines.append("")
     lines.append("CPU use, median share of one core (proxy / upstream / load client); a proxy with")
@@ -756,7 +928,50 @@ def table(r: Results, targets: tuple[str, ...]) -> str:
         if parts:
             lines.append(f"  {g:16} " + "   ".join(parts))
     lines += affinity_table(r)
+    lines += peers_table(r, targets)
     return "\n".join(lines)
+
+
+NAMES = {"direct": "direct", "crossbar": "1 worker", "workers2": "workers: 2", "haproxy": "HAProxy",
+         "vllm-router": "vllm-router", "smg": "smg"}
+
+
+def peers_table(r: Results, targets: tuple[str, ...]) -> list[str]:
+    """Issue 23's comparison as a Markdown table: medians only, the peers first, then
+    crossbar (one worker, ``workers: N``); empty without peers."""
+    cols = [t for t in PEERS + PROXIES if t in targets]
+    if not any(t in PEERS for t in cols):
+        return []
+
+    def med(group: str, metric: str, t: str) -> float | None:
+        v = r.get((group, metric, t))
+        return statistics.median(v) if v else None
+
+    def num(x: float | None, digits: int) -> str:
+        return "-" if x is None else f"{x:,.{digits}f}"
+
+    def added(t: str) -> str:
+        c, d = med("b 100 streams", "ttfe", t), med("b 100 streams", "ttfe", "direct")
+        return "-" if c is None or d is None else f"{c - d:.1f}"
+
+    rows = [
+        ("CPU µs per small request, c=16", lambda t: num(med("a c=16", "cpu_us", t), 1)),
+        ("requests/s, c=16", lambda t: num(med("a c=16", "rps", t), 0)),
+        ("CPU µs per event, 100 streams", lambda t: num(med("b 100 streams", "cpu_us", t), 1)),
+        ("100 streams at once: added time to first event, ms", added),
+        ("100 streams: lag p99, ms", lambda t: num(med("b 100 streams", "lag_p99", t), 1)),
+        ("RSS idle / 200 streams, MiB (whole tree)",
+         lambda t: f"{num(med('c', 'rss_idle_tree', t), 0)} / {num(med('c', 'rss_200', t), 0)}"),
+        ("slow client, RSS growth MiB", lambda t: num(med("d", "rss_growth", t), 1)),
+    ]
+    lines = ["", "issue 23: the proxies side by side (medians; direct: "
+             f"{num(med('a c=16', 'rps', 'direct'), 0)} req/s at c=16, first event at 100 streams "
+             f"{num(med('b 100 streams', 'ttfe', 'direct'), 1)} ms)",
+             "| figure | " + " | ".join(NAMES[t] for t in cols) + " |",
+             "|---|" + "---|" * len(cols)]
+    for label, cell in rows:
+        lines.append(f"| {label} | " + " | ".join(cell(t) for t in cols) + " |")
+    return lines
 
 
 def affinity_table(r: Results) -> list[str]:
@@ -813,9 +1028,12 @@ async def amain(args: argparse.Namespace) -> int:
         lua.write_text(_WRK_LUA)
         keyless_lua = workdir / "post-keyless.lua"
         keyless_lua.write_text(_WRK_LUA_KEYLESS)
-        procs = start(workdir, 0 if args.profile else args.workers)
+        peers = (not args.quick) if args.peers is None else args.peers
+        notes: list[str] = []
+        procs = start(workdir, 0 if args.profile else args.workers, peers and not args.profile, notes)
         try:
             bench = Bench(procs, settings, lua, keyless_lua)
+            bench.notes += notes
             if args.profile:
                 await profile(bench, Path(args.profile))
                 return 0
@@ -928,6 +1146,9 @@ def main() -> int:
     p.add_argument("--only", nargs="*", choices=["a", "b", "c", "d", "e", "f", "g", "h"], help="run only these scenarios")
     p.add_argument("--workers", type=int, default=2,
                    help="workers of the second crossbar column (default 2; 0 or 1: no such column)")
+    p.add_argument("--peers", action=argparse.BooleanOptionalAction, default=None,
+                   help="also HAProxy, vllm-router and smg in front of the same upstream, (a)-(d) "
+                        "(default: on in full runs, off with --quick)")
     p.add_argument("--profile", metavar="DIR", help="profile crossbar with py-spy under (a) and (b) instead")
     p.add_argument("--json", metavar="PATH", help="also write every per-round value as JSON")
     p.add_argument("--keep-log", metavar="PATH", help="copy crossbar's log here")

@@ -11,13 +11,21 @@ benchmark measures. It serves:
   events, the first at once and then one every ``D`` milliseconds on an absolute
   schedule (no drift); each event is its own chunk and carries ``"t"``, its send time
   in integer nanoseconds of ``time.monotonic_ns()`` (CLOCK_MONOTONIC, comparable across
-  processes on one Linux machine), and ``"i"``, its index;
+  processes on one Linux machine), and ``"i"``, its index. The same when the JSON body
+  says ``"stream":true`` with ``"bench_n": N`` and ``"bench_d": D`` (the LLM gateways
+  smg and vllm-router forward the body but drop the query string);
+- ``POST /v1/chat/completions`` whose body says ``"stream":true`` and
+  ``"bench_bytes": B`` -> an SSE stream of about ``B`` bytes in 16 KiB events, as fast
+  as the connection takes them (with backpressure, like ``/v1/blob``): the slow client
+  (d) through a path every gateway forwards;
 - ``GET /v1/blob?size=BYTES`` -> ``BYTES`` of ``application/octet-stream`` in 64 KiB
   chunks as fast as the connection takes them, honouring backpressure (it stops
   writing while the kernel buffer is full, so a slow reader holds nothing here).
 
 Run: ``python bench/upstream.py --port 18080`` (prints ``ready <port>`` once listening).
-Keep-alive is supported; the request body is read and discarded.
+Keep-alive is supported; the request body is read (its first 64 KiB looked at for
+``"stream":true``) and discarded. Other paths (the gateways' probes: ``/version``,
+``/server_info``, ``/loads``, ``/metrics``...) answer 404, which they accept.
 """
 
 from __future__ import annotations
@@ -67,6 +75,8 @@ _STREAM_HEAD = (
 )
 _EVENT_HEAD = b'data: {"object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":" tok"}}],"i":'
 _DONE = b"data: [DONE]\n\n"
+_BULK_EVENT = b'data: {"object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"' + b"x" * 16_300 + b'"}}]}\n\n'
+_BODY_PEEK = 64 * 1024
 
 
 def _chunk(data: bytes) -> bytes:
@@ -80,9 +90,11 @@ class UpstreamProtocol(asyncio.Protocol):
         self.transport: Any = None
         self.parser = httptools.HttpRequestParser(self)
         self.url = b""
+        self.body = b""
         self.paused = False
         self.busy = False  # a streaming answer is being written
         self.blob_left = 0
+        self.blob_chunk = _BLOB  # what _blob_more writes: raw bytes or one SSE chunk
         self.timer: asyncio.TimerHandle | None = None
 
     # -- asyncio.Protocol ---------------------------------------------------------------
@@ -118,10 +130,24 @@ class UpstreamProtocol(asyncio.Protocol):
     def on_url(self, url: bytes) -> None:
         self.url += url
 
+    def on_body(self, body: bytes) -> None:
+        if len(self.body) < _BODY_PEEK:
+            self.body += body[:_BODY_PEEK]
+
     def on_message_complete(self) -> None:
         url, self.url = self.url, b""
+        body, self.body = self.body, b""
         path, _, query = url.partition(b"?")
         if path == b"/v1/chat/completions":
+            if b'"stream":true' in body or b'"stream": true' in body:
+                try:
+                    req = json.loads(body)
+                except ValueError:
+                    req = {}
+                if req.get("bench_bytes"):
+                    return self._bulk(int(req["bench_bytes"]))
+                if "bench_n" in req:
+                    return self._stream(int(req["bench_n"]), float(req.get("bench_d", 0)) / 1000.0)
             if query:
                 q = parse_qs(query.decode())
                 if q.get("stream", ["0"])[0] == "1":
@@ -139,6 +165,7 @@ class UpstreamProtocol(asyncio.Protocol):
                 b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nContent-Length: "
                 + str(size).encode() + b"\r\n\r\n"
             )
+            self.blob_chunk = _BLOB
             self.blob_left = size
             self._blob_more()
         else:
@@ -167,11 +194,22 @@ class UpstreamProtocol(asyncio.Protocol):
 
         send()
 
+    def _bulk(self, size: int) -> None:
+        """About ``size`` bytes of SSE (whole 16 KiB events), then ``[DONE]``."""
+        self.transport.write(_STREAM_HEAD)
+        self.blob_chunk = _chunk(_BULK_EVENT)
+        self.blob_left = max(1, size // len(_BULK_EVENT)) * len(self.blob_chunk)
+        self._blob_more()
+
     def _blob_more(self) -> None:
+        chunk = self.blob_chunk
         while self.blob_left and not self.paused and not self.transport.is_closing():
-            size = min(self.blob_left, _BLOB_CHUNK)
-            self.transport.write(_BLOB if size == _BLOB_CHUNK else _BLOB[:size])
+            size = min(self.blob_left, len(chunk))
+            self.transport.write(chunk if size == len(chunk) else chunk[:size])
             self.blob_left -= size
+        if not self.blob_left and chunk is not _BLOB and not self.transport.is_closing():
+            self.transport.write(_chunk(_DONE) + b"0\r\n\r\n")
+            self.blob_chunk = _BLOB
 
 
 async def serve(port: int, host: str = "127.0.0.1") -> None:
