@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import http.client
 import json
 import os
@@ -416,6 +417,73 @@ def proxy_cpu(cpu: dict[str, float], target: str) -> float:
     return cpu.get(target, 0.0) if target != "direct" else cpu["crossbar"]
 
 
+def established_inodes(port: int) -> set[str]:
+    """Socket inodes of the ESTABLISHED TCP connections whose local port is ``port``
+    (the proxy's side of its client connections), from /proc/net/tcp and tcp6."""
+    out: set[str] = set()
+    want = f":{port:04X}"
+    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(name).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            f = line.split()
+            if f[1].endswith(want) and f[3] == "01":
+                out.add(f[9])
+    return out
+
+
+def connections_per_worker(supervisor: int, port: int) -> list[int]:
+    """How many of the client connections on ``port`` each worker under ``supervisor``
+    holds now (from each worker's open sockets), busiest first."""
+    inodes = established_inodes(port)
+    counts = []
+    for pid in tree(supervisor)[1:]:
+        n = 0
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                try:
+                    link = os.readlink(fd)
+                except OSError:
+                    continue
+                if link.startswith("socket:[") and link[8:-1] in inodes:
+                    n += 1
+        except OSError:
+            continue
+        counts.append(n)
+    return sorted(counts, reverse=True)
+
+
+class SplitSampler:
+    """Samples :func:`connections_per_worker` every 50 ms while running and keeps the
+    sample with the most connections (the burst when it is all connected)."""
+
+    def __init__(self, supervisor: int, port: int) -> None:
+        self.supervisor, self.port = supervisor, port
+        self.best: list[int] = []
+        self.task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        while True:
+            counts = connections_per_worker(self.supervisor, self.port)
+            if sum(counts) > sum(self.best):
+                self.best = counts
+            await asyncio.sleep(0.05)
+
+    def __enter__(self) -> SplitSampler:
+        self.task = asyncio.get_running_loop().create_task(self._run())
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        assert self.task is not None
+        self.task.cancel()
+
+    def busiest_share(self) -> float:
+        """The busiest worker's share of the connections, % (100 / workers is even)."""
+        return 100 * self.best[0] / sum(self.best) if sum(self.best) else float("nan")
+
+
 class RssPeak:
     """Samples a process's RSS every 20 ms while running; :attr:`peak` in MiB. With
     ``whole_tree``, the sum over the process and its descendants."""
@@ -583,6 +651,7 @@ class Bench:
         self.keyless_lua = keyless_lua
         self.r: Results = defaultdict(list)
         self.notes: list[str] = []
+        self.splits: dict[str, list[list[int]]] = defaultdict(list)
 
     def target(self, name: str) -> tuple[int, str]:
         """(port, path prefix): crossbar's routes are a prefix, the rest get bare paths."""
@@ -593,12 +662,25 @@ class Bench:
     def put(self, group: str, metric: str, target: str, value: float) -> None:
         self.r[(group, metric, target)].append(value)
 
+    def splitter(self, target: str) -> SplitSampler | contextlib.nullcontext[None]:
+        """Counts each worker's client connections during a step through ``workers2``."""
+        if target == "workers2" and self.procs.workers2 is not None:
+            return SplitSampler(self.procs.workers2.pid, self.procs.w2_port)
+        return contextlib.nullcontext()
+
+    def put_split(self, g: str, split: SplitSampler | None) -> None:
+        if split is not None:
+            self.put(g, "busiest_worker", "workers2", split.busiest_share())
+            self.splits[g].append(split.best)
+
     async def scenario_a(self, target: str, c: int) -> None:
         port, prefix = self.target(target)
         meter = CpuMeter(self.procs)
-        out = await wrk(f"http://{HOST}:{port}{prefix}/v1/chat/completions", c, self.s.wrk_seconds, self.lua)
+        with self.splitter(target) as split:
+            out = await wrk(f"http://{HOST}:{port}{prefix}/v1/chat/completions", c, self.s.wrk_seconds, self.lua)
         cpu = meter.read()
         g = f"a c={c}"
+        self.put_split(g, split)
         for k in ("rps", "p50", "p99", "client_cpu"):
             self.put(g, k, target, out[k])
         self.put(g, "crossbar_cpu", target, proxy_cpu(cpu, target))
@@ -681,8 +763,10 @@ class Bench:
 
     async def scenario_b(self, target: str, n: int) -> None:
         meter = CpuMeter(self.procs)
-        res = await self.streams(target, n, 200, 5, 30)
+        with self.splitter(target) as split:
+            res = await self.streams(target, n, 200, 5, 30)
         self.put_streams(f"b {n} streams", target, res, meter.read())
+        self.put_split(f"b {n} streams", split)
 
     async def scenario_c(self, target: str = "crossbar") -> None:
         """(c) 200 streams through ``target``: the peak RSS of its whole process tree
@@ -866,6 +950,8 @@ ROWS: list[tuple[str, str, str, int, str, Callable[[float, float], bool] | None]
     ("b 100 streams", "coalesced", "(b) 100 streams coalesced %", 1, "<= direct", lambda d, c: c <= d + 0.5),
     ("b 100 streams", "cpu_us", "(b) 100 streams proxy CPU us/event", 1, "", None),
     ("b 100 streams", "completed", "(b) 100 streams completed", 0, "", None),
+    ("a c=16", "busiest_worker", "(a) c=16 busiest worker's conns %", 1, "", None),
+    ("b 100 streams", "busiest_worker", "(b) 100 streams busiest worker's %", 1, "", None),
     ("h plain", "lag_p99", "(h) 100 streams lag p99 ms, no images", 2, "", None),
     ("h images", "lag_p99", "(h) 100 streams lag p99 ms, images", 2, "", None),
     ("h", "lag_p99_added", "(h) lag p99 added by images ms", 2, "<= 5", lambda d, c: c <= 5),
@@ -1058,6 +1144,11 @@ async def amain(args: argparse.Namespace) -> int:
     print("values: median [min-max] over rounds; x/d = that column's median / direct median")
     print()
     print(table(r, procs.targets()))
+    for g, samples in bench.splits.items():
+        if g in ("a c=16", "b 100 streams"):
+            print(f"split over the workers of workers: {args.workers}, {g}: client connections per worker "
+                  f"(busiest first; the sample with most connections, per round): "
+                  + ", ".join("/".join(map(str, s)) for s in samples))
     for note in bench.notes:
         print("note:", note)
     if args.json:
