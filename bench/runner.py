@@ -619,8 +619,8 @@ async def wrk(url: str, connections: int, seconds: float, lua: Path) -> dict[str
     out = (await proc.communicate())[0].decode()
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     rps = re.search(r"Requests/sec:\s+([\d.]+)", out)
-    p50 = re.search(r"^\s+50%\s+(\S+)$", out, re.M)
-    p99 = re.search(r"^\s+99%\s+(\S+)$", out, re.M)
+    p50 = re.search(r"^\s+50%\s+(\S+)\s*$", out, re.M)
+    p99 = re.search(r"^\s+99%\s+(\S+)\s*$", out, re.M)  # "1.04s " ends in a space
     if not (rps and p50 and p99):
         raise SystemExit(f"bench: cannot read wrk output:\n{out}")
     bad = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", out)
