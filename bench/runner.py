@@ -1043,7 +1043,7 @@ def peers_table(r: Results, targets: tuple[str, ...]) -> list[str]:
         c, d = med("b 100 streams", "ttfe", t), med("b 100 streams", "ttfe", "direct")
         return "-" if c is None or d is None else f"{c - d:.1f}"
 
-    rows = [
+    rows: list[tuple[str, Callable[[str], str]]] = [
         ("CPU µs per small request, c=16", lambda t: num(med("a c=16", "cpu_us", t), 1)),
         ("requests/s, c=16", lambda t: num(med("a c=16", "rps", t), 0)),
         ("CPU µs per event, 100 streams", lambda t: num(med("b 100 streams", "cpu_us", t), 1)),
