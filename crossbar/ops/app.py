@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from klein import Klein
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import LoopingCall
 from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource
@@ -234,14 +234,14 @@ class OpsApp:
         return json.dumps(snapshot(self._runtime, self._recent), separators=(",", ":")).encode("utf-8")
 
     @app.route("/dashboard.json", methods=["GET"])
-    def dashboard_data(self, request: IRequest) -> bytes:
+    def dashboard_data(self, request: IRequest) -> bytes | Deferred[bytes]:
         """``GET /_crossbar/dashboard.json``: the dashboard's data once (token required
-        when set)."""
+        when set; with ``cluster.redis`` after a read of Redis, bounded)."""
         if not self._authorized(request):
             return self._unauthorized(request)
         request.setHeader(b"Content-Type", b"application/json")
         request.setHeader(b"Cache-Control", b"no-store")
-        return self._snapshot_bytes()
+        return self._recent.fresh().addCallback(lambda _: self._snapshot_bytes())
 
     @app.route("/events", methods=["GET"])
     def events(self, request: IRequest) -> Any:
@@ -262,12 +262,17 @@ class OpsApp:
 
         done: Deferred[None] = Deferred(canceller=stop)
 
-        def send() -> None:
+        def send() -> Deferred[None]:
             # Draining: the page reconnects, to another instance. The token changed by a
             # reload: the page reconnects and is asked for the new one.
             if self._runtime.draining or not self._authorized(request):
                 stop()
                 done.callback(None)
+                return succeed(None)
+            return self._recent.fresh().addCallback(write)
+
+        def write(_: object) -> None:
+            if not loop.running:
                 return
             try:
                 request.write(b"data: " + self._snapshot_bytes() + b"\n\n")

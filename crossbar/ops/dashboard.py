@@ -8,7 +8,9 @@ an ``ops.token`` the page shows its login form until the token is given.
 
 The data is one JSON document (:func:`snapshot`): the hosts, the routes, the recent
 requests and tokens/s per host over the last 15 minutes. It carries no URL, secret,
-body or query string; the page inserts every text as text.
+body or query string; the page inserts every text as text. Its ``view`` says whose
+requests it holds (``instance``, ``workers``, or ``fleet`` with ``cluster.redis``) and,
+in ``note``, why it is narrower than it should be (Redis away).
 """
 
 from __future__ import annotations
@@ -122,5 +124,6 @@ def snapshot(runtime: Runtime, recent: RecentRequests, limit: int = 200) -> dict
         "hosts": hosts,
         "routes": routes,
         "recent": entries[:limit],
+        "view": recent.scope(),
         "chart": {"start": first, "step": BUCKET, "hosts": series},
     }

@@ -25,6 +25,7 @@ import os
 from collections import deque
 from typing import Any, Callable, Iterable
 
+from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 
 from crossbar.ops.record import RequestRecord
@@ -150,6 +151,13 @@ class RecentRequests:
         self.route_prompt: dict[int, dict[str, list[float]]] = {}
         self.directory = directory
         self.row = row
+        self.made = 0
+        """Display entries made so far (a count that only grows)."""
+        self.added: dict[tuple[int, str], float] | None = None
+        """When not None, the tokens :meth:`fold` adds, by (bucket start, cell): ``h`` +
+        NUL + host (generated), ``p``/``c`` + NUL + route (processed / cached prompt
+        tokens) -- for a subclass that publishes them elsewhere
+        (:mod:`crossbar.ops.fleet_recent`)."""
         self._dirty = True
         self._watch_checked = -1e18
         self._watched_until = -1e18
@@ -184,6 +192,7 @@ class RecentRequests:
         self._made = self._appended
         if new:
             self._dirty = True
+            self.made += new
             ring = self._ring
             self.entries.extend(entry(*ring[i]) for i in range(len(ring) - new, len(ring)))
 
@@ -200,13 +209,22 @@ class RecentRequests:
                     continue
                 self._dirty = True
                 start = int(at // BUCKET * BUCKET)
+                added = self.added
                 if record.host and tokens["generated"]:
                     hosts = self.host_tokens.setdefault(start, {})
                     hosts[record.host] = hosts.get(record.host, 0.0) + tokens["generated"]
+                    if added is not None:
+                        cell = (start, "h\0" + record.host)
+                        added[cell] = added.get(cell, 0.0) + tokens["generated"]
                 if tokens["prompt"] is not None or tokens["cached"] is not None:
                     sums = self.route_prompt.setdefault(start, {}).setdefault(record.route, [0.0, 0.0])
                     sums[0] += tokens["prompt"] or 0.0
                     sums[1] += tokens["cached"] or 0.0
+                    if added is not None:
+                        for kind, n in (("p", tokens["prompt"]), ("c", tokens["cached"])):
+                            if n:
+                                cell = (start, kind + "\0" + record.route)
+                                added[cell] = added.get(cell, 0.0) + n
         oldest = self._now() - KEEP - BUCKET
         for buckets in (self.host_tokens, self.route_prompt):
             for start in [s for s in buckets if s < oldest]:
@@ -214,6 +232,18 @@ class RecentRequests:
                 self._dirty = True
 
     # -- the fleet's view -------------------------------------------------------------
+
+    def fresh(self) -> Deferred[None]:
+        """Fires when :meth:`view` is as fresh as it gets (at once here: the view is
+        read from memory and files; with ``cluster.redis`` after a read of Redis).
+        Never fails."""
+        return succeed(None)
+
+    def scope(self) -> dict[str, Any]:
+        """Whose requests :meth:`view` shows, for the page: ``shared`` is ``instance``
+        (this process's) or ``workers`` (every worker's of this crossbar); ``note``
+        says why the view is narrower than it should be, or None."""
+        return {"shared": "instance" if self.directory is None else "workers", "note": None}
 
     def view(self) -> tuple[list[dict[str, Any]], dict[int, dict[str, float]], dict[int, dict[str, list[float]]]]:
         """Every process's recent entries (newest first), host token buckets and route

@@ -26,6 +26,7 @@ from crossbar.hosts.health import HealthTable
 from crossbar.upstream.hosturl import host_url
 from crossbar.ops.metrics import LiveCollector, Metrics
 from crossbar.ops.app import OpsApp
+from crossbar.ops.fleet_recent import FleetRecent
 from crossbar.ops.recent import TICK, RecentRequests
 from crossbar.hosts.poller import HealthPoller, HTTPProbe
 from crossbar.proxy.resource import ProxyResource
@@ -104,10 +105,12 @@ class CrossbarService(MultiService):
         self.requests = RequestLog(self.metrics, runtime.tokens)
         # The dashboard's recent requests: one append per request; with workers, every
         # worker's are read from its file in the workers' state directory.
-        self.recent = RecentRequests(
-            reactor.seconds, os.path.dirname(worker_counts.shared.path) if worker_counts is not None else None,
-            worker_counts.shared.row if worker_counts is not None else 0,
-        )
+        # With cluster.redis, every instance's: through Redis (crossbar.ops.fleet_recent).
+        directory = os.path.dirname(worker_counts.shared.path) if worker_counts is not None else None
+        row = worker_counts.shared.row if worker_counts is not None else 0
+        self.recent: RecentRequests = (
+            RecentRequests(reactor.seconds, directory, row) if self.cluster is None
+            else FleetRecent(reactor.seconds, self.cluster, directory, row))
         self.requests.observers.append(self.recent.observe)
         self._recent_tick = LoopingCall(self.recent.tick)
         self._recent_tick.clock = reactor

@@ -265,9 +265,11 @@ class RedisCluster:
 
     # -- Redis commands -------------------------------------------------------------
 
-    def command(self, name: str, *args: Any) -> Deferred[Any]:
-        """Run one command with the :data:`BOUND` on its reply; errbacks with
-        ConnectionError at once when no connection is up (nothing queues up)."""
+    def command(self, name: str, *args: Any, bound: float = BOUND) -> Deferred[Any]:
+        """Run one command with ``bound`` seconds (default :data:`BOUND`) on its reply;
+        errbacks with ConnectionError at once when no connection is up (nothing queues
+        up). A failure here is the caller's to handle: only the cluster's own reads and
+        writes turn the instance alone."""
         factory = self._factory
         connection = factory.pool[0] if factory is not None and factory.pool else None
         if connection is None or not connection.connected:
@@ -275,7 +277,7 @@ class RedisCluster:
         # The pool's one connection itself: txredisapi's pool handler adds a generator
         # and a queue per command, for nothing with one connection.
         d: Deferred[Any] = getattr(connection, name)(*args)
-        d.addTimeout(BOUND, self.reactor)
+        d.addTimeout(bound, self.reactor)
         return d
 
     def _flush(self) -> None:

@@ -358,6 +358,9 @@
     renderRoutes(doc);
     renderRecent(doc);
     renderChart(doc);
+    var note = doc.view && doc.view.note;
+    $("view-note").hidden = !note;
+    $("view-note").textContent = note || "";
   }
 
   ["filter-route", "filter-host", "filter-status"].forEach(function (id) {

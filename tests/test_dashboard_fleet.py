@@ -1,0 +1,147 @@
+"""The dashboard's data is the fleet's with ``cluster.redis`` (docs/design.md §Operations,
+the dashboard, and §Several crossbars): two in-process crossbar instances over a real
+``redis-server`` (tests/redis_server.py) and one loopback host whose answers carry
+llama-server's ``timings``.
+
+A request answered by instance A is in the data instance B serves within 2 s, whether
+the page was open before or not; the per-host tokens/s figure and the chart agree on
+both; nobody looking puts no display entry into Redis, only the token figures; Redis
+gone, the data falls back to the instance's own and says so."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import treq
+from twisted.internet import reactor
+from twisted.internet.task import deferLater
+from twisted.trial.unittest import TestCase
+from twisted.web.server import Request
+
+from crossbar.ops.fleet_recent import PREFIX
+from crossbar.ops.recent import BUCKET
+from crossbar.process.service import CrossbarService
+from tests.harness import FakeLlama, http_client, listen, start_crossbar, wait_for
+from tests.redis_server import start_redis
+
+TOKEN = "fleet-dash-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+GENERATED = 42
+
+
+def answer_with_timings(request: Request, body: bytes) -> bytes:
+    """A chat completion as llama-server ends it: its figures in ``timings``."""
+    request.setHeader(b"content-type", b"application/json")
+    return json.dumps({
+        "object": "chat.completion", "model": "tiny-a",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}}],
+        "usage": {"prompt_tokens": 30, "completion_tokens": GENERATED, "total_tokens": 30 + GENERATED},
+        "timings": {"cache_n": 20, "prompt_n": 10, "prompt_per_second": 900.0,
+                    "predicted_n": GENERATED, "predicted_per_second": 61.5},
+    }).encode()
+
+
+def config(host_url: str, redis_url: str) -> str:
+    return (
+        f"cluster:\n  redis: {redis_url}\nops: {{token: {TOKEN}}}\n"
+        "health: {interval: 60, timeout: 5}\n"
+        f"hosts:\n  gpu-a: {host_url}\nroutes:\n  chat:\n    hosts: [gpu-a]\n"
+    )
+
+
+class FleetDashboard(TestCase):
+    timeout = 60
+
+    async def data(self, http: Any, base: str) -> Any:
+        response = await http.get(base + "/_crossbar/dashboard.json", headers=AUTH)
+        self.assertEqual(response.code, 200)
+        return await treq.json_content(response)
+
+    async def chat(self, http: Any, base: str, n: int) -> None:
+        response = await http.post(base + f"/chat/v1/chat/completions?q=secret-{n}",
+                                   json={"model": "tiny-a", "messages": [{"role": "user", "content": f"body-{n}"}]})
+        self.assertEqual(response.code, 200)
+        await treq.content(response)
+
+    async def test_request_on_a_in_b_data_and_the_same_figures(self) -> None:
+        redis = start_redis(self)
+        host = FakeLlama(["tiny-a"])
+        host.handlers[b"/v1/chat/completions"] = answer_with_timings
+        url = await listen(self, host)
+        instances: list[tuple[CrossbarService, str]] = [
+            await start_crossbar(self, config(url, redis.url)) for _ in range(2)]
+        for service, _ in instances:
+            await service.poller.when_first_round_done()
+        await wait_for(lambda: all(s.cluster is not None and s.cluster.joined and s.cluster.instances() == 2
+                                   for s, _ in instances), what="both instances joined")
+        (a, base_a), (b, base_b) = instances
+        http = http_client(self)
+
+        # Nobody looks: A's request puts its token figures into Redis (the chart and the
+        # per-minute figures are right when someone opens the page), no display entry.
+        await self.chat(http, base_a, 1)
+        bucket = f"{PREFIX}tok:{int(time.time() // BUCKET * BUCKET)}"
+        await wait_for(lambda: redis.command("HGET", bucket, "h\0gpu-a") is not None
+                       or redis.command("HGET", f"{PREFIX}tok:{int(time.time() // BUCKET * BUCKET) - BUCKET}",
+                                        "h\0gpu-a") is not None, 3, "A's tokens in Redis")
+        self.assertEqual(redis.command("LLEN", f"{PREFIX}recent"), 0)
+
+        # B's page opens: A's earlier request is in B's data within 2 s.
+        opened = time.monotonic()
+
+        async def in_b(n: int) -> Any:
+            doc = await self.data(http, base_b)
+            return doc if [e for e in doc["recent"] if e["host"] == "gpu-a" and e["route"] == "chat"][n - 1:] else None
+
+        doc = await wait_for(lambda: in_b(1), 2.0, "A's request in B's data", step=0.1)
+        self.assertLess(time.monotonic() - opened, 2.0)
+        self.assertEqual(doc["view"], {"shared": "fleet", "note": None})
+        entry = doc["recent"][0]
+        self.assertEqual(entry["tokens"], {"prompt": 10.0, "cached": 20.0, "generated": float(GENERATED),
+                                           "tps": 61.5})
+        self.assertEqual(len(b.recent.entries), 0)  # B answered nothing: the entry came from Redis
+
+        # While B's page is open, a new request on A is there within 2 s too.
+        sent = time.monotonic()
+        await self.chat(http, base_a, 2)
+        await wait_for(lambda: in_b(2), 2.0, "A's second request in B's data", step=0.1)
+        self.assertLess(time.monotonic() - sent, 2.0)
+        text = json.dumps(await self.data(http, base_b))
+        for secret in ("secret-", "body-", TOKEN):
+            self.assertNotIn(secret, text)
+
+        # The per-host tokens/s (last minute) and the chart agree on both instances.
+        expected = round(2 * GENERATED / 60.0, 2)
+
+        async def figures(base: str) -> Any:
+            doc = await self.data(http, base)
+            return [h["tps"] for h in doc["hosts"] if h["name"] == "gpu-a"][0], sum(doc["chart"]["hosts"]["gpu-a"])
+
+        await wait_for(lambda: _equal(figures, base_a, base_b, expected), 3, "the same tokens/s on A and B")
+        tps_a, chart_a = await figures(base_a)
+        tps_b, chart_b = await figures(base_b)
+        self.assertEqual((tps_a, tps_b), (expected, expected))
+        self.assertGreater(chart_a, 0)
+        self.assertGreater(chart_b, 0)
+        self.assertEqual(b.recent.host_tokens, {})  # B's own buckets are empty: its figures came from Redis
+        # The list in Redis holds both display entries, nothing else.
+        self.assertEqual(redis.command("LLEN", f"{PREFIX}recent"), 2)
+
+        # Redis gone: B's data is its own again, and says so; nothing fails.
+        redis.stop()
+        await wait_for(lambda: not b.cluster.joined if b.cluster is not None else False, 5, "B alone")
+        doc = await self.data(http, base_b)
+        self.assertNotEqual(doc["view"]["shared"], "fleet")
+        self.assertIn("Redis", doc["view"]["note"])
+        self.assertEqual([e for e in doc["recent"] if e["route"] == "chat"], [])  # B's own: none
+        await self.chat(http, base_a, 3)
+        await deferLater(reactor, 0.6)
+        doc = await self.data(http, base_a)
+        self.assertEqual(len([e for e in doc["recent"] if e["route"] == "chat"]), 3)  # A's own, all three
+
+
+async def _equal(figures: Any, base_a: str, base_b: str, expected: float) -> bool:
+    fa, fb = await figures(base_a), await figures(base_b)
+    return bool(fa[0] == fb[0] == expected)
