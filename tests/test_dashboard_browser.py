@@ -15,7 +15,9 @@ import socket
 from typing import Any
 
 import treq
+from twisted.internet import reactor
 from twisted.internet.defer import ensureDeferred
+from twisted.internet.task import deferLater
 from twisted.trial.unittest import TestCase
 
 from crossbar.config import parse_config
@@ -241,6 +243,86 @@ class DashboardBrowserTests(TestCase):
             await browser.wait(lambda d: d.find_element(*_by("#connection")).text == "live", 10, "live again")
             await browser.wait(lambda d: [r for r in _recent_rows(d) if r[1] == "chat"], 3,
                                "a request after the restart")
+
+        return ensureDeferred(go())
+
+
+def _answers_with_timings(model: str, speed: float) -> Any:
+    """A chat handler answering as llama-server does, its figures in ``timings``: each
+    answer generates a different number of tokens (so the chart is not flat)."""
+    count = [0]
+
+    def answer(request: Any, body: bytes) -> bytes:
+        count[0] += 1
+        n = 40 + (count[0] * 97) % 260
+        request.setHeader(b"content-type", b"application/json")
+        return json.dumps({
+            "object": "chat.completion", "model": model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}}],
+            "timings": {"cache_n": 180 + 40 * (count[0] % 3), "prompt_n": 12 + count[0] % 7,
+                        "predicted_n": n, "predicted_per_second": round(speed + (count[0] % 5) * 1.7, 1)},
+        }).encode()
+
+    return answer
+
+
+class ReadmePictureTests(TestCase):
+    """docs/dashboard.png: two hosts answering with token figures over half a minute
+    (three of the chart's buckets), one of them draining, requests under two keys."""
+
+    timeout = 120
+
+    def setUp(self) -> None:
+        require_chromium(self)
+
+    def test_overview_with_tokens(self) -> object:
+        async def go() -> None:
+            a, b = FakeLlama(models=["qwen3-coder-30b"]), FakeLlama(models=["gpt-oss-20b"])
+            a.handlers[b"/v1/chat/completions"] = _answers_with_timings("qwen3-coder-30b", 58.0)
+            b.handlers[b"/v1/chat/completions"] = _answers_with_timings("gpt-oss-20b", 91.0)
+            urls = [await listen(self, u) for u in (a, b)]
+            service, base = await start_crossbar(self, (
+                f"health: {{interval: 0.5, timeout: 1}}\nops: {{token: {TOKEN}}}\n"
+                f"hosts:\n  gpu-a: {{url: {urls[0]}, max_inflight: 4}}\n  gpu-b: {{url: {urls[1]}, max_inflight: 2}}\n"
+                "routes:\n  opencode:\n    hosts: [gpu-a, gpu-b]\n"
+                "    keys:\n      alice: {secret: s-alice}\n      ci: {secret: s-ci}\n"))
+            await service.poller.when_first_round_done()
+            http = http_client(self)
+            browser = await Browser.open(1280, 900)
+            self.addCleanup(lambda: ensureDeferred(browser.close()))
+            await browser.get(base + "/_crossbar/")
+            await browser.wait(_visible("#login"), 5, "the login form")
+            await browser.call(lambda d: d.find_element(*_by("#token")).send_keys(TOKEN))
+            await browser.call(lambda d: d.find_element(*_by("#login-form button")).click())
+            await browser.wait(lambda d: "up" in _host_class("gpu-b")(d).split(), 5, "gpu-b up")
+            sent = 0
+            for round_ in range(12):
+                for model, secret in (("qwen3-coder-30b", "s-alice"), ("gpt-oss-20b", "s-ci"))[: 1 + round_ % 2]:
+                    response = await http.post(
+                        base + "/opencode/v1/chat/completions",
+                        data=json.dumps({"model": model, "messages": [{"role": "user", "content": "x"}]}).encode(),
+                        headers={"Content-Type": "application/json", "Authorization": f"Bearer {secret}"})
+                    self.assertEqual(response.code, 200)
+                    await treq.content(response)
+                    sent += 1
+                await deferLater(reactor, 2.0)
+            await treq.content(await http.post(base + "/_crossbar/hosts/gpu-a/drain",
+                                               headers={"Authorization": f"Bearer {TOKEN}"}))
+            await browser.wait(lambda d: "draining" in _host_class("gpu-a")(d).split(), 3, "gpu-a draining")
+            script = ("return Array.from(document.querySelectorAll('#recent tbody tr'))"
+                      ".map(function (tr) { return Array.from(tr.cells).map(function (td) { return td.textContent; }); });")
+            rows = await browser.wait(lambda d: (lambda r: r if len(r) == sent else None)(
+                [row for row in d.execute_script(script) if row[1] == "opencode"]), 3, "every request listed")
+            # Each row's tokens (processed+cached/generated) and tok/s, as the hosts said.
+            for row in rows:
+                self.assertRegex(row[9], r"^\d+\+\d+/\d+$")
+                self.assertRegex(row[10], r"^\d+(\.\d)?$")
+            # The chart's lines rise above zero.
+            tps = await browser.call(lambda d: [dd.text for dd in d.find_elements(
+                *_by("article.host dd.tps"))])
+            self.assertTrue(any(t not in ("0.0", "0") for t in tps), tps)
+            await browser.screenshot("readme")
+            self.assertEqual(await browser.console_errors(), [])
 
         return ensureDeferred(go())
 
