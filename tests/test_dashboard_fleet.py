@@ -145,3 +145,82 @@ class FleetDashboard(TestCase):
 async def _equal(figures: Any, base_a: str, base_b: str, expected: float) -> bool:
     fa, fb = await figures(base_a), await figures(base_b)
     return bool(fa[0] == fb[0] == expected)
+
+
+class FakeRedisCommands:
+    """The part of :class:`~crossbar.state.cluster.RedisCluster` the dashboard uses
+    (``joined``, ``command``): each command is recorded and answered by ``reply``
+    (a value, or an exception to fail with)."""
+
+    def __init__(self) -> None:
+        self.joined = True
+        self.reply: Any = -2  # PTTL of a missing key: nobody looks
+        self.calls: list[tuple[list[str], list[Any]]] = []
+
+    def command(self, name: str, script: str, keys: list[str], args: list[Any], bound: float = 0.05) -> Any:
+        from twisted.internet.defer import fail, succeed
+
+        self.calls.append((keys, args))
+        return fail(self.reply) if isinstance(self.reply, Exception) else succeed(self.reply)
+
+
+def _tokens_sent(args: list[Any]) -> dict[tuple[int, str], float]:
+    n = int(args[3])
+    rest = args[5 + n:]
+    return {(int(rest[i]), str(rest[i + 1])): float(rest[i + 2]) for i in range(0, len(rest), 3)}
+
+
+class FleetWrites(TestCase):
+    """What an instance writes, decided without a Redis (the fake answers as the
+    script would)."""
+
+    def make(self) -> tuple[Any, FakeRedisCommands, Any]:
+        from twisted.internet.task import Clock
+
+        from crossbar.ops.fleet_recent import FleetRecent
+        from tests.test_dashboard import _record
+
+        clock = Clock()
+        clock.advance(1_000_000)
+        redis = FakeRedisCommands()
+        return FleetRecent(clock.seconds, redis, None), redis, (clock, _record)  # type: ignore[arg-type]
+
+    def test_tokens_always_entries_only_while_watched_failures_kept(self) -> None:
+        recent, redis, (clock, record) = self.make()
+        recent.tick()
+        self.assertEqual(redis.calls, [])  # idle: nothing written
+        recent.observe(record(host="a", route="r", tokens={"generated": 50, "prompt": 10, "cached": 30}))
+        recent.tick()
+        start = 1_000_000 // BUCKET * BUCKET
+        self.assertEqual(len(redis.calls), 1)
+        keys, args = redis.calls[-1]
+        self.assertEqual(args[3], 0)  # nobody looks: no display entry
+        self.assertEqual(_tokens_sent(args), {(start, "h\0a"): 50.0, (start, "p\0r"): 10.0, (start, "c\0r"): 30.0})
+        # Redis fails the next write: its tokens go again with the one after.
+        redis.reply = RuntimeError("timeout")
+        recent.observe(record(host="a", tokens={"generated": 5}))
+        recent.tick()
+        redis.reply = 9000  # someone looks (the watch key lives 9 s more)
+        recent.observe(record(host="a", tokens={"generated": 7}))
+        recent.tick()
+        sent = [_tokens_sent(args) for _, args in redis.calls[2:]]
+        self.assertEqual(sent[0], {(start, "h\0a"): 12.0})
+        # Learning that someone looks, it pushes its newest requests (all three) at once.
+        self.assertEqual(len(redis.calls), 4)
+        entries = [json.loads(e) for e in redis.calls[3][1][4:4 + int(redis.calls[3][1][3])]]
+        self.assertEqual([e["tokens"]["generated"] for e in entries], [50.0, 5.0, 7.0])
+        # Nothing new and everything shown: nothing more is written.
+        clock.advance(2)
+        recent.tick()
+        self.assertEqual(len(redis.calls), 4)
+
+    def test_alone_keeps_tokens_for_the_chart_only(self) -> None:
+        recent, redis, (clock, record) = self.make()
+        redis.joined = False
+        recent.observe(record(host="a", tokens={"generated": 5}))
+        recent.tick()
+        self.assertEqual(redis.calls, [])
+        self.assertEqual(sum(recent.added.values()), 5)
+        clock.advance(15 * 60 + 3 * BUCKET)
+        recent.tick()
+        self.assertEqual(recent.added, {})  # older than the chart: dropped

@@ -149,9 +149,14 @@ class FleetRecent(RecentRequests):
     def push(self) -> None:
         """One write of the new tokens, the unpushed entries while someone looks, and
         the question whether someone looks (see the module doc); at most one at a time."""
-        if self._writing or not self.cluster.joined:
-            return
         now = self._now()
+        added = self.added
+        assert added is not None
+        oldest = now - KEEP - BUCKET
+        for cell in [c for c in added if c[0] < oldest]:  # older than the chart: dropped
+            del added[cell]
+        if self._writing or not self.cluster.joined:
+            return  # kept for the next write (at most the chart's 15 minutes of it)
         appended = self._appended
         if appended != self._asked_upto:
             self._last_record = now
@@ -160,11 +165,6 @@ class FleetRecent(RecentRequests):
             self.make_entries()
             new = min(self.made - self._pushed, len(self.entries))
             entries = [self.entries[i] for i in range(len(self.entries) - new, len(self.entries))]
-        oldest = now - KEEP - BUCKET
-        added = self.added
-        assert added is not None
-        for cell in [c for c in added if c[0] < oldest]:
-            del added[cell]
         new_records = appended != self._asked_upto
         unshown = appended > self._made or self._pushed < self.made
         ask = unshown and now - self._last_record < KEEP and now - self._asked_at >= ASK_EVERY
