@@ -33,9 +33,10 @@ COMMAND = ["twistd", "-n", "--pidfile=", "crossbar", "--config", "/etc/crossbar/
 
 
 def load_manifests(directory: str = DIRECTORY) -> dict[str, dict[str, Any]]:
-    """Every document of the ``*.yaml`` files in ``directory``, by ``kind``.
+    """Every document of the ``*.yaml`` files in ``directory``: crossbar's own (named
+    ``crossbar``) by ``kind``, any other by ``kind/name`` (``Deployment/redis``).
 
-    :raises AssertionError: a kind appears twice.
+    :raises AssertionError: a key appears twice.
     """
     out: dict[str, dict[str, Any]] = {}
     for path in sorted(glob.glob(os.path.join(directory, "*.yaml"))):
@@ -43,8 +44,10 @@ def load_manifests(directory: str = DIRECTORY) -> dict[str, dict[str, Any]]:
             for doc in yaml.safe_load_all(f):
                 if doc is None:
                     continue
-                assert doc["kind"] not in out, f"{path}: a second {doc['kind']}"
-                out[doc["kind"]] = doc
+                name = doc["metadata"]["name"]
+                key = doc["kind"] if name == "crossbar" else f"{doc['kind']}/{name}"
+                assert key not in out, f"{path}: a second {key}"
+                out[key] = doc
     return out
 
 
@@ -145,13 +148,55 @@ def problems(manifests: dict[str, dict[str, Any]]) -> list[str]:
     for e in c.get("env", []):
         if f"${{{e['name']}}}" in config_map["data"]["crossbar.yaml"] and "secretKeyRef" not in e.get("valueFrom", {}):
             out.append(f"{e['name']} (used in crossbar.yaml) is not taken from a Secret")
+
+    out += redis_problems(manifests, config)
+    return out
+
+
+def redis_problems(manifests: dict[str, dict[str, Any]], config: Config) -> list[str]:
+    """``cluster.redis`` (DESIGN.md §Several crossbars) reaches the shipped Redis: a
+    Service named as the URL's host, on its port, selecting the Redis pods, whose
+    container listens there and takes its password from the Secret crossbar's
+    ``${REDIS_PASSWORD}`` comes from."""
+    if config.cluster is None:
+        return ["crossbar.yaml has no cluster.redis: the pods would count alone"]
+    url = config.cluster.redis
+    out: list[str] = []
+    service = manifests.get(f"Service/{url.host.split('.')[0]}")
+    deployment = manifests.get("Deployment/redis")
+    if service is None or deployment is None:
+        return [f"cluster.redis host {url.host!r} is not the shipped Redis Service (Service/redis)"]
+    pod = deployment["spec"]["template"]
+    redis = next(c for c in pod["spec"]["containers"] if c["name"] == "redis")
+    named = {p["name"]: p["containerPort"] for p in redis.get("ports", []) if "name" in p}
+    ports = [p for p in service["spec"]["ports"] if p.get("port") == url.port]
+    if not ports:
+        out.append(f"Service/redis has no port {url.port} (cluster.redis)")
+    for p in ports:
+        target = named.get(p.get("targetPort"), p.get("targetPort", p.get("port")))
+        if target not in named.values():
+            out.append(f"Service/redis port {url.port} targets {target}, Redis listens on {sorted(named.values())}")
+    labels = pod["metadata"]["labels"]
+    if any(labels.get(k) != v for k, v in service["spec"]["selector"].items()):
+        out.append(f"Service/redis selector {service['spec']['selector']} does not match the Redis pod labels")
+
+    def secret(env: list[dict[str, Any]], name: str) -> Any:
+        return next((e.get("valueFrom", {}).get("secretKeyRef") for e in env if e["name"] == name), None)
+
+    if url.password is not None:
+        theirs = secret(container(manifests).get("env", []), "REDIS_PASSWORD")
+        ours = secret(redis.get("env", []), "REDIS_PASSWORD")
+        if theirs is None or theirs != ours:
+            out.append(f"Redis's REDIS_PASSWORD ({ours}) is not the Secret crossbar's comes from ({theirs})")
+        if "$(REDIS_PASSWORD)" not in redis.get("args", []):
+            out.append("redis-server is not started with --requirepass $(REDIS_PASSWORD)")
     return out
 
 
 class ShippedManifestTests(SynchronousTestCase):
     def test_shipped_manifests_keep_every_rule(self) -> None:
         manifests = load_manifests()
-        self.assertEqual(set(manifests), {"ConfigMap", "Deployment", "Service"})
+        self.assertEqual(set(manifests), {"ConfigMap", "Deployment", "Service", "Deployment/redis", "Service/redis"})
         self.assertEqual(problems(manifests), [])
 
     def test_readme_shows_the_shipped_probe_numbers(self) -> None:
@@ -177,6 +222,11 @@ class ShippedManifestTests(SynchronousTestCase):
         self.assertEqual((config.drain.delay, config.drain.grace), (5.0, 25.0))
         self.assertEqual(listen_port(config.listen), 7777)
         self.assertEqual(config.ops.token, "<CROSSBAR_OPS_TOKEN-from-valueFrom>")
+        assert config.cluster is not None
+        redis = config.cluster.redis
+        self.assertEqual((redis.tls, redis.host, redis.port, redis.db), (False, "redis", 6379, 0))
+        self.assertEqual(redis.password, "<REDIS_PASSWORD-from-valueFrom>")
+        self.assertEqual({h.max_inflight_slots for h in config.hosts.values()}, {True})
 
 
 class RuleTests(SynchronousTestCase):
@@ -263,6 +313,30 @@ class RuleTests(SynchronousTestCase):
         with self.assertRaises(ConfigError) as caught:
             self.broken(edit)
         self.assertIn("CROSSBAR_OPS_TOKEN", str(caught.exception))
+
+
+    def test_redis_service_port(self) -> None:
+        def edit(m: dict[str, dict[str, Any]]) -> None:
+            m["Service/redis"]["spec"]["ports"][0]["port"] = 6380
+
+        self.assertEqual(self.broken(edit), ["Service/redis has no port 6379 (cluster.redis)"])
+
+    def test_redis_elsewhere(self) -> None:
+        found = self.broken(lambda m: self.set_config(m, "@redis:6379", "@cache:6379"))
+        self.assertEqual(found, ["cluster.redis host 'cache' is not the shipped Redis Service (Service/redis)"])
+
+    def test_redis_password_from_another_secret(self) -> None:
+        def edit(m: dict[str, dict[str, Any]]) -> None:
+            env = m["Deployment/redis"]["spec"]["template"]["spec"]["containers"][0]["env"]
+            env[0]["valueFrom"]["secretKeyRef"]["name"] = "other"
+
+        found = self.broken(edit)
+        self.assertEqual(len(found), 1, found)
+        self.assertIn("is not the Secret crossbar's comes from", found[0])
+
+    def test_no_cluster(self) -> None:
+        found = self.broken(lambda m: self.set_config(m, "cluster:\n  redis: redis://:${REDIS_PASSWORD}@redis:6379/0\n", ""))
+        self.assertEqual(found, ["crossbar.yaml has no cluster.redis: the pods would count alone"])
 
 
 class ListenPortTests(SynchronousTestCase):
