@@ -240,9 +240,13 @@ class ClusterSettings:
     """``cluster:`` (docs/design.md §Several crossbars): several crossbars share counts.
 
     :ivar redis: the Redis they share them through.
+    :ivar tls: ``cluster.tls`` for a ``rediss://`` Redis (the keys of a host's ``tls``:
+        ``ca``, ``verify``, ``client_cert`` + ``client_key``), or None for the system
+        trust store.
     """
 
     redis: RedisURL
+    tls: HostTLSSettings | None = None
 
 
 @dataclass(frozen=True)
@@ -786,14 +790,21 @@ def _workers(c: _Checker, raw: Any) -> int:
 
 
 def _cluster(c: _Checker, top: dict[str, Any]) -> ClusterSettings | None:
-    """``cluster: {redis: URL}`` (docs/design.md §Several crossbars); None when absent."""
+    """``cluster: {redis: URL, tls: {...}}`` (docs/design.md §Several crossbars); None when
+    absent. ``tls`` (the keys of a host's ``tls``) only with a ``rediss://`` URL."""
     if top.get("cluster") is None:
         return None
     body = c.mapping("cluster", top["cluster"])
-    c.known_keys("cluster", body, ("redis",))
+    c.known_keys("cluster", body, ("redis", "tls"))
     if body.get("redis") is None:
         raise c.fail("cluster.redis", "is required (a redis:// or rediss:// URL)")
-    return ClusterSettings(redis=_redis_url(c, "cluster.redis", body["redis"]))
+    redis = _redis_url(c, "cluster.redis", body["redis"])
+    tls: HostTLSSettings | None = None
+    if body.get("tls") is not None:
+        if not redis.tls:
+            raise c.fail("cluster.tls", "applies only to a rediss:// cluster.redis")
+        tls = _tls(c, "cluster.tls", body["tls"])
+    return ClusterSettings(redis=redis, tls=tls)
 
 
 _REDIS_URL = re.compile(

@@ -42,12 +42,17 @@ class RedisServer:
 
     :param executable: redis-server's path.
     :param password: ``requirepass`` when given.
+    :param tls: ``(certificate, key)`` PEM files: Redis also listens with TLS on
+        :attr:`tls_port` (clients not asked for a certificate); the plain :attr:`port`
+        stays open for the tests' own :meth:`command`.
     """
 
-    def __init__(self, executable: str, password: str | None = None) -> None:
+    def __init__(self, executable: str, password: str | None = None, tls: tuple[str, str] | None = None) -> None:
         self.executable = executable
         self.password = password
+        self.tls = tls
         self.port = _free_port()
+        self.tls_port = _free_port() if tls else 0
         self.directory = tempfile.mkdtemp(prefix="crossbar-redis-")
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -63,7 +68,12 @@ class RedisServer:
                 "--appendonly", "no", "--daemonize", "no", "--dir", self.directory, "--loglevel", "warning"]
         if self.password:
             args += ["--requirepass", self.password]
-        self.process = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        if self.tls:
+            args += ["--tls-port", str(self.tls_port), "--tls-cert-file", self.tls[0], "--tls-key-file", self.tls[1],
+                     "--tls-auth-clients", "no"]
+        self.log = os.path.join(self.directory, "redis.log")
+        with open(self.log, "wb") as log:
+            self.process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 10
         while True:
             try:
@@ -72,7 +82,9 @@ class RedisServer:
             except OSError:
                 pass
             if self.process.poll() is not None or time.monotonic() > deadline:
-                raise AssertionError(f"redis-server on port {self.port} did not start")
+                with open(self.log, "rb") as log:
+                    said = log.read().decode(errors="replace")[-2000:]
+                raise AssertionError(f"redis-server on port {self.port} did not start: {said}")
             time.sleep(0.01)
 
     def stop(self) -> None:
@@ -142,18 +154,36 @@ def _read(reader: object) -> object:
     raise RuntimeError(f"unexpected reply {line!r}")
 
 
-def start_redis(case: SynchronousTestCase, password: str | None = None) -> RedisServer:
+def start_redis(case: SynchronousTestCase, password: str | None = None,
+                tls: tuple[str, str] | None = None) -> RedisServer:
     """A running :class:`RedisServer` for the test (stopped at its end).
 
-    :raises SkipTest: no redis-server, not under CI (under ``CI=true`` the test fails).
+    :param tls: ``(certificate, key)``: Redis speaks TLS on its ``tls_port`` too.
+    :raises SkipTest: no redis-server, or one built without TLS when ``tls`` is asked
+        for, not under CI (under ``CI=true`` the test fails: Debian's redis-server has TLS).
     """
     executable = find_redis_server()
+    ci = os.environ.get("CI", "").lower() == "true"
     if executable is None:
         reason = "redis-server is not installed (Debian: apt-get install -y redis-server)"
-        if os.environ.get("CI", "").lower() == "true":
+        if ci:
             case.fail(f"CI=true requires redis-server: {reason}")
         raise SkipTest(reason)
-    server = RedisServer(executable, password)
+    if tls and not has_tls(executable):
+        reason = f"{executable} was built without TLS (--tls-port unknown); Debian's redis-server has it"
+        if ci:
+            case.fail(f"CI=true requires a redis-server with TLS: {reason}")
+        raise SkipTest(reason)
+    server = RedisServer(executable, password, tls)
     case.addCleanup(server.cleanup)
     server.start()
     return server
+
+
+def has_tls(executable: str) -> bool:
+    """Whether ``executable`` was built with TLS: asked for an impossible ``--tls-port``,
+    a build with it refuses the value ("argument must be between 0 and 65535"), one
+    without refuses the directive itself ("Bad directive"); either way it exits at once."""
+    out = subprocess.run([executable, "--port", "0", "--tls-port", "-1"], capture_output=True, timeout=10)
+    text = (out.stdout + out.stderr).decode(errors="replace")
+    return "Bad directive or wrong number of arguments" not in text or "tls-port" not in text

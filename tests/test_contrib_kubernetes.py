@@ -154,7 +154,7 @@ def problems(manifests: dict[str, dict[str, Any]]) -> list[str]:
 
 
 def redis_problems(manifests: dict[str, dict[str, Any]], config: Config) -> list[str]:
-    """``cluster.redis`` (DESIGN.md §Several crossbars) reaches the shipped Redis: a
+    """``cluster.redis`` (docs/design.md §Several crossbars) reaches the shipped Redis: a
     Service named as the URL's host, on its port, selecting the Redis pods, whose
     container listens there and takes its password from the Secret crossbar's
     ``${REDIS_PASSWORD}`` comes from."""

@@ -97,7 +97,8 @@ class CrossbarService(MultiService):
         ))
         self.cluster: RedisCluster | None = None
         if config.cluster is not None:  # docs/design.md §Several crossbars
-            self.cluster = RedisCluster(config.cluster.redis, reactor, on_change=runtime.others_changed)
+            self.cluster = RedisCluster(config.cluster.redis, reactor, on_change=runtime.others_changed,
+                                        tls=config.cluster.tls)
             runtime.join(self.cluster)
             runtime.limits.fleet = RedisLimits(self.cluster)
             self.metrics.registry.register(ClusterCollector(self.cluster))

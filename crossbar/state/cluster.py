@@ -32,12 +32,12 @@ from prometheus_client.registry import Collector
 from twisted.application.internet import ClientService
 from twisted.internet.defer import Deferred, DeferredList, fail, succeed
 from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
-from twisted.internet.ssl import optionsForClientTLS
 from twisted.internet.task import LoopingCall
 from twisted.logger import LogPublisher, Logger
 from twisted.python.failure import Failure
 
-from crossbar.config import RedisURL
+from crossbar.config import HostTLSSettings, RedisURL
+from crossbar.upstream.tls import client_creator
 
 __all__ = ["BOUND", "FLUSH", "HEARTBEAT", "RESYNC", "TTL", "ClusterCollector", "ClusterView", "RedisCluster"]
 
@@ -134,13 +134,17 @@ class RedisCluster:
     :param on_change: called (no arguments) when another instance's counts changed:
         a slot may have freed (the runtime wakes its queues).
     :param instance: this instance's id (default: a fresh random one).
+    :param tls: ``cluster.tls`` for a ``rediss://`` URL (a CA to trust, mutual TLS), or
+        None: the system trust store. An untrusted certificate never connects: the
+        instance counts alone (logged once, like a Redis that does not answer).
     :ivar joined: see :class:`ClusterView`.
     :ivar lost: how many times this instance went on alone (for the metrics).
     """
 
     def __init__(self, url: RedisURL, reactor: Any, on_change: Callable[[], None] | None = None,
-                 instance: str | None = None) -> None:
+                 instance: str | None = None, tls: HostTLSSettings | None = None) -> None:
         self.url = url
+        self.tls = tls
         self.reactor = reactor
         self.on_change = on_change
         self.instance = instance or uuid.uuid4().hex
@@ -169,6 +173,7 @@ class RedisCluster:
         self._reading = False
         self._said_alone = False
         self._started_at: float | None = None
+        self._last_loss: str | None = None
 
     # -- the view -------------------------------------------------------------------
 
@@ -220,7 +225,7 @@ class RedisCluster:
         )
         factory.maxDelay = 1.0  # rejoin within about a second of Redis answering again
         factory.initialDelay = 0.1
-        _connect_quietly(factory, endpoint)
+        _connect_quietly(factory, endpoint, self._lost)
         self._factory = factory
         subscriber = _SubscriberFactory(self)
         subscriber.password = url.password
@@ -238,7 +243,7 @@ class RedisCluster:
         url = self.url
         endpoint: Any = HostnameEndpoint(self.reactor, url.host, url.port, timeout=max(BOUND * 20, 1.0))
         if url.tls:
-            endpoint = wrapClientTLS(optionsForClientTLS(url.host), endpoint)
+            endpoint = wrapClientTLS(client_creator(url.host, self.tls), endpoint)
         return endpoint
 
     def stop(self) -> Deferred[Any]:
@@ -367,16 +372,22 @@ class RedisCluster:
             self._dirty.clear()
         self._changed()
 
+    def _lost(self, reason: Failure) -> None:
+        """A connection to Redis ended: why, for the log line of :meth:`_failed`."""
+        self._last_loss = reason.getErrorMessage() or repr(reason.value)
+
     def _failed(self, failure: Failure, what: str) -> None:
         starting = self._started_at is not None and self.reactor.seconds() - self._started_at < _CONNECTING
         if starting and not self.joined and failure.check(txredisapi.ConnectionError):
             return  # the first connection is still being made
         if self.joined or not self._said_alone:
             self._said_alone = True
+            error = failure.getErrorMessage() or repr(failure.value)
+            if failure.check(txredisapi.ConnectionError) and self._last_loss:
+                error += f"; the last connection ended: {self._last_loss}"  # e.g. an untrusted certificate
             _log.warn("cluster: Redis at {url} did not answer a {what} within {bound} ms ({error}); "
                       "counting this instance's requests alone until it does",
-                      url=self.url.display(), what=what, bound=int(BOUND * 1000),
-                      error=failure.getErrorMessage() or repr(failure.value))
+                      url=self.url.display(), what=what, bound=int(BOUND * 1000), error=error)
         if self.joined:
             self.lost += 1
             self.joined = False
@@ -425,14 +436,23 @@ class _QuietClientService(ClientService):
     _log = Logger(observer=LogPublisher())  # no observers: every event dropped
 
 
-def _connect_quietly(factory: Any, endpoint: Any) -> None:
+def _connect_quietly(factory: Any, endpoint: Any, on_lost: Callable[[Failure], None] | None = None) -> None:
     """What ``RedisFactory.startConnecting`` does (txredisapi 1.6), each connection
-    kept by a :class:`_QuietClientService`."""
+    kept by a :class:`_QuietClientService`; ``on_lost`` is told why each connection
+    ended (a TLS handshake refused, say)."""
     for _ in range(factory.poolsize):
         slot = txredisapi._PoolSlot(factory, endpoint, factory.reconnect)
 
         def prepare(protocol: Any, slot: Any = slot) -> Any:
             _no_delay(protocol)
+            if on_lost is not None:
+                lost = protocol.connectionLost
+
+                def connection_lost(reason: Failure, lost: Any = lost) -> Any:
+                    on_lost(reason)
+                    return lost(reason)
+
+                protocol.connectionLost = connection_lost
             return slot._prepareConnection(protocol)
 
         slot.service = _QuietClientService(
