@@ -72,6 +72,24 @@ def start_redis(workdir: Path) -> tuple[subprocess.Popen[Any], int]:
     raise SystemExit("bench: redis-server did not start")
 
 
+def redis_calls(port: int) -> dict[str, int]:
+    """Redis's ``INFO commandstats``: calls per command so far (``eval``, ``publish``...)."""
+    with socket.create_connection((HOST, port), timeout=2) as s:
+        s.sendall(b"INFO commandstats\r\n")
+        data = b""
+        while b"\r\n" not in data:
+            data += s.recv(65536)
+        head, _, data = data.partition(b"\r\n")  # $LENGTH
+        while len(data) < int(head[1:]) + 2:
+            data += s.recv(65536)
+    out = {}
+    for line in data.decode().splitlines():
+        if line.startswith("cmdstat_"):
+            name, _, rest = line[len("cmdstat_"):].partition(":")
+            out[name] = int(dict(kv.split("=") for kv in rest.split(","))["calls"])
+    return out
+
+
 def start_crossbar(workdir: Path, name: str, up_port: int, redis_port: int | None) -> tuple[subprocess.Popen[Any], int]:
     port = free_port()
     config = workdir / f"{name}.yaml"
@@ -237,10 +255,16 @@ async def amain(args: argparse.Namespace) -> int:
             for r in range(args.rounds):
                 order = PAIRS if r % 2 == 0 else PAIRS[::-1]
                 for pair in order:
+                    calls0 = redis_calls(redis_port)
                     if args.rate:
                         out = await run_paced(procs, pair, redis.pid, args.connections, args.seconds, args.rate)
                     else:
                         out = await run_pair(procs, pair, redis.pid, args.connections, args.seconds, lua)
+                    calls = redis_calls(redis_port)
+                    requests = out["rps"] * args.seconds
+                    for command, names in (("eval", ("eval", "evalsha")), ("publish", ("publish",))):
+                        n = sum(calls.get(c, 0) - calls0.get(c, 0) for c in names)
+                        out[f"redis_{command}"] = n / requests
                     for k, v in out.items():
                         results[pair].setdefault(k, []).append(v)
                     print(f"round {r + 1} {pair}: " + ", ".join(f"{k} {v:.3g}" for k, v in out.items()),
@@ -271,9 +295,10 @@ async def amain(args: argparse.Namespace) -> int:
           f"shared instances still joined at the end: {still}")
     print("values: median [min-max] over rounds")
     print()
-    rows = [("requests/s (both)", "rps", 0), ("p50 ms (worse wrk)", "p50", 2), ("p99 ms (worse wrk)", "p99", 2),
+    rows = [("requests/s (both)", "rps", 0), ("p50 ms (worse instance)", "p50", 2), ("p99 ms (worse instance)", "p99", 2),
             ("crossbar CPU (cores, both)", "crossbar_cpu", 2), ("crossbar CPU µs/request", "cpu_us", 0),
-            ("redis CPU µs/request", "redis_cpu_us", 1), ("non-2xx", "bad", 0)]
+            ("redis CPU µs/request", "redis_cpu_us", 1), ("Redis scripts (EVAL/EVALSHA) per request", "redis_eval", 2),
+            ("PUBLISH (in scripts) per request", "redis_publish", 2), ("non-2xx", "bad", 0)]
     print("| | solo (no cluster) | shared (cluster.redis) | added |")
     print("|---|---|---|---|")
     for label, k, d in rows:
