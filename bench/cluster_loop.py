@@ -21,6 +21,7 @@ another instance counts a request (and, for a fall, before a freed slot wakes it
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -58,8 +59,8 @@ async def until(reactor: Any, check: Any, timeout: float, what: str) -> None:
         await task.deferLater(reactor, 0.01)
 
 
-async def load(reactor: Any, target: Any, rate: float, seconds: float, hold: float) -> tuple[float, int]:
-    """Run the schedule against ``target``; returns (CPU seconds, requests)."""
+async def load(reactor: Any, target: Any, rate: float, seconds: float, hold: float) -> tuple[float, float, int]:
+    """Run the schedule against ``target``; returns (CPU seconds, of which in the kernel, requests)."""
     n = int(rate * seconds)
     count = [0]
 
@@ -73,11 +74,11 @@ async def load(reactor: Any, target: Any, rate: float, seconds: float, hold: flo
         target.set(NAME, count[0])
 
     t0 = reactor.seconds()
-    c0 = time.process_time()
+    c0, k0 = time.process_time(), os.times().system
     for i in range(n):
         reactor.callLater(max(0.0, t0 + i / rate - reactor.seconds()), start, i)
     await task.deferLater(reactor, seconds + hold + 0.1)
-    return time.process_time() - c0, n
+    return time.process_time() - c0, os.times().system - k0, n
 
 
 async def amain(reactor: Any, args: argparse.Namespace) -> None:
@@ -109,14 +110,16 @@ async def amain(reactor: Any, args: argparse.Namespace) -> None:
                     a.set(name, value)
 
             rows: dict[str, list[float]] = {"solo": [], "shared": []}
+            kernel: dict[str, list[float]] = {"solo": [], "shared": []}
             await load(reactor, Stand(), args.rate, 1, args.hold)  # warm-up
             await load(reactor, Timed(), args.rate, 1, args.hold)
             seen.clear()
             for r in range(args.rounds):
                 for mode in (("solo", "shared") if r % 2 == 0 else ("shared", "solo")):
-                    cpu, n = await load(reactor, Stand() if mode == "solo" else Timed(), args.rate, args.seconds,
+                    cpu, sys_cpu, n = await load(reactor, Stand() if mode == "solo" else Timed(), args.rate, args.seconds,
                                         args.hold)
                     rows[mode].append(1e6 * cpu / n)
+                    kernel[mode].append(1e6 * sys_cpu / n)
                     print(f"round {r + 1} {mode}: {1e6 * cpu / n:.1f} µs CPU per request", file=sys.stderr)
             joined = a.joined and b.joined
             await defer.DeferredList([a.stop(), b.stop()])
@@ -131,7 +134,9 @@ async def amain(reactor: Any, args: argparse.Namespace) -> None:
           f"[{min(rows['solo']):.1f}-{max(rows['solo']):.1f}]")
     print(f"process CPU per request, cluster (A writes, B listens): {statistics.median(rows['shared']):.1f} µs "
           f"[{min(rows['shared']):.1f}-{max(rows['shared']):.1f}]")
-    print(f"added by the cluster: {statistics.median(added):.1f} µs per request [{min(added):.1f}-{max(added):.1f}]")
+    print(f"added by the cluster: {statistics.median(added):.1f} µs per request [{min(added):.1f}-{max(added):.1f}], "
+          f"of which in the kernel (system time): "
+          f"{statistics.median(kernel['shared']) - statistics.median(kernel['solo']):.1f} µs")
     ms = [x * 1000 for x in seen]
     print(f"B sees A's rise after: p50 {pct(ms, 50):.2f} ms, p99 {pct(ms, 99):.2f} ms, max {max(ms):.2f} ms "
           f"({len(ms)} rises seen)")
