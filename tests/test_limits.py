@@ -475,3 +475,37 @@ class PerBox(TestCase):
             if min(answered.count(0), answered.count(1)) >= 2:
                 break
         self.assertGreaterEqual(min(answered.count(0), answered.count(1)), 2, answered)
+
+
+class BoxBucketsAgainstAModel(SynchronousTestCase):
+    """What two workers' buckets say the minute and the day hold, against a plain
+    list of every admission and spending, over a long random run."""
+
+    def test_random_run(self) -> None:
+        import random
+
+        rng = random.Random(22)
+        config = parse_config(keys_yaml(1, "{tokens_per_minute: 1000000}"), "c.yaml", {})
+        path = self.mktemp() + "-limits"
+        BoxLimits.create(path, 3, LIMIT_SLOTS)
+        boxes = [BoxLimits(path, 3, row, config) for row in (0, 1)]
+        now = float(NOON - 3 * 3600)
+        events: list[tuple[float, int, int]] = []  # (time, requests, tokens)
+        for _ in range(1500):
+            now += rng.choice((0.0, 0.1, 0.4, 1.0, 2.5, 7.0, 30.0, 65.0))
+            box = rng.choice(boxes)
+            if rng.random() < 0.5:
+                box.admit("r", "k0", now)
+                events.append((now, 1, 0))
+            else:
+                tokens = rng.randrange(1, 500)
+                box.spend("r", "k0", tokens, now)
+                events.append((now, 0, tokens))
+            later = now + rng.choice((0.0, 0.5, 1.0, 30.0, 60.0, 61.0))
+            live = [e for e in events if int(e[0]) > later - 61]
+            today = [e for e in events if int(e[0] // 86400) == int(later // 86400)]
+            expected = (sum(e[1] for e in live), sum(e[2] for e in live), sum(e[2] for e in today))
+            for view in boxes:
+                spent = view.spending(later)[("r", "k0")]
+                self.assertEqual((spent.requests_minute, spent.tokens_minute, spent.tokens_day), expected, later)
+            events = [e for e in events if e[0] > now - 86400 * 2]

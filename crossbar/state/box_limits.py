@@ -5,7 +5,7 @@ With ``workers: N`` and no ``cluster.redis``, a key's ``requests_per_minute``,
 worker counts what it admitted and what its answers spent into its own row of a file
 mapped into every worker's memory (``mmap``, like
 :class:`~crossbar.state.shared.SharedCounts`), and the worker checking a request sums
-every row. Nothing waits on another process: a check is a few hundred memory loads.
+every row. Nothing waits on another process: a check reads a few cells per worker.
 
 Each (route, key) with limits has a *slot* in every row (:func:`limit_slot_map`: the
 same slot for the same config in every worker), of :data:`SLOT_CELLS` 64-bit cells:
@@ -18,7 +18,12 @@ same slot for the same config in every worker), of :data:`SLOT_CELLS` 64-bit cel
   tokens, each ``second << 32 | count``: a bucket stamped second ``s`` counts while
   ``now < s + 61`` (a second after its start + 60, so a sliding minute never admits
   more than the limit; the ``Retry-After`` is up to a second longer than an exact
-  window's).
+  window's);
+- for each ring, its minute's total as of the worker's last write, ``second << 32 |
+  total``: a reader takes it and subtracts only the buckets that have left the minute
+  since (none for a worker busy this second), so a check does not sum 61 buckets per
+  worker. The per-second buckets themselves are read only to say when a refused key
+  may come back.
 
 A cell carries its own stamp, so one aligned 8-byte store publishes it whole and a
 reader needs no lock; each row is written by its own worker only. A worker that dies
@@ -51,8 +56,9 @@ RING = 64
 """Per-second buckets per key and kind: more than the 61 seconds a bucket counts."""
 LIFE = int(MINUTE) + 1
 """Seconds after its own second's start that a bucket leaves the sliding minute."""
-SLOT_CELLS = 2 + 2 * RING
-"""Cells per (route, key) per row: tag, day, the requests ring, the tokens ring."""
+SLOT_CELLS = 4 + 2 * RING
+"""Cells per (route, key) per row: tag, day, the two rings' totals, the requests ring,
+the tokens ring."""
 LIMIT_SLOTS = 256
 """The fewest (route, key) slots the file is made with (room for keys a reload adds)."""
 MAX_LIMIT_SLOTS = 4096
@@ -60,7 +66,9 @@ MAX_LIMIT_SLOTS = 4096
 worker)."""
 
 _CELL = 8
-_TAG, _DAY, _REQUESTS, _TOKENS = 0, 1, 2, 2 + RING
+_TAG, _DAY, _REQUESTS, _TOKENS = 0, 1, 4, 4 + RING
+_TOTAL = {_REQUESTS: 2, _TOKENS: 3}
+"""A ring's offset -> the offset of its minute's total."""
 _LOW32 = (1 << 32) - 1
 _LOW40 = (1 << 40) - 1
 
@@ -200,9 +208,29 @@ class BoxLimits:
             cells[base + _TAG] = tag
         return base
 
-    def _live(self, bases: list[int], ring: int, now: float) -> tuple[int, dict[int, int]]:
+    def _minute(self, bases: list[int], ring: int, now: float) -> int:
         """The count in the sliding minute of ring ``ring`` (``_REQUESTS`` or
-        ``_TOKENS``) over the rows at ``bases``, and per second."""
+        ``_TOKENS``) over the rows at ``bases``: each row's total as of its last write,
+        less its buckets that have left the minute since."""
+        cells = self._cells
+        current = int(now)
+        total = 0
+        for base in bases:
+            head = cells[base + _TOTAL[ring]]
+            written = head >> 32
+            if current - written > MINUTE:
+                continue  # its whole minute has passed
+            count = head & _LOW32
+            for second in range(written - int(MINUTE), current - int(MINUTE)):  # counted then, no longer
+                cell = cells[base + ring + second % RING]
+                if cell >> 32 == second:
+                    count -= cell & _LOW32
+            total += max(0, count)
+        return total
+
+    def _per_second(self, bases: list[int], ring: int, now: float) -> dict[int, int]:
+        """The counts of ring ``ring`` in the sliding minute per second, over the rows
+        at ``bases``."""
         edge = now - LIFE  # a bucket stamped s counts while s > now - 61
         per_second: dict[int, int] = {}
         for base in bases:
@@ -210,7 +238,23 @@ class BoxLimits:
                 second = cell >> 32
                 if second > edge:
                     per_second[second] = per_second.get(second, 0) + (cell & _LOW32)
-        return sum(per_second.values()), per_second
+        return per_second
+
+    def _add(self, base: int, ring: int, now: float, count: int) -> None:
+        """Count ``count`` at ``now`` in ring ``ring`` of this worker's row at ``base``,
+        and its minute's total."""
+        cells = self._cells
+        current = int(now)
+        head = cells[base + _TOTAL[ring]]
+        if head >> 32 == current:
+            total = head & _LOW32
+        else:  # a new second: the total of the buckets in its minute, this one included
+            first = current - int(MINUTE)
+            total = sum(cell & _LOW32 for cell in cells[base + ring:base + ring + RING].tolist()
+                        if first <= cell >> 32 <= current)
+        at = base + ring + current % RING
+        cells[at] = _bump(cells[at], current, 32, count)
+        cells[base + _TOTAL[ring]] = (current << 32) | min(_LOW32, total + count)
 
     def _day(self, bases: list[int], now: float) -> int:
         today = utc_day(now)
@@ -235,29 +279,25 @@ class BoxLimits:
             wait = max(wait, to_midnight(now))
         for limit, ring in ((limits.tokens_per_minute, _TOKENS), (limits.requests_per_minute, _REQUESTS)):
             if limit is not None:
-                total, per_second = self._live(bases, ring, now)
+                total = self._minute(bases, ring, now)
                 if total >= limit:
-                    wait = max(wait, self._until_below(per_second, total, limit, now))
+                    per_second = self._per_second(bases, ring, now)
+                    wait = max(wait, self._until_below(per_second, sum(per_second.values()), limit, now))
         return wait
 
     def admit(self, route: str, key: str, now: float) -> None:
         if (route, key) not in self._slot:
             self._alone.admit(route, key, now)
             return
-        second = int(now)
-        cell = self._own(route, key) + _REQUESTS + second % RING
-        self._cells[cell] = _bump(self._cells[cell], second, 32, 1)
+        self._add(self._own(route, key), _REQUESTS, now, 1)
 
     def spend(self, route: str, key: str, tokens: int, now: float) -> None:
         if (route, key) not in self._slot:
             self._alone.spend(route, key, tokens, now)
             return
         base = self._own(route, key)
-        second = int(now)
-        cells = self._cells
-        cell = base + _TOKENS + second % RING
-        cells[cell] = _bump(cells[cell], second, 32, tokens)
-        cells[base + _DAY] = _bump(cells[base + _DAY], utc_day(now), 40, tokens)
+        self._add(base, _TOKENS, now, tokens)
+        self._cells[base + _DAY] = _bump(self._cells[base + _DAY], utc_day(now), 40, tokens)
 
     def spending(self, now: float) -> dict[tuple[str, str], Spending]:
         """(route, key) -> what every worker admitted and spent, for the keys some
@@ -267,6 +307,6 @@ class BoxLimits:
             bases = self._counting(route, key)
             if bases:
                 out[(route, key)] = Spending(
-                    self._live(bases, _REQUESTS, now)[0], self._live(bases, _TOKENS, now)[0], self._day(bases, now),
+                    self._minute(bases, _REQUESTS, now), self._minute(bases, _TOKENS, now), self._day(bases, now),
                 )
         return out
