@@ -100,7 +100,7 @@ class Metrics:
     and fixed reason kinds only, so cardinality stays bounded."""
 
     def __init__(self) -> None:
-        self._live: list[LiveCollector] = []
+        self._live: list[Collector] = []
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -147,8 +147,9 @@ class Metrics:
             ("host", "reason"), registry=r,
         )
 
-    def watch(self, collector: LiveCollector) -> None:
-        """Read ``collector``'s live gauges at every scrape."""
+    def watch(self, collector: Collector) -> None:
+        """Read ``collector``'s live gauges at every scrape (with workers too: they
+        read the shared counts, so each worker reports the box's)."""
         self._live.append(collector)
         self.registry.register(collector)
 

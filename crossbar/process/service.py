@@ -102,7 +102,7 @@ class CrossbarService(MultiService):
             runtime.join(self.cluster)
             runtime.limits.fleet = RedisLimits(self.cluster)
             self.metrics.registry.register(ClusterCollector(self.cluster))
-        self.metrics.registry.register(LimitsCollector(runtime.limits))
+        self.metrics.watch(LimitsCollector(runtime.limits))  # with workers: the box's spending
         self.requests = RequestLog(self.metrics, runtime.tokens)
         # The dashboard's recent requests: one append per request; with workers, every
         # worker's are read from its file in the workers' state directory.

@@ -8,7 +8,8 @@ a burst's too, evenly over the workers. A ``systemd:`` socket (socket activation
 one socket and stays shared by every worker. It only supervises:
 
 - a worker that dies is restarted (after a back-off when it dies young), logged and
-  counted (``crossbar_worker_restarts_total``); its in-flight counts are cleared. A
+  counted (``crossbar_worker_restarts_total``); its in-flight counts are cleared (what
+  it admitted under a key's ``limits`` keeps counting for the box). A
   worker silent for :data:`STALL` seconds (:class:`WorkerTimings`; no ``alive`` line:
   its reactor wedged, or the process stopped) is killed, and so restarted;
 - SIGTERM drains every worker at once (each runs its own drain: readiness 503,
@@ -57,6 +58,7 @@ from twisted.python.failure import Failure
 from crossbar.config import Config, ConfigError
 from crossbar.state.worker_counts import AFFINITY_OUTCOMES, WorkerCounts, check_capacity
 from crossbar.process.reload import REFUSED, SIGHUPReload, catch_second_stop_signal, next_config
+from crossbar.state.box_limits import BoxLimits, check_limit_room, limit_slots_for
 from crossbar.state.shared import SharedCounts
 from crossbar.ops.systemd import Notifier, SystemdNotifier, watchdog_interval
 from crossbar.waiting import Condition
@@ -205,7 +207,9 @@ class Supervisor(MultiService):
     :raises ConfigError: ``listen`` is not a valid endpoint, is ``ssl:`` (a worker
         adopts a plain socket: terminate TLS in front of crossbar, or run one worker)
         or a unix socket (see the module doc), or the config needs more shared
-        counters than workers have (:func:`~crossbar.state.worker_counts.check_capacity`).
+        counters than workers have (:func:`~crossbar.state.worker_counts.check_capacity`),
+        or more keys with limits than workers can count
+        (:func:`~crossbar.state.box_limits.limit_slots_for`).
     """
 
     def __init__(
@@ -225,6 +229,8 @@ class Supervisor(MultiService):
             raise ConfigError(config.source, "workers",
                               "a unix socket listener needs workers: 1 (or a tcp: listener for workers)")
         check_capacity(config)
+        self.limit_slots = limit_slots_for(config)
+        """Keys with limits the workers' shared memory has room for (fixed at start)."""
         self.config = config
         self.reactor = reactor
         self.count = config.workers
@@ -237,6 +243,7 @@ class Supervisor(MultiService):
         # open (startService): a start-up that fails leaves nothing behind.
         self.directory = ""
         self._shared_path = ""
+        self._limits_path = ""
         self._snapshot_path = ""
         self._stall_check: LoopingCall | None = None
         self._folded: Counter[tuple[str, str]] = Counter()  # dead workers' affinity counts
@@ -272,6 +279,8 @@ class Supervisor(MultiService):
             self._shared_path = os.path.join(self.directory, "counts")
             SharedCounts.create(self._shared_path, self.count + 1)
             self.counts = WorkerCounts(SharedCounts(self._shared_path, self.count + 1, self.count), self.config)
+            self._limits_path = os.path.join(self.directory, "limits")
+            BoxLimits.create(self._limits_path, self.count + 1, self.limit_slots)
             self.metrics_directory = os.path.join(self.directory, "metrics")
             os.mkdir(self.metrics_directory)
             self._snapshot_path = os.path.join(self.directory, "config.yaml")
@@ -330,6 +339,7 @@ class Supervisor(MultiService):
             sys.executable, "-m", "crossbar.process.worker", "--config", self.config.source,
             "--snapshot", self._snapshot_path,
             "--row", str(index), "--rows", str(self.count + 1), "--shared", self._shared_path,
+            "--limits", self._limits_path,
             "--heartbeat", str(self.timings.heartbeat),
         ] + (["--shared-listener"] if self.web.shared else [])
         try:
@@ -467,9 +477,9 @@ class Supervisor(MultiService):
 
     def reload(self) -> bool:
         """SIGHUP: validate the file here (:func:`~crossbar.process.reload.next_config`,
-        with room in the shared counters), then have every worker reload it from the
-        snapshot."""
-        new = next_config(self.config, self.reactor, _log, check=check_capacity)
+        with room in the shared counters and for its keys with limits), then have every
+        worker reload it from the snapshot."""
+        new = next_config(self.config, self.reactor, _log, check=self._check_room)
         if new is None:
             return False
         try:
@@ -486,6 +496,13 @@ class Supervisor(MultiService):
             if process is not None:
                 process.send("reload")
         return True
+
+    def _check_room(self, config: Config) -> None:
+        """``config`` fits the workers' shared memory (made at start).
+
+        :raises ConfigError: it does not."""
+        check_capacity(config)
+        check_limit_room(config, self.limit_slots)
 
     def when_all_ready(self) -> Deferred[None]:
         """Fires once every worker has said it is ready."""

@@ -2,7 +2,7 @@
 
 The supervisor (:mod:`crossbar.process.supervisor`) starts each worker as
 ``python -m crossbar.process.worker --config FILE --snapshot SNAPSHOT --row I --rows N+1
---shared PATH --heartbeat SECONDS [--shared-listener]`` with:
+--shared PATH --limits PATH --heartbeat SECONDS [--shared-listener]`` with:
 
 - ``SNAPSHOT``: the config text the supervisor validated last (``FILE`` only names it
   in messages and anchors relative ``tls`` paths): a worker started or reloaded later
@@ -35,7 +35,8 @@ worker alone (from the snapshot too).
 
 Each worker is a whole :class:`~crossbar.process.service.CrossbarService` (poller, proxy,
 operations) whose counts are published to, and read from, the shared counters
-(:class:`~crossbar.state.worker_counts.WorkerCounts`). Workers run in their own process group, so a Ctrl-C
+(:class:`~crossbar.state.worker_counts.WorkerCounts`), and whose client keys' limits are
+counted in the ``--limits`` file (:class:`~crossbar.state.box_limits.BoxLimits`). Workers run in their own process group, so a Ctrl-C
 at a terminal reaches the supervisor only, which tells each worker once.
 """
 
@@ -140,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--row", type=int, required=True, help="this worker's row in the shared counters")
     parser.add_argument("--rows", type=int, required=True, help="rows in the shared counters")
     parser.add_argument("--shared", required=True, help="the shared counters' file")
+    parser.add_argument("--limits", help="the key limits' shared file (without: limits per worker)")
     parser.add_argument("--heartbeat", type=float, default=HEARTBEAT, help="seconds between 'alive' lines")
     parser.add_argument("--shared-listener", action="store_true", help="fd 3 is shared with the other workers")
     args = parser.parse_args(argv)
@@ -164,11 +166,13 @@ def main(argv: list[str] | None = None) -> None:
     from crossbar.state.worker_counts import WorkerCounts
     from crossbar.process.reload import SIGHUPReload
     from crossbar.process.service import CrossbarService
+    from crossbar.state.box_limits import BoxLimits
     from crossbar.state.shared import SharedCounts
 
     try:
         config = load_config(args.config, text=read_config_text(args.snapshot))
-        counts = WorkerCounts(SharedCounts(args.shared, args.rows, args.row), config)
+        limits = BoxLimits(args.limits, args.rows, args.row, config) if args.limits else None
+        counts = WorkerCounts(SharedCounts(args.shared, args.rows, args.row), config, limits)
     except (ConfigError, OSError, ValueError) as e:
         _log.critical("worker cannot start: {error}", error=str(e))
         raise SystemExit(1) from None

@@ -1,20 +1,26 @@
 """A client key's limits (docs/design.md §Access): requests and tokens per minute, tokens per
 UTC day, checked when a request arrives.
 
-:class:`KeyLimiter` keeps what each (route, key) has been admitted and has spent in
-this process: a sliding 60 s window of admitted requests and of spent tokens, and the
-tokens of the current UTC day. A request is refused while the key is at
-``requests_per_minute``, or has already spent ``tokens_per_minute`` in the last 60 s
-or ``tokens_per_day`` today; the refusal says in how many seconds the window allows
-the next one (the ``Retry-After``).
+:class:`KeyLimiter` keeps what each (route, key) has been admitted and has spent: a
+sliding 60 s window of admitted requests and of spent tokens, and the tokens of the
+current UTC day. A request is refused while the key is at ``requests_per_minute``, or
+has already spent ``tokens_per_minute`` in the last 60 s or ``tokens_per_day`` today;
+the refusal says in how many seconds the window allows the next one (the
+``Retry-After``).
+
+Alone (``workers: 1``) the counts are this process's (:class:`ProcessCounts`, exact
+times). With ``workers: N`` they are the box's: every worker counts into its row of
+shared memory and checks the sum of every row
+(:class:`~crossbar.state.box_limits.BoxLimits`), so the limits hold per box (two
+workers admitting the last request at the same moment may exceed a limit by at most
+N - 1, as with ``max_inflight``).
 
 With ``cluster.redis`` (:class:`RedisLimits`) the same check runs in Redis, in one Lua
 script over counters every instance shares (a sorted set of admitted requests, per-
 second buckets of tokens, a counter per UTC day), so the limits hold fleet-wide. The
 check waits for Redis at most :data:`~crossbar.state.cluster.BOUND`; a Redis that is
-down or slow leaves the decision to this process's own counts (which are always kept,
-for that). Without ``cluster`` the limits hold per process: with ``workers: N``, per
-worker.
+down or slow leaves the decision to the local counts (this process's, or the box's,
+which are always kept, for that).
 
 Tokens are reported by :meth:`KeyLimiter.spend` when an answer ends (the token figures
 of §"What the answers say").
@@ -32,26 +38,30 @@ from typing import TYPE_CHECKING, Callable, Iterable
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from twisted.internet.defer import Deferred, succeed
+from zope.interface import Interface, implementer
 
 from crossbar.config import KeyLimits
 
 if TYPE_CHECKING:
     from crossbar.state.cluster import RedisCluster
 
-__all__ = ["MINUTE", "KeyLimiter", "LimitsCollector", "RedisLimits", "Spending", "retry_after_header"]
+__all__ = [
+    "MINUTE", "ILimitCounts", "KeyLimiter", "LimitsCollector", "ProcessCounts", "RedisLimits", "Spending",
+    "retry_after_header", "to_midnight", "utc_day",
+]
 
 MINUTE = 60.0
 _DAY = 86400
 
 
-def _day(now: float) -> int:
+def utc_day(now: float) -> int:
     """The UTC day number of POSIX seconds ``now``."""
     return int(now // _DAY)
 
 
-def _to_midnight(now: float) -> float:
+def to_midnight(now: float) -> float:
     """Seconds from ``now`` to the next UTC midnight."""
-    return (_day(now) + 1) * _DAY - now
+    return (utc_day(now) + 1) * _DAY - now
 
 
 def retry_after_header(seconds: float) -> int:
@@ -73,6 +83,24 @@ class Spending:
     tokens_day: int
 
 
+class ILimitCounts(Interface):
+    """Where a :class:`KeyLimiter` keeps what each (route, key) was admitted and spent:
+    :class:`ProcessCounts` (this process alone), or with workers
+    :class:`~crossbar.state.box_limits.BoxLimits` (every worker of the box)."""
+
+    def wait(route: str, key: str, limits: KeyLimits, now: float) -> float:
+        """Seconds from POSIX time ``now`` until the counts allow a request of ``key`` (0: now)."""
+
+    def admit(route: str, key: str, now: float) -> None:
+        """Count one request of ``key`` admitted at ``now``."""
+
+    def spend(route: str, key: str, tokens: int, now: float) -> None:
+        """Count ``tokens`` spent by ``key`` at ``now``."""
+
+    def spending(now: float) -> dict[tuple[str, str], Spending]:
+        """(route, key) -> what was admitted and spent in the windows around ``now``."""
+
+
 class _Window:
     """One (route, key)'s counts in this process."""
 
@@ -91,36 +119,30 @@ class _Window:
             self.requests.popleft()
         while self.tokens and self.tokens[0][0] <= edge:
             self.tokens_sum -= self.tokens.popleft()[1]
-        if self.day != _day(now):
-            self.day, self.day_tokens = _day(now), 0
+        if self.day != utc_day(now):
+            self.day, self.day_tokens = utc_day(now), 0
 
 
-class KeyLimiter:
-    """Admissions and spending per (route, key) in this process (see the module doc).
+@implementer(ILimitCounts)
+class ProcessCounts:
+    """The counts of one process: the exact times of its admissions and spendings in
+    the last 60 s, and its tokens of the UTC day."""
 
-    :param now: POSIX seconds (``reactor.seconds``; a test's clock).
-    :ivar fleet: with ``cluster.redis``, the fleet-wide check (:class:`RedisLimits`).
-    """
-
-    def __init__(self, now: Callable[[], float]) -> None:
-        self.now = now
+    def __init__(self) -> None:
         self._windows: dict[tuple[str, str], _Window] = {}
-        self.fleet: RedisLimits | None = None
 
-    def _window(self, route: str, key: str) -> _Window:
+    def _window(self, route: str, key: str, now: float) -> _Window:
         window = self._windows.get((route, key))
         if window is None:
             window = self._windows[(route, key)] = _Window()
+        window.trim(now)
         return window
 
-    def wait(self, route: str, key: str, limits: KeyLimits) -> float:
-        """Seconds until this process's counts allow a request of ``key`` (0: now)."""
-        now = self.now()
-        window = self._window(route, key)
-        window.trim(now)
+    def wait(self, route: str, key: str, limits: KeyLimits, now: float) -> float:
+        window = self._window(route, key, now)
         wait = 0.0
         if limits.tokens_per_day is not None and window.day_tokens >= limits.tokens_per_day:
-            wait = max(wait, _to_midnight(now))
+            wait = max(wait, to_midnight(now))
         if limits.tokens_per_minute is not None and window.tokens_sum >= limits.tokens_per_minute:
             left = window.tokens_sum
             for at, tokens in window.tokens:
@@ -133,19 +155,54 @@ class KeyLimiter:
             wait = max(wait, window.requests[len(window.requests) - rpm] + MINUTE - now)
         return wait
 
+    def admit(self, route: str, key: str, now: float) -> None:
+        self._window(route, key, now).requests.append(now)
+
+    def spend(self, route: str, key: str, tokens: int, now: float) -> None:
+        window = self._window(route, key, now)
+        window.tokens.append((now, tokens))
+        window.tokens_sum += tokens
+        window.day_tokens += tokens
+
+    def spending(self, now: float) -> dict[tuple[str, str], Spending]:
+        out = {}
+        for (route, key) in self._windows:
+            window = self._window(route, key, now)
+            out[(route, key)] = Spending(len(window.requests), window.tokens_sum, window.day_tokens)
+        return out
+
+
+class KeyLimiter:
+    """Admissions and spending per (route, key) (see the module doc).
+
+    :param now: POSIX seconds (``reactor.seconds``; a test's clock).
+    :ivar counts: where admissions and spending are counted: this process's
+        (:class:`ProcessCounts`), or with workers the box's
+        (:class:`~crossbar.state.box_limits.BoxLimits`, :meth:`Runtime.attach
+        <crossbar.state.runtime.Runtime.attach>`).
+    :ivar fleet: with ``cluster.redis``, the fleet-wide check (:class:`RedisLimits`).
+    """
+
+    def __init__(self, now: Callable[[], float]) -> None:
+        self.now = now
+        self.counts: ILimitCounts = ProcessCounts()
+        self.fleet: RedisLimits | None = None
+
+    def wait(self, route: str, key: str, limits: KeyLimits) -> float:
+        """Seconds until the local counts (this process's, or the box's) allow a
+        request of ``key`` (0: now)."""
+        return self.counts.wait(route, key, limits, self.now())
+
     def admitted(self, route: str, key: str) -> None:
         """Count one request of ``key`` admitted now."""
-        now = self.now()
-        window = self._window(route, key)
-        window.trim(now)
-        window.requests.append(now)
+        self.counts.admit(route, key, self.now())
 
     def check(self, route: str, key: str, limits: KeyLimits) -> Deferred[float]:
         """Whether a request of ``key`` on ``route`` may start now (docs/design.md §Access):
         fires with 0 when it may (and counts it), else with the seconds until the
         window allows the next one (429). Fires at once without ``cluster``; with it,
-        within :data:`~crossbar.state.cluster.BOUND` (this process's own counts decide
-        when Redis does not answer in time). Never fails."""
+        within :data:`~crossbar.state.cluster.BOUND` (the local counts decide when
+        Redis does not answer in time). Never fails."""
         if not limits:
             return succeed(0.0)
         fleet = self.fleet
@@ -161,9 +218,10 @@ class KeyLimiter:
         return d.addCallbacks(answered, lambda _: self._local(route, key, limits))
 
     def _local(self, route: str, key: str, limits: KeyLimits) -> float:
-        wait = self.wait(route, key, limits)
+        now = self.now()
+        wait = self.counts.wait(route, key, limits, now)
         if not wait:
-            self.admitted(route, key)
+            self.counts.admit(route, key, now)
         return wait
 
     def spend(self, route: str, key: str, tokens: int) -> None:
@@ -173,22 +231,14 @@ class KeyLimiter:
         if tokens <= 0 or not key:
             return
         now = self.now()
-        window = self._window(route, key)
-        window.trim(now)
-        window.tokens.append((now, tokens))
-        window.tokens_sum += tokens
-        window.day_tokens += tokens
+        self.counts.spend(route, key, tokens, now)
         if self.fleet is not None and self.fleet.cluster.joined:
             self.fleet.spend(route, key, tokens, now)
 
     def spending(self) -> dict[tuple[str, str], Spending]:
-        """(route, key) -> what this process admitted and counted for it."""
-        now = self.now()
-        out = {}
-        for (route, key), window in self._windows.items():
-            window.trim(now)
-            out[(route, key)] = Spending(len(window.requests), window.tokens_sum, window.day_tokens)
-        return out
+        """(route, key) -> what was admitted and counted for it (this process's, or
+        with workers the box's)."""
+        return self.counts.spending(self.now())
 
 
 _CHECK = """
@@ -267,29 +317,30 @@ class RedisLimits:
         ms = int(now * 1000)
         member = f"{self.cluster.instance}:{next(self._ids)}"
         args = [ms, limits.requests_per_minute or 0, limits.tokens_per_minute or 0, limits.tokens_per_day or 0,
-                member, int(_to_midnight(now) * 1000)]
+                member, int(to_midnight(now) * 1000)]
         d = self.cluster.command("eval", _CHECK, self._keys(route, key, now), args)
         return d.addCallback(lambda wait: int(wait) / 1000)
 
     def spend(self, route: str, key: str, tokens: int, now: float) -> None:
         """Add ``tokens`` to the fleet's counters (not waited for)."""
         keys = self._keys(route, key, now)[1:]
-        expire = int(_to_midnight(now)) + _DAY
+        expire = int(to_midnight(now)) + _DAY
         d = self.cluster.command("eval", _SPEND, keys, [int(now), tokens, expire])
         d.addErrback(lambda _: None)
 
 
 class LimitsCollector(Collector):
     """``crossbar_key_spent`` per route, key and ``window`` (``requests_minute``,
-    ``tokens_minute``, ``tokens_day``), as this process counted them."""
+    ``tokens_minute``, ``tokens_day``): this process's counts, or with workers the
+    box's (every worker reports the same)."""
 
     def __init__(self, limiter: KeyLimiter) -> None:
         self._limiter = limiter
 
     def collect(self) -> Iterable[Metric]:
         spent = GaugeMetricFamily(
-            "crossbar_key_spent", "What a client key was admitted (requests) and spent (tokens) in a window, "
-            "as this process counted it.", labels=("route", "key", "window"),
+            "crossbar_key_spent", "What a client key was admitted (requests) and spent (tokens) in a window "
+            "(with workers: by every worker of the box).", labels=("route", "key", "window"),
         )
         for (route, key), s in sorted(self._limiter.spending().items()):
             spent.add_metric((route, key, "requests_minute"), s.requests_minute)

@@ -84,6 +84,8 @@ class Runtime:
         self.inflight.fleet = fleet
         self.queues.on_change = self._publish_queue
         self.tokens.fleet = fleet
+        if fleet.limits is not None:  # key limits per box (docs/design.md §Access)
+            self.limits.counts = fleet.limits
         self.republish()
 
     def join(self, cluster: ClusterView) -> None:
@@ -220,7 +222,8 @@ class Runtime:
 
     def key_status(self, route: Route) -> dict[str, Any]:
         """Status of ``route``'s keys that have ``limits``: the limits and what each has
-        been admitted and spent, as this process counted it (docs/design.md §Access)."""
+        been admitted and spent, by this process or with workers by the box
+        (docs/design.md §Access)."""
         spending = self.limits.spending()
         out: dict[str, Any] = {}
         for name, key in route.keys.items():

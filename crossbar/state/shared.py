@@ -29,22 +29,22 @@ routes derives."""
 _CELL = 8
 
 
-def cell_map(names: Iterable[str]) -> dict[str, int]:
-    """A cell index for each of ``names`` (at most :data:`CELLS`), the same for the same
-    set of names in every process: each name hashes to a cell, collisions probe to the
-    next free one in sorted-name order.
+def cell_map(names: Iterable[str], cells: int = CELLS) -> dict[str, int]:
+    """A cell index (``0 <= index < cells``) for each of ``names``, the same for the
+    same set of names in every process: each name hashes to a cell, collisions probe
+    to the next free one in sorted-name order.
 
     :raises ValueError: more names than cells.
     """
     unique = sorted(set(names))
-    if len(unique) > CELLS:
-        raise ValueError(f"{len(unique)} shared counters, at most {CELLS}")
+    if len(unique) > cells:
+        raise ValueError(f"{len(unique)} shared counters, at most {cells}")
     taken: dict[int, str] = {}
     out: dict[str, int] = {}
     for name in unique:
-        cell = int.from_bytes(hashlib.blake2b(name.encode("utf-8"), digest_size=4).digest(), "big") % CELLS
+        cell = int.from_bytes(hashlib.blake2b(name.encode("utf-8"), digest_size=4).digest(), "big") % cells
         while cell in taken:
-            cell = (cell + 1) % CELLS
+            cell = (cell + 1) % cells
         taken[cell] = name
         out[name] = cell
     return out

@@ -12,12 +12,14 @@ per client key -- into
 its row of a :class:`~crossbar.state.shared.SharedCounts`, and reads every worker's totals from
 it: room, least-busy, the queue, a key's ``max_inflight``, status and metrics then see
 every worker's requests (a limit may be exceeded by at most N - 1: two workers may take
-the last slot at the same moment).
+the last slot at the same moment). A key's ``limits`` are counted alike, in a file of
+their own (:class:`~crossbar.state.box_limits.BoxLimits`).
 """
 
 from __future__ import annotations
 
 from crossbar.config import Config, ConfigError
+from crossbar.state.box_limits import BoxLimits
 from crossbar.state.shared import CELLS, SharedCounts, cell_map
 
 __all__ = ["AFFINITY_OUTCOMES", "RESTARTS", "WorkerCounts", "check_capacity", "token_cell"]
@@ -65,10 +67,13 @@ class WorkerCounts:
 
     :param shared: the shared counters (this worker's row is ``shared.row``).
     :param config: the config whose names are counted (see :meth:`configure`).
+    :param limits: in a worker, the client keys' limits counted for the box (the
+        supervisor, which admits no request, has none).
     """
 
-    def __init__(self, shared: SharedCounts, config: Config) -> None:
+    def __init__(self, shared: SharedCounts, config: Config, limits: BoxLimits | None = None) -> None:
         self.shared = shared
+        self.limits = limits
         self._cells: dict[str, int] = {}
         self.pairs: tuple[tuple[str, str], ...] = ()
         """Every (route, host) pair of the config: the in-flight series each worker
@@ -81,6 +86,8 @@ class WorkerCounts:
         self._cells = cell_map(_names(config))
         self.pairs = tuple((route.name, h) for route in config.routes.values() for h in route.hosts)
         self.shared.clear_row()
+        if self.limits is not None:
+            self.limits.configure(config)  # their counts stay: they are counts of the past minute and day
 
     def _set(self, name: str, value: int) -> None:
         cell = self._cells.get(name)
