@@ -101,7 +101,7 @@ class CrossbarService(MultiService):
                                         tls=config.cluster.tls)
             runtime.join(self.cluster)
             runtime.limits.fleet = RedisLimits(self.cluster)
-            self.metrics.registry.register(ClusterCollector(self.cluster))
+            self.metrics.watch(ClusterCollector(self.cluster))  # rendered with workers too (the answering worker's link)
         self.metrics.watch(LimitsCollector(runtime.limits))  # with workers: the box's spending
         self.requests = RequestLog(self.metrics, runtime.tokens)
         # The dashboard's recent requests: one append per request; with workers, every
