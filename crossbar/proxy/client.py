@@ -20,7 +20,7 @@ from crossbar.proxy.cors import cors_headers
 from crossbar.proxy.headers import HOST_HEADER, answer_headers, relayable_phrase, upstream_headers
 
 __all__ = [
-    "abort_connection", "close_if_draining", "forwarded_headers", "write_error", "write_head", "write_json",
+    "abort_connection", "close_if_draining", "error_body", "forwarded_headers", "write_head", "write_json",
 ]
 
 _PHRASES = {429: b"Too Many Requests"}  # codes twisted.web has no phrase for
@@ -54,17 +54,13 @@ def write_json(request: Request, code: int, body: bytes, retry_after: bool | int
     return 0 if request.method == b"HEAD" else len(body)
 
 
-def write_error(request: Request, code: int, message: str, retry_after: bool | int, host: str | None,
-                draining: bool) -> int:
-    """Answer crossbar's own JSON error (rule 9) with :func:`write_json`; ``host`` names
-    the host that failed (in the body and ``X-Crossbar-Host``, like a relayed answer).
-    Returns the body bytes sent."""
+def error_body(request: Request, message: str, host: str | None) -> bytes:
+    """Crossbar's own JSON error (rule 9) saying ``message``; ``host`` names the host that
+    failed (in the body and ``X-Crossbar-Host``, like a relayed answer)."""
     if host is None:
-        body = json_error_bytes(message)
-    else:
-        body = json_error_bytes(message, host=host)
-        request.setHeader(HOST_HEADER, host.encode("utf-8"))
-    return write_json(request, code, body, retry_after, draining)
+        return json_error_bytes(message)
+    request.setHeader(HOST_HEADER, host.encode("utf-8"))
+    return json_error_bytes(message, host=host)
 
 
 def write_head(request: Request, response: IResponse, host: str, draining: bool) -> None:

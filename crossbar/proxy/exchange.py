@@ -1,17 +1,15 @@
 """One request's sequence through the proxy (docs/design.md §The proxy).
 
-Each request is one :class:`Exchange`, moving through the phases of
-:mod:`crossbar.proxy.phase`. It only sequences; the rules live in :mod:`~crossbar.proxy.head`
-(1-4, §Model names), :func:`crossbar.hosts.balance.choose` and :mod:`~crossbar.proxy.place`
-(5), :mod:`~crossbar.proxy.headers`, :mod:`~crossbar.proxy.client` and
-:mod:`~crossbar.proxy.relay` (6), :mod:`~crossbar.proxy.policy` (7),
-:mod:`~crossbar.proxy.tally` (8, written before the host's slot is freed) and
-:mod:`~crossbar.proxy.modellist` (10). Nothing here reads, logs or keeps a body.
+Each request is one :class:`Exchange`, moving through the phases of :mod:`crossbar.proxy.phase`.
+It only sequences; the rules live in :mod:`~crossbar.proxy.head` (1-4, §Model names),
+:func:`crossbar.hosts.balance.choose` and :mod:`~crossbar.proxy.place` (5),
+:mod:`~crossbar.proxy.headers`, :mod:`~crossbar.proxy.client` and :mod:`~crossbar.proxy.relay`
+(6), :mod:`~crossbar.proxy.policy` (7), :mod:`~crossbar.proxy.tally` (8, written before the
+host's slot is freed) and :mod:`~crossbar.proxy.modellist` (10). It never reads or keeps a body.
 """
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING
 
 from twisted.internet.defer import CancelledError, Deferred
@@ -22,14 +20,14 @@ from twisted.web.server import Request
 from crossbar.config import Config, Route
 from crossbar.hosts.balance import Chosen, Verdict, choose
 from crossbar.ops.record import NO_ROUTE
-from crossbar.proxy.attempt import Answer, Attempt, UpstreamFailed
-from crossbar.proxy.client import abort_connection, forwarded_headers, write_error, write_head, write_json
 from crossbar.paths import PathKind
-from crossbar.proxy.headers import is_event_stream
+from crossbar.proxy.attempt import Answer, Attempt, UpstreamFailed
+from crossbar.proxy.client import abort_connection, error_body, forwarded_headers, write_head, write_json
 from crossbar.proxy.head import Refusal, RequestHead, check_path, upstream_body, wanted_model
-from crossbar.proxy.modellist import route_models
-from crossbar.proxy.place import QueuePlace
+from crossbar.proxy.headers import is_event_stream
+from crossbar.proxy.modellist import models_body
 from crossbar.proxy.phase import LIVE, Phase, Phased, acts_in
+from crossbar.proxy.place import QueuePlace
 from crossbar.proxy.policy import Action, Decision, decide, queue_refusal
 from crossbar.proxy.relay import Relay, RelayEnd
 from crossbar.proxy.tally import Tally
@@ -48,15 +46,13 @@ _log = Logger(namespace="crossbar.proxy")
 class Exchange(Phased):
     """One proxied request, from ``render`` to its record (docs/design.md §The proxy).
 
-    :param head: the request's head, checked under the config current when it was
-        complete; the request is served under that config (one still waiting in a queue
-        adopts a reloaded one: §Choosing a host, rule 4).
+    :param head: the request's head, checked under the config current when it was complete;
+        the request is served under it (one waiting in a queue adopts a reloaded config).
     """
 
     def __init__(self, proxy: ProxyResource, request: Request, head: RequestHead) -> None:
         super().__init__()
-        self.proxy, self.request, self.head = proxy, request, head
-        self.key = head.key  # the client key's name, or "" (the runtime's per-key counts)
+        self.proxy, self.request, self.head, self.key = proxy, request, head, head.key
         self.runtime, self.clock = proxy.runtime, proxy.clock
         self.config: Config = head.config
         self.route: Route | None = head.route
@@ -84,13 +80,8 @@ class Exchange(Phased):
             return self.answer_error(checked.code, checked.message)
         assert self.route is not None
         if checked is PathKind.MODEL_LIST:
-            doc = route_models(self.route, self.runtime.table.all())
-            if doc is None:
-                return self.answer_error(503, "no healthy host")
-            self.tally.answered(200)
-            self.tally.bytes = write_json(self.request, 200, json.dumps(doc).encode("utf-8"), False,
-                                          self.runtime.draining)
-            return self.end()
+            body = models_body(self.route, self.runtime.table.all())
+            return self.answer_error(503, "no healthy host") if body is None else self.answer(200, body)
         self.model, self.query = wanted_model(head, self.route)
         self.tally.model = self.model
         if head.key and not self.runtime.key_admits(self.route, head.key):
@@ -104,8 +95,7 @@ class Exchange(Phased):
 
     @acts_in(Phase.ROUTING)
     def on_limits_checked(self, wait: float) -> None:
-        """The key's limits answered: 429 with ``Retry-After`` saying when the window
-        allows the next request, else go on (a client that left meanwhile ended it)."""
+        """The key's limits answered: 429 with ``Retry-After`` (when the window allows one), or go on."""
         if wait > 0:
             return self.answer_error(429, "too many requests", retry_after=retry_after_header(wait))
         self.admitted()
@@ -116,12 +106,9 @@ class Exchange(Phased):
         self._enter(Phase.FORWARDING)
         self.forward()
 
-    # -- rule 5: choose, wait; rule 7: fail over ------------------------------------
-
     def forward(self, waiting: bool = False) -> bool:
-        """Send the request to the host chosen among those not tried (§Choosing a host,
-        rules 1-3), or wait for room (a ``waiting`` request stays in the queue), or
-        answer that none is left. True once it left the queue."""
+        """Send the request to a host not tried (§Choosing a host), or wait for room (a
+        ``waiting`` request stays queued), or answer that none is left. True once out of the queue."""
         assert self.route is not None
         runtime = self.runtime
         verdict = choose(self.route, self.config.hosts, runtime.table.all(), runtime.inflight.host, self.model,
@@ -150,8 +137,9 @@ class Exchange(Phased):
         host, head = self.config.hosts[chosen.host], self.head
         headers = forwarded_headers(self.request, bool(self.route.keys), host.api_key, self.key)
         body = upstream_body(head, self.model, lambda: self.runtime.table.is_router(chosen.host))
-        self.attempt = Attempt(self.proxy.pools, self.clock, head.method, host_url(host.url).target(head.rest + self.query),
-                               headers, body, self.config.timeouts.first_byte).start()
+        target = host_url(host.url).target(head.rest + self.query)
+        self.attempt = Attempt(self.proxy.pools, self.clock, head.method, target, headers, body,
+                               self.config.timeouts.first_byte).start()
         self.attempt.addCallbacks(self.on_answer, self.on_attempt_failed)
         self.attempt.addErrback(self.on_bug)
 
@@ -169,8 +157,7 @@ class Exchange(Phased):
         self.place.join(self.route.queue.timeout)
 
     def retry(self) -> bool:
-        """The queue's call when room may have freed: True once this request left it.
-        A waiting request adopts a reloaded config while its route still exists."""
+        """Room may have freed (the queue's call; True once out of it), under a reloaded config if any."""
         if self.phase is not Phase.QUEUED:
             return True
         current = self.runtime.config
@@ -190,8 +177,7 @@ class Exchange(Phased):
 
     @acts_in(Phase.FORWARDING)
     def on_attempt_failed(self, failure: Failure) -> None:
-        """Rule 7 before the head; a cancel is ours (the client left, a drain): it says
-        nothing about the host."""
+        """Rule 7 before the head; a cancel is ours (the client left, a drain), not the host's."""
         self.attempt = None
         if not failure.check(CancelledError):
             failure.trap(UpstreamFailed)
@@ -220,11 +206,9 @@ class Exchange(Phased):
             self.request.finish()
             self.end()
 
-    # -- rule 6: relay the answer -----------------------------------------------------
-
     @acts_in(Phase.FORWARDING)
     def on_answer(self, answer: Answer) -> None:
-        """The host's head arrived: send it to the client at once, then relay the body."""
+        """The host's head arrived: send it to the client at once, then relay the body (rule 6)."""
         self.attempt = None
         self._enter(Phase.RELAYING)
         host, table, timeouts = self.tally.host, self.runtime.table, self.config.timeouts
@@ -247,13 +231,10 @@ class Exchange(Phased):
                 self.tally.client_left()
             self.carry_out(decide(how, self.tally.host, self.tried), how.value, self.relay.reason)
 
-    # -- endings ----------------------------------------------------------------------
-
     @acts_in(*LIVE)
     def on_client_gone(self, reason: Failure | None) -> None:
-        """The client's connection closed before the answer ended: cancel upstream. One
-        that left after the last byte of a complete answer (``[DONE]``), before the
-        host's end reached crossbar, is recorded as a clean end (rule 8)."""
+        """The client left before the end: cancel upstream; after the last byte of a complete
+        answer (``[DONE]``) it is recorded as a clean end (rule 8)."""
         relay = self.relay
         complete = relay is not None and relay.delivered_complete()
         if not complete:
@@ -295,16 +276,18 @@ class Exchange(Phased):
 
     @acts_in(*LIVE)
     def answer_error(self, code: int, message: str, retry_after: bool | int = False, host: str | None = None) -> None:
-        """Answer crossbar's own JSON error (rule 9, :func:`~crossbar.proxy.client.write_error`)
-        and end; every 503 carries ``Retry-After`` (rule 10: clients' retries back off)."""
+        """Answer crossbar's own JSON error (rule 9, :func:`~crossbar.proxy.client.error_body`) and end."""
+        self.answer(code, error_body(self.request, message, host), retry_after)
+
+    def answer(self, code: int, body: bytes, retry_after: bool | int = False) -> None:
+        """Answer ``code`` with the JSON ``body`` and end; ``retry_after``: ``Retry-After: 1``
+        (busy) or that many seconds; every 503 has one (rule 10: retries back off)."""
         self.tally.answered(code)
-        self.tally.bytes = write_error(self.request, code, message, retry_after or code == 503, host,
-                                       self.runtime.draining)
+        self.tally.bytes = write_json(self.request, code, body, retry_after or code == 503, self.runtime.draining)
         self.end()
 
     def end(self) -> None:
-        """Once: write the record (rule 8), then free the host's slot -- which may
-        dispatch a waiting request, whose work is not this request's duration."""
+        """Once: write the record (rule 8), then free the host's slot (which may dispatch another)."""
         if self._enter(Phase.ENDED):
             if self.relay is not None:
                 self.tally.first_byte_at = self.relay.first_byte_at
@@ -314,10 +297,9 @@ class Exchange(Phased):
             self.runtime.end(self)
 
     def release_host(self) -> None:
-        """Stop counting this request as in flight to its host."""
-        lease, self.lease = self.lease, None
-        if lease is not None:
-            lease.release()
+        """Stop counting this request as in flight to its host (:meth:`Lease.release` is idempotent)."""
+        if self.lease is not None:
+            self.lease.release()
 
     def on_bug(self, failure: Failure) -> None:
         """Last resort: a bug in crossbar must not leave the client hanging."""
