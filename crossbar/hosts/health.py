@@ -101,6 +101,11 @@ class HealthTable:
         """The status of ``name``, or None for a host the table does not track."""
         return self._hosts.get(name)
 
+    def is_router(self, name: str) -> bool:
+        """``name`` is in router mode at its last good poll (§"Model names")."""
+        status = self._hosts.get(name)
+        return status is not None and status.router
+
     def all(self) -> dict[str, HostStatus]:
         """A snapshot of every host's status (a new dict; the records are frozen)."""
         return dict(self._hosts)

@@ -15,10 +15,13 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IResponse
 from twisted.web.server import Request
 
+from crossbar.errors import json_error_bytes
 from crossbar.proxy.cors import cors_headers
 from crossbar.proxy.headers import HOST_HEADER, answer_headers, relayable_phrase, upstream_headers
 
-__all__ = ["abort_connection", "close_if_draining", "forwarded_headers", "write_head", "write_json"]
+__all__ = [
+    "abort_connection", "close_if_draining", "error_body", "forwarded_headers", "write_head", "write_json",
+]
 
 _PHRASES = {429: b"Too Many Requests"}  # codes twisted.web has no phrase for
 
@@ -51,6 +54,15 @@ def write_json(request: Request, code: int, body: bytes, retry_after: bool | int
     return 0 if request.method == b"HEAD" else len(body)
 
 
+def error_body(request: Request, message: str, host: str | None) -> bytes:
+    """Crossbar's own JSON error (rule 9) saying ``message``; ``host`` names the host that
+    failed (in the body and ``X-Crossbar-Host``, like a relayed answer)."""
+    if host is None:
+        return json_error_bytes(message)
+    request.setHeader(HOST_HEADER, host.encode("utf-8"))
+    return json_error_bytes(message, host=host)
+
+
 def write_head(request: Request, response: IResponse, host: str, draining: bool) -> None:
     """Send the host's answer head to the client at once, before any body byte
     (docs/design.md §Quality bar): its status and headers (rule 6) and ``X-Crossbar-Host``."""
@@ -69,11 +81,15 @@ def abort_connection(request: Request) -> None:
         transport.abortConnection()
 
 
-def forwarded_headers(request: Request, keyed: bool, api_key: str | None) -> Headers:
+def forwarded_headers(request: Request, keyed: bool, api_key: str | None, client_key: str) -> Headers:
     """The headers to send upstream for ``request`` (rule 6,
     :func:`~crossbar.proxy.headers.upstream_headers`): its client's address and whether
-    it came over TLS read from the connection."""
+    it came over TLS read from the connection. ``client_key``: the name of the key the
+    client presented ("" for none); a keyless request on a ``keyed`` route (a CORS
+    preflight) never carries the host's ``api_key`` (§Access)."""
     client = request.getClientAddress()
+    if keyed and not client_key:
+        api_key = None
     return upstream_headers(
         request.requestHeaders, keyed=keyed, api_key=api_key, secure=request.isSecure(),
         client=client.host if isinstance(client, (IPv4Address, IPv6Address)) else None)

@@ -1,26 +1,15 @@
 """One request's sequence through the proxy (docs/design.md §The proxy).
 
-Each request is one :class:`Exchange`, moving through the phases of
-:mod:`crossbar.proxy.phase`. It only sequences; where each rule lives:
-
-- rules 1-4 and §Model names: :mod:`crossbar.proxy.head` (the head parsed once; every
-  check in order; :func:`~crossbar.proxy.head.wanted_model`); the 413 and the peek in
-  :class:`crossbar.proxy.request.CappedRequest`;
-- rule 5: :meth:`Exchange.forward` (:func:`crossbar.hosts.balance.choose`, the queue);
-- rule 6: :mod:`crossbar.proxy.headers` (pure), :mod:`crossbar.proxy.client` (writes
-  to the client), :class:`crossbar.proxy.relay.Relay` (the body);
-- rule 7: :func:`crossbar.proxy.policy.decide`, carried out by :meth:`Exchange.carry_out`
-  (:class:`crossbar.proxy.attempt.Attempt` classifies failures before the head);
-- rule 8: :class:`crossbar.proxy.tally.Tally`, written by :meth:`Exchange.end` before
-  the host's slot is freed; rule 9: :meth:`Exchange.answer_error`, :meth:`Exchange.on_bug`;
-- rule 10: :meth:`Exchange.start` with :mod:`crossbar.proxy.modellist`.
-
-Nothing here reads, logs or keeps a body beyond forwarding it.
+Each request is one :class:`Exchange`, moving through the phases of :mod:`crossbar.proxy.phase`.
+It only sequences; the rules live in :mod:`~crossbar.proxy.head` (1-4, §Model names),
+:func:`crossbar.hosts.balance.choose` and :mod:`~crossbar.proxy.place` (5),
+:mod:`~crossbar.proxy.headers`, :mod:`~crossbar.proxy.client` and :mod:`~crossbar.proxy.relay`
+(6), :mod:`~crossbar.proxy.policy` (7), :mod:`~crossbar.proxy.tally` (8, written before the
+host's slot is freed) and :mod:`~crossbar.proxy.modellist` (10). It never reads or keeps a body.
 """
 
 from __future__ import annotations
 
-import json
 from typing import TYPE_CHECKING
 
 from twisted.internet.defer import CancelledError, Deferred
@@ -29,18 +18,17 @@ from twisted.python.failure import Failure
 from twisted.web.server import Request
 
 from crossbar.config import Config, Route
-from crossbar.errors import json_error_bytes
 from crossbar.hosts.balance import Chosen, Verdict, choose
 from crossbar.ops.record import NO_ROUTE
-from crossbar.proxy.attempt import Answer, Attempt, UpstreamFailed
-from crossbar.proxy.client import abort_connection, forwarded_headers, write_head, write_json
 from crossbar.paths import PathKind
-from crossbar.proxy.headers import HOST_HEADER
+from crossbar.proxy.attempt import Answer, Attempt, UpstreamFailed
+from crossbar.proxy.client import abort_connection, error_body, forwarded_headers, write_head, write_json
 from crossbar.proxy.head import Refusal, RequestHead, check_path, upstream_body, wanted_model
-from crossbar.proxy.modellist import route_models
+from crossbar.proxy.headers import is_event_stream
+from crossbar.proxy.modellist import models_body
+from crossbar.proxy.phase import LIVE, Phase, Phased, acts_in
 from crossbar.proxy.place import QueuePlace
-from crossbar.proxy.phase import LIVE, NEXT, Phase, acts_in
-from crossbar.proxy.policy import Action, Decision, decide
+from crossbar.proxy.policy import Action, Decision, decide, queue_refusal
 from crossbar.proxy.relay import Relay, RelayEnd
 from crossbar.proxy.tally import Tally
 from crossbar.state.inflight import Lease
@@ -55,36 +43,27 @@ __all__ = ["Exchange"]
 _log = Logger(namespace="crossbar.proxy")
 
 
-class Exchange:
+class Exchange(Phased):
     """One proxied request, from ``render`` to its record (docs/design.md §The proxy).
 
-    :param head: the request's head, checked under the config current when it was
-        complete; the request is served under that config (one still waiting in a queue
-        adopts a reloaded one: §Choosing a host, rule 4).
+    :param head: the request's head, checked under the config current when it was complete;
+        the request is served under it (one waiting in a queue adopts a reloaded config).
     """
 
     def __init__(self, proxy: ProxyResource, request: Request, head: RequestHead) -> None:
-        self.proxy, self.request, self.head = proxy, request, head
-        self.key = head.key  # the client key's name, or "" (the runtime's per-key counts)
+        super().__init__()
+        self.proxy, self.request, self.head, self.key = proxy, request, head, head.key
         self.runtime, self.clock = proxy.runtime, proxy.clock
         self.config: Config = head.config
         self.route: Route | None = head.route
         self.model: str | None = None
         self.query = head.query
         self.tally = Tally(head, proxy.requests, self.clock.seconds)
-        self.phase = Phase.ROUTING
         self.tried: list[str] = []
         self.lease: Lease | None = None
         self.attempt: Deferred[Answer] | None = None
         self.relay: Relay | None = None
         self.place: QueuePlace | None = None
-
-    def _enter(self, phase: Phase) -> bool:
-        """Move to ``phase`` if :data:`~crossbar.proxy.phase.NEXT` allows it, else stay: False."""
-        if phase not in NEXT[self.phase]:
-            return False
-        self.phase = phase
-        return True
 
     @property
     def route_name(self) -> str:
@@ -93,7 +72,7 @@ class Exchange:
 
     def start(self) -> None:
         """Rules 1-3 (:func:`~crossbar.proxy.head.check_path`), rule 10, a key's
-        ``max_inflight`` (429, §Access), then forward."""
+        ``max_inflight`` and limits (429, §Access), then forward."""
         self.request.notifyFinish().addErrback(self.on_client_gone)
         head = self.head
         checked = check_path(head)
@@ -101,16 +80,13 @@ class Exchange:
             return self.answer_error(checked.code, checked.message)
         assert self.route is not None
         if checked is PathKind.MODEL_LIST:
-            doc = route_models(self.route, self.runtime.table.all())
-            if doc is None:
-                return self.answer_error(503, "no healthy host")
-            return self.answer_json(200, json.dumps(doc).encode("utf-8"))
+            body = models_body(self.route, self.runtime.table.all())
+            return self.answer_error(503, "no healthy host") if body is None else self.answer(200, body)
         self.model, self.query = wanted_model(head, self.route)
         self.tally.model = self.model
         if head.key and not self.runtime.key_admits(self.route, head.key):
             return self.answer_error(429, "too many requests", retry_after=True)
-        if head.key and self.route.keys[head.key].limits:
-            # §Access: the key's limits (fleet-wide with cluster.redis: up to 50 ms).
+        if head.key and self.route.keys[head.key].limits:  # fleet-wide with cluster.redis: up to 50 ms
             limited = self.runtime.check_limits(self.route, head.key)
             limited.addCallback(self.on_limits_checked)
             limited.addErrback(self.on_bug)
@@ -119,8 +95,7 @@ class Exchange:
 
     @acts_in(Phase.ROUTING)
     def on_limits_checked(self, wait: float) -> None:
-        """The key's limits answered: 429 with ``Retry-After`` saying when the window
-        allows the next request, else go on (a client that left meanwhile ended it)."""
+        """The key's limits answered: 429 with ``Retry-After`` (when the window allows one), or go on."""
         if wait > 0:
             return self.answer_error(429, "too many requests", retry_after=retry_after_header(wait))
         self.admitted()
@@ -131,19 +106,14 @@ class Exchange:
         self._enter(Phase.FORWARDING)
         self.forward()
 
-    # -- rule 5: choose, wait; rule 7: fail over ------------------------------------
-
-    def choose(self) -> Chosen | Verdict:
-        """Rules 1-3 of §Choosing a host for this request, among the hosts not tried."""
-        assert self.route is not None
-        runtime, head = self.runtime, self.head
-        return choose(self.route, self.config.hosts, runtime.table.all(), runtime.inflight.host, self.model,
-                      head.peeked.affinity_key, runtime.rotation, exclude=self.tried, draining=runtime.drained)
-
     def forward(self, waiting: bool = False) -> bool:
-        """Send the request to the host chosen, or wait for room (a ``waiting`` request
-        stays in the queue), or answer that none is left. True once it left the queue."""
-        verdict = self.choose()
+        """Send the request to a host not tried (§Choosing a host), or wait for room (a
+        ``waiting`` request stays queued), or answer that none is left. True once out of the queue."""
+        assert self.route is not None
+        runtime = self.runtime
+        verdict = choose(self.route, self.config.hosts, runtime.table.all(), runtime.inflight.host, self.model,
+                         self.head.peeked.affinity_key, runtime.rotation, exclude=self.tried,
+                         draining=runtime.drained)
         if verdict is Verdict.BUSY:
             if not waiting:
                 self.enqueue()
@@ -156,54 +126,38 @@ class Exchange:
         return True
 
     def dispatch(self, chosen: Chosen) -> None:
-        """Count the request against ``chosen.host`` and send it there (rules 6-7): the
-        body as :func:`~crossbar.proxy.head.upstream_body` gives it for this host (decided
-        per host: a failover may move it between a router-mode and a single-model host),
-        the query as :func:`~crossbar.proxy.head.wanted_model` gave it."""
+        """Count the request against ``chosen.host`` and send it there (rules 6-7), the
+        body as :func:`~crossbar.proxy.head.upstream_body` gives it for this host."""
         assert self.route is not None
         self._enter(Phase.FORWARDING)
         if not self.tried:
             self.runtime.count_affinity(self.route.name, chosen.affinity)
         self.tally.chose(chosen, failover=bool(self.tried))
         self.lease = self.runtime.inflight.enter(self.route.name, chosen.host)
-        host = self.config.hosts[chosen.host]
-        keyless_preflight = bool(self.route.keys) and not self.key  # never the host's key (§Access)
-        headers = forwarded_headers(self.request, keyed=bool(self.route.keys),
-                                    api_key=None if keyless_preflight else host.api_key)
-        target = host_url(host.url).target(self.head.rest + self.query)
-        head = self.head
-        body = head.body
-        if head.peeked.spot is not None and head.peeked.model != self.model:  # an alias, or no model named
-            body = upstream_body(head, self.model, lambda: self.is_router(chosen.host))
+        host, head = self.config.hosts[chosen.host], self.head
+        headers = forwarded_headers(self.request, bool(self.route.keys), host.api_key, self.key)
+        body = upstream_body(head, self.model, lambda: self.runtime.table.is_router(chosen.host))
+        target = host_url(host.url).target(head.rest + self.query)
         self.attempt = Attempt(self.proxy.pools, self.clock, head.method, target, headers, body,
                                self.config.timeouts.first_byte).start()
         self.attempt.addCallbacks(self.on_answer, self.on_attempt_failed)
         self.attempt.addErrback(self.on_bug)
 
-    def is_router(self, host: str) -> bool:
-        """``host`` is in router mode at its last good poll (§"Model names")."""
-        status = self.runtime.table.get(host)
-        return status is not None and status.router
-
     def enqueue(self) -> None:
-        """No host of the tier has room (§Choosing a host, rule 4): wait in the route's
-        queue, unless it is off (``queue.max: 0``) or full: 503 at once. (A keyless
-        preflight on a keyed route never takes a queue place from the route's clients.)"""
+        """No host has room: wait in the route's queue, or 503 at once (:func:`~crossbar.proxy.policy.queue_refusal`)."""
         assert self.route is not None
-        settings = self.route.queue
-        if settings.max == 0 or (self.route.keys and not self.key):
-            return self.answer_error(503, "all hosts busy", retry_after=True)
-        if self.runtime.queues.queued(self.route.name) >= settings.max:
-            return self.answer_error(503, "queue full", retry_after=True)
+        refusal = queue_refusal(self.route.queue.max, bool(self.route.keys) and not self.key,
+                                self.runtime.queues.queued(self.route.name))
+        if refusal is not None:
+            return self.answer_error(503, refusal, retry_after=True)
         self._enter(Phase.QUEUED)
         if self.place is None:
             self.place = QueuePlace(self.runtime.queues, self.clock, self.tally, self.route.name,
                                     self.retry, self.on_queue_timeout)
-        self.place.join(settings.timeout)
+        self.place.join(self.route.queue.timeout)
 
     def retry(self) -> bool:
-        """The queue's call when room may have freed: True once this request left it.
-        A waiting request adopts a reloaded config while its route still exists."""
+        """Room may have freed (the queue's call; True once out of it), under a reloaded config if any."""
         if self.phase is not Phase.QUEUED:
             return True
         current = self.runtime.config
@@ -223,8 +177,7 @@ class Exchange:
 
     @acts_in(Phase.FORWARDING)
     def on_attempt_failed(self, failure: Failure) -> None:
-        """Rule 7 before the head; a cancel is ours (the client left, a drain): it says
-        nothing about the host."""
+        """Rule 7 before the head; a cancel is ours (the client left, a drain), not the host's."""
         self.attempt = None
         if not failure.check(CancelledError):
             failure.trap(UpstreamFailed)
@@ -246,29 +199,23 @@ class Exchange:
         elif decision.action is Action.ANSWER:
             self.answer_error(decision.code, decision.message, host=decision.host)
         elif decision.action is Action.ABORT_CLIENT:
-            if self.tally.ended == "complete":  # a stalled client's cut stays client_gone
-                self.tally.ended = "cut"
+            self.tally.cut()
             self.abort_client()
         elif decision.action is Action.FINISH:
             self.request.unregisterProducer()
             self.request.finish()
             self.end()
 
-    # -- rule 6: relay the answer -----------------------------------------------------
-
     @acts_in(Phase.FORWARDING)
     def on_answer(self, answer: Answer) -> None:
-        """The host's head arrived: send it to the client at once, then relay the body."""
+        """The host's head arrived: send it to the client at once, then relay the body (rule 6)."""
         self.attempt = None
         self._enter(Phase.RELAYING)
-        host = self.tally.host
-        table = self.runtime.table
+        host, table, timeouts = self.tally.host, self.runtime.table, self.config.timeouts
         table.seen[host] = self.clock.seconds()  # the host is alive (rule 7)
         self.tally.answered(answer.response.code, answer.sent_at)
         write_head(self.request, answer.response, host, self.runtime.draining)
-        types = self.request.responseHeaders.getRawHeaders(b"content-type")
-        self.tally.streamed = types is not None and bool(types) and types[0].startswith(b"text/event-stream")
-        timeouts = self.config.timeouts
+        self.tally.streamed = is_event_stream(self.request.responseHeaders)
         relay = self.relay = Relay(self.request, self.clock, timeouts.idle, timeouts.client_stall, host, table.seen)
         relay.ended.addCallback(self.on_relay_end)
         relay.ended.addErrback(self.on_bug)
@@ -277,31 +224,25 @@ class Exchange:
     def on_relay_end(self, how: RelayEnd) -> None:
         """Rule 7 after the head: a clean end finishes; a dead or silent host is cut."""
         assert self.relay is not None
-        self.tally.bytes = self.relay.bytes
-        if how is RelayEnd.COMPLETE and self.phase is Phase.RELAYING:
-            self.tally.figures = self.relay.figures(self.head.rest)  # §What the answers say
-        if self.phase is Phase.RELAYING:
+        relaying = self.phase is Phase.RELAYING
+        self.tally.relayed(self.relay, complete=how is RelayEnd.COMPLETE and relaying)
+        if relaying:
             if how is RelayEnd.CLIENT_STALL:  # the client's doing (rule 8): like one that left
-                self.tally.status, self.tally.ended = 499, "client_gone"
+                self.tally.client_left()
             self.carry_out(decide(how, self.tally.host, self.tried), how.value, self.relay.reason)
-
-    # -- endings ----------------------------------------------------------------------
 
     @acts_in(*LIVE)
     def on_client_gone(self, reason: Failure | None) -> None:
-        """The client's connection closed before the answer ended: cancel upstream. A
-        client that left after the last byte of a complete answer (``[DONE]``) before
-        the host's end reached crossbar saw a complete answer (rule 8): its status and
-        figures are recorded as for a clean end."""
+        """The client left before the end: cancel upstream; after the last byte of a complete
+        answer (``[DONE]``) it is recorded as a clean end (rule 8)."""
         relay = self.relay
         complete = relay is not None and relay.delivered_complete()
         if not complete:
-            self.tally.status = 499  # nginx's "client closed request", for the log line only
-            self.tally.ended = "client_gone"
+            self.tally.client_left()
         self.leave_queue()
         self.stop_upstream()
         if complete and relay is not None:
-            self.tally.figures = relay.figures(self.head.rest)  # §What the answers say
+            self.tally.relayed(relay, complete=True)
         self.end()
 
     @acts_in(*LIVE)
@@ -323,7 +264,7 @@ class Exchange:
             attempt.cancel()
         if self.relay is not None:
             self.relay.stop()
-            self.tally.bytes = self.relay.bytes
+            self.tally.relayed(self.relay, complete=False)
 
     @acts_in(*LIVE)
     def abort_client(self) -> None:
@@ -335,43 +276,30 @@ class Exchange:
 
     @acts_in(*LIVE)
     def answer_error(self, code: int, message: str, retry_after: bool | int = False, host: str | None = None) -> None:
-        """Answer crossbar's own JSON error (rule 9) and end; ``retry_after`` adds
-        ``Retry-After: 1`` (busy answers) or that many seconds, ``host`` names the host
-        that failed (in the body and ``X-Crossbar-Host``, like a relayed answer)."""
-        if host is None:
-            body = json_error_bytes(message)
-        else:
-            body = json_error_bytes(message, host=host)
-            self.request.setHeader(HOST_HEADER, host.encode("utf-8"))
-        self.answer_json(code, body, retry_after)
+        """Answer crossbar's own JSON error (rule 9, :func:`~crossbar.proxy.client.error_body`) and end."""
+        self.answer(code, error_body(self.request, message, host), retry_after)
 
-    def answer_json(self, code: int, body: bytes, retry_after: bool | int = False) -> None:
-        """Answer ``code`` with the JSON ``body`` and end; every 503 carries
-        ``Retry-After`` (rule 10: clients' retries then back off)."""
+    def answer(self, code: int, body: bytes, retry_after: bool | int = False) -> None:
+        """Answer ``code`` with the JSON ``body`` and end; ``retry_after``: ``Retry-After: 1``
+        (busy) or that many seconds; every 503 has one (rule 10: retries back off)."""
         self.tally.answered(code)
         self.tally.bytes = write_json(self.request, code, body, retry_after or code == 503, self.runtime.draining)
         self.end()
 
     def end(self) -> None:
-        """Once: write the record (rule 8), then free the host's slot -- which may
-        dispatch a waiting request, whose work is not this request's duration."""
+        """Once: write the record (rule 8), then free the host's slot (which may dispatch another)."""
         if self._enter(Phase.ENDED):
             if self.relay is not None:
                 self.tally.first_byte_at = self.relay.first_byte_at
-            figures = self.tally.figures
-            if figures is not None and self.key and self.route is not None:
-                # Key limits (§Access): the answer's tokens (§"What the answers say"):
-                # every prompt token, cached or read, and every generated one.
-                self.runtime.spend(self.route.name, self.key, figures.prompt + figures.cached + figures.generated)
+            self.tally.spend(self.runtime.spend)
             self.tally.write(self.runtime.table.get)
             self.release_host()
             self.runtime.end(self)
 
     def release_host(self) -> None:
-        """Stop counting this request as in flight to its host."""
-        lease, self.lease = self.lease, None
-        if lease is not None:
-            lease.release()
+        """Stop counting this request as in flight to its host (:meth:`Lease.release` is idempotent)."""
+        if self.lease is not None:
+            self.lease.release()
 
     def on_bug(self, failure: Failure) -> None:
         """Last resort: a bug in crossbar must not leave the client hanging."""

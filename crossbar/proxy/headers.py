@@ -14,7 +14,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IResponse
 
 __all__ = [
-    "HOP_BY_HOP", "HOST_HEADER", "answer_headers", "hop_by_hop_names", "relayable_phrase",
+    "HOP_BY_HOP", "HOST_HEADER", "answer_headers", "hop_by_hop_names", "is_event_stream", "relayable_phrase",
     "upstream_headers",
 ]
 
@@ -110,3 +110,9 @@ def answer_headers(response: IResponse, out: Headers, method: bytes) -> None:
     length = response.length
     if isinstance(length, int) and response.code not in _NO_BODY_CODES and method != b"HEAD":
         out.setRawHeaders(b"Content-Length", [str(length).encode("ascii")])
+
+
+def is_event_stream(headers: Headers) -> bool:
+    """The answer's (first) ``Content-Type`` is ``text/event-stream``: a streamed answer."""
+    types = headers.getRawHeaders(b"content-type")
+    return types is not None and bool(types) and types[0].startswith(b"text/event-stream")

@@ -14,7 +14,7 @@ from typing import Any, Mapping
 from crossbar.config import Route
 from crossbar.hosts.health import HostStatus
 
-__all__ = ["route_models"]
+__all__ = ["models_body", "route_models"]
 
 _STATES = ("loaded", "loading", "available")
 
@@ -66,3 +66,9 @@ def route_models(route: Route, statuses: Mapping[str, HostStatus]) -> dict[str, 
         if "*" not in alias and target in entries and alias not in listed:
             listed[alias] = {**entries[target], "id": alias, "crossbar": {"alias_of": target, "hosts": where[target]}}
     return {"object": "list", "data": [listed[m] for m in sorted(listed)]}
+
+
+def models_body(route: Route, statuses: Mapping[str, HostStatus]) -> bytes | None:
+    """:func:`route_models` as the JSON body of the answer, or None (503: no healthy host)."""
+    doc = route_models(route, statuses)
+    return None if doc is None else json.dumps(doc).encode("utf-8")

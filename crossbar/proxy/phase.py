@@ -12,7 +12,7 @@ from enum import Enum
 from functools import wraps
 from typing import Any, Callable, Final, TypeVar, cast
 
-__all__ = ["LIVE", "NEXT", "Phase", "acts_in"]
+__all__ = ["LIVE", "NEXT", "Phase", "Phased", "acts_in"]
 
 
 class Phase(Enum):
@@ -45,6 +45,25 @@ NEXT: Final[dict[Phase, frozenset[Phase]]] = {
 
 LIVE: Final = (Phase.ROUTING, Phase.QUEUED, Phase.FORWARDING, Phase.RELAYING)
 """The phases before the end."""
+
+
+
+class Phased:
+    """An object that moves through :data:`NEXT`, starting at ``ROUTING``.
+
+    :ivar phase: where it is.
+    """
+
+    def __init__(self) -> None:
+        self.phase = Phase.ROUTING
+
+    def _enter(self, phase: Phase) -> bool:
+        """Move to ``phase`` if :data:`NEXT` allows it, else stay: False."""
+        if phase not in NEXT[self.phase]:
+            return False
+        self.phase = phase
+        return True
+
 
 _F = TypeVar("_F", bound=Callable[..., None])
 

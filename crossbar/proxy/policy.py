@@ -18,7 +18,7 @@ from crossbar.hosts.balance import Verdict
 from crossbar.proxy.attempt import FailureKind
 from crossbar.proxy.relay import RelayEnd
 
-__all__ = ["Action", "Decision", "Event", "decide"]
+__all__ = ["Action", "Decision", "Event", "decide", "queue_refusal"]
 
 Event = FailureKind | RelayEnd | Literal[Verdict.NO_HOST, Verdict.NO_MODEL]
 """What happened: an attempt's failure before the head (phase ``FORWARDING``), how the
@@ -102,3 +102,15 @@ def decide(event: Event, host: str | None, tried: Sequence[str], alive: bool = F
     if event is RelayEnd.CLIENT_STALL:
         return _CUT_CLIENT
     return _CUT  # RelayEnd.MID_ANSWER, RelayEnd.IDLE_TIMEOUT
+
+
+def queue_refusal(queue_max: int, preflight: bool, queued: int) -> str | None:
+    """§Choosing a host, rule 4: why a request finding no room may not wait in its
+    route's queue (a 503 at once), or None when it may. ``queue_max``: the route's
+    ``queue.max`` (0: no queue); ``preflight``: a keyless request on a keyed route, which
+    never takes a place from the route's clients; ``queued``: the requests waiting now."""
+    if queue_max == 0 or preflight:
+        return "all hosts busy"
+    if queued >= queue_max:
+        return "queue full"
+    return None

@@ -21,6 +21,7 @@ from crossbar.proxy.head import RequestHead
 
 if TYPE_CHECKING:
     from crossbar.hosts.health import HostStatus
+    from crossbar.proxy.relay import Relay
 
 __all__ = ["Tally"]
 
@@ -100,6 +101,32 @@ class Tally:
         if sent_at is not None:
             self.sent_at = sent_at
             self.ttfb = self.now() - sent_at
+
+    def relayed(self, relay: Relay, complete: bool) -> None:
+        """The body bytes ``relay`` sent the client; a ``complete`` answer's figures too
+        (§What the answers say)."""
+        self.bytes = relay.bytes
+        if complete:
+            self.figures = relay.figures(self.head.rest)
+
+    def cut(self) -> None:
+        """The client's connection is cut mid-answer; a client that had stalled stays
+        ``client_gone`` (rule 8)."""
+        if self.ended == "complete":
+            self.ended = "cut"
+
+    def client_left(self) -> None:
+        """The client left before a complete answer: 499 (nginx's "client closed
+        request", for the log line only)."""
+        self.status, self.ended = 499, "client_gone"
+
+    def spend(self, spend: Callable[[str, str, int], None]) -> None:
+        """A keyed request's answer said what it did: its tokens, every prompt token,
+        cached or read, and every generated one, count against the key's limits
+        (§Access; §"What the answers say") through ``spend(route, key, tokens)``."""
+        figures, route, key = self.figures, self.head.route, self.head.key
+        if figures is not None and key and route is not None:
+            spend(route.name, key, figures.prompt + figures.cached + figures.generated)
 
     def marked_down(self, host: str, kind: str) -> None:
         """This request took ``host`` out of rotation, for a failure of ``kind``."""
