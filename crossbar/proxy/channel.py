@@ -193,12 +193,20 @@ class HeadDeadlineChannel(BadRequestHook, HTTPChannel):
             self._slice_call = self.callLater(0, self._next_slice)
 
     def allHeadersReceived(self) -> None:
-        self._disarm_head_deadline()
         length = self.length  # Content-Length, None when chunked, 0 without a body
+        if length == 0:
+            self._disarm_head_deadline()
+            timer = None
+        else:  # the head's timer becomes the body's: moved, not cancelled and re-made
+            timer, self._head_timer = self._head_timer, None  # detached while Twisted works
         self._body_chunked = length is None
         super().allHeadersReceived()
         if length != 0:  # disarmed again by allContentReceived
-            self._head_timer = self.callLater(body_deadline(length), self._head_deadline_passed)
+            if timer is not None and timer.active():
+                timer.reset(body_deadline(length))
+                self._head_timer = timer
+            else:
+                self._head_timer = self.callLater(body_deadline(length), self._head_deadline_passed)
 
     def allContentReceived(self) -> None:
         self._disarm_head_deadline()
