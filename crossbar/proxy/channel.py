@@ -74,7 +74,8 @@ def hostile_header(name: bytes, value: bytes, repeated_te: bool) -> str | None:
     lowered = name.strip(b" \t").lower()
     if b"_" in lowered and lowered.replace(b"_", b"-") in _FRAMING_NAMES:
         return "bad header name"
-    if value.strip(b" \t").translate(None, _CONTROL) != value.strip(b" \t"):
+    stripped = value.strip(b" \t")
+    if stripped.translate(None, _CONTROL) != stripped:
         return "bad header value"
     if repeated_te and lowered == b"transfer-encoding":
         return "repeated transfer-encoding"
