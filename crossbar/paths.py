@@ -47,9 +47,18 @@ class PathKind(Enum):
     NOT_FOUND = "not found"
 
 
-def _under(path: bytes, names: tuple[bytes, ...]) -> bool:
-    """Whether ``path`` is one of ``names`` or below one of them."""
-    return any(path == n or path.startswith(n + b"/") for n in names)
+def _under(path: bytes, names: tuple[bytes, ...], dirs: tuple[bytes, ...]) -> bool:
+    """Whether ``path`` is one of ``names`` or below one of them; ``dirs`` is ``names``
+    each with a ``/`` appended (built once: this runs for every request, issue 23)."""
+    return path in names or path.startswith(dirs)
+
+
+def _dirs(names: tuple[bytes, ...]) -> tuple[bytes, ...]:
+    return tuple(n + b"/" for n in names)
+
+_FORBIDDEN_DIRS = _dirs(FORBIDDEN)
+_READ_ONLY_TREE = READ_ONLY[:1]  # /models and everything under it
+_READ_ONLY_TREE_DIRS = _dirs(_READ_ONLY_TREE)
 
 
 def classify_path(method: bytes, rest: bytes, paths: tuple[str, ...] = ()) -> PathKind:
@@ -84,10 +93,12 @@ def is_forbidden(rest: bytes, read: bool) -> bool:
     """Whether the forbidden list of rule 3 covers ``rest`` for a GET/HEAD (``read``) or
     another method, matched as received, percent-decoded once with runs of ``/`` taken
     as one, and each with and without a leading ``/v1``."""
-    decoded = _SLASHES.sub(b"/", unquote_to_bytes(rest))
+    decoded = unquote_to_bytes(rest) if b"%" in rest else rest
+    if b"//" in decoded:
+        decoded = _SLASHES.sub(b"/", decoded)
     for p in {rest, decoded, decoded[3:] if decoded.startswith(b"/v1/") else decoded}:
-        if _under(p, FORBIDDEN):
+        if _under(p, FORBIDDEN, _FORBIDDEN_DIRS):
             return True
-        if not read and (_under(p, READ_ONLY[:1]) or p in READ_ONLY[1:]):
+        if not read and (_under(p, _READ_ONLY_TREE, _READ_ONLY_TREE_DIRS) or p in READ_ONLY[1:]):
             return True
     return False

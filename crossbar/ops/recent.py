@@ -28,6 +28,7 @@ from typing import Any, Callable, Iterable
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 
+from crossbar.ops.figures import Figures
 from crossbar.ops.record import RequestRecord
 
 __all__ = ["BUCKET", "KEEP", "RECENT", "TICK", "WATCH_TTL", "RecentRequests", "entry", "token_figures"]
@@ -90,6 +91,10 @@ def token_figures(record: RequestRecord) -> dict[str, float | None] | None:
     speed), read either from a ``tokens`` field (an object or dict) or from flat
     fields of the record; None when it has none."""
     source = getattr(record, "figures", None)  # crossbar.ops.figures.Figures
+    if type(source) is Figures:  # every complete answer's: read directly (issue 23)
+        speed = source.generation_speed
+        return {"prompt": float(source.prompt), "cached": float(source.cached),
+                "generated": float(source.generated), "tps": None if speed is None else float(speed)}
     if source is None:
         source = getattr(record, "tokens", None)
     if source is None:

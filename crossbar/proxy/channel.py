@@ -74,7 +74,8 @@ def hostile_header(name: bytes, value: bytes, repeated_te: bool) -> str | None:
     lowered = name.strip(b" \t").lower()
     if b"_" in lowered and lowered.replace(b"_", b"-") in _FRAMING_NAMES:
         return "bad header name"
-    if value.strip(b" \t").translate(None, _CONTROL) != value.strip(b" \t"):
+    stripped = value.strip(b" \t")
+    if stripped.translate(None, _CONTROL) != stripped:
         return "bad header value"
     if repeated_te and lowered == b"transfer-encoding":
         return "repeated transfer-encoding"
@@ -193,12 +194,20 @@ class HeadDeadlineChannel(BadRequestHook, HTTPChannel):
             self._slice_call = self.callLater(0, self._next_slice)
 
     def allHeadersReceived(self) -> None:
-        self._disarm_head_deadline()
         length = self.length  # Content-Length, None when chunked, 0 without a body
+        if length == 0:
+            self._disarm_head_deadline()
+            timer = None
+        else:  # the head's timer becomes the body's: moved, not cancelled and re-made
+            timer, self._head_timer = self._head_timer, None  # detached while Twisted works
         self._body_chunked = length is None
         super().allHeadersReceived()
         if length != 0:  # disarmed again by allContentReceived
-            self._head_timer = self.callLater(body_deadline(length), self._head_deadline_passed)
+            if timer is not None and timer.active():
+                timer.reset(body_deadline(length))
+                self._head_timer = timer
+            else:
+                self._head_timer = self.callLater(body_deadline(length), self._head_deadline_passed)
 
     def allContentReceived(self) -> None:
         self._disarm_head_deadline()

@@ -52,7 +52,7 @@ def hop_by_hop_names(headers: Headers, connection: Iterable[bytes] = ()) -> froz
         for token in value.split(b",")
     }
     named.discard(b"")
-    return HOP_BY_HOP | named
+    return HOP_BY_HOP | named if named else HOP_BY_HOP  # usually no Connection list: no new set
 
 
 def relayable_phrase(phrase: bytes) -> bytes | None:

@@ -58,6 +58,8 @@ def has_dot_segment(rest: bytes) -> bool:
     The path is percent-decoded once (as an upstream does) and split on ``/`` and ``\\``,
     so ``/v1/%2e%2e/slots`` and ``/v1/..%2Fslots`` are caught.
     """
+    if b"." not in rest and b"%" not in rest:  # no dot, not even encoded (most paths)
+        return False
     decoded = unquote_to_bytes(rest).replace(b"\\", b"/")
     return any(seg in (b".", b"..") for seg in decoded.split(b"/"))
 

@@ -248,6 +248,9 @@ class State(Enum):
 _IDLE, _SENDING, _WAITING, _BODY, _DEAD, _DONE = (
     State.IDLE, State.SENDING, State.WAITING, State.BODY, State.DEAD, State.DONE,
 )
+_RESPONSE_DONE = Failure(ResponseDone())
+"""The one reason every cleanly ended body gets (shared like ``connectionDone``: a
+Failure built per answer cost ~1.7 us of its capture machinery, issue 23)."""
 
 _HTTP_NAME = b"HTTP/"
 
@@ -539,7 +542,7 @@ class H1Connection(Protocol):
             self.state = _DONE
             self._pool.put(self)  # may close it (the pool is full)
         if response is not None:
-            response._ended(Failure(ResponseDone()))
+            response._ended(_RESPONSE_DONE)
 
     def _reuse(self) -> None:
         """The read that completed the answer had nothing after it: it may be taken."""

@@ -1,0 +1,163 @@
+"""CPU per small request of one crossbar, and (``--profile``) where it goes, for a shared machine.
+
+    python bench/cpu_probe.py [--python PY] [--seconds 3] [--reps 3] [--profile] [--top 60] [--src DIR]
+
+Starts ``bench/upstream.py`` (with ``$BENCH_PY``, default ``bench/.venv/bin/python``:
+it needs uvloop and httptools) and one crossbar (``PY -m twisted``'s ``twistd`` from
+``--python``, default this interpreter, with ``PYTHONPATH=--src``, default this checkout),
+drives it with ``wrk -t1 -c16`` POSTing bench (a)'s 90-byte chat request, and prints
+crossbar's CPU time (``/proc/<pid>/stat``: user + system, not wall time, so other work on
+the machine moves it little) divided by the requests wrk counted, per repetition.
+
+``--profile`` runs crossbar under cProfile with ``time.process_time`` as its clock,
+enabled only for the measured repetitions (``SIGUSR2`` toggles it), and prints per
+request: the top functions by inclusive time with their calls per request, and the share
+of self time by package. The profiler's own cost inflates every call (a profiled request
+costs ~5x an unprofiled one): read the shares and the call counts, not the microseconds.
+Issue 23 (bench/README.md, "Leaner request path").
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import pstats
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+BODY = '{"model":"bench","messages":[{"role":"user","content":"Say hello."}],"max_tokens":16}'
+_WRAP = """import cProfile, signal, sys, time
+out = sys.argv[1]; sys.argv = ["twistd"] + sys.argv[2:]
+p = cProfile.Profile(time.process_time); on = [False]
+def toggle(*a):
+    if not on[0]:
+        on[0] = True; p.enable()
+    else:
+        p.disable(); p.dump_stats(out)
+signal.signal(signal.SIGUSR2, toggle)
+from twisted.scripts.twistd import run
+run()
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--src", default=str(HERE.parent), help="the checkout whose crossbar is measured")
+    ap.add_argument("--seconds", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--top", type=int, default=60)
+    a = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="cpu_probe."))
+    bench_py = os.environ.get("BENCH_PY", str(HERE / ".venv/bin/python"))
+    up = subprocess.Popen([bench_py, str(HERE / "upstream.py"), "--port", "0"], stdout=subprocess.PIPE, text=True)
+    cb = None
+    try:
+        assert up.stdout is not None
+        up_port = int(up.stdout.readline().split()[1])
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        cfg = tmp / "cb.yaml"
+        cfg.write_text(f'listen: "tcp:{port}:interface=127.0.0.1:backlog=1024"\nhealth: {{interval: 5, timeout: 5}}\n'
+                       f"hosts:\n  up: http://127.0.0.1:{up_port}\n"
+                       "routes:\n  bench:\n    hosts: [up]\n    default_model: bench\n")
+        prof = tmp / "prof.out"
+        if a.profile:
+            (tmp / "wrap.py").write_text(_WRAP)
+            pre = [a.python, str(tmp / "wrap.py"), str(prof)]
+        else:
+            pre = [a.python, str(Path(a.python).parent / "twistd")]
+        cb = subprocess.Popen(pre + ["-n", "--pidfile=", f"--logfile={tmp}/cb.log", "crossbar", "--config", str(cfg)],
+                              cwd=tmp, env=dict(os.environ, PYTHONPATH=a.src),
+                              stdout=subprocess.DEVNULL, stderr=open(tmp / "cb.err", "w"))
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/_crossbar/readyz", timeout=1)
+                break
+            except OSError:
+                time.sleep(0.1)
+        else:
+            raise SystemExit((tmp / "cb.err").read_text()[-3000:])
+        lua = tmp / "post.lua"
+        lua.write_text(f"wrk.method = \"POST\"\nwrk.body = '{BODY}'\nwrk.headers[\"Content-Type\"] = \"application/json\"\n")
+        pid = cb.pid
+
+        def cpu() -> float:
+            f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+        def wrk(seconds: int) -> int:
+            out = subprocess.run(["wrk", "-t1", "-c16", f"-d{seconds}s", "-s", str(lua),
+                                  f"http://127.0.0.1:{port}/bench/v1/chat/completions"],
+                                 capture_output=True, text=True).stdout
+            m = re.search(r"(\d+) requests in", out)
+            if m is None or "Non-2xx" in out:
+                raise SystemExit(f"cpu_probe: wrk:\n{out}")
+            return int(m.group(1))
+
+        wrk(1)  # warm-up: connections, pools, caches
+        if a.profile:
+            cb.send_signal(signal.SIGUSR2)
+            time.sleep(0.5)
+        served, per = 0, []
+        for _ in range(a.reps):
+            c0 = cpu()
+            n = wrk(a.seconds)
+            per.append((cpu() - c0) / n * 1e6)
+            served += n
+            print(f"requests {n}  crossbar CPU us/request {per[-1]:.0f}", flush=True)
+        print(f"median CPU us/request {sorted(per)[len(per) // 2]:.0f}" + ("  (profiled)" if a.profile else ""))
+        if a.profile:
+            cb.send_signal(signal.SIGUSR2)
+            for _ in range(100):
+                if prof.exists():
+                    break
+                time.sleep(0.1)
+            time.sleep(1)
+            report(prof, served, a.top)
+    finally:
+        if cb is not None:
+            cb.send_signal(signal.SIGINT)
+            cb.wait()
+        up.kill()
+        up.wait()
+
+
+def report(prof: Path, n: int, top: int) -> None:
+    """Per request: top inclusive functions (us, calls, self us) and self time by package."""
+    st = pstats.Stats(str(prof))
+    rows, groups, calls = [], collections.Counter[str](), collections.Counter[str]()
+    for (f, line, fn), (_cc, nc, tt, ct, _callers) in st.stats.items():  # type: ignore[attr-defined]
+        if "poll' of 'select" in fn:
+            continue  # waiting, not working
+        short = f.split("site-packages/")[-1]
+        if "/crossbar/" in short:
+            short = "crossbar/" + short.split("/crossbar/", 1)[1]
+        rows.append((ct, nc, tt, f"{fn} ({short}:{line})"))
+        parts = short.split("/")
+        key = "/".join(parts[:2]) if parts[0] in ("twisted", "crossbar") and len(parts) > 2 else (
+            "builtins (C)" if f == "~" else parts[0] if "site-packages/" in f or parts[0] == "crossbar" else "stdlib")
+        groups[key] += tt
+        calls[key] += nc
+    total = sum(groups.values())
+    print(f"\nprofiled requests {n}; Python function calls per request {sum(calls.values()) / n:.0f}")
+    print("self time by package (% of crossbar CPU, calls per request):")
+    for k, v in groups.most_common(14):
+        print(f"  {v / total * 100:5.1f}%  {calls[k] / n:6.0f}  {k}")
+    print("top inclusive (% of crossbar CPU, calls per request, self %):")
+    for ct, nc, tt, name in sorted(rows, reverse=True)[:top]:
+        print(f"  {ct / total * 100:5.1f}%  {nc / n:6.2f}  {tt / total * 100:5.1f}%  {name}")
+
+
+if __name__ == "__main__":
+    main()
