@@ -58,3 +58,16 @@ class LayoutTests(SynchronousTestCase):
                 if _wing(name) > _wing(own):
                     upward.append(f"{rel} imports {name}")
         self.assertEqual(upward, [], "imports that run upwards")
+
+    def test_every_package_is_installed(self) -> None:
+        """A regular ``pip install .`` (CI's, bench's and production's) ships every
+        package: ``pyproject.toml`` lists them by hand, and a missing one made twistd
+        fail with ``No module named 'crossbar.proxy.peek'`` (found in issue 17's work)."""
+        import tomllib
+
+        checkout = pathlib.Path(__file__).resolve().parents[1]  # not the installed copy
+        with open(checkout / "pyproject.toml", "rb") as f:
+            listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+        source = checkout / "crossbar"
+        found = {".".join(("crossbar",) + p.parent.relative_to(source).parts) for p in source.rglob("__init__.py")}
+        self.assertEqual(found - listed, set(), "packages pyproject.toml does not install")
