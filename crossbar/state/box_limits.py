@@ -38,14 +38,13 @@ with limits than that is refused (:func:`check_limit_room`).
 from __future__ import annotations
 
 import hashlib
-import mmap
 import os
 
 from zope.interface import implementer
 
 from crossbar.config import Config, ConfigError, KeyLimits
 from crossbar.state.limits import MINUTE, ILimitCounts, ProcessCounts, Spending, to_midnight, utc_day
-from crossbar.state.shared import cell_map
+from crossbar.state.shared import cell_map, create_file, map_file
 
 __all__ = [
     "LIMIT_SLOTS", "MAX_LIMIT_SLOTS", "RING", "SLOT_CELLS", "BoxLimits", "check_limit_room", "limit_slot_map",
@@ -147,15 +146,11 @@ class BoxLimits:
         self.path = path
         self.rows = rows
         self.row = row
-        fd = os.open(path, os.O_RDWR)
-        try:
-            size = os.fstat(fd).st_size
-            per_slot = rows * SLOT_CELLS * _CELL
-            if size == 0 or size % per_slot:
-                raise ValueError(f"{path}: {size} bytes is no whole number of slots for {rows} rows")
-            self._map = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+        size = os.stat(path).st_size
+        per_slot = rows * SLOT_CELLS * _CELL
+        if size == 0 or size % per_slot:
+            raise ValueError(f"{path}: {size} bytes is no whole number of slots for {rows} rows")
+        self._map = map_file(path, size)
         self.slots = size // per_slot
         self._cells = memoryview(self._map).cast("Q")
         self._slot: dict[tuple[str, str], int] = {}
@@ -169,13 +164,7 @@ class BoxLimits:
         keys, all zero, its disk space allocated.
 
         :raises OSError: the file cannot be made (e.g. ``ENOSPC``)."""
-        size = rows * slots * SLOT_CELLS * _CELL
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.ftruncate(fd, size)
-            os.posix_fallocate(fd, 0, size)  # no SIGBUS on a full disk later
-        finally:
-            os.close(fd)
+        create_file(path, rows * slots * SLOT_CELLS * _CELL)
 
     def configure(self, config: Config) -> None:
         """Count the keys with limits of ``config`` (a reload). A key that keeps its

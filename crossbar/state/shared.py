@@ -50,6 +50,32 @@ def cell_map(names: Iterable[str], cells: int = CELLS) -> dict[str, int]:
     return out
 
 
+def create_file(path: str, size: int) -> None:
+    """Create (or clear) the file at ``path``, ``size`` bytes of zeros, mode 0600, its
+    disk space allocated: a sparse file's first write to a page of its map on a full disk
+    would be a SIGBUS in every worker, not an error at start-up.
+
+    :raises OSError: the file cannot be made (e.g. ``ENOSPC``)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)
+    finally:
+        os.close(fd)
+
+
+def map_file(path: str, size: int | None = None) -> mmap.mmap:
+    """A shared read-write map of the file at ``path``: its first ``size`` bytes, or the
+    whole file when ``size`` is None.
+
+    :raises OSError: the file cannot be opened; :raises ValueError: it is empty."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        return mmap.mmap(fd, os.fstat(fd).st_size if size is None else size)
+    finally:
+        os.close(fd)
+
+
 class SharedCounts:
     """Rows of counters in a shared file, one row per process.
 
@@ -64,11 +90,7 @@ class SharedCounts:
         self.path = path
         self.rows = rows
         self.row = row
-        fd = os.open(path, os.O_RDWR)
-        try:
-            self._map = mmap.mmap(fd, rows * CELLS * _CELL)
-        finally:
-            os.close(fd)
+        self._map = map_file(path, rows * CELLS * _CELL)
         self._cells = memoryview(self._map).cast("q")
 
     @staticmethod
@@ -77,14 +99,7 @@ class SharedCounts:
         disk space allocated.
 
         :raises OSError: the file cannot be made (e.g. ``ENOSPC``)."""
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.ftruncate(fd, rows * CELLS * _CELL)
-            # The blocks are taken now: a sparse file's first write to a page of the map
-            # on a full disk is a SIGBUS in every worker, not an error at start-up.
-            os.posix_fallocate(fd, 0, rows * CELLS * _CELL)
-        finally:
-            os.close(fd)
+        create_file(path, rows * CELLS * _CELL)
 
     def set(self, cell: int, value: int) -> None:
         """Write ``value`` into ``cell`` of this process's row."""
