@@ -56,7 +56,13 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--top", type=int, default=60)
+    ap.add_argument("--save", metavar="FILE", help="with --profile: keep the profile (and the request count) in FILE")
+    ap.add_argument("--diff", nargs=2, metavar=("BEFORE", "AFTER"),
+                    help="compare two --save files: calls per request by function, largest changes first")
     a = ap.parse_args()
+    if a.diff:
+        diff(Path(a.diff[0]), Path(a.diff[1]), a.top)
+        return
     tmp = Path(tempfile.mkdtemp(prefix="cpu_probe."))
     bench_py = os.environ.get("BENCH_PY", str(HERE / ".venv/bin/python"))
     up = subprocess.Popen([bench_py, str(HERE / "upstream.py"), "--port", "0"], stdout=subprocess.PIPE, text=True)
@@ -125,6 +131,9 @@ def main() -> None:
                 time.sleep(0.1)
             time.sleep(1)
             report(prof, served, a.top)
+            if a.save:
+                Path(a.save).write_bytes(prof.read_bytes())
+                Path(a.save + ".n").write_text(str(served))
     finally:
         if cb is not None:
             cb.send_signal(signal.SIGINT)
@@ -157,6 +166,32 @@ def report(prof: Path, n: int, top: int) -> None:
     print("top inclusive (% of crossbar CPU, calls per request, self %):")
     for ct, nc, tt, name in sorted(rows, reverse=True)[:top]:
         print(f"  {ct / total * 100:5.1f}%  {nc / n:6.2f}  {tt / total * 100:5.1f}%  {name}")
+
+
+def _calls(path: Path) -> tuple[collections.Counter[str], int]:
+    n = int(Path(str(path) + ".n").read_text())
+    st = pstats.Stats(str(path))
+    out = collections.Counter[str]()
+    for (f, line, fn), (_cc, nc, _tt, _ct, _callers) in st.stats.items():  # type: ignore[attr-defined]
+        short = f.split("site-packages/")[-1]
+        if "/crossbar/" in short:
+            short = "crossbar/" + short.split("/crossbar/", 1)[1]
+        out[f"{fn} ({short})"] += nc
+    return out, n
+
+
+def diff(before: Path, after: Path, top: int) -> None:
+    """Calls per request of each function in two saved profiles, the largest changes first.
+
+    Call counts do not depend on the machine's load, so two profiles taken at different
+    times compare fairly (the timings in them do not)."""
+    a, na = _calls(before)
+    b, nb = _calls(after)
+    print(f"calls per request: before {sum(a.values()) / na:.0f}, after {sum(b.values()) / nb:.0f}")
+    rows = sorted(((b[k] / nb - a[k] / na, k) for k in set(a) | set(b)), key=lambda r: -abs(r[0]))
+    for d, k in rows[:top]:
+        if abs(d) >= 0.05:
+            print(f"  {d:+7.2f}  {a[k] / na:6.2f} -> {b[k] / nb:6.2f}  {k}")
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
 Each request is one :class:`Exchange`, moving through the phases of :mod:`crossbar.proxy.phase`.
 It only sequences; the rules live in :mod:`~crossbar.proxy.head` (1-4, §Model names),
 :func:`crossbar.hosts.balance.choose` and :mod:`~crossbar.proxy.place` (5),
-:mod:`~crossbar.proxy.headers`, :mod:`~crossbar.proxy.client` and :mod:`~crossbar.proxy.relay`
-(6), :mod:`~crossbar.proxy.policy` (7), :mod:`~crossbar.proxy.tally` (8, written before the
+:mod:`~crossbar.proxy.leg` (one try at one host: its slot, the request, the relay; 6),
+:mod:`~crossbar.proxy.policy` (7), :mod:`~crossbar.proxy.tally` (8, written before the
 host's slot is freed) and :mod:`~crossbar.proxy.modellist` (10). It never reads or keeps a body.
 """
 
@@ -21,19 +21,17 @@ from crossbar.config import Config, Route
 from crossbar.hosts.balance import Chosen, Verdict, choose
 from crossbar.ops.record import NO_ROUTE
 from crossbar.paths import PathKind
-from crossbar.proxy.attempt import Answer, Attempt, UpstreamFailed
-from crossbar.proxy.client import abort_connection, error_body, forwarded_headers, write_head, write_json
-from crossbar.proxy.head import Refusal, RequestHead, check_path, upstream_body, wanted_model
-from crossbar.proxy.headers import is_event_stream
+from crossbar.proxy.attempt import Answer, UpstreamFailed
+from crossbar.proxy.client import abort_connection, error_body, write_json
+from crossbar.proxy.head import Refusal, RequestHead, check_path, wanted_model
+from crossbar.proxy.leg import Leg
 from crossbar.proxy.modellist import models_body
 from crossbar.proxy.phase import LIVE, Phase, Phased, acts_in
 from crossbar.proxy.place import QueuePlace
-from crossbar.proxy.policy import Action, Decision, decide, queue_refusal
+from crossbar.proxy.policy import Action, Decision, decide
 from crossbar.proxy.relay import Relay, RelayEnd
 from crossbar.proxy.tally import Tally
-from crossbar.state.inflight import Lease
 from crossbar.state.limits import retry_after_header
-from crossbar.upstream.hosturl import host_url
 
 if TYPE_CHECKING:
     from crossbar.proxy.resource import ProxyResource
@@ -60,10 +58,13 @@ class Exchange(Phased):
         self.query = head.query
         self.tally = Tally(head, proxy.requests, self.clock.seconds)
         self.tried: list[str] = []
-        self.lease: Lease | None = None
-        self.attempt: Deferred[Answer] | None = None
-        self.relay: Relay | None = None
+        self.leg: Leg | None = None
         self.place: QueuePlace | None = None
+
+    @property
+    def relay(self) -> Relay | None:
+        """The relay of the answer's body, once its head went to the client."""
+        return None if self.leg is None else self.leg.relay
 
     @property
     def route_name(self) -> str:
@@ -126,35 +127,26 @@ class Exchange(Phased):
         return True
 
     def dispatch(self, chosen: Chosen) -> None:
-        """Count the request against ``chosen.host`` and send it there (rules 6-7), the
-        body as :func:`~crossbar.proxy.head.upstream_body` gives it for this host."""
+        """Send the request to ``chosen.host`` on a new :class:`~crossbar.proxy.leg.Leg` (rules 6-7)."""
         assert self.route is not None
         self._enter(Phase.FORWARDING)
         if not self.tried:
             self.runtime.count_affinity(self.route.name, chosen.affinity)
         self.tally.chose(chosen, failover=bool(self.tried))
-        self.lease = self.runtime.inflight.enter(self.route.name, chosen.host)
-        host, head = self.config.hosts[chosen.host], self.head
-        headers = forwarded_headers(self.request, bool(self.route.keys), host.api_key, self.key)
-        body = upstream_body(head, self.model, lambda: self.runtime.table.is_router(chosen.host))
-        target = host_url(host.url).target(head.rest + self.query)
-        self.attempt = Attempt(self.proxy.pools, self.clock, head.method, target, headers, body,
-                               self.config.timeouts.first_byte).start()
-        self.attempt.addCallbacks(self.on_answer, self.on_attempt_failed)
-        self.attempt.addErrback(self.on_bug)
+        self.leg = Leg(self, chosen)
+        sent = self.leg.send()
+        sent.addCallbacks(self.on_answer, self.on_attempt_failed)
+        sent.addErrback(self.on_bug)
 
     def enqueue(self) -> None:
-        """No host has room: wait in the route's queue, or 503 at once (:func:`~crossbar.proxy.policy.queue_refusal`)."""
+        """No host has room: wait in the route's queue, or 503 at once (:meth:`QueuePlace.join`)."""
         assert self.route is not None
-        refusal = queue_refusal(self.route.queue.max, bool(self.route.keys) and not self.key,
-                                self.runtime.queues.queued(self.route.name))
+        if self.place is None:
+            self.place = QueuePlace(self.runtime.queues, self.clock, self.tally, self.retry, self.on_queue_timeout)
+        refusal = self.place.join(self.route, preflight=bool(self.route.keys) and not self.key)
         if refusal is not None:
             return self.answer_error(503, refusal, retry_after=True)
         self._enter(Phase.QUEUED)
-        if self.place is None:
-            self.place = QueuePlace(self.runtime.queues, self.clock, self.tally, self.route.name,
-                                    self.retry, self.on_queue_timeout)
-        self.place.join(self.route.queue.timeout)
 
     def retry(self) -> bool:
         """Room may have freed (the queue's call; True once out of it), under a reloaded config if any."""
@@ -178,7 +170,8 @@ class Exchange(Phased):
     @acts_in(Phase.FORWARDING)
     def on_attempt_failed(self, failure: Failure) -> None:
         """Rule 7 before the head; a cancel is ours (the client left, a drain), not the host's."""
-        self.attempt = None
+        assert self.leg is not None
+        self.leg.attempt = None
         if not failure.check(CancelledError):
             failure.trap(UpstreamFailed)
             failed = failure.value
@@ -209,14 +202,9 @@ class Exchange(Phased):
     @acts_in(Phase.FORWARDING)
     def on_answer(self, answer: Answer) -> None:
         """The host's head arrived: send it to the client at once, then relay the body (rule 6)."""
-        self.attempt = None
+        assert self.leg is not None
         self._enter(Phase.RELAYING)
-        host, table, timeouts = self.tally.host, self.runtime.table, self.config.timeouts
-        table.seen[host] = self.clock.seconds()  # the host is alive (rule 7)
-        self.tally.answered(answer.response.code, answer.sent_at)
-        write_head(self.request, answer.response, host, self.runtime.draining)
-        self.tally.streamed = is_event_stream(self.request.responseHeaders)
-        relay = self.relay = Relay(self.request, self.clock, timeouts.idle, timeouts.client_stall, host, table.seen)
+        relay = self.leg.relay_answer(answer)
         relay.ended.addCallback(self.on_relay_end)
         relay.ended.addErrback(self.on_bug)
         relay.start(answer.response)
@@ -248,8 +236,8 @@ class Exchange(Phased):
     @acts_in(*LIVE)
     def abort(self, why: str) -> None:
         """Abort this exchange from outside (the end of a drain's grace)."""
-        _log.info("aborting {method} /{route}{path}: {why}", method=self.head.method.decode("latin-1"),
-                  route=self.head.route_name or "", path=self.head.rest.decode("latin-1"), why=why)
+        _log.info("aborting {method} {path}: {why}", method=self.head.method.decode("latin-1"),
+                  path=self.head.path.decode("latin-1"), why=why)
         if self.phase is Phase.QUEUED:
             self.leave_queue()
             return self.answer_error(503, why)
@@ -259,12 +247,8 @@ class Exchange(Phased):
 
     def stop_upstream(self) -> None:
         """Cancel the upstream request or stop relaying its body, whichever is under way."""
-        attempt, self.attempt = self.attempt, None
-        if attempt is not None:
-            attempt.cancel()
-        if self.relay is not None:
-            self.relay.stop()
-            self.tally.relayed(self.relay, complete=False)
+        if self.leg is not None:
+            self.leg.stop()
 
     @acts_in(*LIVE)
     def abort_client(self) -> None:
@@ -297,9 +281,9 @@ class Exchange(Phased):
             self.runtime.end(self)
 
     def release_host(self) -> None:
-        """Stop counting this request as in flight to its host (:meth:`Lease.release` is idempotent)."""
-        if self.lease is not None:
-            self.lease.release()
+        """Stop counting this request as in flight to its host (idempotent)."""
+        if self.leg is not None:
+            self.leg.release()
 
     def on_bug(self, failure: Failure) -> None:
         """Last resort: a bug in crossbar must not leave the client hanging."""

@@ -13,6 +13,8 @@ from typing import Callable
 
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 
+from crossbar.config import Route
+from crossbar.proxy.policy import queue_refusal
 from crossbar.proxy.tally import Tally
 from crossbar.state.queue import RouteQueues
 
@@ -28,9 +30,9 @@ class QueuePlace:
         left it first).
     """
 
-    def __init__(self, queues: RouteQueues, clock: IReactorTime, tally: Tally, route_name: str,
+    def __init__(self, queues: RouteQueues, clock: IReactorTime, tally: Tally,
                  retry: Callable[[], bool], timed_out: Callable[[], None]) -> None:
-        self.queues, self.clock, self.tally, self.route_name = queues, clock, tally, route_name
+        self.queues, self.clock, self.tally, self.route_name = queues, clock, tally, ""
         self.retry = retry
         self.timed_out = timed_out
         self.timer: IDelayedCall | None = None
@@ -40,11 +42,18 @@ class QueuePlace:
         """Reactor seconds when the request first joined its queue (the oldest wait)."""
         return self.tally.queued_at
 
-    def join(self, timeout: float) -> None:
-        """Wait at the end of the queue for at most ``timeout`` seconds."""
+    def join(self, route: Route, preflight: bool) -> str | None:
+        """Wait at the end of ``route``'s queue for at most its ``queue.timeout`` seconds,
+        or say why the request may not wait (:func:`~crossbar.proxy.policy.queue_refusal`:
+        a 503's message; ``preflight``: a keyless request on a keyed route)."""
+        refusal = queue_refusal(route.queue.max, preflight, self.queues.queued(route.name))
+        if refusal is not None:
+            return refusal
+        self.route_name = route.name
         self.tally.joined_queue()
         self.queues.add(self)
-        self.timer = self.clock.callLater(timeout, self._time_is_up)
+        self.timer = self.clock.callLater(route.queue.timeout, self._time_is_up)
+        return None
 
     def leave(self) -> None:
         """Out of the queue (if in it): stop the timer, count the wait."""
