@@ -11,7 +11,8 @@ import re
 from enum import Enum
 from urllib.parse import unquote_to_bytes
 
-__all__ = ["FORBIDDEN", "MODEL_LISTS", "NATIVE", "NATIVE_READ", "READ_ONLY", "PathKind", "classify_path", "is_forbidden"]
+__all__ = ["FORBIDDEN", "MODEL_LISTS", "NATIVE", "NATIVE_READ", "READ_ONLY", "PathKind", "classify_path", "is_forbidden",
+           "path_kind"]
 
 _SLASHES = re.compile(rb"/{2,}")
 _READ = (b"GET", b"HEAD")
@@ -61,7 +62,27 @@ _READ_ONLY_TREE = READ_ONLY[:1]  # /models and everything under it
 _READ_ONLY_TREE_DIRS = _dirs(_READ_ONLY_TREE)
 
 
+_KINDS: dict[tuple[bytes, bytes, tuple[str, ...]], PathKind] = {}
+_KINDS_MAX = 512  # a client sending many different paths only churns it (cleared when full)
+_KINDS_PATH_MAX = 256  # bytes: longer paths are classified each time, never kept
+
+
 def classify_path(method: bytes, rest: bytes, paths: tuple[str, ...] = ()) -> PathKind:
+    """:func:`path_kind`, remembered for up to 512 short (method, path, route paths):
+    clients post to a handful of paths, and this runs for every request. At most
+    512 x 256 bytes of paths are kept (a query string never is)."""
+    key = (method, rest, paths)
+    kind = _KINDS.get(key)
+    if kind is None:
+        kind = path_kind(method, rest, paths)
+        if len(rest) <= _KINDS_PATH_MAX:
+            if len(_KINDS) >= _KINDS_MAX:
+                _KINDS.clear()
+            _KINDS[key] = kind
+    return kind
+
+
+def path_kind(method: bytes, rest: bytes, paths: tuple[str, ...] = ()) -> PathKind:
     """Rule 3 for a request whose ``rest`` has no dot-segment: forbidden, the route
     model list, forwarded, or not found.
 
