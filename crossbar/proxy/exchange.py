@@ -59,12 +59,8 @@ class Exchange(Phased):
         self.tally = Tally(head, proxy.requests, self.clock.seconds)
         self.tried: list[str] = []
         self.leg: Leg | None = None
+        self.relay: Relay | None = None  # the answer's body, once its head went to the client
         self.place: QueuePlace | None = None
-
-    @property
-    def relay(self) -> Relay | None:
-        """The relay of the answer's body, once its head went to the client."""
-        return None if self.leg is None else self.leg.relay
 
     @property
     def route_name(self) -> str:
@@ -204,7 +200,7 @@ class Exchange(Phased):
         """The host's head arrived: send it to the client at once, then relay the body (rule 6)."""
         assert self.leg is not None
         self._enter(Phase.RELAYING)
-        relay = self.leg.relay_answer(answer)
+        relay = self.relay = self.leg.relay_answer(answer)
         relay.ended.addCallback(self.on_relay_end)
         relay.ended.addErrback(self.on_bug)
         relay.start(answer.response)

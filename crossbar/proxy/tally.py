@@ -73,8 +73,8 @@ class Tally:
         """``chosen`` took the request: the host and why (``fit pick [queued]
         [failover] affinity=...``)."""
         self.host = chosen.host
-        self.fit = chosen.fit.value
-        why = [chosen.fit.value] + ([chosen.pick] if chosen.pick else [])
+        fit = self.fit = chosen.fit.value
+        why = [fit, chosen.pick] if chosen.pick else [fit]
         if self.queued_at is not None:
             why.append("queued")
         if failover:
