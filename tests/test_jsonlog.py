@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import io
 import json
+import random
+from datetime import datetime, timezone
 
 import treq
 from twisted.internet.defer import ensureDeferred
-from twisted.logger import Logger, LogLevel
+from twisted.logger import Logger, LogLevel, formatEvent
 from twisted.python.failure import Failure
 from twisted.trial.unittest import TestCase
 
@@ -50,6 +52,35 @@ class EventTests(TestCase):
         doc = json.loads(line)
         self.assertEqual(doc["level"], "warn")
 
+
+    def test_time_as_datetime_writes_it(self) -> None:
+        """The stamp (formatted once per second) is what ``datetime.isoformat`` writes,
+        rounding at the millisecond included."""
+        rng = random.Random(23)
+        stamps = [rng.uniform(0, 2e9) for _ in range(20000)]
+        stamps += [1.7e9 + rng.randrange(10**6) / 1e6 - 5e-7 for _ in range(20000)] + [0.0, 1.9999999, 1.9995]
+        for when in stamps:
+            expected = datetime.fromtimestamp(when, timezone.utc).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+            self.assertEqual(json.loads(event_as_line({"log_time": when}))["time"], expected, when)
+
+    def test_message_shortcut_is_format_event(self) -> None:
+        """A one-field format with a text value is written without Twisted's formatter;
+        every other shape goes through it: the message is the same either way."""
+        events = [
+            {"log_format": "{line}", "line": "GET / -> a 200 {x}"},
+            {"log_format": "{line}", "line": 42},
+            {"log_format": "{line}", "line": None},
+            {"log_format": "{line}"},
+            {"log_format": "{line!r}", "line": "a"},
+            {"log_format": "{line:>5}", "line": "a"},
+            {"log_format": "{a} {b}", "a": "x", "b": "y"},
+            {"log_format": "{a.b}", "a": "x"},
+            {"log_format": "plain"},
+            {"log_format": None},
+            {},
+        ]
+        for event in events:
+            self.assertEqual(json.loads(event_as_line(event))["message"], formatEvent(event), event)
 
     def test_a_lone_surrogate_does_not_lose_the_line(self) -> None:
         """A host's model id (or any text from outside) with a lone surrogate: the line

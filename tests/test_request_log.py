@@ -8,7 +8,7 @@ import json
 from typing import Any, cast
 
 from twisted.internet.defer import ensureDeferred
-from twisted.logger import ILogObserver, formatEvent, globalLogPublisher
+from twisted.logger import ILogObserver, Logger, formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from crossbar.ops.metrics import Metrics
@@ -119,6 +119,26 @@ class RecordLineTests(SynchronousTestCase):
             "crossbar_time_to_first_byte_seconds_count", {"route": "r", "host": "a"}), 1.0)
         self.assertEqual(registry.get_sample_value(
             "crossbar_requests_total", {"route": "-", "host": "-", "code": "404", "key": ""}), 1.0)
+
+    def test_event_built_as_logger_info_builds_it(self) -> None:
+        """The record's event skips ``Logger.emit`` (issue 23) but is the event
+        ``Logger.info`` makes: the same ``log_*`` keys and values, to the same observer."""
+        events: list[dict[str, Any]] = []
+        observer = cast(ILogObserver, events.append)
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
+        RequestLog(Metrics()).write(RequestRecord("r", "a", "POST", "/v1/x", "/r/v1/x", 200, 12, 0.0123))
+        [ours] = [e for e in events if e.get("log_namespace") == "crossbar.proxy"]
+        legacy = {"format", "message", "isError", "system", "time"}  # added in place by twisted.python.log's bridge
+        fields = {k: v for k, v in ours.items() if not k.startswith("log_") and k not in legacy}
+        Logger(namespace="crossbar.proxy").info("{line}", **fields)
+        theirs = events[-1]
+        self.assertEqual(set(ours), set(theirs))
+        for key in ("log_level", "log_namespace", "log_source", "log_format"):
+            self.assertEqual(ours[key], theirs[key], key)
+        self.assertIsInstance(ours["log_logger"], Logger)
+        self.assertLess(abs(ours["log_time"] - theirs["log_time"]), 5)
+        self.assertEqual(formatEvent(ours), formatEvent(theirs))
 
     def test_metrics_that_cannot_be_written_lose_no_log_line(self) -> None:
         """With workers, metrics live in files (prometheus_client's multiprocess mode):

@@ -25,13 +25,54 @@ message), which log shippers do not read well. It uses the same writer,
 from __future__ import annotations
 
 import json
+import math
+import re
 import sys
-from datetime import datetime, timezone
+import time
 from typing import IO, Any
 
 from twisted.logger import FileLogObserver, ILogObserver, LogEvent, formatEvent
 
 __all__ = ["event_as_line", "observer", "observer_to"]
+
+
+_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False)  # made once (json.dumps with options makes one per call)
+_PLAIN = frozenset({str, int, float, bool, type(None)})
+_SKIPPED = frozenset({"format", "message", "isError"})
+_ONE_FIELD = re.compile(r"\{(\w+)\}\Z")
+_one_field: dict[str, str | None] = {}  # log_format -> its one field's name (or None), per format string
+_second: list[Any] = [None, ""]  # the last whole second stamped, and its "YYYY-MM-DDTHH:MM:SS"
+
+
+def _stamp(when: float) -> str:
+    """``when`` (epoch seconds) as RFC 3339 UTC with milliseconds, as
+    ``datetime.isoformat(timespec="milliseconds")`` writes it (microseconds rounded,
+    then truncated), the date and time formatted once per second."""
+    fraction, whole = math.modf(when)
+    second, micros = int(whole), round(fraction * 1_000_000)
+    if micros >= 1_000_000:
+        second, micros = second + 1, micros - 1_000_000
+    if second != _second[0]:
+        _second[0], _second[1] = second, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(second))
+    return f"{_second[1]}.{micros // 1000:03d}Z"
+
+
+def _message(event: LogEvent) -> str:
+    """:func:`~twisted.logger.formatEvent`, with a shortcut for the most common shape on
+    the request path: a format that is one field (``"{line}"``) whose value is text."""
+    fmt = event.get("log_format")
+    if type(fmt) is str:
+        name = _one_field.get(fmt, "")
+        if name == "":
+            match = _ONE_FIELD.match(fmt)
+            name = match.group(1) if match is not None else None
+            if len(_one_field) < 256:
+                _one_field[fmt] = name
+        if name is not None:
+            value = event.get(name)
+            if type(value) is str:
+                return value
+    return formatEvent(event)
 
 
 def _jsonable(value: Any) -> Any:
@@ -51,13 +92,11 @@ def event_as_line(event: LogEvent) -> str:
     stamp = event.get("log_time")
     doc: dict[str, Any] = {}
     if isinstance(stamp, (int, float)):
-        doc["time"] = datetime.fromtimestamp(stamp, timezone.utc).isoformat(timespec="milliseconds").replace(
-            "+00:00", "Z"
-        )
+        doc["time"] = _stamp(stamp)
     level = event.get("log_level")
     doc["level"] = getattr(level, "name", "info")
     doc["namespace"] = event.get("log_namespace", "")
-    doc["message"] = formatEvent(event)
+    doc["message"] = _message(event)
     if "log_system" in event:
         doc["system"] = _jsonable(event["log_system"])
     failure = event.get("log_failure")
@@ -67,10 +106,10 @@ def event_as_line(event: LogEvent) -> str:
         except Exception:
             doc["failure"] = repr(failure)
     for key, value in event.items():
-        if not key.startswith("log_") and key not in doc and key not in ("format", "message", "isError"):
-            doc[key] = _jsonable(value)
+        if key[:4] != "log_" and key not in doc and key not in _SKIPPED:
+            doc[key] = value if type(value) in _PLAIN else _jsonable(value)
     try:
-        line = json.dumps(doc, ensure_ascii=False, allow_nan=False) + "\n"
+        line = _ENCODER.encode(doc) + "\n"
         # A lone surrogate (text a host or client sent) cannot be written as UTF-8: as
         # the JSON escape it stands for, the line stays valid JSON and is not lost.
         return line if line.isascii() else line.encode("utf-8", "backslashreplace").decode("utf-8")

@@ -11,9 +11,10 @@ never from a request.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from time import time
 from typing import Any, Callable
 
-from twisted.logger import Logger
+from twisted.logger import Logger, LogLevel
 
 from crossbar.ops.figures import Figures
 from crossbar.ops.metrics import Metrics
@@ -32,6 +33,16 @@ NO_ROUTE = "-"
 Twisted cannot parse, a missing or unknown route."""
 
 _log = Logger(namespace="crossbar.proxy")
+_INFO = LogLevel.info
+
+
+def _emit_info(event: dict[str, Any]) -> None:
+    """``_log.info("{line}", **event)``, as :meth:`twisted.logger.Logger.emit` builds the
+    event (the same ``log_*`` keys, to the same observer), without its per-call check of
+    the level against every ``LogLevel`` constant: one record per request (issue 23)."""
+    event["log_logger"], event["log_level"], event["log_namespace"] = _log, _INFO, _log.namespace
+    event["log_source"], event["log_format"], event["log_time"] = None, "{line}", time()
+    _log.observer(event)
 
 
 @dataclass(frozen=True)
@@ -126,14 +137,14 @@ class RequestLog:
         ended_text = "" if record.ended == "complete" else f" ended={record.ended}"
         line = (f"{record.method} {record.target} -> {host} {status} {record.bytes}B{queued} ttfb={ttfb_text} "
                 f"{ms}ms{why}{key_text}{tokens_text}{ended_text}")
-        _log.info(
-            "{line}", line=line,
+        _emit_info(dict(
+            line=line,
             route=route, host=host, method=record.method, path=record.path,
             target=record.target, status=status, bytes=record.bytes, ttfb_ms=ttfb_ms, ms=ms,
             queued_ms=round(record.queued * 1000, 1), key=key, why=record.why, ended=record.ended,
             tokens=None if figures is None else (figures.prompt, figures.cached, figures.generated),
             tps=None if figures is None else figures.generation_speed,
-        )
+        ))
         try:
             self._count(record, route, host)
         except OSError as e:
