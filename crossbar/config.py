@@ -13,7 +13,7 @@ import stat
 import re
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Literal, Mapping
+from typing import Any, Callable, Literal, Mapping
 from urllib.parse import unquote
 
 import yaml
@@ -535,19 +535,23 @@ class _Checker:
             raise self.fail(key, "must not be empty")
         return text
 
+    def _parsed(self, key: str, raw: str, parse: Callable[[str], Any], what: str,
+                quote: Callable[[Any], str]) -> tuple[Any, str]:
+        """A string value (after ``${...}``) read by ``parse`` (``int``, ``float``), and how to
+        quote it in an error: as written where it names a variable, else by ``quote``."""
+        text = self.expand(key, raw)
+        shown = self.show(raw, text)
+        try:
+            value = parse(text)
+        except ValueError:
+            raise self.fail(key, f"must be {what}, not {shown}") from None
+        return value, (shown if _ENV_REF.search(raw) else quote(value))
+
     def number(self, key: str, value: Any, what: str) -> tuple[float, str]:
         """A finite int or float (or a string of one, after ``${...}``) and how to quote it."""
         shown = repr(value)
         if isinstance(value, str):
-            raw = value
-            text = self.expand(key, value)
-            shown = self.show(raw, text)
-            try:
-                value = float(text)
-            except ValueError:
-                raise self.fail(key, f"must be {what}, not {shown}") from None
-            if not _ENV_REF.search(raw):
-                shown = repr(value)
+            value, shown = self._parsed(key, value, float, what, repr)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise self.fail(key, f"must be {what}, not {_kind(value)}")
         try:
@@ -574,17 +578,8 @@ class _Checker:
 
     def count(self, key: str, value: Any, minimum: int = 1) -> int:
         """A whole number of at least ``minimum``."""
-        shown = repr(value)
         if isinstance(value, str):
-            raw = value
-            text = self.expand(key, value)
-            shown = self.show(raw, text)
-            try:
-                value = int(text)
-            except ValueError:
-                raise self.fail(key, f"must be a whole number, not {shown}") from None
-            if not _ENV_REF.search(raw):
-                shown = str(value)
+            value, shown = self._parsed(key, value, int, "a whole number", str)
         else:
             shown = str(value) if isinstance(value, int) and not isinstance(value, bool) else repr(value)
         if isinstance(value, float):

@@ -7,9 +7,8 @@ frozen :class:`HostStatus` records, so nothing a caller does changes the table (
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from types import MappingProxyType
-from typing import Callable, Iterable, Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Callable, Iterable
 
 from twisted.logger import Logger
 
@@ -20,18 +19,13 @@ __all__ = ["HealthTable", "HostStatus"]
 
 
 @dataclass(frozen=True)
-class HostStatus:
-    """One host's state as last recorded.
+class HostStatus(ModelList):
+    """One host's state as last recorded: what it listed at its last good poll (the
+    fields of :class:`~crossbar.hosts.models.ModelList`: ``loaded``, ``loading``,
+    ``available``, ``entries`` for the route model list of docs/design.md §The proxy
+    rule 10, ``router``, ``aliases``), and its health.
 
     :ivar healthy: whether the proxy may send requests to the host.
-    :ivar loaded: sorted unique ids of the models resident at the last good poll.
-    :ivar loading: sorted ids the host was loading at the last good poll (router mode).
-    :ivar available: sorted ids the host lists and can load on demand (router mode).
-    :ivar entries: id -> the host's ``/v1/models`` entry as JSON text, for the route
-        model list (docs/design.md §The proxy, rule 10).
-    :ivar router: the host listed its models with a ``status`` (llama-server router
-        mode) at its last good poll: it never takes the fallback tier.
-    :ivar aliases: names the host reported as ``aliases`` of its entries -> the id.
     :ivar last_ok: POSIX time (seconds) of the last good poll, or None.
     :ivar last_err: why the last poll or request failed; "" after a good poll.
     :ivar consecutive: good polls in a row.
@@ -46,12 +40,6 @@ class HostStatus:
     """
 
     healthy: bool = False
-    loaded: tuple[str, ...] = ()
-    loading: tuple[str, ...] = ()
-    available: tuple[str, ...] = ()
-    entries: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
-    router: bool = False
-    aliases: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     last_ok: float | None = None
     last_err: str = ""
     consecutive: int = 0
@@ -132,12 +120,7 @@ class HealthTable:
             failures=0,
             last_ok=self._now(),
             last_err="",
-            loaded=listed.loaded,
-            loading=listed.loading,
-            available=listed.available,
-            entries=listed.entries,
-            router=listed.router,
-            aliases=listed.aliases,
+            **{f.name: getattr(listed, f.name) for f in fields(ModelList)},
             healthy=healthy,
             # once trusted again it is judged like a host that never failed: a failed
             # poll below failure_threshold followed by a good one keeps it healthy

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import CancelledError
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.server import Request
