@@ -56,6 +56,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--top", type=int, default=60)
+    ap.add_argument("--streams", type=int, default=0, metavar="N",
+                    help="drive N streams of 200 events 5 ms apart (bench (b)'s shape) instead of wrk: figures per event")
     ap.add_argument("--save", metavar="FILE", help="with --profile: keep the profile (and the request count) in FILE")
     ap.add_argument("--diff", nargs=2, metavar=("BEFORE", "AFTER"),
                     help="compare two --save files: calls per request by function, largest changes first")
@@ -111,6 +113,18 @@ def main() -> None:
                 raise SystemExit(f"cpu_probe: wrk:\n{out}")
             return int(m.group(1))
 
+        if a.streams:
+            sys.path.insert(0, str(HERE))
+            import asyncio
+
+            from load import run_streams
+
+            def wrk(seconds: int) -> int:  # noqa: F811 - the streams drive instead of wrk's
+                res = asyncio.run(run_streams("127.0.0.1", port, "/bench", a.streams, 200, 5, 60))
+                if res.completed != a.streams:
+                    raise SystemExit(f"cpu_probe: {a.streams - res.completed} streams failed")
+                return sum(s.events for s in res.streams)
+
         wrk(1)  # warm-up: connections, pools, caches
         if a.profile:
             cb.send_signal(signal.SIGUSR2)
@@ -121,8 +135,9 @@ def main() -> None:
             n = wrk(a.seconds)
             per.append((cpu() - c0) / n * 1e6)
             served += n
-            print(f"requests {n}  crossbar CPU us/request {per[-1]:.0f}", flush=True)
-        print(f"median CPU us/request {sorted(per)[len(per) // 2]:.0f}" + ("  (profiled)" if a.profile else ""))
+            unit = "event" if a.streams else "request"
+            print(f"{unit}s {n}  crossbar CPU us/{unit} {per[-1]:.1f}", flush=True)
+        print(f"median CPU us/{unit} {sorted(per)[len(per) // 2]:.1f}" + ("  (profiled)" if a.profile else ""))
         if a.profile:
             cb.send_signal(signal.SIGUSR2)
             for _ in range(100):

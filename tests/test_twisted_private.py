@@ -10,20 +10,28 @@ then refresh the pin in .ci/constraints.txt.
 from __future__ import annotations
 
 import inspect
+import socket
 from typing import Any
 
 import twisted
+from twisted.internet import reactor
 from twisted.internet.abstract import FileDescriptor
+from twisted.internet.defer import Deferred, ensureDeferred
+from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol
 from twisted.internet.error import ConnectionDone
-from twisted.internet.task import Clock
+from twisted.internet.interfaces import IPushProducer
+from twisted.internet.protocol import Protocol
+from twisted.internet.task import Clock, deferLater
+from twisted.internet.tcp import Connection
 from twisted.internet.testing import MemoryReactor, StringTransport
 from twisted.python.failure import Failure
-from twisted.trial.unittest import SynchronousTestCase
+from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.http import HTTPChannel
 from twisted.web.server import Site
 from twisted.web.test.requesthelper import DummyChannel, DummyRequest
+from zope.interface import implementer
 
-from crossbar.upstream.twisted_private import BadRequestHook, client_is_paused, pending_write_bytes
+from crossbar.upstream.twisted_private import BadRequestHook, client_is_paused, eager_writes, pending_write_bytes
 from tests.fakes import HoldResource
 
 
@@ -229,3 +237,90 @@ class PendingWriteBytesTests(_Private):
         request: Any = DummyRequest([b""])
         request.channel = type("Channel", (), {"transport": StringTransport()})()
         self.assertIsNone(pending_write_bytes(request))
+
+
+# -- touchpoint 5: tcp.Connection write buffers, eager_writes ---------------------------------
+
+
+class _Sink(Protocol):
+    def __init__(self) -> None:
+        self.transport_ready: Deferred[Any] = Deferred()
+
+    def connectionMade(self) -> None:
+        self.transport_ready.callback(self.transport)
+
+
+class EagerWritesTests(TestCase):
+    """A real TCP connection on 127.0.0.1: what the kernel takes goes out at once, what it
+    does not goes through Twisted's buffer, in order, with the producer paused."""
+
+    def test_names_exist(self) -> object:
+        async def go() -> None:
+            transport, _ = await self._connected()
+            self.assertIsInstance(transport, Connection, moved("twisted.internet.tcp.Connection", 5, "not the transport"))
+            for name in ("dataBuffer", "offset", "_tempDataLen", "_writeDisconnected", "disconnecting", "connected"):
+                if not hasattr(transport, name):
+                    self.fail(moved(f"twisted.internet.tcp.Connection.{name}", 5, "it is gone"))
+        return ensureDeferred(go())
+
+    def test_not_a_tcp_transport(self) -> None:
+        self.assertFalse(eager_writes(StringTransport()))
+
+    async def _connected(self) -> tuple[Any, socket.socket]:
+        server = socket.socket()
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        self.addCleanup(server.close)
+        sink = _Sink()
+        endpoint = TCP4ClientEndpoint(reactor, "127.0.0.1", server.getsockname()[1])
+        await connectProtocol(endpoint, sink)
+        transport = await sink.transport_ready
+        self.addCleanup(transport.abortConnection)
+        peer, _ = server.accept()
+        self.addCleanup(peer.close)
+        peer.setblocking(False)
+        return transport, peer
+
+    def test_a_write_goes_out_before_the_reactor_turns(self) -> object:
+        async def go() -> None:
+            transport, peer = await self._connected()
+            self.assertTrue(eager_writes(transport))
+            transport.write(b"data: 1\n\n")
+            transport.writeSequence([b"a", b"b"])
+            self.assertEqual(peer.recv(100), b"data: 1\n\nab")  # no reactor turn in between
+            self.assertEqual(transport.dataBuffer[transport.offset:], b"")
+        return ensureDeferred(go())
+
+    def test_what_the_kernel_does_not_take_is_buffered_in_order(self) -> object:
+        async def go() -> None:
+            transport, peer = await self._connected()
+            eager_writes(transport)
+            transport.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            paused: list[bool] = []
+
+            @implementer(IPushProducer)
+            class Producer:
+                def pauseProducing(self) -> None:
+                    paused.append(True)
+
+                def resumeProducing(self) -> None:
+                    paused.append(False)
+
+                def stopProducing(self) -> None:
+                    pass
+
+            transport.registerProducer(Producer(), True)
+            blob = bytes(range(256)) * 4096  # 1 MiB: far more than the socket takes at once
+            transport.write(blob)
+            transport.write(b"tail")
+            self.assertGreater(transport._tempDataLen + len(transport.dataBuffer) - transport.offset, 0)
+            self.assertEqual(paused[:1], [True])  # over Twisted's bufferSize: the producer is paused
+            got = bytearray()
+            while len(got) < len(blob) + 4:
+                try:
+                    got += peer.recv(1 << 20)
+                except BlockingIOError:
+                    await deferLater(reactor, 0.001, lambda: None)
+            self.assertEqual(bytes(got), blob + b"tail")
+            self.assertEqual(paused[-1], False)  # resumed once the buffer drained
+        return ensureDeferred(go())

@@ -30,7 +30,7 @@ from twisted.web.http import HTTPChannel
 from crossbar.errors import json_error_bytes
 from crossbar.proxy.request import MAX_BODY
 from crossbar.upstream.tcp import no_delay
-from crossbar.upstream.twisted_private import BadRequestHook
+from crossbar.upstream.twisted_private import BadRequestHook, eager_writes
 
 __all__ = ["HEAD_DEADLINE", "MIN_BODY_RATE", "HeadDeadlineChannel", "body_deadline", "hostile_header"]
 
@@ -103,6 +103,7 @@ class HeadDeadlineChannel(BadRequestHook, HTTPChannel):
     def connectionMade(self) -> None:
         super().connectionMade()
         no_delay(self.transport)
+        eager_writes(self.transport)  # a write goes out at once, not a reactor turn later
         self._arm_head_deadline()
         open_channels = getattr(getattr(self, "site", None), "open_channels", None)
         if open_channels is not None:

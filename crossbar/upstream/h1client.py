@@ -63,6 +63,7 @@ from twisted.web.iweb import UNKNOWN_LENGTH, IAgent, IAgentEndpointFactory, IBod
 from zope.interface import implementer
 
 from crossbar.upstream.tcp import no_delay
+from crossbar.upstream.twisted_private import eager_writes
 
 __all__ = [
     "INLINE_BODY", "KEEP_ALIVE_MARGIN", "MAX_RESPONSE_HEAD", "BodyTruncated", "H1Agent", "H1Connection", "H1Pool",
@@ -299,6 +300,7 @@ class H1Connection(Protocol):
 
     def connectionMade(self) -> None:
         no_delay(self.transport)
+        eager_writes(self.transport)  # a write goes out at once, not a reactor turn later
 
     def when_lost(self) -> Deferred[None]:
         """A Deferred that fires once the connection is closed."""

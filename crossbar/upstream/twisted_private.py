@@ -22,16 +22,23 @@ take a new Twisted on purpose, after that test and the suite pass.
    what crossbar holds for it (``timeouts.client_stall``, docs/design.md §The proxy rule 7).
    Twisted tells a producer only when its buffer is empty again, so a slow client that
    keeps reading would look stalled for as long as one buffer takes to drain.
+5. :func:`eager_writes` replaces a TCP transport's ``write``/``writeSequence`` (instance
+   attributes) and reads its ``dataBuffer``, ``offset``, ``_tempDataLen`` and
+   ``_writeDisconnected``: Twisted buffers every write until the reactor's next turn
+   finds the socket writable, which costs each relayed event two ``epoll_ctl`` calls
+   and a reactor dispatch (issue 23: CPU per event) and adds that turn to its latency;
+   asyncio sends at once when nothing is waiting, and so does crossbar now.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
+from twisted.internet.tcp import Connection
 from twisted.logger import Logger
 from twisted.web.server import Request
 
-__all__ = ["BadRequestHook", "client_is_paused", "pending_write_bytes", "wrap_port_logger"]
+__all__ = ["BadRequestHook", "client_is_paused", "eager_writes", "pending_write_bytes", "wrap_port_logger"]
 
 
 class BadRequestHook:
@@ -76,3 +83,40 @@ def pending_write_bytes(request: Request) -> int | None:
             return len(data) - int(transport.offset) + int(transport._tempDataLen)
         transport = getattr(transport, "transport", None)
     return None
+
+
+def eager_writes(transport: Any) -> bool:
+    """Make a TCP transport (or the TCP transport under a TLS one) send a write at once
+    when nothing is waiting in its buffers, instead of buffering it until the reactor's
+    next turn finds the socket writable (touchpoint 5). What the kernel does not take,
+    and every write made while bytes are waiting, goes through Twisted's own ``write``
+    (its buffer, its producer pausing, its error handling in ``doWrite``). Returns
+    False, changing nothing, for a transport that is not a ``tcp.Connection``."""
+    for _ in range(2):
+        if isinstance(transport, Connection):
+            break
+        transport = getattr(transport, "transport", None)
+    else:
+        return False
+    tcp: Any = transport
+    buffered = tcp.write
+    sock = tcp.socket
+
+    def write(data: bytes) -> None:
+        if (data and not tcp._tempDataLen and tcp.offset == len(tcp.dataBuffer) and tcp.connected
+                and not tcp.disconnecting and not tcp._writeDisconnected and type(data) is bytes):
+            try:
+                sent = sock.send(data)
+            except OSError:  # EWOULDBLOCK, or an error doWrite will find and report
+                sent = 0
+            if sent == len(data):
+                return
+            data = data[sent:]
+        buffered(data)
+
+    def write_sequence(iovec: Any) -> None:
+        write(b"".join(iovec))
+
+    tcp.write = write
+    tcp.writeSequence = write_sequence
+    return True
