@@ -173,13 +173,14 @@ class Relay(Protocol):
         now = self._last_byte_at = self._clock.seconds()
         if not self.bytes:
             self.first_byte_at = now
-        self.bytes += len(data)
+        size = len(data)
+        self.bytes += size
         if self._seen is not None:
             self._seen[self._host] = now  # a sign of life (rule 7)
         tail = self._tail
         tail.append(data)
-        self._tail_bytes += len(data)
-        if self._tail_bytes - len(tail[0]) >= TAIL_BYTES:
+        kept = self._tail_bytes = self._tail_bytes + size
+        if kept - len(tail[0]) >= TAIL_BYTES:
             self._trim()
         self.request.write(data)
 
