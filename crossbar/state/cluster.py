@@ -22,15 +22,17 @@ succeeds.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
+from collections import deque
 from typing import Any, Callable, Iterable, Protocol
 
 import txredisapi
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from twisted.application.internet import ClientService
-from twisted.internet.defer import Deferred, DeferredList, fail, succeed
+from twisted.internet.defer import CancelledError, Deferred, DeferredList, TimeoutError, fail, succeed
 from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
 from twisted.internet.task import LoopingCall
 from twisted.logger import LogPublisher, Logger
@@ -39,7 +41,12 @@ from twisted.python.failure import Failure
 from crossbar.config import HostTLSSettings, RedisURL
 from crossbar.upstream.tls import client_creator
 
-__all__ = ["BOUND", "FLUSH", "HEARTBEAT", "RESYNC", "TTL", "ClusterCollector", "ClusterView", "RedisCluster"]
+try:  # txredisapi parses replies with hiredis (C) when it is installed, as it is by default
+    import hiredis
+except ImportError:  # pragma: no cover - the pure-Python parser and command builder of txredisapi
+    hiredis = None  # type: ignore[assignment]
+
+__all__ = ["BOUND", "FLUSH", "GAP", "HEARTBEAT", "RESYNC", "TTL", "ClusterCollector", "ClusterView", "RedisCluster"]
 
 _log = Logger(namespace="crossbar.cluster")
 
@@ -54,8 +61,13 @@ BOUND = 0.05
 """Seconds a Redis reply may take before the instance goes on alone (§Several crossbars)."""
 FLUSH = 0.002
 """Seconds this instance's rising counts gather before one write takes them all to Redis
-(and the other instances): under load one write carries many requests' changes. A
-falling count (a freed slot) is written at the end of the reactor turn."""
+(and the other instances). A falling count (a freed slot) is written at the end of the
+reactor turn."""
+GAP = 0.005
+"""Seconds at least between two writes of this instance (the changes in between gather):
+under load one write carries many requests' changes, whatever the rate (a write costs
+both instances far more CPU than a request's own count does). A freed slot still
+reaches the other instances well within the 20 ms of §Several crossbars."""
 
 _SEQ = "#seq"
 _CONNECTING = 2.5
@@ -160,11 +172,16 @@ class RedisCluster:
         self._rising: set[str] = set()
         self._pending: dict[str, int] = {}
         self._flush_call: Any = None
+        self._sent_at = float("-inf")
+        """when this instance's last write went out (reactor seconds)"""
         self._seq = 0
         self._views: dict[str, dict[str, tuple[int, int]]] = {}
         """other instance -> field -> (the instance's seq when it had it, value)"""
         self._totals: dict[str, int] = {}
         self._factory: Any = None
+        self._waiting: deque[tuple[float, Deferred[Any]]] = deque()
+        """commands in flight: (when their bound passes, the reply's Deferred), in order sent"""
+        self._watchdog: Any = None
         self._subscriber: Any = None
         self._resync = LoopingCall(self.resync)
         self._resync.clock = reactor
@@ -203,15 +220,22 @@ class RedisCluster:
         self._dirty.add(name)
         if not self.joined:
             return
-        # A freed slot goes out at once (requests wait for it on other instances, §Choosing
-        # a host rule 4); rises gather for FLUSH (they count as unsettled meanwhile).
-        delay = 0.0 if value < old else FLUSH
+        # A freed slot goes out at the end of this reactor turn (requests wait for it on
+        # other instances, §Choosing a host rule 4); rises gather for FLUSH (they count as
+        # unsettled meanwhile); and a write follows the previous one by GAP at least, so
+        # under load one write carries many requests' changes.
         call = self._flush_call
-        if call is not None and call.active() and delay < FLUSH and call.getTime() > self.reactor.seconds():
-            call.cancel()
-            call = None
-        if call is None or not call.active():
-            self._flush_call = self.reactor.callLater(delay, self._flush)
+        if value < old:
+            now = self.reactor.seconds()
+            when = max(now, self._sent_at + GAP)
+            if call is not None:
+                if call.getTime() <= when:
+                    return
+                call.cancel()
+            self._flush_call = self.reactor.callLater(when - now, self._flush)
+        elif call is None:
+            now = self.reactor.seconds()
+            self._flush_call = self.reactor.callLater(max(now + FLUSH, self._sent_at + GAP) - now, self._flush)
 
     # -- connecting -----------------------------------------------------------------
 
@@ -223,6 +247,7 @@ class RedisCluster:
             f"{url.host}:{url.port}", url.db, 1, isLazy=True, charset="utf-8", password=url.password,
             replyTimeout=None, convertNumbers=False, username=url.username,
         )
+        factory.protocol = _Protocol
         factory.maxDelay = 1.0  # rejoin within about a second of Redis answering again
         factory.initialDelay = 0.1
         _connect_quietly(factory, endpoint, self._lost)
@@ -254,9 +279,18 @@ class RedisCluster:
         if self._flush_call is not None and self._flush_call.active():
             self._flush_call.cancel()
         self._flush_call = None
+        # (the watchdog stays until the connections are closed: it bounds the leaving write)
         def disconnect(_: object) -> Deferred[Any]:
             ds = [f.disconnect() for f in (self._factory, self._subscriber) if f is not None]
-            return DeferredList(ds, consumeErrors=True)
+            return DeferredList(ds, consumeErrors=True).addBoth(unwatch)
+
+        def unwatch(result: object) -> object:
+            # every reply still awaited failed with the connection: nothing left to bound
+            if self._watchdog is not None and self._watchdog.active():
+                self._watchdog.cancel()
+            self._watchdog = None
+            self._waiting.clear()
+            return result
 
         if self._factory is None:
             return succeed(None)
@@ -271,19 +305,72 @@ class RedisCluster:
     # -- Redis commands -------------------------------------------------------------
 
     def command(self, name: str, *args: Any, bound: float = BOUND) -> Deferred[Any]:
-        """Run one command with ``bound`` seconds (default :data:`BOUND`) on its reply;
-        errbacks with ConnectionError at once when no connection is up (nothing queues
-        up). A failure here is the caller's to handle: only the cluster's own reads and
-        writes turn the instance alone."""
+        """Run one command with ``bound`` seconds (default :data:`BOUND`) on its reply
+        (errback: :class:`~twisted.internet.defer.TimeoutError`); errbacks with
+        ConnectionError at once when no connection is up (nothing queues up). A failure
+        here is the caller's to handle: only the cluster's own reads and writes turn the
+        instance alone. ``eval`` sends EVALSHA with the script's hash (computed once),
+        and the script itself only when Redis does not know it yet."""
         factory = self._factory
         connection = factory.pool[0] if factory is not None and factory.pool else None
         if connection is None or not connection.connected:
             return fail(txredisapi.ConnectionError("not connected"))
         # The pool's one connection itself: txredisapi's pool handler adds a generator
         # and a queue per command, for nothing with one connection.
-        d: Deferred[Any] = getattr(connection, name)(*args)
-        d.addTimeout(bound, self.reactor)
+        d: Deferred[Any]
+        if name == "eval":
+            script, keys, argv = args
+            sha = _SHAS.get(script)
+            if sha is None:
+                sha = _SHAS[script] = hashlib.sha1(script.encode()).hexdigest()
+            d = connection.execute_command("EVALSHA", sha, len(keys), *keys, *argv)
+            d.addErrback(self._command_failed, connection, script, keys, argv, bound)
+        else:
+            d = getattr(connection, name)(*args)
+            d.addErrback(self._command_failed, None, None, (), (), bound)
+        # One watchdog for every command in flight rather than a timer each (what a
+        # timer per command cost: docs in bench/README.md, "Several crossbars").
+        deadline = self.reactor.seconds() + bound
+        self._waiting.append((deadline, d))
+        if self._watchdog is None or self._watchdog.getTime() > deadline:
+            self._arm(deadline)
         return d
+
+    def _command_failed(self, failure: Failure, connection: Any, script: str | None, keys: Any, argv: Any,
+                        bound: float) -> Any:
+        if failure.check(CancelledError):
+            raise TimeoutError(f"no reply from Redis within {int(bound * 1000)} ms")
+        if script is not None and failure.check(txredisapi.ResponseError) and \
+                str(failure.value).startswith("NOSCRIPT"):
+            # Redis restarted or its scripts were flushed: send the script itself (rare).
+            return connection.eval(script, keys, argv).addTimeout(bound, self.reactor)
+        return failure
+
+    def _watch(self) -> None:
+        """Fail every command whose bound has passed without a reply (the watchdog)."""
+        self._watchdog = None
+        now = self.reactor.seconds()
+        pending, self._waiting = self._waiting, deque()
+        expired = []
+        for deadline, d in pending:  # (replies come in order, but bounds may differ)
+            if not d.called:
+                if deadline <= now:
+                    expired.append(d)
+                else:
+                    self._waiting.append((deadline, d))
+        for d in expired:
+            d.cancel()  # errback: TimeoutError (_command_failed)
+        if self._waiting:
+            self._arm(min(deadline for deadline, _ in self._waiting))
+
+    def _arm(self, when: float) -> None:
+        """The watchdog runs at ``when`` at the latest."""
+        watchdog = self._watchdog
+        if watchdog is not None:
+            if watchdog.getTime() <= when:
+                return
+            watchdog.cancel()
+        self._watchdog = self.reactor.callLater(max(0.0, when - self.reactor.seconds()), self._watch)
 
     def _flush(self) -> None:
         self._flush_call = None
@@ -294,6 +381,7 @@ class RedisCluster:
         self._write(fields)
 
     def _write(self, fields: dict[str, int]) -> None:
+        self._sent_at = self.reactor.seconds()
         self._seq += 1
         seq = self._seq
         for name in self._rising:
@@ -427,6 +515,20 @@ class RedisCluster:
     def _changed(self) -> None:
         if self.on_change is not None:
             self.on_change()
+
+
+_SHAS: dict[str, str] = {}
+"""script text -> its SHA1 (EVALSHA), computed once per script."""
+
+
+class _Protocol(txredisapi.RedisProtocol):  # type: ignore[misc]
+    """txredisapi's protocol (with hiredis: replies parsed in C), each command packed by
+    hiredis too: txredisapi's own builder encodes every argument in Python (about 26
+    calls per command)."""
+
+    if hiredis is not None:
+        def _build_command(self, *args: Any, **kwargs: Any) -> bytes:
+            return bytes(hiredis.pack_command(args))
 
 
 class _QuietClientService(ClientService):
