@@ -90,7 +90,8 @@ def redis_calls(port: int) -> dict[str, int]:
     return out
 
 
-def start_crossbar(workdir: Path, name: str, up_port: int, redis_port: int | None) -> tuple[subprocess.Popen[Any], int]:
+def start_crossbar(workdir: Path, name: str, up_port: int, redis_port: int | None,
+                   calls: bool = False) -> tuple[subprocess.Popen[Any], int]:
     port = free_port()
     config = workdir / f"{name}.yaml"
     config.write_text(
@@ -100,15 +101,32 @@ def start_crossbar(workdir: Path, name: str, up_port: int, redis_port: int | Non
         f"hosts:\n  up:\n    url: http://{HOST}:{up_port}\n    max_inflight: 1000\n"
         "routes:\n  bench:\n    hosts: [up]\n    default_model: bench\n"
     )
-    twistd = Path(sys.executable).parent / "twistd"
+    twistd = [str(Path(sys.executable).parent / "twistd")]
+    if calls:  # under cProfile, toggled by SIGUSR2
+        twistd = [sys.executable, "-c", _PROFILED, str(workdir / f"{name}.prof")]
     proc = subprocess.Popen(
-        [str(twistd), "-n", "--pidfile=", f"--logfile={workdir / (name + '.log')}", "crossbar", "--config", str(config)],
+        twistd + ["-n", "--pidfile=", f"--logfile={workdir / (name + '.log')}", "crossbar", "--config", str(config)],
         cwd=workdir, stdout=subprocess.DEVNULL, stderr=open(workdir / f"{name}.stderr", "w"),
         preexec_fn=_die_with_parent,
     )
     wait_http(f"http://{HOST}:{port}/_crossbar/readyz", 30, proc)
     return proc, port
 
+
+_PROFILED = """import cProfile, signal, sys, time
+out = sys.argv[1]; sys.argv = ["twistd"] + sys.argv[2:]
+p = cProfile.Profile(time.process_time); on = [False]
+def toggle(*a):
+    on[0] = not on[0]
+    if on[0]:
+        p.enable()
+    else:
+        p.disable(); p.dump_stats(out)
+signal.signal(signal.SIGUSR2, toggle)
+from twisted.scripts.twistd import run
+run()
+"""
+"""twistd under cProfile: SIGUSR2 starts it, the next stops it and writes every call so far."""
 
 _BODY = b'{"model":"bench","messages":[{"role":"user","content":"Say hello."}],"max_tokens":16}'
 
@@ -212,6 +230,42 @@ async def run_pair(procs: dict[str, tuple[subprocess.Popen[Any], int]], pair: st
     }
 
 
+async def profiling(procs: dict[str, tuple[subprocess.Popen[Any], int]], pair: str, workdir: Path) -> None:
+    """Toggle cProfile in both instances of ``pair`` (on before a round, off and dumped
+    after: the profiles add up over the rounds)."""
+    files = [workdir / f"{pair}{i}.prof" for i in (1, 2)]
+    before = [f.stat().st_mtime_ns if f.exists() else 0 for f in files]
+    for i in (1, 2):
+        procs[f"{pair}{i}"][0].send_signal(signal.SIGUSR2)
+    await asyncio.sleep(0.2)
+    if any(f.exists() and f.stat().st_mtime_ns != b for f, b in zip(files, before)):
+        deadline = time.monotonic() + 30  # a dump under way: wait for both
+        while not all(f.exists() and f.stat().st_mtime_ns != b for f, b in zip(files, before)):
+            if time.monotonic() > deadline:
+                raise SystemExit("bench: a profile was not written within 30 s")
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.5)
+
+
+def calls_report(profiles: dict[str, Any], requests: dict[str, float], top: int) -> None:
+    """Function calls per request of each pair (cProfile: deterministic, whatever the
+    machine's load), and the functions the cluster adds the most calls to."""
+    per: dict[str, dict[str, float]] = {}
+    total: dict[str, float] = {}
+    for pair, stats in profiles.items():
+        total[pair] = stats.total_calls / requests[pair]  # type: ignore[attr-defined]
+        per[pair] = {}
+        for (file, line, func), (_, nc, *_rest) in stats.stats.items():  # type: ignore[attr-defined]
+            key = f"{Path(file).name}:{line} {func}"
+            per[pair][key] = per[pair].get(key, 0.0) + nc / requests[pair]
+    print()
+    print(f"function calls per request (cProfile, both instances): solo {total['solo']:.0f}, "
+          f"shared {total['shared']:.0f}, added {total['shared'] - total['solo']:+.0f}")
+    added = sorted(((per["shared"].get(k, 0.0) - per["solo"].get(k, 0.0), k) for k in per["shared"]), reverse=True)
+    for n, key in added[:top]:
+        print(f"  {n:+7.2f}  {key}")
+
+
 def joined(port: int) -> bool:
     """Whether the instance at ``port`` shares counts now (its metrics' cluster gauge)."""
     import urllib.request
@@ -242,7 +296,8 @@ async def amain(args: argparse.Namespace) -> int:
             for pair in PAIRS:
                 for i in (1, 2):
                     name = f"{pair}{i}"
-                    procs[name] = start_crossbar(workdir, name, up_port, redis_port if pair == "shared" else None)
+                    procs[name] = start_crossbar(workdir, name, up_port, redis_port if pair == "shared" else None,
+                                                 args.calls)
                     everything.append(procs[name][0])
             deadline = time.monotonic() + 15
             while not all(joined(procs[f"shared{i}"][1]) for i in (1, 2)):
@@ -256,10 +311,14 @@ async def amain(args: argparse.Namespace) -> int:
                 order = PAIRS if r % 2 == 0 else PAIRS[::-1]
                 for pair in order:
                     calls0 = redis_calls(redis_port)
+                    if args.calls:
+                        await profiling(procs, pair, workdir)
                     if args.rate:
                         out = await run_paced(procs, pair, redis.pid, args.connections, args.seconds, args.rate)
                     else:
                         out = await run_pair(procs, pair, redis.pid, args.connections, args.seconds, lua)
+                    if args.calls:
+                        await profiling(procs, pair, workdir)
                     calls = redis_calls(redis_port)
                     requests = out["rps"] * args.seconds
                     for command, names in (("eval", ("eval", "evalsha")), ("publish", ("publish",))):
@@ -270,6 +329,10 @@ async def amain(args: argparse.Namespace) -> int:
                     print(f"round {r + 1} {pair}: " + ", ".join(f"{k} {v:.3g}" for k, v in out.items()),
                           file=sys.stderr)
             still = all(joined(procs[f"shared{i}"][1]) for i in (1, 2))
+            if args.calls:  # read before the temporary directory goes
+                import pstats
+
+                profiles = {pair: pstats.Stats(*(str(workdir / f"{pair}{i}.prof") for i in (1, 2))) for pair in PAIRS}
         finally:
             for p in everything:
                 if p.poll() is None:
@@ -304,6 +367,8 @@ async def amain(args: argparse.Namespace) -> int:
     for label, k, d in rows:
         added = med("shared", k) - med("solo", k)
         print(f"| {label} | {span('solo', k, d)} | {span('shared', k, d)} | {added:+.{d}f} |")
+    if args.calls:
+        calls_report(profiles, {p: sum(r * args.seconds for r in results[p]["rps"]) for p in PAIRS}, args.calls)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return 0
@@ -317,6 +382,9 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=0,
                         help="requests/s per instance on a fixed schedule (this script's client) "
                              "instead of wrk's as-fast-as-possible")
+    parser.add_argument("--calls", metavar="N", type=int, default=0,
+                        help="run the instances under cProfile (slower): function calls per request of each pair "
+                             "and the N functions with the most added calls")
     parser.add_argument("--json")
     return asyncio.run(amain(parser.parse_args()))
 

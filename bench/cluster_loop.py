@@ -81,6 +81,27 @@ async def load(reactor: Any, target: Any, rate: float, seconds: float, hold: flo
     return time.process_time() - c0, os.times().system - k0, n
 
 
+async def profile(reactor: Any, args: argparse.Namespace, solo: Any, shared: Any) -> None:
+    """Calls per request of each mode under cProfile (insensitive to the machine's load)."""
+    import cProfile
+    import pstats
+
+    calls: dict[str, float] = {}
+    for mode, target in (("solo", solo), ("shared", shared)):
+        prof = cProfile.Profile()
+        prof.enable()
+        _, _, n = await load(reactor, target, args.rate, args.seconds, args.hold)
+        prof.disable()
+        stats = pstats.Stats(prof)
+        calls[mode] = stats.total_calls / n  # type: ignore[attr-defined]
+        if mode == "shared":
+            rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][1])  # type: ignore[attr-defined]
+            for (file, line, func), (cc, nc, tt, ct, _) in rows[:args.profile]:
+                print(f"{nc / n:8.2f} calls/request {1e6 * tt / n:8.1f} µs own  {Path(file).name}:{line} {func}")
+    print(f"function calls per request: no cluster {calls['solo']:.1f}, cluster {calls['shared']:.1f}, "
+          f"added {calls['shared'] - calls['solo']:.1f}")
+
+
 async def amain(reactor: Any, args: argparse.Namespace) -> None:
     started = loadavg()
     with tempfile.TemporaryDirectory(prefix="crossbar-bench-loop-") as tmp:
@@ -114,6 +135,10 @@ async def amain(reactor: Any, args: argparse.Namespace) -> None:
             await load(reactor, Stand(), args.rate, 1, args.hold)  # warm-up
             await load(reactor, Timed(), args.rate, 1, args.hold)
             seen.clear()
+            if args.profile:
+                await profile(reactor, args, Stand(), Timed())
+                await defer.DeferredList([a.stop(), b.stop()])
+                return
             for r in range(args.rounds):
                 for mode in (("solo", "shared") if r % 2 == 0 else ("shared", "solo")):
                     cpu, sys_cpu, n = await load(reactor, Stand() if mode == "solo" else Timed(), args.rate, args.seconds,
@@ -148,6 +173,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10)
     parser.add_argument("--hold", type=float, default=0.005)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--profile", metavar="N", type=int, default=0,
+                        help="instead of timing: one round under cProfile (deterministic), print the calls per "
+                             "request of each mode and the N functions with the most calls in the shared mode")
     args = parser.parse_args()
     task.react(lambda reactor: defer.ensureDeferred(amain(reactor, args)))
 
