@@ -354,7 +354,7 @@ class RedisCluster:
         expired = []
         for deadline, d in pending:  # (replies come in order, but bounds may differ)
             if not d.called:
-                if deadline <= now:
+                if deadline <= now + 1e-6:  # (a timer's float time may fall a hair short)
                     expired.append(d)
                 else:
                     self._waiting.append((deadline, d))
