@@ -308,26 +308,35 @@ async def amain(args: argparse.Namespace) -> int:
             for pair in PAIRS:
                 await run_pair(procs, pair, redis.pid, args.connections, 1, lua)
             for r in range(args.rounds):
-                order = PAIRS if r % 2 == 0 else PAIRS[::-1]
-                for pair in order:
+                order: list[tuple[str, ...]] = [(p,) for p in (PAIRS if r % 2 == 0 else PAIRS[::-1])]
+                if args.together:  # both pairs at once: the machine's other work hits both alike
+                    order = [PAIRS]
+                for pairs in order:
                     calls0 = redis_calls(redis_port)
                     if args.calls:
-                        await profiling(procs, pair, workdir)
+                        for p in pairs:
+                            await profiling(procs, p, workdir)
                     if args.rate:
-                        out = await run_paced(procs, pair, redis.pid, args.connections, args.seconds, args.rate)
+                        outs = await asyncio.gather(*(
+                            run_paced(procs, p, redis.pid, args.connections, args.seconds, args.rate) for p in pairs))
                     else:
-                        out = await run_pair(procs, pair, redis.pid, args.connections, args.seconds, lua)
+                        outs = await asyncio.gather(*(
+                            run_pair(procs, p, redis.pid, args.connections, args.seconds, lua) for p in pairs))
                     if args.calls:
-                        await profiling(procs, pair, workdir)
+                        for p in pairs:
+                            await profiling(procs, p, workdir)
                     calls = redis_calls(redis_port)
-                    requests = out["rps"] * args.seconds
-                    for command, names in (("eval", ("eval", "evalsha")), ("publish", ("publish",))):
-                        n = sum(calls.get(c, 0) - calls0.get(c, 0) for c in names)
-                        out[f"redis_{command}"] = n / requests
-                    for k, v in out.items():
-                        results[pair].setdefault(k, []).append(v)
-                    print(f"round {r + 1} {pair}: " + ", ".join(f"{k} {v:.3g}" for k, v in out.items()),
-                          file=sys.stderr)
+                    for p, out in zip(pairs, outs):
+                        requests = out["rps"] * args.seconds
+                        for command, names in (("eval", ("eval", "evalsha")), ("publish", ("publish",))):
+                            n = sum(calls.get(c, 0) - calls0.get(c, 0) for c in names)
+                            out[f"redis_{command}"] = n / requests if p == "shared" or len(pairs) == 1 else 0.0
+                        if len(pairs) > 1 and p == "solo":
+                            out["redis_cpu_us"] = 0.0  # (Redis works for the shared pair alone)
+                        for k, v in out.items():
+                            results[p].setdefault(k, []).append(v)
+                        print(f"round {r + 1} {p}: " + ", ".join(f"{k} {v:.3g}" for k, v in out.items()),
+                              file=sys.stderr)
             still = all(joined(procs[f"shared{i}"][1]) for i in (1, 2))
             if args.calls:  # read before the temporary directory goes
                 import pstats
@@ -354,6 +363,8 @@ async def amain(args: argparse.Namespace) -> int:
     print(machine())
     how = (f"{args.rate:g} requests/s per instance on a fixed schedule over {args.connections} connections"
            if args.rate else f"wrk -t1 -c{args.connections}")
+    if args.together:
+        how += " (both pairs at once)"
     print(f"{args.rounds} round(s) of {args.seconds:g} s, {how} through each of two instances at once; {started} at start, {loadavg()} at end; {time.monotonic() - t0:.0f}s; "
           f"shared instances still joined at the end: {still}")
     print("values: median [min-max] over rounds")
@@ -382,6 +393,9 @@ def main() -> int:
     parser.add_argument("--rate", type=float, default=0,
                         help="requests/s per instance on a fixed schedule (this script's client) "
                              "instead of wrk's as-fast-as-possible")
+    parser.add_argument("--together", action="store_true",
+                        help="load both pairs at once in every round (on a busy machine the neighbours then weigh "
+                             "on both alike) rather than one pair after the other")
     parser.add_argument("--calls", metavar="N", type=int, default=0,
                         help="run the instances under cProfile (slower): function calls per request of each pair "
                              "and the N functions with the most added calls")

@@ -81,7 +81,7 @@ async def load(reactor: Any, target: Any, rate: float, seconds: float, hold: flo
     return time.process_time() - c0, os.times().system - k0, n
 
 
-async def profile(reactor: Any, args: argparse.Namespace, solo: Any, shared: Any) -> None:
+async def profile(reactor: Any, args: argparse.Namespace, solo: Any, shared: Any, a: RedisCluster) -> None:
     """Calls per request of each mode under cProfile (insensitive to the machine's load)."""
     import cProfile
     import pstats
@@ -89,9 +89,12 @@ async def profile(reactor: Any, args: argparse.Namespace, solo: Any, shared: Any
     calls: dict[str, float] = {}
     for mode, target in (("solo", solo), ("shared", shared)):
         prof = cProfile.Profile()
+        seq = a._seq
         prof.enable()
         _, _, n = await load(reactor, target, args.rate, args.seconds, args.hold)
         prof.disable()
+        if mode == "shared":
+            print(f"A's writes per request: {(a._seq - seq) / n:.2f}")
         stats = pstats.Stats(prof)
         calls[mode] = stats.total_calls / n  # type: ignore[attr-defined]
         if mode == "shared":
@@ -136,7 +139,7 @@ async def amain(reactor: Any, args: argparse.Namespace) -> None:
             await load(reactor, Timed(), args.rate, 1, args.hold)
             seen.clear()
             if args.profile:
-                await profile(reactor, args, Stand(), Timed())
+                await profile(reactor, args, Stand(), Timed(), a)
                 await defer.DeferredList([a.stop(), b.stop()])
                 return
             for r in range(args.rounds):
