@@ -20,7 +20,7 @@ from typing import Callable, Mapping
 
 from crossbar.state.worker_counts import WorkerCounts, token_cell
 
-__all__ = ["HOST_KINDS", "ROUTE_KINDS", "SAMPLE_EVERY", "TokenLedger", "WINDOW", "Window"]
+__all__ = ["Cells", "HOST_KINDS", "ROUTE_KINDS", "SAMPLE_EVERY", "TokenLedger", "WINDOW", "Window"]
 
 HOST_KINDS = ("prompt", "cached", "generated")
 ROUTE_KINDS = ("prompt", "cached")
@@ -30,6 +30,8 @@ SAMPLE_EVERY = 5.0
 """Seconds between samples of the totals."""
 
 Totals = dict[str, int]
+Cells = tuple[str, str, str, str, str]
+"""The cell names of one (route, host): host prompt, cached, generated; route prompt, cached."""
 
 
 class Window:
@@ -71,7 +73,8 @@ class TokenLedger:
         self._mine: Totals = {}
         self._names: tuple[str, ...] = ()
         self._samples: deque[tuple[float, Totals]] = deque()
-        self._cells: dict[tuple[str, str], tuple[str, ...]] = {}
+        self._cells: dict[tuple[str, str], Cells] = {}
+        self._next_sample = 0.0  # clock seconds from which add() takes a sample
         self.configure(hosts, routes)
 
     def configure(self, hosts: tuple[str, ...], routes: tuple[str, ...]) -> None:
@@ -80,7 +83,9 @@ class TokenLedger:
         self._names = tuple(token_cell("h", h, k) for h in hosts for k in HOST_KINDS) + tuple(
             token_cell("r", r, k) for r in routes for k in ROUTE_KINDS)
         if not self._samples:
-            self._samples.append((self.now(), self.totals()))
+            now = self.now()
+            self._samples.append((now, self.totals()))
+            self._next_sample = now + SAMPLE_EVERY
 
     def attach(self, fleet: WorkerCounts) -> None:
         """Publish to and read from ``fleet`` from now on."""
@@ -93,22 +98,43 @@ class TokenLedger:
             for name, value in self._mine.items():
                 self.fleet.publish_tokens(name, value)
 
-    def add(self, route: str, host: str, prompt: int, cached: int, generated: int) -> None:
-        """One complete answer of ``route`` from ``host`` read ``prompt`` tokens, took
-        ``cached`` from the cache and generated ``generated``."""
-        if self.now() - self._samples[-1][0] >= SAMPLE_EVERY:
-            self.sample()
+    def cells(self, route: str, host: str) -> Cells:
+        """The names of the five totals an answer of ``route`` from ``host`` adds to (for
+        :meth:`add_to`; the same for the ledger's whole life, reloads included)."""
         names = self._cells.get((route, host))
         if names is None:
             names = self._cells[(route, host)] = (
                 token_cell("h", host, "prompt"), token_cell("h", host, "cached"), token_cell("h", host, "generated"),
                 token_cell("r", route, "prompt"), token_cell("r", route, "cached"))
+        return names
+
+    def add(self, route: str, host: str, prompt: int, cached: int, generated: int) -> None:
+        """One complete answer of ``route`` from ``host`` read ``prompt`` tokens, took
+        ``cached`` from the cache and generated ``generated``."""
+        self.add_to(self.cells(route, host), prompt, cached, generated)
+
+    def add_to(self, cells: Cells, prompt: int, cached: int, generated: int) -> None:
+        """:meth:`add` with the answer's :meth:`cells` already known (the request log
+        keeps them with its metric children: once per request, no lookup, no loop)."""
+        if self.now() >= self._next_sample:
+            self.sample()
+        host_prompt, host_cached, host_generated, route_prompt, route_cached = cells
         mine, fleet = self._mine, self.fleet
-        for name, n in zip(names, (prompt, cached, generated, prompt, cached)):
+        if fleet is None:
+            if prompt:
+                mine[host_prompt] = mine.get(host_prompt, 0) + prompt
+                mine[route_prompt] = mine.get(route_prompt, 0) + prompt
+            if cached:
+                mine[host_cached] = mine.get(host_cached, 0) + cached
+                mine[route_cached] = mine.get(route_cached, 0) + cached
+            if generated:
+                mine[host_generated] = mine.get(host_generated, 0) + generated
+            return
+        for name, n in ((host_prompt, prompt), (host_cached, cached), (host_generated, generated),
+                        (route_prompt, prompt), (route_cached, cached)):
             if n:
                 value = mine[name] = mine.get(name, 0) + n
-                if fleet is not None:
-                    fleet.publish_tokens(name, value)
+                fleet.publish_tokens(name, value)
 
     def totals(self) -> Totals:
         """Every configured total (the fleet's with workers)."""
@@ -124,8 +150,10 @@ class TokenLedger:
         now = self.now()
         samples = self._samples
         if samples and now - samples[-1][0] < SAMPLE_EVERY:
+            self._next_sample = samples[-1][0] + SAMPLE_EVERY
             return
         samples.append((now, self.totals()))
+        self._next_sample = now + SAMPLE_EVERY
         while len(samples) > 1 and samples[1][0] <= now - WINDOW:
             samples.popleft()
 
