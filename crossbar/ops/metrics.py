@@ -11,7 +11,8 @@ gauge is ever set by hand and none can drift.
 from __future__ import annotations
 
 import os
-from typing import Callable, Collection, Iterable, Mapping
+from bisect import bisect_left
+from typing import Any, Callable, Collection, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -21,11 +22,46 @@ from prometheus_client.registry import Collector
 
 from crossbar.hosts.health import HostStatus
 
-__all__ = ["CONTENT_TYPE_LATEST", "LiveCollector", "Metrics"]
+__all__ = ["CONTENT_TYPE_LATEST", "LiveCollector", "Metrics", "adder", "observer"]
 
 _SPEED_BUCKETS = (1, 2, 5, 10, 20, 35, 50, 75, 100, 150, 200, 300, 500, 1000, 2000, 5000, 10000)
 """Tokens/s."""
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
+
+
+def adder(child: Any) -> Callable[[float], None]:
+    """``child.inc`` of a labelled counter child, without prometheus_client's per-call
+    checks: its value's own ``inc`` (the lock, and with workers the shared file's write,
+    stay). For amounts crossbar already knows are counts >= 0 (a request's tokens): one
+    call instead of four per ``inc``. The one place crossbar reaches into
+    prometheus_client's children (``_value``, as every version since 0.4 has it); a
+    child without it gets its public ``inc``. tests/test_metrics.py checks both against
+    the exposition."""
+    value = getattr(child, "_value", None)
+    inc = getattr(value, "inc", None)
+    return inc if callable(inc) and child._is_observable() else child.inc
+
+
+def observer(child: Any) -> Callable[[float], None]:
+    """``child.observe`` of a labelled histogram child for finite amounts, without
+    prometheus_client's per-call checks and bucket loop: the bucket is found by
+    ``bisect`` (the first upper bound >= the amount, as ``observe`` picks it), and the
+    sum and that bucket are added to through their values' ``inc`` (see :func:`adder`).
+    A child without the expected parts gets its public ``observe``."""
+    bounds = getattr(child, "_upper_bounds", None)
+    buckets = getattr(child, "_buckets", None)
+    total = getattr(getattr(child, "_sum", None), "inc", None)
+    if (not isinstance(bounds, list) or not isinstance(buckets, list) or len(bounds) != len(buckets)
+            or not bounds or bounds[-1] != float("inf") or not callable(total) or not child._is_observable()):
+        return child.observe
+    incs = [bucket.inc for bucket in buckets]
+    bounds = list(bounds)
+
+    def observe(amount: float) -> None:
+        total(amount)
+        incs[bisect_left(bounds, amount)](1)
+
+    return observe
 
 
 class LiveCollector(Collector):

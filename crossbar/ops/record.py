@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from time import time
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from twisted.logger import Logger, LogLevel
 
 from crossbar.ops.figures import Figures
-from crossbar.ops.metrics import Metrics
-from crossbar.state.tokens import TokenLedger
+from crossbar.ops.metrics import Metrics, adder, observer
+from crossbar.state.tokens import Cells, TokenLedger
 
 __all__ = ["ENDINGS", "NO_ROUTE", "OTHER_MODEL", "RequestLog", "RequestRecord"]
 
@@ -43,6 +43,18 @@ def _emit_info(event: dict[str, Any]) -> None:
     event["log_logger"], event["log_level"], event["log_namespace"] = _log, _INFO, _log.namespace
     event["log_source"], event["log_format"], event["log_time"] = None, "{line}", time()
     _log.observer(event)
+
+
+class _TokenSeries(NamedTuple):
+    """What one (route, host, key, model)'s tokens go to, made once: the adders of its
+    three ``crossbar_tokens_total`` children, its generation speed histogram's observer
+    and its cells in the token ledger (None without a ledger)."""
+
+    prompt: Callable[[float], None]
+    cached: Callable[[float], None]
+    generated: Callable[[float], None]
+    speed: Callable[[float], None]
+    cells: Cells | None
 
 
 @dataclass(frozen=True)
@@ -106,7 +118,7 @@ class RequestLog:
         self.metrics = metrics
         self.tokens = tokens
         self._ended: dict[tuple[str, str, str], Any] = {}
-        self._token_series: dict[tuple[str, str, str, str], tuple[Any, Any, Any, Any]] = {}
+        self._token_series: dict[tuple[str, str, str, str], _TokenSeries] = {}
         self._ttfts: dict[tuple[str, str], Any] = {}
         self._requests: dict[tuple[str, str, str, str], Any] = {}
         self._durations: dict[tuple[str, str], tuple[Any, Any]] = {}
@@ -129,11 +141,13 @@ class RequestLog:
         ttfb_text = "-" if ttfb_ms is None else f"{ttfb_ms}ms"
         queued = f" queued={round(record.queued * 1000, 1)}ms" if record.queued else ""
         figures = record.figures
-        tokens_text = ""
-        if figures is not None:
-            speed = figures.generation_speed
-            tokens_text = (f" tokens={figures.prompt}+{figures.cached}/{figures.generated} "
-                           f"tps={'-' if speed is None else round(speed, 1)}")
+        if figures is None:
+            tokens_text, tokens, tps = "", None, None
+        else:
+            prompt, cached, generated, _, tps = figures
+            tokens = (prompt, cached, generated)
+            # f"{tps:.1f}" is str(round(tps, 1)) for every speed below MAX_SPEED, at a third of the cost
+            tokens_text = f" tokens={prompt}+{cached}/{generated} tps={'-' if tps is None else f'{tps:.1f}'}"
         ended_text = "" if record.ended == "complete" else f" ended={record.ended}"
         line = (f"{record.method} {record.target} -> {host} {status} {record.bytes}B{queued} ttfb={ttfb_text} "
                 f"{ms}ms{why}{key_text}{tokens_text}{ended_text}")
@@ -142,8 +156,7 @@ class RequestLog:
             route=route, host=host, method=record.method, path=record.path,
             target=record.target, status=status, bytes=record.bytes, ttfb_ms=ttfb_ms, ms=ms,
             queued_ms=round(record.queued * 1000, 1), key=key, why=record.why, ended=record.ended,
-            tokens=None if figures is None else (figures.prompt, figures.cached, figures.generated),
-            tps=None if figures is None else figures.generation_speed,
+            tokens=tokens, tps=tps,
         ))
         try:
             self._count(record, route, host)
@@ -179,27 +192,28 @@ class RequestLog:
             if ttft is None:
                 ttft = self._ttfts[(route, host)] = m.ttft.labels(route, host)
             ttft.observe(record.ttft)
-        if record.figures is not None:
-            self._count_tokens(record, record.figures, route, host)
-
-    def _count_tokens(self, record: RequestRecord, figures: Figures, route: str, host: str) -> None:
-        """A complete answer's tokens: the metrics and the ledger behind status (what a
-        client key spent is counted by the exchange, ``Runtime.spend``)."""
-        labels = (route, host, record.key, record.model or OTHER_MODEL)
-        series = self._token_series.get(labels)
-        if series is None:
-            m = self.metrics
-            series = self._token_series[labels] = (
-                m.tokens.labels(*labels, "prompt"), m.tokens.labels(*labels, "cached"),
-                m.tokens.labels(*labels, "generated"), m.generation_speed.labels(host, labels[3]),
-            )
-        if figures.prompt:
-            series[0].inc(figures.prompt)
-        if figures.cached:
-            series[1].inc(figures.cached)
-        if figures.generated:
-            series[2].inc(figures.generated)
-        if figures.generation_speed is not None:
-            series[3].observe(figures.generation_speed)
-        if self.tokens is not None:
-            self.tokens.add(route, host, figures.prompt, figures.cached, figures.generated)
+        figures = record.figures
+        if figures is not None:
+            # a complete answer's tokens: the metrics and the ledger behind status (what a
+            # client key spent is counted by the exchange, ``Runtime.spend``); inline, once
+            # per request
+            model = record.model or OTHER_MODEL
+            labels = (route, host, record.key, model)
+            series = self._token_series.get(labels)
+            if series is None:
+                series = self._token_series[labels] = _TokenSeries(
+                    adder(m.tokens.labels(*labels, "prompt")), adder(m.tokens.labels(*labels, "cached")),
+                    adder(m.tokens.labels(*labels, "generated")), observer(m.generation_speed.labels(host, model)),
+                    None if self.tokens is None else self.tokens.cells(route, host),
+                )
+            prompt, cached, generated, _, speed = figures
+            if prompt:
+                series.prompt(prompt)
+            if cached:
+                series.cached(cached)
+            if generated:
+                series.generated(generated)
+            if speed is not None:
+                series.speed(speed)
+            if series.cells is not None and self.tokens is not None:
+                self.tokens.add_to(series.cells, prompt, cached, generated)
