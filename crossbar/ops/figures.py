@@ -45,7 +45,7 @@ nesting -- gives None: such an answer counts no tokens.
 from __future__ import annotations
 
 import json
-import math
+from json.scanner import make_scanner
 from typing import Any, NamedTuple, Sequence
 
 __all__ = ["Figures", "MAX_SPEED", "MAX_TOKENS", "TAIL_BYTES", "read_figures"]
@@ -60,6 +60,10 @@ MAX_SPEED = 1e9
 """Tokens/s at or above this is not believed."""
 
 _DECODER = json.JSONDecoder()
+_SCAN = make_scanner(_DECODER)  # type: ignore[arg-type]  # a JSONDecoder is the context make_scanner reads
+"""The C scanner behind ``raw_decode`` (one Python frame less per value): ``(value,
+end)`` of the JSON value at an index; StopIteration where none starts there."""
+_NEW = tuple.__new__
 
 
 class Figures(NamedTuple):
@@ -84,62 +88,44 @@ class _Bad(Exception):
     """A figure of the wrong shape: the answer counts nothing."""
 
 
-def _count(value: Any) -> int:
-    if type(value) is not int or not 0 <= value < MAX_TOKENS:
+def _figures(prompt: Any, cached: Any, generated: Any, prompt_speed: float | None = None,
+             generation_speed: float | None = None) -> Figures:
+    """:class:`Figures` of three counts, each checked to be an int in [0, :data:`MAX_TOKENS`)
+    (speeds already checked). One call for the three: this runs once per request."""
+    if (type(prompt) is not int or type(cached) is not int or type(generated) is not int
+            or not (0 <= prompt < MAX_TOKENS and 0 <= cached < MAX_TOKENS and 0 <= generated < MAX_TOKENS)):
         raise _Bad
-    return value
-
-
-def _opt_count(d: Any, key: str) -> int:
-    """``d[key]`` as a count, 0 when absent (or null)."""
-    if not isinstance(d, dict):
-        return 0
-    value = d.get(key)
-    return 0 if value is None else _count(value)
-
-
-def _speed(value: Any) -> float | None:
-    if value is None:
-        return None
-    if type(value) not in (int, float) or not (0 <= value < MAX_SPEED) or not math.isfinite(value):
-        raise _Bad
-    return float(value)
-
-
-def _from_timings(t: Any) -> Figures:
-    if not isinstance(t, dict) or "prompt_n" not in t or "predicted_n" not in t:
-        raise _Bad
-    return Figures(
-        prompt=_count(t["prompt_n"]), cached=_opt_count(t, "cache_n"), generated=_count(t["predicted_n"]),
-        prompt_speed=_speed(t.get("prompt_per_second")), generation_speed=_speed(t.get("predicted_per_second")),
-    )
+    return _NEW(Figures, (prompt, cached, generated, prompt_speed, generation_speed))
 
 
 def _from_usage(u: Any, start: Any = None) -> Figures:
     """OpenAI (``prompt_tokens``), Responses (``input_tokens`` + ``input_tokens_details``)
     or Anthropic (``input_tokens`` + ``cache_read_input_tokens``) usage; ``start`` is an
     Anthropic ``message_start`` usage supplying what a ``message_delta`` lacks."""
-    if not isinstance(u, dict):
+    if type(u) is not dict:
         raise _Bad
     if "prompt_tokens" in u or "completion_tokens" in u:
-        total = _opt_count(u, "prompt_tokens")
-        cached = _opt_count(u.get("prompt_tokens_details"), "cached_tokens")
-        if cached > total:
-            raise _Bad
-        return Figures(total - cached, cached, _opt_count(u, "completion_tokens"))
-    if "input_tokens_details" in u:  # the Responses API: input_tokens includes the cache
-        total = _opt_count(u, "input_tokens")
-        cached = _opt_count(u.get("input_tokens_details"), "cached_tokens")
-        if cached > total:
-            raise _Bad
-        return Figures(total - cached, cached, _opt_count(u, "output_tokens"))
-    if "output_tokens" not in u and "input_tokens" not in u:
+        total, details, generated = u.get("prompt_tokens"), u.get("prompt_tokens_details"), u.get("completion_tokens")
+    elif "input_tokens_details" in u:  # the Responses API: input_tokens includes the cache
+        total, details, generated = u.get("input_tokens"), u.get("input_tokens_details"), u.get("output_tokens")
+    elif "output_tokens" not in u and "input_tokens" not in u:
         raise _Bad
-    # Anthropic: input_tokens excludes cache reads
-    first = start if isinstance(start, dict) else {}
-    prompt = u["input_tokens"] if "input_tokens" in u else first.get("input_tokens", 0)
-    cached = u["cache_read_input_tokens"] if "cache_read_input_tokens" in u else first.get("cache_read_input_tokens", 0)
-    return Figures(_count(prompt), _count(cached), _opt_count(u, "output_tokens"))
+    else:  # Anthropic: input_tokens excludes cache reads
+        first = start if type(start) is dict else {}
+        prompt = u["input_tokens"] if "input_tokens" in u else first.get("input_tokens", 0)
+        cached = u["cache_read_input_tokens"] if "cache_read_input_tokens" in u else first.get(
+            "cache_read_input_tokens", 0)
+        generated = u.get("output_tokens")
+        return _figures(prompt, cached, 0 if generated is None else generated)
+    # OpenAI and Responses: the prompt total includes the cached tokens
+    cached = details.get("cached_tokens") if type(details) is dict else None
+    if total is None:
+        total = 0
+    if cached is None:
+        cached = 0
+    if type(total) is not int or type(cached) is not int or not 0 <= cached <= total:
+        raise _Bad
+    return _figures(total - cached, cached, 0 if generated is None else generated)
 
 
 def _is_sse(content_type: bytes | None) -> bool:
@@ -153,37 +139,90 @@ def _is_json(content_type: bytes | None) -> bool:
     return media == b"application/json" or media.endswith(b"+json")
 
 
-_KEYS = (b'"timings":', b'"usage":', b'"tokens_predicted":')
+_TIMINGS, _USAGE, _PREDICTED, _EVALUATED = b'"timings":', b'"usage":', b'"tokens_predicted":', b'"tokens_evaluated":'
+
+
+def _value_at(data: bytes, at: int) -> Any:
+    """The JSON value starting at ``data[at:]`` (after blanks); only the bytes from
+    there on are decoded.
+
+    :raises ValueError: the value is cut or not JSON."""
+    try:
+        return _SCAN(data[at:].decode("utf-8", "replace").lstrip(), 0)[0]
+    except StopIteration:
+        raise ValueError("no JSON value") from None
 
 
 def _value(data: bytes, key: bytes) -> Any:
     """The JSON value after the last ``key`` (e.g. ``b'"usage":'``) in ``data``, or
     None. In JSON a quote inside a string is always escaped, so the pattern only
-    matches a real key; only the bytes from it on are decoded.
+    matches a real key.
 
     :raises ValueError: the value is cut or not JSON."""
     at = data.rfind(key)
-    if at < 0:
-        return None
-    return _DECODER.raw_decode(data[at + len(key):].decode("utf-8", "replace").lstrip())[0]
+    return None if at < 0 else _value_at(data, at + len(key))
 
 
 def _scan(data: bytes, start: Any = None) -> Figures | None:
     """The figures in one answer object (or one stream event): its last ``timings``,
     else its last ``usage``, else the native ``tokens_predicted``/``tokens_evaluated``.
     For a whole answer the last occurrence is the top-level one (llama-server writes
-    its figures after the content; in an array, the last element's)."""
+    its figures after the content; in an array, the last element's).
+
+    This runs once per request, so llama-server's ``timings`` and OpenAI's ``usage`` are
+    read and checked here in line (no call per figure: bench/figures_ab.py); the other
+    usage shapes go through :func:`_from_usage`.
+
+    :raises _Bad: a figure of the wrong shape."""
     try:
-        timings = _value(data, b'"timings":')
-        if timings is not None:
-            return _from_timings(timings)
-        usage = _value(data, b'"usage":')
-        if usage is not None:
-            return _from_usage(usage, start)
-        predicted = _value(data, b'"tokens_predicted":')
+        at = data.rfind(_TIMINGS)
+        if at >= 0:
+            t = _SCAN(data[at + 10:].decode("utf-8", "replace").lstrip(), 0)[0]
+            if t is not None:
+                if type(t) is not dict:
+                    raise _Bad
+                prompt, cached, generated = t.get("prompt_n"), t.get("cache_n", 0), t.get("predicted_n")
+                if cached is None:
+                    cached = 0
+                if (type(prompt) is not int or type(cached) is not int or type(generated) is not int
+                        or not (0 <= prompt < MAX_TOKENS and 0 <= cached < MAX_TOKENS and 0 <= generated < MAX_TOKENS)):
+                    raise _Bad  # a missing or null prompt_n / predicted_n too
+                prompt_speed, generation_speed = t.get("prompt_per_second"), t.get("predicted_per_second")
+                # a speed is None, or an int or float in [0, MAX_SPEED) (which excludes inf and nan)
+                if prompt_speed is not None:
+                    if not ((type(prompt_speed) is float or type(prompt_speed) is int)
+                            and 0 <= prompt_speed < MAX_SPEED):
+                        raise _Bad
+                    prompt_speed = float(prompt_speed)
+                if generation_speed is not None:
+                    if not ((type(generation_speed) is float or type(generation_speed) is int)
+                            and 0 <= generation_speed < MAX_SPEED):
+                        raise _Bad
+                    generation_speed = float(generation_speed)
+                return _NEW(Figures, (prompt, cached, generated, prompt_speed, generation_speed))
+        at = data.rfind(_USAGE)
+        if at >= 0:
+            u = _SCAN(data[at + 8:].decode("utf-8", "replace").lstrip(), 0)[0]
+            if u is not None:
+                if type(u) is dict and ("prompt_tokens" in u or "completion_tokens" in u):  # OpenAI
+                    total, details, generated = u.get("prompt_tokens"), u.get("prompt_tokens_details"), u.get(
+                        "completion_tokens")
+                    cached = details.get("cached_tokens") if type(details) is dict else None
+                    if total is None:
+                        total = 0
+                    if cached is None:
+                        cached = 0
+                    if generated is None:
+                        generated = 0
+                    if (type(total) is not int or type(cached) is not int or type(generated) is not int
+                            or not (0 <= cached <= total < MAX_TOKENS and 0 <= generated < MAX_TOKENS)):
+                        raise _Bad
+                    return _NEW(Figures, (total - cached, cached, generated, None, None))
+                return _from_usage(u, start)
+        predicted = _value(data, _PREDICTED)
         if predicted is not None:
-            return Figures(_count(_value(data, b'"tokens_evaluated":') or 0), 0, _count(predicted))
-    except (ValueError, RecursionError):
+            return _figures(_value(data, _EVALUATED) or 0, 0, predicted)
+    except (ValueError, RecursionError, StopIteration):
         return None
     return None
 
@@ -211,7 +250,7 @@ def _message_start_usage(texts: Sequence[bytes]) -> Any:
 def _read_sse(tail: bytes, head: bytes | None) -> Figures | None:
     """The last ``data:`` event carrying figures: found by searching the tail for the
     keys (no split into events), then read like an answer object."""
-    at = max(tail.rfind(key) for key in _KEYS)
+    at = max(tail.rfind(_TIMINGS), tail.rfind(_USAGE), tail.rfind(_PREDICTED))
     if at < 0:
         return None
     line_start = tail.rfind(b"\n", 0, at) + 1
