@@ -175,6 +175,64 @@ class HostileTests(TestCase):
                                 and 0 <= result.generated < 1 << 31, result)
 
 
+def _count_ok(value: Any) -> bool:
+    return type(value) is int and 0 <= value < 1 << 31
+
+
+def _speed_ok(value: Any) -> bool:
+    return value is None or (type(value) in (int, float) and 0 <= value < 1e9)
+
+
+def expected(t: Any, u: Any) -> Figures | None:
+    """DESIGN's rules for an answer's ``timings`` (``t``) and OpenAI ``usage`` (``u``),
+    written plainly from the parsed values (a key absent: the value ``...``)."""
+    if t is not ... and t is not None:
+        if not isinstance(t, dict) or not all(_count_ok(t.get(k)) for k in ("prompt_n", "predicted_n")):
+            return None
+        cached = 0 if t.get("cache_n") is None else t["cache_n"]
+        speeds = [t.get("prompt_per_second"), t.get("predicted_per_second")]
+        if not _count_ok(cached) or not all(map(_speed_ok, speeds)):
+            return None
+        return Figures(t["prompt_n"], cached, t["predicted_n"], *(None if v is None else float(v) for v in speeds))
+    if u is ... or u is None or not isinstance(u, dict):
+        return None
+    total, generated = u.get("prompt_tokens"), u.get("completion_tokens")
+    details = u.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    total, cached, generated = (0 if v is None else v for v in (total, cached, generated))
+    if not (_count_ok(total) and _count_ok(cached) and _count_ok(generated)) or cached > total:
+        return None
+    return Figures(total - cached, cached, generated)
+
+
+_ANY_FIGURE = (st.integers(0, 40) | st.integers(-2, 1 << 32) | st.integers() | st.floats() | st.booleans() | st.none()
+               | st.text(max_size=3) | st.lists(st.integers(0, 9), max_size=2))
+
+
+class InlineReadTests(TestCase):
+    """The reader checks llama-server's ``timings`` and OpenAI's ``usage`` in line (issue 19's
+    cost): every value, absent or of any type, gives what the rules give."""
+
+    @settings(max_examples=400, deadline=None)
+    @given(st.one_of(st.just(...), st.none(), st.dictionaries(
+               st.sampled_from(["prompt_n", "cache_n", "predicted_n", "prompt_per_second", "predicted_per_second",
+                                "prompt_ms"]), _ANY_FIGURE)),
+           st.one_of(st.just(...), st.none(), st.integers(), st.dictionaries(
+               st.sampled_from(["prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"]),
+               _ANY_FIGURE | st.dictionaries(st.just("cached_tokens"), _ANY_FIGURE)).filter(
+               lambda u: "prompt_tokens" in u or "completion_tokens" in u)),
+           st.booleans())
+    def test_timings_and_usage_as_the_rules_say(self, t: Any, u: Any, stream: bool) -> None:
+        answer: dict[str, Any] = {"choices": [{"message": {"content": "x"}}]}
+        if u is not ...:
+            answer["usage"] = u
+        if t is not ...:
+            answer["timings"] = t
+        body = json.dumps(answer, separators=(",", ":") if stream else None).encode()
+        got = read(sse(body, b"[DONE]"), SSE) if stream else read(body)
+        self.assertEqual(got, expected(t, u), (t, u))
+
+
 class _Sink:
     """The client side of a relay, as much as dataReceived uses."""
 

@@ -163,70 +163,6 @@ def _value(data: bytes, key: bytes) -> Any:
     return None if at < 0 else _value_at(data, at + len(key))
 
 
-def _scan(data: bytes, start: Any = None) -> Figures | None:
-    """The figures in one answer object (or one stream event): its last ``timings``,
-    else its last ``usage``, else the native ``tokens_predicted``/``tokens_evaluated``.
-    For a whole answer the last occurrence is the top-level one (llama-server writes
-    its figures after the content; in an array, the last element's).
-
-    This runs once per request, so llama-server's ``timings`` and OpenAI's ``usage`` are
-    read and checked here in line (no call per figure: bench/figures_ab.py); the other
-    usage shapes go through :func:`_from_usage`.
-
-    :raises _Bad: a figure of the wrong shape."""
-    try:
-        at = data.rfind(_TIMINGS)
-        if at >= 0:
-            t = _SCAN(data[at + 10:].decode("utf-8", "replace").lstrip(), 0)[0]
-            if t is not None:
-                if type(t) is not dict:
-                    raise _Bad
-                prompt, cached, generated = t.get("prompt_n"), t.get("cache_n", 0), t.get("predicted_n")
-                if cached is None:
-                    cached = 0
-                if (type(prompt) is not int or type(cached) is not int or type(generated) is not int
-                        or not (0 <= prompt < MAX_TOKENS and 0 <= cached < MAX_TOKENS and 0 <= generated < MAX_TOKENS)):
-                    raise _Bad  # a missing or null prompt_n / predicted_n too
-                prompt_speed, generation_speed = t.get("prompt_per_second"), t.get("predicted_per_second")
-                # a speed is None, or an int or float in [0, MAX_SPEED) (which excludes inf and nan)
-                if prompt_speed is not None:
-                    if not ((type(prompt_speed) is float or type(prompt_speed) is int)
-                            and 0 <= prompt_speed < MAX_SPEED):
-                        raise _Bad
-                    prompt_speed = float(prompt_speed)
-                if generation_speed is not None:
-                    if not ((type(generation_speed) is float or type(generation_speed) is int)
-                            and 0 <= generation_speed < MAX_SPEED):
-                        raise _Bad
-                    generation_speed = float(generation_speed)
-                return _NEW(Figures, (prompt, cached, generated, prompt_speed, generation_speed))
-        at = data.rfind(_USAGE)
-        if at >= 0:
-            u = _SCAN(data[at + 8:].decode("utf-8", "replace").lstrip(), 0)[0]
-            if u is not None:
-                if type(u) is dict and ("prompt_tokens" in u or "completion_tokens" in u):  # OpenAI
-                    total, details, generated = u.get("prompt_tokens"), u.get("prompt_tokens_details"), u.get(
-                        "completion_tokens")
-                    cached = details.get("cached_tokens") if type(details) is dict else None
-                    if total is None:
-                        total = 0
-                    if cached is None:
-                        cached = 0
-                    if generated is None:
-                        generated = 0
-                    if (type(total) is not int or type(cached) is not int or type(generated) is not int
-                            or not (0 <= cached <= total < MAX_TOKENS and 0 <= generated < MAX_TOKENS)):
-                        raise _Bad
-                    return _NEW(Figures, (total - cached, cached, generated, None, None))
-                return _from_usage(u, start)
-        predicted = _value(data, _PREDICTED)
-        if predicted is not None:
-            return _figures(_value(data, _EVALUATED) or 0, 0, predicted)
-    except (ValueError, RecursionError, StopIteration):
-        return None
-    return None
-
-
 def _message_start_usage(texts: Sequence[bytes]) -> Any:
     """The usage of an Anthropic ``message_start`` event found in ``texts``, or None."""
     for text in texts:
@@ -247,23 +183,6 @@ def _message_start_usage(texts: Sequence[bytes]) -> Any:
     return None
 
 
-def _read_sse(tail: bytes, head: bytes | None) -> Figures | None:
-    """The last ``data:`` event carrying figures: found by searching the tail for the
-    keys (no split into events), then read like an answer object."""
-    at = max(tail.rfind(_TIMINGS), tail.rfind(_USAGE), tail.rfind(_PREDICTED))
-    if at < 0:
-        return None
-    line_start = tail.rfind(b"\n", 0, at) + 1
-    line_end = tail.find(b"\n", at)
-    line = tail[line_start:line_end if line_end >= 0 else len(tail)]
-    if not line.startswith(b"data:"):
-        return None  # an event cut by the tail's start, or not an event
-    start = None
-    if b'"message_delta"' in line:  # Anthropic: the prompt figures are in message_start
-        start = _message_start_usage([tail] if head is None else [tail, head[:TAIL_BYTES]])
-    return _scan(line[5:], start)
-
-
 def read_figures(chunks: Sequence[bytes], content_type: bytes | None, path: bytes,
                  whole: bool, head: bytes | None = None) -> Figures | None:
     """The figures of a complete answer, or None (counts nothing).
@@ -280,11 +199,18 @@ def read_figures(chunks: Sequence[bytes], content_type: bytes | None, path: byte
         None; only its first :data:`TAIL_BYTES` are read.
     :returns: the :class:`Figures`, or None when the answer carries none or any figure
         has an unexpected shape. Never raises.
+
+    What is read is one answer object (JSON) or one event (a stream's last ``data:``
+    event carrying figures, found by searching the tail for the keys, no split into
+    events): its last ``timings``, else its last ``usage``, else the native
+    ``tokens_predicted``/``tokens_evaluated``. For a whole answer the last occurrence is
+    the top-level one (llama-server writes its figures after the content; in an array,
+    the last element's). This runs once per request and in one call: llama-server's
+    ``timings`` and OpenAI's ``usage`` are read and checked in line (bench/figures_ab.py
+    times it), the other usage shapes by :func:`_from_usage`.
     """
     del path  # every endpoint is read by the shape of its answer
-    if not chunks:
-        return None
-    if content_type is None:
+    if not chunks or content_type is None:
         return None
     if content_type.startswith(b"application/json"):  # the usual case, without parsing
         sse = False
@@ -293,18 +219,79 @@ def read_figures(chunks: Sequence[bytes], content_type: bytes | None, path: byte
         if not sse and not _is_json(content_type):
             return None
     try:
-        tail = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        if len(tail) > TAIL_BYTES:
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        if len(data) > TAIL_BYTES:
             if whole:  # the body's start is still here: it is the head
-                head = tail[:TAIL_BYTES]
-            tail = tail[-TAIL_BYTES:]
-        if sse:
-            return _read_sse(tail, head)
-        found = _scan(tail)
+                head = data[:TAIL_BYTES]
+            data = data[-TAIL_BYTES:]
+        start = None
+        if sse:  # the last data: event carrying figures, read like an answer object
+            at = max(data.rfind(_TIMINGS), data.rfind(_USAGE), data.rfind(_PREDICTED))
+            if at < 0:
+                return None
+            line_start = data.rfind(b"\n", 0, at) + 1
+            line_end = data.find(b"\n", at)
+            line = data[line_start:line_end if line_end >= 0 else len(data)]
+            if not line.startswith(b"data:"):
+                return None  # an event cut by the tail's start, or not an event
+            if b'"message_delta"' in line:  # Anthropic: the prompt figures are in message_start
+                start = _message_start_usage([data] if head is None else [data, head[:TAIL_BYTES]])
+            data, head = line[5:], None
+        found: Figures | None = None
+        try:
+            at = data.rfind(_TIMINGS)
+            t = None if at < 0 else _SCAN(data[at + 10:].decode("utf-8", "replace").lstrip(), 0)[0]
+            if t is not None:
+                if type(t) is not dict:
+                    raise _Bad
+                prompt, cached, generated = t.get("prompt_n"), t.get("cache_n"), t.get("predicted_n")
+                if cached is None:
+                    cached = 0
+                if (type(prompt) is not int or type(cached) is not int or type(generated) is not int
+                        or not (0 <= prompt < MAX_TOKENS and 0 <= cached < MAX_TOKENS and 0 <= generated < MAX_TOKENS)):
+                    raise _Bad  # a missing or null prompt_n / predicted_n too
+                prompt_speed, generation_speed = t.get("prompt_per_second"), t.get("predicted_per_second")
+                # a speed is None, or an int or float in [0, MAX_SPEED) (which excludes inf and nan)
+                if prompt_speed is not None:
+                    if not ((type(prompt_speed) is float or type(prompt_speed) is int)
+                            and 0 <= prompt_speed < MAX_SPEED):
+                        raise _Bad
+                    prompt_speed = float(prompt_speed)
+                if generation_speed is not None:
+                    if not ((type(generation_speed) is float or type(generation_speed) is int)
+                            and 0 <= generation_speed < MAX_SPEED):
+                        raise _Bad
+                    generation_speed = float(generation_speed)
+                found = _NEW(Figures, (prompt, cached, generated, prompt_speed, generation_speed))
+            else:
+                at = data.rfind(_USAGE)
+                u = None if at < 0 else _SCAN(data[at + 8:].decode("utf-8", "replace").lstrip(), 0)[0]
+                if u is None:
+                    predicted = _value(data, _PREDICTED)
+                    if predicted is not None:
+                        found = _figures(_value(data, _EVALUATED) or 0, 0, predicted)
+                elif type(u) is dict and ("prompt_tokens" in u or "completion_tokens" in u):  # OpenAI
+                    total, details, generated = u.get("prompt_tokens"), u.get("prompt_tokens_details"), u.get(
+                        "completion_tokens")
+                    cached = details.get("cached_tokens") if type(details) is dict else None
+                    if total is None:
+                        total = 0
+                    if cached is None:
+                        cached = 0
+                    if generated is None:
+                        generated = 0
+                    if (type(total) is not int or type(cached) is not int or type(generated) is not int
+                            or not (0 <= cached <= total < MAX_TOKENS and 0 <= generated < MAX_TOKENS)):
+                        raise _Bad
+                    found = _NEW(Figures, (total - cached, cached, generated, None, None))
+                else:
+                    found = _from_usage(u, start)
+        except (ValueError, RecursionError, StopIteration):
+            found = None  # a value cut or not JSON: as if absent
         if found is None and head is not None:
             # llama.cpp's native answers put their figures first and the token
             # probabilities (n_probs) after them: look at the body's first chunk
-            found = _scan(head[:TAIL_BYTES])
+            return read_figures((head[:TAIL_BYTES],), b"application/json", b"", False)
         return found
     except (_Bad, ValueError, RecursionError, TypeError, AttributeError, KeyError):
         return None
