@@ -167,7 +167,7 @@ def request_work(answer: str, step: int) -> Callable[[], None]:
     clock = Clock()
     seen: dict[str, float] = {}
     metrics = Metrics()
-    ledger = TokenLedger(clock.seconds, ("gpu-a",), ("chat",)) if step >= 4 else None
+    ledger = TokenLedger(time.time, ("gpu-a",), ("chat",)) if step >= 4 else None  # reactor.seconds
     log = RequestLog(metrics, ledger)
     request = _Request()
     response = _Response(ctype, None if streamed else len(body))
