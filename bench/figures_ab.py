@@ -46,8 +46,11 @@ import argparse
 import gc
 import json
 import os
+import re
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -259,14 +262,54 @@ def steps(answer: str, pairs: int) -> None:
         print(f"  {name:34s} {tenths[k]:6.1f}{extra}")
 
 
+def instructions(answer: str, low: int, high: int) -> list[float]:
+    """Per step of :data:`STEPS`, the machine instructions one request executes, counted by
+    valgrind's cachegrind (``I refs``) for ``high`` and for ``low`` requests in a fresh
+    process each (the difference over ``high - low``: start-up and warm-up cancel out).
+    Load on the machine does not change these counts."""
+    out = []
+    for step in range(len(STEPS)):
+        counts = []
+        for n in (low, high):
+            with tempfile.TemporaryDirectory() as tmp:
+                run = subprocess.run(
+                    ["valgrind", "--tool=cachegrind", "--cache-sim=no", f"--cachegrind-out-file={tmp}/cg.out",
+                     sys.executable, __file__, "--count", answer, str(step), str(n)],
+                    capture_output=True, text=True, check=True)
+            found = re.search(r"I\s+refs:\s+([\d,]+)", run.stderr)
+            assert found is not None, run.stderr[-2000:]
+            counts.append(int(found.group(1).replace(",", "")))
+        out.append((counts[1] - counts[0]) / (high - low))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pairs", type=int, default=8000)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--answer", choices=sorted(ANSWERS) + ["all"], default="bench")
     ap.add_argument("--steps", action="store_true", help="also time the parts of 'on', added one at a time")
+    ap.add_argument("--instructions", action="store_true",
+                    help="instead: instructions per request of each step, counted by valgrind (slow, load-proof)")
+    ap.add_argument("--count", nargs=3, metavar=("ANSWER", "STEP", "N"), help=argparse.SUPPRESS)
     ap.add_argument("--json", help="write the runs' figures to this file")
     a = ap.parse_args()
+    if a.count:  # one process of --instructions: N requests of one step
+        sink = open(os.devnull, "w")
+        globalLogBeginner.beginLoggingTo([textFileLogObserver(sink)], discardBuffer=True, redirectStandardIO=False)
+        work = request_work(a.count[0], int(a.count[1]))
+        for _ in range(int(a.count[2])):
+            work()
+        return
+    if a.instructions:
+        for answer in (sorted(ANSWERS) if a.answer == "all" else [a.answer]):
+            per = instructions(answer, 300, 1300)
+            print(f"[{answer}] instructions per request (valgrind, 1300 - 300 requests):")
+            for k, name in enumerate(STEPS):
+                extra = "" if k == 0 else (f"  {per[k] - per[k - 1]:+8.0f}  (on - off so far {per[k] - per[0]:+7.0f}, "
+                                           f"{(per[k] - per[0]) / per[0]:+.1%})")
+                print(f"  {name:34s} {per[k]:9.0f}{extra}")
+        return
     sink = open(os.devnull, "w")
     globalLogBeginner.beginLoggingTo([textFileLogObserver(sink)], discardBuffer=True, redirectStandardIO=False)
     load = os.getloadavg
