@@ -183,8 +183,8 @@ def _refused_without_ca(base: str) -> str:
 
 def _raw_over_tls(base: str, ca_file: str, request: bytes) -> bytes:
     """Send ``request`` over TLS to crossbar; the answer's bytes until it closes or its
-    ``Content-Length`` body is in (then the client closes: crossbar's TLS close waits
-    for the client's, and the test need not wait out its own socket timeout)."""
+    ``Content-Length`` body is in (then the client closes: the test need not wait for
+    crossbar's close)."""
     import socket
     from urllib.parse import urlsplit
 
@@ -244,6 +244,105 @@ class TLSListenerTests(TestCase):
             self.assertTrue(head.startswith(b"HTTP/1.1 401" if not extra else b"HTTP/1.1 413"), head)
         await deferLater(reactor, 0.3, lambda: None)
         self.assertEqual(log.errors(), [])
+
+
+class TLSHeadRefusalCloseTests(TestCase):
+    """A refusal made on the request head (401, 413) on an ``ssl:`` listener closes the
+    connection like on plain TCP (docs/design.md §The proxy, rule 9): crossbar sends its
+    TLS close at once and drops the TCP connection after the linger at the latest, also
+    when the client neither answers the close nor closes (issue 20)."""
+
+    timeout = 60
+
+    async def test_refused_tls_connection_closes_without_the_client(self) -> None:
+        from crossbar.proxy import request as request_module
+
+        self.patch(request_module, "_LINGER_SECONDS", 0.5)
+        ca = trustme.CA()
+        leaf = ca.issue_cert("localhost", "127.0.0.1")
+        ca_file = write_pem(self, "ca.pem", ca.cert_pem.bytes())
+        cert = write_pem(self, "listener.pem", b"".join(p.bytes() for p in leaf.cert_chain_pems))
+        key = write_pem(self, "listener.key", leaf.private_key_pem.bytes())
+        host = FakeLlama()
+        url = await listen(self, host)
+        _, base, _ = await start_file(
+            self, f"hosts: {{a: {url}}}\nroutes:\n  r: {{hosts: [a], keys: {{alice: ${{T_TLS_ALICE}}}}}}\n",
+            {"T_TLS_ALICE": "alice-Tt9l-secret"},
+            listen=f"ssl:0:interface=127.0.0.1:privateKey={key}:certKey={cert}",
+        )
+        for extra, code in ((b"", b"401"), (b"Authorization: Bearer alice-Tt9l-secret\r\n", b"413")):
+            length = b"2" if not extra else b"99999999"
+            answer, tls_closed, tcp_closed_after = await deferToThread(
+                _silent_tls_client, base, ca_file, b"POST /r/v1/chat/completions HTTP/1.1\r\nHost: localhost\r\n"
+                + extra + b"Content-Length: " + length + b"\r\n\r\n{}", 8.0)
+            self.assertTrue(answer.startswith(b"HTTP/1.1 " + code), answer)
+            self.assertTrue(tls_closed, "no TLS close from crossbar")
+            self.assertIsNotNone(tcp_closed_after, "crossbar kept the TCP connection open")
+            assert tcp_closed_after is not None
+            self.assertLess(tcp_closed_after, 3.0)
+
+
+def _silent_tls_client(base: str, ca_file: str, request: bytes, wait: float) -> tuple[bytes, bool, float | None]:
+    """A TLS client (``ssl.SSLObject`` over a plain socket, so it sees the TLS close and
+    the TCP close apart) that sends ``request`` and then only reads: it never answers
+    crossbar's TLS close nor closes. Returns the answer's bytes, whether a TLS close
+    came, and the seconds from the request to the TCP close (None: still open after
+    ``wait`` seconds)."""
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    context = ssl.create_default_context(cafile=ca_file)
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = context.wrap_bio(incoming, outgoing, server_hostname="localhost")
+    with socket.create_connection(("127.0.0.1", urlsplit(base).port), timeout=wait) as sock:
+
+        def flush() -> None:
+            data = outgoing.read()
+            if data:
+                sock.sendall(data)
+
+        def pump() -> bool:
+            data = sock.recv(65536)
+            if not data:
+                incoming.write_eof()
+                return False
+            incoming.write(data)
+            return True
+
+        while True:
+            try:
+                tls.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                flush()
+                pump()
+        flush()
+        tls.write(request)
+        flush()
+        answer, tls_closed, open_ = b"", False, True
+        started = time.monotonic()
+        deadline = started + wait
+        while open_ and time.monotonic() < deadline:
+            try:
+                open_ = pump()
+            except (TimeoutError, socket.timeout):
+                break
+            except OSError:  # reset
+                open_ = False
+            while not tls_closed:
+                try:
+                    data = tls.read(65536)
+                except ssl.SSLWantReadError:
+                    break
+                except ssl.SSLError:
+                    break
+                if not data:  # the TLS close (close_notify): read() says so with b""
+                    tls_closed = True
+                    break
+                answer += data
+        closed_after = None if open_ else time.monotonic() - started
+        return answer, tls_closed, closed_after
 
 
 class DescribeTLSFailureTests(SynchronousTestCase):

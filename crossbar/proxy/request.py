@@ -224,11 +224,16 @@ class CappedRequest(Request):
         # Half-close a plain TCP connection (the client can still send, and read the
         # answer instead of a reset); TLS (an ``ssl:`` listener) is closed whole: its
         # half-close broke inside Twisted's TLS layer when the client then closed.
+        # The channel's close unregisters it as the transport's producer first: Twisted's
+        # TLS layer sends no close while a producer is registered, so the connection
+        # stayed open until the client closed it (issue 20). Either way the connection
+        # is dropped after _LINGER_SECONDS at the latest (a TLS client that never
+        # answers the close, a TCP client that keeps sending).
         half_close = None if ISSLTransport.providedBy(transport) else getattr(transport, "loseWriteConnection", None)
         if half_close is None:
-            transport.loseConnection()
-            return
-        half_close()
+            self.channel.loseConnection()
+        else:
+            half_close()
         self._linger = self.channel.callLater(_LINGER_SECONDS, transport.abortConnection)
 
     def head_line(self) -> tuple[bytes, bytes]:
