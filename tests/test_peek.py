@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
 from crossbar.proxy import peek as peek_module
-from crossbar.proxy.peek import LONG_STRING, PROMPT_BYTES, BodyPeek, Peeked, backend_name, peek, peek_small
+from crossbar.proxy.peek import (
+    LONG_STRING, MAX_DEPTH, NOTHING, PROMPT_BYTES, BodyPeek, Peeked, backend_name, peek, peek_small,
+)
 from tests.reference import peek_model
 
 EXISTING_CASES = [  # every body tests/test_routing.py gives peek_model
@@ -198,9 +200,21 @@ class PropertyTests(SynchronousTestCase):
             pass
         want = peek_model(body)
         whole = peek(body)
-        self.assertEqual(whole.model, want, body)
-        self.assertEqual(fed(body, sizes), whole, (body, sizes))
-        self.assertEqual(fed(body, 1), whole, body)
+        answers = [whole, fed(body, sizes), fed(body, 1)]
+        if _valid(body):
+            self.assertEqual(whole.model, want, body)
+            self.assertEqual(answers, [whole] * 3, (body, sizes))
+        else:  # invalid JSON: malformed bytes the peek skips (issue 20 item 8) may go unseen
+            self.assertLessEqual(len({(a.model, a.affinity_key) for a in answers if a != NOTHING}), 1,
+                                 (body, sizes, answers))
+
+
+def _valid(body: bytes) -> bool:
+    try:
+        json.loads(body)
+    except (ValueError, RecursionError):
+        return False
+    return True
 
 
 class AffinityKeyTests(SynchronousTestCase):
@@ -441,9 +455,9 @@ class KeyPropertyTests(SynchronousTestCase):
 
 
 class LongKeyTests(SynchronousTestCase):
-    def test_long_key_after_the_model_is_not_kept(self) -> None:
+    def test_long_key_before_the_model_is_not_kept(self) -> None:
         key = "k" * (2 * LONG_STRING)
-        body = json.dumps({"model": "m1", key: 1}).encode()
+        body = json.dumps({key: 1, "model": "m1"}).encode()  # (after a member it is skipped unread)
         p = BodyPeek()
         kept = []
         for i in range(0, len(body), 65536):

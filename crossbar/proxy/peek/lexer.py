@@ -49,6 +49,7 @@ from crossbar.proxy.peek.rules import (
     KEY_EVENTS, MAX_DEPTH, NOTHING, PROMPT_BYTES, EventRules, Peeked, Spot, SpotKind, Unsure, _hasher, _Long,
     most_events, rules_of,
 )
+from crossbar.proxy.peek.skip import Skip
 
 __all__ = ["LONG_STRING", "SMALL_BODY", "BodyPeek", "backend_name", "peek", "peek_small"]
 
@@ -135,6 +136,7 @@ class BodyPeek:
         self._carry = b""
         self._number_run = 0
         self._small: bytes | None = None  # a first chunk <= SMALL_BODY, not parsed yet
+        self._skip: Skip | None = None  # bytes skipped without yajl (issue 20 item 8)
 
     @property
     def done(self) -> bool:
@@ -206,8 +208,8 @@ class BodyPeek:
             if not self._failed and self._started:
                 if self._decoder is not None:
                     self._scan(self._decoder.decode(b"", final=True).encode("utf-8", "surrogatepass"))
-                if self._in_string or self._carry:
-                    raise ValueError("unterminated string")
+                if self._in_string or self._carry or self._skip is not None:
+                    raise ValueError("unterminated string or object")
                 self._coro.close()
                 self._keys.take(self._events)
                 answer = self._keys.result()
@@ -221,6 +223,7 @@ class BodyPeek:
         self._failed = True
         self._small = None
         self._coro = None
+        self._skip = None
         self._held, self._head = [], bytearray()
         del self._events[:]
 
@@ -268,27 +271,80 @@ class BodyPeek:
                 del self._events[:]
 
     def _scan(self, chunk: bytes) -> None:
-        """Feed yajl everything but strings still open at the chunk's end."""
+        """Feed yajl everything but strings still open at the chunk's end, and none of
+        what :class:`~.skip.Skip` skips."""
         base = self._next - len(self._carry)  # absolute offset of chunk[0] (UTF-8 bodies)
         self._next += len(chunk)
         if self._carry:
             chunk, self._carry = self._carry + chunk, b""
+        self._walk(chunk, base)
+
+    def _walk(self, chunk: bytes, base: int) -> None:
+        """:meth:`_scan` of ``chunk``, which starts at absolute offset ``base``."""
         pos, end = 0, len(chunk)
+        if self._skip is not None:
+            pos = self._skipped(chunk, 0, base)
         while pos < end:
             if self._in_string:
                 pos = self._string_part(chunk, pos, base)
+                if not self._in_string:
+                    pos = self._maybe_skip(chunk, pos, base)
                 continue
             stop = _open_string(chunk, pos)
             if stop > pos:
                 piece = chunk[pos:stop]
                 self._check_number_run(piece)
                 self._send(piece, base + pos)
+                after = self._maybe_skip(chunk, stop, base)
+                if after != stop:
+                    pos = after
+                    continue
             if stop < end:  # an opening quote whose string does not end in this chunk
                 self._in_string = True
                 self._held, self._held_len = [b'"'], 1
                 self._open_at = base + stop
                 stop += 1
             pos = stop
+
+    def _maybe_skip(self, chunk: bytes, pos: int, base: int) -> int:
+        """yajl has seen the bytes before ``pos`` (outside a string): when the rules are
+        done with the value under way, or between top-level members, skip bytes without
+        yajl from there (:class:`~.skip.Skip`). Returns where the walk goes on."""
+        keys = self._keys
+        if keys.skip:
+            if keys.depth == 1:  # a top-level member's value: then on to the next member
+                self._skip = Skip(keys.skip + 1, True, MAX_DEPTH)
+            else:
+                self._skip = Skip(keys.skip, False, MAX_DEPTH - keys.depth)
+        elif keys.depth == 1 and keys.last in _VALUE_ENDS and keys.members and pos < len(chunk):
+            before = chunk[:pos].rstrip(_WS)
+            if not before:
+                return pos  # whether a comma came is in an earlier chunk: not here
+            self._skip = Skip(1, True, MAX_DEPTH, comma=before.endswith(b","))
+        else:
+            return pos
+        return self._skipped(chunk, pos, base)
+
+    def _skipped(self, chunk: bytes, pos: int, base: int) -> int:
+        """Skip from ``pos``; where the value ends (or a key a rule reads comes), resume
+        with a fresh yajl put in the same place. Returns where the walk goes on."""
+        skip = self._skip
+        assert skip is not None
+        found = skip.run(chunk[pos:] if pos else chunk, base + pos)
+        if found is None:
+            return len(chunk)
+        start, first = found
+        self._skip, self._number_run = None, 0
+        keys = self._keys
+        inside = not skip.scan  # at the skipped container's closing bracket, at depth > 1
+        self._coro = _BACKEND.basic_parse_coro(self._events)
+        self._coro.send(keys.reopen() if inside else b"{")
+        del self._events[:]
+        keys.after_skipped(inside)
+        if first:  # a key carried from the previous chunk, its string still open
+            self._walk(first + chunk[pos:], start)
+            return len(chunk)
+        return start - base
 
     def _check_number_run(self, piece: bytes) -> None:
         """Refuse a number token over 64 KiB cut by chunk boundaries (yajl re-lexes it)."""
@@ -373,6 +429,7 @@ _ODD_ESCAPED_QUOTE = re.compile(rb'(?<!\\)\\(?:\\\\)*"')
 """A quote after an odd run of backslashes (an escaped quote inside a string)."""
 
 _STRING_EVENTS: Final = {"map_key": 1, "string": 1}
+_VALUE_ENDS: Final = frozenset({"string", "number", "boolean", "null", "end_map", "end_array"})
 
 
 def _place(events: list[tuple[str, Any]], index: int, data: bytes, at: int, span: tuple[int, int] | None) -> Spot:

@@ -303,6 +303,23 @@ class EventRules(_Found):
         self.chunk: dict[object, object] = {}  # the current input_extra chunk's filename and text
         self.long: _Long | None = None
         self.model_at: int | None = None
+        self.skip_map = False  # the container skipped at depth > 1 is an object (else a list)
+
+    def reopen(self) -> bytes:
+        """JSON text that opens the containers the rules are in (:attr:`depth` of them)
+        and the one being skipped, each ready for its next value: a fresh parser fed
+        it, then the skipped container's closing bracket, is where the old one was
+        (used by the lexer to resume after skipping bytes itself, at depth > 1)."""
+        third = b"[" if self.k1 == "prompt" else b'{"":'
+        return b"".join((b'{"":', b"[", third, b"[", b'{"":')[:self.depth]) + (b"{" if self.skip_map else b"[")
+
+    def after_skipped(self, inside: bool) -> None:
+        """The lexer skipped bytes itself up to a point where the parse resumes with a
+        fresh parser: at the closing bracket of the container being skipped
+        (``inside``: its end event is still to come), else at depth 1 after a member."""
+        self.skip = 1 if inside else 0
+        self.last = "end_array"
+        self.long = None
 
     def wants_long(self) -> bool:
         """Whether a string starting now may be the model or part of the affinity key."""
@@ -353,7 +370,7 @@ class EventRules(_Found):
                     event = events[i][0]
                     i += 1
                 else:
-                    self.skip = 1
+                    self.skip, self.skip_map = 1, event == "start_map"
             elif event == "end_map" or event == "end_array":
                 self.depth = depth - 1
                 k1 = self.k1
