@@ -82,6 +82,10 @@ def shapes(mib: float) -> dict[str, bytes]:
         "text parts (all in the key)": json.dumps({"model": "m1", "messages": [
             {"role": "system", "content": [{"type": "text", "text": "ab"}] * (n // 30)},
             {"role": "user", "content": "x"}]}).encode(),
+        # where the skipping stops or looks closer: keys a rule reads, nested and at the top level
+        "read keys nested [{user},..]": b'{"model":"m1","x":[' + b'{"user":0},' * (n // 11) + b"{}]}",
+        "top-level user keys": b'{"model":"m1",' + b'"user":"a",' * (n // 11) + b'"z":1}',
+        "top-level keys, escaped": b'{"model":"m1",' + b'"\u0061":{},' * (n // 12) + b'"z":1}',
     }
 
 

@@ -38,19 +38,29 @@ _WS: Final = b" \t\r\n"
 _CONTROL = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f]")
 """Raw control bytes: invalid anywhere in a JSON text (whitespace aside)."""
 
-_KEY = re.compile(
-    rb'([,{][ \t\r\n]*)"(?:model|user|prompt_cache_key|input_prefix|messages|input_extra|prompt|[^"\\]*\\[^"]*)"')
-"""A key a rule reads, or any key with an escape (which may spell one): a string after
-``,`` or ``{`` (a key wherever it stands at depth 1), on escape-neutralised bytes."""
+_READ: Final = ("model", "user", "prompt_cache_key", "input_prefix", "messages", "input_extra", "prompt")
+"""The top-level keys a rule reads (:mod:`.rules`)."""
 
-_NAMES: Final = (b'"model"', b'"user"', b'"prompt', b'"input_', b'"messages"')
-_MARK: Final = b"\\1\x01\x02"
-_TABLE: Final = bytes.maketrans(b"[]{}\x01\x02", bytes((8, 248, 8, 248, 1, 255)))
-"""As signed bytes: +8 opens a level, -8 closes one; a marked key is +1 then -1, so the
-nesting after its first byte is 9 exactly when the key stands at depth 1."""
-_DELETE: Final = bytes(b for b in range(256) if b not in b"[]{}\x01\x02")
-_OPEN: Final = b"\x08"
-_CLOSE: Final = b"\xf8"
+
+def _spelt(name: str) -> re.Pattern[bytes]:
+    """``name`` as a key after a ``,``, each letter as itself or its ``\\u00XX`` escape
+    (on escape-neutralised bytes): a key wherever it stands at depth 1 (a skipped region
+    never holds the top-level ``{``, so no key after a ``{`` is at depth 1)."""
+    letters = b"".join(b"(?:%s|\\\\u00%x[%x%X])" % (re.escape(c).encode(), ord(c) >> 4, ord(c) & 15, ord(c) & 15)
+                       for c in name)
+    return re.compile(rb',[ \t\r\n]*("' + letters + rb'")')
+
+
+_KEYS: Final = tuple((i + 1, name.encode(), _spelt(name)) for i, name in enumerate(_READ))
+"""Each key a rule reads: its mark (1-7), its name, its pattern."""
+_TABLE: Final = bytes.maketrans(b"[]{}" + bytes(range(1, 8)) + bytes(range(0x11, 0x18)),
+                                bytes((16, 240, 16, 240)) + bytes(range(1, 8)) + bytes(256 - i for i in range(1, 8)))
+"""As signed bytes: +16 opens a level, -16 closes one; the key marked ``,\\x0i\\x1i``
+is +i then -i, so the nesting after its first byte is 16 + i exactly when it stands at
+depth 1."""
+_DELETE: Final = bytes(b for b in range(256) if b not in b"[]{}" + bytes(range(1, 8)) + bytes(range(0x11, 0x18)))
+_OPEN: Final = b"\x10"
+_CLOSE: Final = b"\xf0"
 _CLOSING = re.compile(rb"[\]}]")
 _CARRY: Final = 128
 """Bytes of a string open at a chunk's end carried into the next when it may be a key
@@ -71,9 +81,9 @@ class Skip:
     """
 
     def __init__(self, levels: int, scan: bool, room: int, comma: bool = False) -> None:
-        self.level = 8 * levels
+        self.level = 16 * levels
         self.scan = scan
-        self.limit = 8 * room + 1
+        self.limit = 16 * room + 8
         self.in_string = False
         self.escape = False  # inside a string, the next byte is escaped
         self.carry = b"," if comma else b""
@@ -95,9 +105,14 @@ class Skip:
         if _CONTROL.search(data) is not None:
             raise ValueError("control character")
         quoted = b'"' in data
-        marked = data
-        if self.scan and quoted and (b"\\" in data or any(name in data for name in _NAMES)):
-            marked = _KEY.sub(_MARK, data)
+        marked, escaped = data, b"\\u00" in data
+        marks: list[int] = []
+        if self.scan and quoted:
+            for i, name, pattern in _KEYS:
+                if name in data or escaped:
+                    marked, n = pattern.subn(b",%c%c" % (i, 0x10 + i), marked)
+                    if n:
+                        marks.append(i)
         opened = self.in_string
         if opened:
             marked = b'"' + marked
@@ -105,22 +120,27 @@ class Skip:
         outside = b"".join(parts[::2]) if len(parts) > 1 else marked
         sym = outside.translate(_TABLE, _DELETE)
         level, closes = self.level, sym.count(_CLOSE)
-        marks = marked is not data and b"\x01" in sym
-        if marks or level - 8 * closes <= 0 or level + 8 * sym.count(_OPEN) > self.limit:
+        if marks or level - 16 * closes <= 0 or level + 16 * sym.count(_OPEN) > self.limit:
             levels = list(accumulate(array("b", sym), initial=level))
-            cut = len(levels)
-            for target in ((0, 9) if marks else (0,)):
-                try:
-                    cut = min(cut, levels.index(target, 1))
-                except ValueError:
-                    pass
+            try:
+                cut = levels.index(0, 1)
+            except ValueError:
+                cut = len(levels)
+            if marks:  # only the last of each key at depth 1 counts (the last wins, as in json.loads)
+                head = levels[:cut]
+                backwards = head[::-1]
+                for i in marks:
+                    try:
+                        cut = min(cut, len(head) - 1 - backwards.index(16 + i))
+                    except ValueError:
+                        pass
             if max(levels[:cut + 1]) > self.limit:
                 raise ValueError("nesting too deep")
             if cut < len(levels):
-                return self._where(raw, data, opened, sym, cut - 1, parts if marked is data else None, base, at)
+                return self._where(raw, data, opened, sym, cut - 1, None if marks else parts, base, at)
             level = levels[-1]
         else:
-            level += 8 * (sym.count(_OPEN) - closes)
+            level += 16 * (sym.count(_OPEN) - closes)
         self.level = level
         self.in_string = len(parts) % 2 == 0
         if self.in_string:
@@ -144,9 +164,11 @@ class Skip:
                base: int, at: int) -> tuple[int, bytes]:
         """The stop at ``sym[index]`` (a closing bracket or a key's mark) as a place in
         ``data`` (``raw`` neutralised; both start at absolute ``base``, the chunk at ``at``)."""
-        if sym[index] == 1:  # the n-th marked key: the n-th match on the unmarked bytes
-            found = next(islice(_KEY.finditer(data), sym.count(b"\x01", 0, index), None))
-            place = found.end(1)
+        mark = sym[index]
+        if mark < 8:  # the n-th key marked so: the n-th match of its pattern on the unmarked bytes
+            pattern = _KEYS[mark - 1][2]
+            found = next(islice(pattern.finditer(data), sym.count(bytes((mark,)), 0, index), None))
+            place = found.start(1)
         else:  # the n-th closing bracket outside strings
             if parts is None:
                 parts = (b'"' + data if opened else data).split(b'"')
