@@ -480,7 +480,10 @@ class SmallBodyTests(SynchronousTestCase):
         slow = fed(body, 1)  # one byte at a time: never the shortcut
         if quick is not None:
             self.assertEqual(quick, slow, body)
-        self.assertEqual(peek(body), slow, body)
+        if _valid(body):
+            self.assertEqual(peek(body), slow, body)
+        else:  # malformed bytes the peek skips may go unseen, in one of them (issue 20 item 8)
+            self.assertLessEqual(len({(a.model, a.affinity_key) for a in (peek(body), slow) if a != NOTHING}), 1, body)
 
     def test_a_chat_body_takes_the_shortcut(self) -> None:
         body = chat([{"role": "system", "content": "s"}, {"role": "user", "content": [{"type": "text", "text": "hi"}]}],

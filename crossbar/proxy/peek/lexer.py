@@ -290,7 +290,8 @@ class BodyPeek:
                 if not self._in_string:
                     pos = self._maybe_skip(chunk, pos, base)
                 continue
-            stop = _open_string(chunk, pos)
+            limit = end if end - pos <= _PIECE else pos + _PIECE
+            stop = _open_string(chunk, pos, limit)
             if stop > pos:
                 piece = chunk[pos:stop]
                 self._check_number_run(piece)
@@ -299,7 +300,7 @@ class BodyPeek:
                 if after != stop:
                     pos = after
                     continue
-            if stop < end:  # an opening quote whose string does not end in this chunk
+            if stop < limit:  # an opening quote whose string does not end in this piece
                 self._in_string = True
                 self._held, self._held_len = [b'"'], 1
                 self._open_at = base + stop
@@ -317,7 +318,7 @@ class BodyPeek:
             else:
                 self._skip = Skip(keys.skip, False, MAX_DEPTH - keys.depth)
         elif keys.depth == 1 and keys.last in _VALUE_ENDS and keys.members and pos < len(chunk):
-            before = chunk[:pos].rstrip(_WS)
+            before = chunk[max(0, pos - 64):pos].rstrip(_WS) or chunk[:pos].rstrip(_WS)
             if not before:
                 return pos  # whether a comma came is in an earlier chunk: not here
             self._skip = Skip(1, True, MAX_DEPTH, comma=before.endswith(b","))
@@ -396,9 +397,10 @@ class BodyPeek:
         return stop + 1
 
 
-def _open_string(chunk: bytes, pos: int) -> int:
-    """Where the string left open at the end of ``chunk`` starts (its opening quote),
-    scanning from ``pos`` (outside a string); ``len(chunk)`` when every string closes.
+def _open_string(chunk: bytes, pos: int, end: int | None = None) -> int:
+    """Where the string left open at ``end`` (default: the end of ``chunk``) starts (its
+    opening quote), scanning from ``pos`` (outside a string); ``end`` when every string
+    closes before it.
 
     What ``_OUT`` says, at C speed per byte rather than per string: a quote is escaped
     when an odd run of backslashes precedes it, so the strings all close when the
@@ -406,15 +408,15 @@ def _open_string(chunk: bytes, pos: int) -> int:
     (A backslash outside a string is invalid JSON, and yajl refuses it before any
     string after it matters.)
     """
-    end = len(chunk)
-    quotes = chunk.count(b'"', pos)
+    end = len(chunk) if end is None else end
+    quotes = chunk.count(b'"', pos, end)
     if quotes == 0:
         return end
-    if chunk.find(b"\\", pos) >= 0:
-        quotes -= len(_ODD_ESCAPED_QUOTE.findall(chunk, pos))
+    if chunk.find(b"\\", pos, end) >= 0:
+        quotes -= len(_ODD_ESCAPED_QUOTE.findall(chunk, pos, end))
     if quotes % 2 == 0:
         return end
-    i = chunk.rfind(b'"', pos)
+    i = chunk.rfind(b'"', pos, end)
     for _ in range(32):
         j = i
         while j > pos and chunk[j - 1] == 0x5C:
@@ -422,12 +424,15 @@ def _open_string(chunk: bytes, pos: int) -> int:
         if (i - j) % 2 == 0:
             return i
         i = chunk.rfind(b'"', pos, i)
-    return _match_end(_OUT, chunk, pos)  # many escaped quotes at the end: let the regex say
+    return _match_end(_OUT, chunk, pos, end)  # many escaped quotes at the end: let the regex say
 
 
 _ODD_ESCAPED_QUOTE = re.compile(rb'(?<!\\)\\(?:\\\\)*"')
 """A quote after an odd run of backslashes (an escaped quote inside a string)."""
 
+_PIECE: Final = 4096
+"""Bytes handed to yajl at once at most (cut before a string that ends beyond): between
+pieces the lexer may start skipping (:meth:`BodyPeek._maybe_skip`)."""
 _STRING_EVENTS: Final = {"map_key": 1, "string": 1}
 _VALUE_ENDS: Final = frozenset({"string", "number", "boolean", "null", "end_map", "end_array"})
 

@@ -108,8 +108,9 @@ class Skip:
         marked, escaped = data, b"\\u00" in data
         marks: list[int] = []
         if self.scan and quoted:
-            for i, name, pattern in _KEYS:
-                if name in data or escaped:
+            lowered = data.lower() if escaped else b""
+            for i, name, pattern in _KEYS:  # (a key spelt with escapes starts with its letter or one)
+                if name in data or (escaped and (b'"' + name[:1] in data or b'"\\u00%x' % name[0] in lowered)):
                     marked, n = pattern.subn(b",%c%c" % (i, 0x10 + i), marked)
                     if n:
                         marks.append(i)
