@@ -16,7 +16,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from crossbar.proxy import peek as peek_module
 from crossbar.proxy.peek import (
-    LONG_STRING, MAX_DEPTH, NOTHING, PROMPT_BYTES, BodyPeek, Peeked, backend_name, peek, peek_small,
+    LONG_STRING, NOTHING, PROMPT_BYTES, BodyPeek, Peeked, backend_name, peek, peek_small,
 )
 from tests.reference import peek_model
 
