@@ -5,6 +5,8 @@ request body chunk by chunk as it arrives (docs/design.md §The proxy rule 4, §
 - :mod:`.lexer`: the front end. :class:`BodyPeek` turns chunks into ijson events (yajl,
   strings cut by chunk boundaries held or taken over, positions kept); a small body in
   one chunk is read with ``json.loads`` (:func:`peek_small`).
+- :mod:`.skip`: the bytes of values no rule reads, skipped without yajl (strings and
+  bracket nesting only), up to the next top-level key a rule reads.
 - :mod:`.rules`: the key rules, over ijson events and over a decoded dict, side by side.
 - :mod:`.rewrite`: the model written into the body's chunks at the peek's spot.
 """

@@ -21,7 +21,14 @@ characters, UTF-8, incrementally), hashed when the affinity key needs it, and dr
 yajl is fed ``""`` in its place. So neither yajl nor this class ever holds a long string
 (an image's base64 data): memory stays within ``LONG_STRING`` plus one chunk.
 
-Answers are those of ``json.loads`` (``tests/reference.py``) on every body
+Values no rule reads are not fed to yajl at all once the rules say so (at most
+:data:`_PIECE` bytes later): :class:`~.skip.Skip` follows their strings and bracket
+nesting at C speed, then a fresh yajl resumes at the value's closing bracket or at the
+next top-level key a rule reads (issue 20 item 8). Malformed JSON inside such a value
+is mostly not seen (see :mod:`.skip`): the answer is then that of the body's
+well-formed parts, or none.
+
+Answers are those of ``json.loads`` (``tests/reference.py``) on every valid body
 except these, which give None here (no model, no key) and are not JSON anyway or are
 never sent by a client: ``NaN``/``Infinity`` literals, numbers yajl/Decimal refuse
 (exponents beyond ~10^999999999), a number token over 64 KiB cut by a chunk boundary,

@@ -24,9 +24,12 @@ The rules, in precedence order (the first that applies gives the key):
 
 Work is bounded (issue 20 item 8): the rules look at no more than :data:`KEY_EVENTS`
 events below the top level of a body; the conversation start (or prompt, or infill
-list) is hashed up to that bound and the rest is skipped by the C loops of
-:meth:`EventRules._skip`. The decoded-dict walk is used only for a body that cannot
-reach the bound (:func:`most_events`), so it needs none.
+list) is hashed up to that bound and the rest is skipped: by the C loops of
+:meth:`EventRules._skip` over events yajl already made, and from the next piece on by
+the lexer without yajl (:mod:`.skip`; :meth:`EventRules.reopen` and
+:meth:`EventRules.after_skipped` put a fresh parser where the old one was). The
+decoded-dict walk is used only for a body that cannot reach the bound
+(:func:`most_events`), so it needs none.
 """
 
 from __future__ import annotations
