@@ -8,9 +8,11 @@ timing every ``feed`` and the ``finish``; then times ``json.loads`` of the whole
 the proxy did before, in one reactor turn) and both on a small 90-byte chat request (the
 per-request cost in bench (a)). Prints medians over rounds. A few seconds at most.
 ``--shapes`` also times bodies made of many small tokens (what a hostile client can
-send: yajl's own work per token is the floor there), once each, about 15 s, with CPU
-per byte against a plain prompt of the same size (issue 20 item 8: the worst shape was
-400,000 ``system`` messages before the first ``user`` message, 12 MiB).
+send), once each, about a minute, with CPU per byte against a plain prompt of the same
+size measured in the same run (issue 20 item 8: no shape may cost more than 3x; the
+worst was 400,000 ``system`` messages before the first ``user`` message, 12 MiB), and
+three shapes where the skipping of values no rule reads (``peek/skip.py``) stops or
+looks closer: keys a rule reads nested, at the top level, and escaped keys.
 """
 
 from __future__ import annotations
