@@ -105,23 +105,31 @@ class Skip:
             data = data.replace(b"\\\\", b"__").replace(b'\\"', b"__")
         if data.translate(None, _NOT_CONTROL):
             raise ValueError("control character")
-        quoted = b'"' in data
+        quoted, opened, level = b'"' in data, self.in_string, self.level
         marked, escaped = data, b"\\u00" in data
         marks: list[int] = []
+        keys: list[tuple[int, bytes, re.Pattern[bytes]]] = []
         if self.scan and quoted:
             lowered = data.lower() if escaped else b""
-            for i, name, pattern in _KEYS:  # (a key spelt with escapes starts with its letter or one)
-                if name in data or (escaped and (b'"' + name[:1] in data or b'"\\u00%x' % name[0] in lowered)):
-                    marked, n = pattern.subn(b",%c%c" % (i, 0x10 + i), marked)
-                    if n:
-                        marks.append(i)
-        opened = self.in_string
-        if opened:
-            marked = b'"' + marked
-        parts = marked.split(b'"') if quoted or opened else [marked]
-        outside = b"".join(parts[::2]) if len(parts) > 1 else marked
-        sym = outside.translate(_TABLE, _DELETE)
-        level, closes = self.level, sym.count(_CLOSE)
+            keys = [key for key in _KEYS  # (a key spelt with escapes starts with its letter or one)
+                    if key[1] in data or (escaped and (b'"' + key[1][:1] in data or b'"\\u00%x' % key[1][0] in lowered))]
+        split = None
+        if keys and level > 16:  # inside a member's value: no key counts unless it ends here
+            split = _outside(data, quoted, opened)
+            if _settled(split[1], level - 16, self.limit - 16):
+                keys = []
+        if keys and level == 16:  # between members: the last of each key, if all stand at depth 1
+            place = _last_keys(data, opened, keys, level, self.limit)
+            if place is not None:
+                return base + place, raw[place:at - base] if base + place < at else b""
+        for i, _, pattern in keys:
+            marked, n = pattern.subn(b",%c%c" % (i, 0x10 + i), marked)
+            if n:
+                marks.append(i)
+        if split is None or marks:
+            split = _outside(marked, quoted, opened)
+        parts, sym = split
+        closes = sym.count(_CLOSE)
         if (marks or level - 16 * closes <= 0 or level + 16 * sym.count(_OPEN) > self.limit) and (
                 marks or not _settled(sym, level, self.limit)):
             levels = list(accumulate(array("b", sym), initial=level))
@@ -216,3 +224,35 @@ def _settled(sym: bytes, level: int, limit: int) -> bool:
         return True
     levels = list(accumulate(array("b", sym), initial=level))
     return min(levels) > 0 and max(levels) + 16 * passes <= limit
+
+
+def _outside(data: bytes, quoted: bool, opened: bool) -> tuple[list[bytes], bytes]:
+    """``data`` (escapes neutralised; ``opened``: it starts inside a string) split on its
+    quotes, and what lies outside strings kept as nesting steps (see _TABLE)."""
+    if opened:
+        data = b'"' + data
+    parts = data.split(b'"') if quoted or opened else [data]
+    outside = b"".join(parts[::2]) if len(parts) > 1 else data
+    return parts, outside.translate(_TABLE, _DELETE)
+
+
+def _last_keys(data: bytes, opened: bool, keys: list[tuple[int, bytes, re.Pattern[bytes]]], level: int,
+               limit: int) -> int | None:
+    """Where the skipping between members stops (:meth:`Skip.run` at depth 1): the first
+    of the last matches of ``keys`` in ``data`` (the keys the chunk holds), found from the
+    end without marking every key; None when that cannot be told so (a last match not
+    at depth 1 nor outside strings, or the object ending before it): then every key is
+    marked."""
+    places = []
+    for _, _, pattern in keys:
+        found = _last(pattern, data)
+        if found is None:
+            continue
+        place = found.start(1)
+        parts, sym = _outside(data[:place], True, opened)
+        if len(parts) % 2 == 0 or not _settled(sym, level, limit):
+            return None
+        if level + 16 * (sym.count(_OPEN) - sym.count(_CLOSE)) != 16:
+            return None
+        places.append(place)
+    return min(places) if places else None
