@@ -11,8 +11,9 @@ per-request cost in bench (a)). Prints medians over rounds. A few seconds at mos
 send), once each, about a minute, with CPU per byte against a plain prompt of the same
 size measured in the same run (issue 20 item 8: no shape may cost more than 3x; the
 worst was 400,000 ``system`` messages before the first ``user`` message, 12 MiB), and
-three shapes where the skipping of values no rule reads (``peek/skip.py``) stops or
-looks closer: keys a rule reads nested, at the top level, and escaped keys.
+four shapes where the skipping of values no rule reads (``peek/skip.py``) stops or
+looks closer: keys a rule reads nested, at the top level, escaped keys, strings
+spelt like keys.
 """
 
 from __future__ import annotations
@@ -88,6 +89,7 @@ def shapes(mib: float) -> dict[str, bytes]:
         "read keys nested [{user},..]": b'{"model":"m1","x":[' + b'{"user":0},' * (n // 11) + b"{}]}",
         "top-level user keys": b'{"model":"m1",' + b'"user":"a",' * (n // 11) + b'"z":1}',
         "top-level keys, escaped": b'{"model":"m1",' + b'"\u0061":{},' * (n // 12) + b'"z":1}',
+        "strings named like keys": b'{"model":"m1","x":[' + b'"user",' * (n // 7) + b'"a"]}',
     }
 
 
