@@ -69,7 +69,10 @@ class SkippedValuesTests(SynchronousTestCase):
         for name, filler in FILLERS.items():
             for tail in ('"model": "m2"', '"user": "u"', '"mod\\u0065l": "m3"', '"\\u0075ser": "u2"',
                          '"prompt": "p"', '"prompt_cache_key": "k"', '"messages": [{"role": "user", "content": "c"}]',
-                         '"input_extra": [{"filename": "f", "text": "t"}]', '"input_prefix": "i"'):
+                         '"input_extra": [{"filename": "f", "text": "t"}]', '"input_prefix": "i"',
+                         # the last match of a key nested (not at depth 1), or in a string
+                         '"user": "u", "y": {"user": "no"}', '"model": "m2", "y": [{"a": 1, "model": "no"}]',
+                         '"user": "u", "y": ", \\"user\\": "', '"model": "m2", "model": {"model": "m3"}'):
                 with self.subTest(filler=name, tail=tail):
                     body = members([("model", '"m1"'), ("x", filler)]) [:-1] + b",  \n\t" + tail.encode() + b"}"
                     self.same(body)
