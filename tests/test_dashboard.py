@@ -426,7 +426,18 @@ class WorkerTests(TestCase):
             response = await http.post(proc.base + "/_crossbar/hosts/a/drain", headers=AUTH)
             self.assertEqual(response.code, 200)
             await treq.content(response)
-            await deferLater(reactor, 0.3)  # the supervisor tells the other worker
+            # The supervisor tells the other worker, which reads it when its reactor runs:
+            # wait (bounded) until looks on new connections, whichever worker, all say so.
+            await proc.line(lambda line: "host a drained in every worker" in line, 10, "the supervisor's drain")
+
+            async def looks(n: int) -> list[Any]:
+                return [await treq.json_content(await http.get(proc.base + "/_crossbar/dashboard.json", headers=AUTH))
+                        for _ in range(n)]
+
+            async def all_draining() -> bool:
+                return all([h["draining"] for h in data["hosts"]] == [True, False] for data in await looks(8))
+
+            await wait_for(all_draining, 10, "every worker lists a as draining")
             before = len(a.seen)
             for _ in range(12):
                 response = await _chat(http, proc.base)
@@ -436,7 +447,12 @@ class WorkerTests(TestCase):
             # Every worker says a is draining; every worker lists all 12 requests.
             for _ in range(4):  # the first looks tell every worker that someone watches
                 await treq.json_content(await http.get(proc.base + "/_crossbar/dashboard.json", headers=AUTH))
-            await deferLater(reactor, 1.2)  # the other worker's file is written on its tick
+            # The other worker's file is written on its tick (once a second): wait (bounded)
+            # until looks on new connections, whichever worker, all list the 12.
+            async def all_list_12() -> bool:
+                return all(len([e for e in data["recent"] if e["route"] == "r"]) == 12 for data in await looks(8))
+
+            await wait_for(all_list_12, 10, "every worker lists the 12 requests")
             for _ in range(8):
                 data = await treq.json_content(await http.get(proc.base + "/_crossbar/dashboard.json", headers=AUTH))
                 self.assertEqual([h["draining"] for h in data["hosts"]], [True, False])
@@ -466,7 +482,12 @@ class WorkerTests(TestCase):
             self.assertEqual([s.uri for s in a.seen[before:] if s.uri.startswith(b"/v1/chat")], [])
             # Undrained through whichever worker: every worker sends to a again.
             await treq.content(await http.post(proc.base + "/_crossbar/hosts/a/undrain", headers=AUTH))
-            await deferLater(reactor, 0.3)
+            await proc.line(lambda line: "host a undrained in every worker" in line, 10, "the supervisor's undrain")
+
+            async def none_draining() -> bool:
+                return all([h["draining"] for h in data["hosts"]] == [False, False] for data in await looks(8))
+
+            await wait_for(none_draining, 10, "no worker lists a as draining")
             before = len(a.seen)
             for _ in range(6):
                 await treq.content(await _chat(http, proc.base))
