@@ -17,6 +17,7 @@ from twisted.web.server import NOT_DONE_YET, Request
 
 from crossbar.config import ConfigError, parse_config
 from crossbar.process.service import CrossbarService
+from crossbar.state import cluster as cluster_module
 from crossbar.state.cluster import RESYNC, TTL
 from twisted.logger import formatEvent
 
@@ -109,6 +110,10 @@ class TwoInstances(TestCase):
 
     async def start(self, queue_timeout: float = 30, password: str | None = None
                     ) -> tuple[RedisServer, Held, list[tuple[CrossbarService, str]]]:
+        # What is shared is under test here, not the fallback when Redis is slow: a
+        # reply bound of 1 s instead of 50 ms, so on a loaded machine a late reply does
+        # not send an instance alone (each then admits max_inflight: 2 + 2 at the host).
+        self.patch(cluster_module, "BOUND", 1.0)
         redis = start_redis(self, password)
         fake = FakeLlama(["m"])
         held = Held()
@@ -132,6 +137,8 @@ class TwoInstances(TestCase):
         answers = [self.post(instances[i % 2][1]) for i in range(8)]
         await wait_for(lambda: len(held.arrived) >= 2, what="the first requests")
         await deferLater(reactor, 0.3)
+        self.assertEqual([s.cluster.lost for s, _ in instances if s.cluster is not None], [0, 0],
+                         "an instance lost Redis and counted alone")
         self.assertLessEqual(held.most, 3)
         self.assertGreaterEqual(sum(len(s.runtime.queues) for s, _ in instances), 5)
         while len(held.arrived) < 8:

@@ -304,8 +304,9 @@ class RedisCluster:
 
     # -- Redis commands -------------------------------------------------------------
 
-    def command(self, name: str, *args: Any, bound: float = BOUND) -> Deferred[Any]:
-        """Run one command with ``bound`` seconds (default :data:`BOUND`) on its reply
+    def command(self, name: str, *args: Any, bound: float | None = None) -> Deferred[Any]:
+        """Run one command with ``bound`` seconds (default :data:`BOUND`, read at each
+        call so a test can set it) on its reply
         (errback: :class:`~twisted.internet.defer.TimeoutError`); errbacks with
         ConnectionError at once when no connection is up (nothing queues up). A failure
         here is the caller's to handle: only the cluster's own reads and writes turn the
@@ -317,6 +318,8 @@ class RedisCluster:
             return fail(txredisapi.ConnectionError("not connected"))
         # The pool's one connection itself: txredisapi's pool handler adds a generator
         # and a queue per command, for nothing with one connection.
+        if bound is None:
+            bound = BOUND
         d: Deferred[Any]
         if name == "eval":
             script, keys, argv = args
