@@ -27,7 +27,12 @@ from twisted.trial.unittest import TestCase
 
 from tests.harness import http_client, wait_for
 
-__all__ = ["Twistd", "start_twistd", "twistd_argv", "twistd_env"]
+__all__ = ["START", "Twistd", "start_twistd", "twistd_argv", "twistd_env"]
+
+START = 60.0
+"""Seconds a crossbar process (twistd, or a worker it starts) may take to listen or be
+ready: ~1 s of imports on a quiet machine, but over 20 s was seen with the suite in
+parallel beside other work on 2 cores. Only a failing wait lasts this long."""
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LISTENING = re.compile(r"listening on (?:127\.0\.0\.1|::1):(\d+)")
@@ -190,7 +195,8 @@ async def start_twistd(
             await proc.ended
 
     case.addCleanup(cleanup)
-    await proc.line(lambda line: _LISTENING.search(line) is not None or '"listening on' in line, timeout=30)
+    await proc.line(lambda line: _LISTENING.search(line) is not None or '"listening on' in line,
+                     timeout=START, what="the listening line")
     if proc.port is None:  # JSON log: the address is a field
         for line in proc.out:
             m = re.search(r'"address": "(?:127\.0\.0\.1|::1):(\d+)"', line)
@@ -205,7 +211,7 @@ async def start_twistd(
             await treq.content(response)
             return bool(response.code == 200)
 
-        await wait_for(is_ready, 30, "readyz 200")
+        await wait_for(is_ready, START, "readyz 200")
     return proc
 
 

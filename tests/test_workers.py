@@ -41,7 +41,7 @@ from crossbar.config import MAX_WORKERS, ConfigError, load_config, parse_config,
 from crossbar.process.supervisor import STALL, Supervisor, WorkerTimings, relay_log_line
 from crossbar.process.worker import HEARTBEAT
 from tests.harness import FakeLlama, listen, port_of, wait_for
-from tests.process import ClientStream, Twistd, start_twistd
+from tests.process import START, ClientStream, Twistd, start_twistd
 
 JSONLOG = "crossbar.ops.jsonlog.observer"
 TEST_STALL = 8.0
@@ -168,7 +168,8 @@ async def start_workers(case: TestCase, yaml: str, workers: str = "2", **kw: Any
     box.append(proc)
     count = usable_cpus() if workers == "auto" else int(workers)
     for i in range(count):
-        await proc.line(lambda line, i=i: f'"message": "worker {i} is ready"' in line, timeout=30)
+        await proc.line(lambda line, i=i: f'"message": "worker {i} is ready"' in line, timeout=START,
+                             what=f"worker {i} ready")
     return proc
 
 
@@ -311,7 +312,7 @@ class ServingTests(TestCase):
         proc = await start_twistd(self, "workers: 2\n" + host_yaml(await listen(self, upstream)))
         self.addCleanup(lambda: kill_workers(proc))
         for i in range(2):
-            await proc.line(lambda line, i=i: f"worker {i} is ready" in line, timeout=30)
+            await proc.line(lambda line, i=i: f"worker {i} is ready" in line, timeout=START)
         response = await fresh(self).post(proc.base + "/r/v1/chat/completions", json={"model": "tiny-a", "messages": []})
         self.assertEqual(response.code, 200)
         await treq.content(response)
@@ -685,7 +686,7 @@ class SignalTests(TestCase):
         os.kill(pid, signal.SIGKILL)
         await proc.line(lambda line: "worker 0 died" in line)
         await wait_for(lambda: len([line for line in proc.out if '"message": "worker 0 is ready"' in line]) >= 2,
-                       20, "worker 0 ready again")
+                       START, "worker 0 ready again")
         self.assertFalse(any("cannot start" in line for line in proc.out), proc.text())
         http = fresh(self)
         lines = await until_both_workers_served(self, proc, http, "r")
@@ -712,7 +713,7 @@ class SignalTests(TestCase):
             self.assertEqual(await counted(), 12)  # the other worker answers: still 12
             await wait_for(lambda index=index: len([line for line in proc.out
                                                     if f'"message": "worker {index} is ready"' in line]) >= 2,
-                           20, f"worker {index} ready again")
+                           START, f"worker {index} ready again")
         self.assertEqual(await counted(), 12)
 
     async def test_a_stopped_worker_is_replaced(self) -> None:
@@ -727,7 +728,7 @@ class SignalTests(TestCase):
         self.addCleanup(lambda: os.kill(pids[0], signal.SIGCONT) if os.path.exists(f"/proc/{pids[0]}") else None)
         await proc.line(lambda line: "worker 0 sent nothing" in line, timeout=TEST_STALL + 15)
         await wait_for(lambda: len([line for line in proc.out if '"message": "worker 0 is ready"' in line]) >= 2,
-                       20, "worker 0 ready again")
+                       START, "worker 0 ready again")
         self.assertNotEqual(worker_pids(proc)[0], pids[0])
         self.assertEqual(worker_pids(proc)[1], pids[1])
         self.assertFalse(any("worker 1 sent nothing" in line for line in proc.out))
@@ -766,7 +767,7 @@ class SignalTests(TestCase):
         # other worker already sees the dead one's requests gone.
         at_death = (await status())["hosts"]["a"]["inflight"]
         await proc.line(lambda line: f"worker {index} started" in line and f"pid {pid})" not in line
-                        and '"namespace": "crossbar.supervisor"' in line, timeout=30, what=f"worker {index} restarted")
+                        and '"namespace": "crossbar.supervisor"' in line, timeout=START, what=f"worker {index} restarted")
         await wait_for(lambda: len([line for line in proc.out if f'"message": "worker {index} is ready"' in line]) >= 2,
                        60, f"worker {index} ready again after its restart")
         after_restart = (await status())["hosts"]["a"]["inflight"]
