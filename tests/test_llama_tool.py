@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import io
 import os
 import shutil
@@ -48,6 +49,34 @@ class WriteModelTests(SynchronousTestCase):
         subprocess.run([python, TOOL, "write-model", out, "tiny-a", "7"], check=True, timeout=120)
         with open(out, "rb") as f:
             self.assertEqual(f.read(4), b"GGUF")
+
+
+class ProvisionLockTests(SynchronousTestCase):
+    def test_provisioners_take_turns(self) -> None:
+        """Two provisioners of one cache (parallel test workers, CI jobs) never work at
+        once: while one holds ``provision.lock`` another waits, then finds the work
+        done (here: the real binary named by CROSSBAR_LLAMA_SERVER and the tiny models
+        already in a fresh cache directory) and prints the binary."""
+        require_llama_server(self)
+        binary = llama_server.find_llama_server()
+        assert binary is not None
+        cache = Path(tempfile.mkdtemp(prefix="crossbar-cache-"))
+        self.addCleanup(shutil.rmtree, cache, True)
+        models = cache / llama_server.models_dir().name
+        models.mkdir()
+        for name in llama_server.MODELS:
+            (models / f"{name}.gguf").symlink_to(llama_server.model_path(name))
+        env = dict(os.environ, CROSSBAR_LLAMA_HOME=str(cache), CROSSBAR_LLAMA_SERVER=binary)
+        with open(cache / "provision.lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            other = subprocess.Popen([sys.executable, TOOL, "provision"], env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT)
+            self.addCleanup(lambda: other.poll() is None and other.kill())
+            time.sleep(1.0)
+            self.assertIsNone(other.poll(), "provision went on while another held the lock")
+        out, _ = other.communicate(timeout=60)
+        self.assertEqual(other.returncode, 0, out)
+        self.assertEqual(out.decode().strip().splitlines()[-1], binary)
 
 
 class PruneRunLogsTests(SynchronousTestCase):

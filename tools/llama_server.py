@@ -52,6 +52,7 @@ private venv under the cache directory (created on demand by ``provision``).
 from __future__ import annotations
 
 import argparse
+import fcntl
 import os
 import platform
 import shutil
@@ -589,14 +590,21 @@ def _ensure_models() -> None:
 
 
 def provision() -> str:
-    """Idempotently install llama-server and the tiny models; return the binary path."""
+    """Idempotently install llama-server and the tiny models; return the binary path.
+
+    Safe when several processes provision the same cache at once (parallel test
+    workers, two CI jobs sharing ``$CROSSBAR_LLAMA_HOME``): they take turns on an
+    exclusive lock on ``<cache>/provision.lock``, and the later ones find the work
+    done."""
     home().mkdir(parents=True, exist_ok=True)
-    path = find_llama_server()
-    if path is None:
-        if os.environ.get("CROSSBAR_LLAMA_SERVER"):
-            raise RuntimeError(f"CROSSBAR_LLAMA_SERVER={os.environ['CROSSBAR_LLAMA_SERVER']} does not run")
-        path = str(_install_llama_server())
-    _ensure_models()
+    with open(home() / "provision.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file is closed
+        path = find_llama_server()
+        if path is None:
+            if os.environ.get("CROSSBAR_LLAMA_SERVER"):
+                raise RuntimeError(f"CROSSBAR_LLAMA_SERVER={os.environ['CROSSBAR_LLAMA_SERVER']} does not run")
+            path = str(_install_llama_server())
+        _ensure_models()
     return path
 
 
