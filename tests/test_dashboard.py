@@ -437,7 +437,7 @@ class WorkerTests(TestCase):
             async def all_draining() -> bool:
                 return all([h["draining"] for h in data["hosts"]] == [True, False] for data in await looks(8))
 
-            await wait_for(all_draining, 10, "every worker lists a as draining")
+            await wait_for(all_draining, 10, "every worker lists a as draining", step=0.25)
             before = len(a.seen)
             for _ in range(12):
                 response = await _chat(http, proc.base)
@@ -452,7 +452,7 @@ class WorkerTests(TestCase):
             async def all_list_12() -> bool:
                 return all(len([e for e in data["recent"] if e["route"] == "r"]) == 12 for data in await looks(8))
 
-            await wait_for(all_list_12, 10, "every worker lists the 12 requests")
+            await wait_for(all_list_12, 10, "every worker lists the 12 requests", step=0.25)
             for _ in range(8):
                 data = await treq.json_content(await http.get(proc.base + "/_crossbar/dashboard.json", headers=AUTH))
                 self.assertEqual([h["draining"] for h in data["hosts"]], [True, False])
@@ -487,7 +487,7 @@ class WorkerTests(TestCase):
             async def none_draining() -> bool:
                 return all([h["draining"] for h in data["hosts"]] == [False, False] for data in await looks(8))
 
-            await wait_for(none_draining, 10, "no worker lists a as draining")
+            await wait_for(none_draining, 10, "no worker lists a as draining", step=0.25)
             before = len(a.seen)
             for _ in range(6):
                 await treq.content(await _chat(http, proc.base))
