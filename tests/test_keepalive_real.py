@@ -73,10 +73,27 @@ class PeerClosedTests(TestCase):
                         await deferLater(reactor, 0.01)
                 self.fail("no connection")
 
+            async def request_head(conn: socket.socket) -> bytes:
+                # Read while the reactor runs: the kernel accepts the connection before the
+                # reactor has seen it connected and written the request, so a blocking
+                # recv() here could wait for a write that only the reactor makes.
+                conn.setblocking(False)
+                data = b""
+                for _ in range(500):
+                    try:
+                        data += conn.recv(65536)
+                    except BlockingIOError:
+                        pass
+                    if b"\r\n\r\n" in data:
+                        return data
+                    await deferLater(reactor, 0.01)
+                self.fail(f"no whole request head from the pool within 5 s: {data!r}")
+
             d = H1Agent(ConnectTracker(endpoints), pool).request(b"GET", url, Headers(), None)
             host_side = await accept()
+            self.assertTrue((await request_head(host_side)).startswith(b"GET /v1/x HTTP/1.1"))
+            host_side.setblocking(True)
             host_side.settimeout(5)
-            self.assertTrue(host_side.recv(65536).startswith(b"GET /v1/x HTTP/1.1"))
             host_side.sendall(_ANSWER)
             response = await d
             self.assertEqual(await readBody(response), b"ok")
