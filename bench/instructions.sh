@@ -1,0 +1,34 @@
+#!/bin/bash
+# bench/instructions.sh SRC TAG [N]: user-space instructions per request of the crossbar in
+# checkout SRC (PYTHONPATH), under valgrind's callgrind: instrumentation off during start-up,
+# switched on after 50 warm-up requests, N (default 400) sequential keep-alive requests of
+# bench (a), dumped, divided. The machine's load does not move the count (bench/README.md,
+# "Second pass"). Needs valgrind, curl, bench/.venv (bench/run makes it) and twistd in PY's dir.
+set -euo pipefail
+SRC=$1; TAG=$2; N=${3:-400}
+HERE=$(cd "$(dirname "$0")" && pwd)
+PY=${PY:-$(command -v python3)}
+OUT=$(mktemp -d)
+"$HERE/.venv/bin/python" "$HERE/upstream.py" --port 0 > "$OUT/up" & UPPID=$!
+trap 'kill $UPPID ${CB:-} 2>/dev/null || true' EXIT
+sleep 1; UPPORT=$(head -1 "$OUT/up" | awk '{print $2}')
+PORT=$("$PY" -c "import socket;s=socket.socket();s.bind(('127.0.0.1',0));print(s.getsockname()[1])")
+cat > "$OUT/cb.yaml" <<Y
+listen: "tcp:$PORT:interface=127.0.0.1"
+health: {interval: 60, timeout: 5}
+hosts:
+  up: http://127.0.0.1:$UPPORT
+routes:
+  bench:
+    hosts: [up]
+    default_model: bench
+Y
+(cd "$OUT" && PYTHONPATH=$SRC exec valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file="$OUT/cg.%p" \
+    "$PY" "$(dirname "$PY")/twistd" -n --pidfile= --logfile="$OUT/log" crossbar --config "$OUT/cb.yaml" > "$OUT/vg" 2>&1) & CB=$!
+for _ in $(seq 1 600); do curl -s -o /dev/null -m 2 "http://127.0.0.1:$PORT/_crossbar/readyz" && break; sleep 0.5; done
+"$PY" "$HERE/seq_client.py" "$PORT" 50 > /dev/null
+callgrind_control -i on "$CB" > /dev/null 2>&1
+"$PY" "$HERE/seq_client.py" "$PORT" "$N" > /dev/null
+callgrind_control -d "$CB" > /dev/null 2>&1
+TOTAL=$(grep -h "^summary:" "$OUT"/cg.*.1 | head -1 | awk '{print $2}')
+echo "$TAG instructions/request $((TOTAL / N))  (total $TOTAL, N=$N)"
