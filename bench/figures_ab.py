@@ -67,18 +67,12 @@ from crossbar.ops.metrics import Metrics  # noqa: E402
 from crossbar.ops.record import RequestLog, RequestRecord  # noqa: E402
 from crossbar.proxy.relay import Relay  # noqa: E402
 from crossbar.state.tokens import TokenLedger  # noqa: E402
+from upstream import _COMPLETION  # noqa: E402  (bench/upstream.py)
 
 PATH = b"/v1/chat/completions"
 
-_BENCH = json.dumps(
-    {
-        "id": "chatcmpl-bench", "object": "chat.completion", "created": 0, "model": "bench",
-        "choices": [{"index": 0, "finish_reason": "stop",
-                     "message": {"role": "assistant", "content": "Hello! This is a benchmark answer."}}],
-        "usage": {"prompt_tokens": 9, "completion_tokens": 8, "total_tokens": 17},
-    },
-    separators=(",", ":"),
-).encode()  # bench/upstream.py's _COMPLETION
+_BENCH = _COMPLETION  # what bench (a) relays
+
 _TIMINGS = {"cache_n": 1800, "prompt_n": 57, "prompt_ms": 41.2, "prompt_per_token_ms": 0.72,
             "prompt_per_second": 1383.4, "predicted_n": 64, "predicted_ms": 902.5,
             "predicted_per_token_ms": 14.1, "predicted_per_second": 70.91}

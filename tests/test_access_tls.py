@@ -208,6 +208,25 @@ def _raw_over_tls(base: str, ca_file: str, request: bytes) -> bytes:
     return data
 
 
+async def _keyed_tls_crossbar(case: TestCase) -> tuple[Any, str, str, FakeLlama]:
+    """A crossbar on an ``ssl:`` listener (a trustme CA's certificate for localhost) with
+    one keyed route ``r`` (key ``alice``) to a fake host: (service, base URL, the CA's
+    PEM file, the host)."""
+    ca = trustme.CA()
+    leaf = ca.issue_cert("localhost", "127.0.0.1")
+    ca_file = write_pem(case, "ca.pem", ca.cert_pem.bytes())
+    cert = write_pem(case, "listener.pem", b"".join(p.bytes() for p in leaf.cert_chain_pems))
+    key = write_pem(case, "listener.key", leaf.private_key_pem.bytes())
+    host = FakeLlama()
+    url = await listen(case, host)
+    service, base, _ = await start_file(
+        case, f"hosts: {{a: {url}}}\nroutes:\n  r: {{hosts: [a], keys: {{alice: ${{T_TLS_ALICE}}}}}}\n",
+        {"T_TLS_ALICE": "alice-Tt9l-secret"},
+        listen=f"ssl:0:interface=127.0.0.1:privateKey={key}:certKey={cert}",
+    )
+    return service, base, ca_file, host
+
+
 class TLSListenerTests(TestCase):
     timeout = 60
 
@@ -215,18 +234,7 @@ class TLSListenerTests(TestCase):
         """``listen: "ssl:0:...:privateKey=KEY:certKey=CERT"`` (Twisted's ``ssl:``
         endpoint string): the ``openai`` client with the test CA streams through a
         keyed route; a client without the CA is refused."""
-        ca = trustme.CA()
-        leaf = ca.issue_cert("localhost", "127.0.0.1")
-        ca_file = write_pem(self, "ca.pem", ca.cert_pem.bytes())
-        cert = write_pem(self, "listener.pem", b"".join(p.bytes() for p in leaf.cert_chain_pems))
-        key = write_pem(self, "listener.key", leaf.private_key_pem.bytes())
-        host = FakeLlama()
-        url = await listen(self, host)
-        service, base, _ = await start_file(
-            self, f"hosts: {{a: {url}}}\nroutes:\n  r: {{hosts: [a], keys: {{alice: ${{T_TLS_ALICE}}}}}}\n",
-            {"T_TLS_ALICE": "alice-Tt9l-secret"},
-            listen=f"ssl:0:interface=127.0.0.1:privateKey={key}:certKey={cert}",
-        )
+        service, base, ca_file, host = await _keyed_tls_crossbar(self)
         self.assertTrue(base.startswith("https://localhost:"), base)
         await service.poller.when_first_round_done()
         chunks, served_by = await deferToThread(_stream_over_tls, base, ca_file, "alice-Tt9l-secret")
@@ -258,18 +266,7 @@ class TLSHeadRefusalCloseTests(TestCase):
         from crossbar.proxy import request as request_module
 
         self.patch(request_module, "_LINGER_SECONDS", 0.5)
-        ca = trustme.CA()
-        leaf = ca.issue_cert("localhost", "127.0.0.1")
-        ca_file = write_pem(self, "ca.pem", ca.cert_pem.bytes())
-        cert = write_pem(self, "listener.pem", b"".join(p.bytes() for p in leaf.cert_chain_pems))
-        key = write_pem(self, "listener.key", leaf.private_key_pem.bytes())
-        host = FakeLlama()
-        url = await listen(self, host)
-        _, base, _ = await start_file(
-            self, f"hosts: {{a: {url}}}\nroutes:\n  r: {{hosts: [a], keys: {{alice: ${{T_TLS_ALICE}}}}}}\n",
-            {"T_TLS_ALICE": "alice-Tt9l-secret"},
-            listen=f"ssl:0:interface=127.0.0.1:privateKey={key}:certKey={cert}",
-        )
+        _, base, ca_file, _ = await _keyed_tls_crossbar(self)
         for extra, code in ((b"", b"401"), (b"Authorization: Bearer alice-Tt9l-secret\r\n", b"413")):
             length = b"2" if not extra else b"99999999"
             answer, tls_closed, tcp_closed_after = await deferToThread(

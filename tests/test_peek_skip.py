@@ -13,9 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
-from crossbar.proxy.peek import MAX_DEPTH, NOTHING, BodyPeek, Peeked
+from crossbar.proxy.peek import MAX_DEPTH, NOTHING, Peeked
 from crossbar.proxy.peek.rules import rules_of
 from tests.reference import peek_model
+from tests.test_peek import fed
 
 FILLERS = {  # values no rule reads, long enough to be skipped past chunk boundaries
     "ints": "[" + "0," * 40000 + "0]",
@@ -24,16 +25,6 @@ FILLERS = {  # values no rule reads, long enough to be skipped past chunk bounda
     "escaped text": json.dumps("a\"b\\c}]{[\n" * 9000),
     "nested": json.dumps([{"model": "no", "user": "no", "deep": [[[["model"]]]]}] * 3000),
 }
-
-
-def fed(body: bytes, sizes: list[int] | int) -> Peeked:
-    p = BodyPeek()
-    pos, i = 0, 0
-    while pos < len(body):
-        size = sizes if isinstance(sizes, int) else sizes[i % len(sizes)]
-        p.feed(body[pos:pos + size])
-        pos, i = pos + size, i + 1
-    return p.finish()
 
 
 def reference(body: bytes) -> Peeked:
