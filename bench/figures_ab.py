@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # for bench/upstream.py
 
 from twisted.internet.task import Clock  # noqa: E402
 from twisted.logger import globalLogBeginner, textFileLogObserver  # noqa: E402
