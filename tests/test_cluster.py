@@ -55,6 +55,18 @@ class Held:
             request.finish()
 
 
+async def _held_hosts(case: TestCase, *names: str) -> tuple[dict[str, Held], dict[str, str]]:
+    """A fake host serving model ``m`` per name whose chat answers wait in a :class:`Held`:
+    (name -> its Held, name -> its URL)."""
+    held = {name: Held() for name in names}
+    urls = {}
+    for name, handler in held.items():
+        fake = FakeLlama(["m"])
+        fake.handlers[b"/v1/chat/completions"] = handler
+        urls[name] = await listen(case, fake)
+    return held, urls
+
+
 def config(host_url: str, redis_url: str, queue_timeout: float = 30) -> str:
     return (
         f"cluster:\n  redis: {redis_url}\n"
@@ -249,12 +261,7 @@ class AffinityBound(TestCase):
 
     async def test_bound_over_both(self) -> None:
         redis = start_redis(self)
-        held = {name: Held() for name in ("a", "b")}
-        urls = {}
-        for name, handler in held.items():
-            fake = FakeLlama(["m"])
-            fake.handlers[b"/v1/chat/completions"] = handler
-            urls[name] = await listen(self, fake)
+        held, urls = await _held_hosts(self, "a", "b")
         text = (f"cluster:\n  redis: {redis.url}\nhealth: {{interval: 60, timeout: 5}}\nhosts:\n"
                 + "".join(f"  {n}: {u}\n" for n, u in urls.items()) + "routes:\n  r:\n    hosts: [a, b]\n")
         instances = [await start_crossbar(self, text) for _ in range(2)]
@@ -368,12 +375,7 @@ class BehindHAProxy(TestCase):
 
         executable = require_haproxy(self)
         redis = start_redis(self)
-        held = {name: Held() for name in ("a", "b")}
-        urls = {}
-        for name, handler in held.items():
-            fake = FakeLlama(["m"])
-            fake.handlers[b"/v1/chat/completions"] = handler
-            urls[name] = await listen(self, fake)
+        held, urls = await _held_hosts(self, "a", "b")
         text = (
             f"drain: {{delay: 0.01, grace: 0.01}}\ncluster:\n  redis: {redis.url}\n"
             "health: {interval: 60, timeout: 5}\nhosts:\n"

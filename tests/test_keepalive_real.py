@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import socket
 import time
+from typing import Any
 
 import treq
 from twisted.internet import reactor
@@ -116,19 +117,24 @@ class LlamaKeepAliveTests(TestCase):
         self.addCleanup(self.server.stop)
         self.server.start(timeout=60)
 
+    async def _crossbar(self) -> tuple[Any, str]:
+        """A crossbar with route ``r`` to the real llama-server, after its first poll."""
+        service, base = await start_crossbar(
+            self,
+            "health: {interval: 60, timeout: 5}\n"
+            f"hosts:\n  a: {self.server.url}\n"
+            "routes:\n  r:\n    hosts: [a]\n    default_model: tiny-a\n",
+        )
+        await service.poller.when_first_round_done()
+        return service, base
+
     def test_requests_around_the_keep_alive_timeout_all_succeed(self) -> Deferred[None]:
         """llama-server closes a connection idle for 5 s: requests after 3.9 to 5.6 s
         of quiet (before, at and after its timeout) all get their 200, nothing is
         marked down, and crossbar's pool never holds a connection past 4 s idle."""
 
         async def go() -> None:
-            service, base = await start_crossbar(
-                self,
-                "health: {interval: 60, timeout: 5}\n"
-                f"hosts:\n  a: {self.server.url}\n"
-                "routes:\n  r:\n    hosts: [a]\n    default_model: tiny-a\n",
-            )
-            await service.poller.when_first_round_done()
+            service, base = await self._crossbar()
             http = http_client(self)
             body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
             codes = []
@@ -156,13 +162,7 @@ class LlamaKeepAliveTests(TestCase):
         The request still gets its 200 (a retired or fresh connection), never a 502."""
 
         async def go() -> None:
-            service, base = await start_crossbar(
-                self,
-                "health: {interval: 60, timeout: 5}\n"
-                f"hosts:\n  a: {self.server.url}\n"
-                "routes:\n  r:\n    hosts: [a]\n    default_model: tiny-a\n",
-            )
-            await service.poller.when_first_round_done()
+            service, base = await self._crossbar()
             port = int(base.rsplit(":", 1)[1])
             client = socket.create_connection(("127.0.0.1", port))
             self.addCleanup(client.close)

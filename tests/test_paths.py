@@ -67,3 +67,30 @@ class PathTests(TestCase):
             self.assertTrue(hosts.service.table.is_healthy("a") and hosts.service.table.is_healthy("b"))
 
         return ensureDeferred(go())
+
+
+class RememberedKindTests(TestCase):
+    """Rule 3's verdict is remembered per (method, path, route paths) for the per-request
+    path: never for a long path, never more than 512 of them, and always the verdict
+    :func:`crossbar.paths.path_kind` gives."""
+
+    def test_remembered_verdicts_are_the_rule_s(self) -> None:
+        from crossbar import paths
+
+        self.patch(paths, "_KINDS", {})
+        for method, rest, extra in ((b"POST", b"/v1/chat/completions", ()), (b"GET", b"/v1/models", ()),
+                                    (b"POST", b"/slots", ()), (b"GET", b"/metrics", ("/metrics",)),
+                                    (b"POST", b"/nowhere", ())):
+            for _ in range(2):  # the second answer comes from memory
+                self.assertIs(paths.classify_path(method, rest, extra), paths.path_kind(method, rest, extra))
+        self.assertEqual(len(paths._KINDS), 5)
+
+    def test_long_paths_are_never_kept_and_the_memory_is_bounded(self) -> None:
+        from crossbar import paths
+
+        self.patch(paths, "_KINDS", {})
+        paths.classify_path(b"POST", b"/v1/" + b"x" * 300)
+        self.assertEqual(paths._KINDS, {})
+        for i in range(2000):
+            paths.classify_path(b"POST", b"/v1/p%d" % i)
+            self.assertLessEqual(len(paths._KINDS), 512)

@@ -35,7 +35,7 @@ def adder(child: Any) -> Callable[[float], None]:
     stay). For amounts crossbar already knows are counts >= 0 (a request's tokens): one
     call instead of four per ``inc``. The one place crossbar reaches into
     prometheus_client's children (``_value``, as every version since 0.4 has it); a
-    child without it gets its public ``inc``. tests/test_metrics.py checks both against
+    child without it gets its public ``inc``. tests/test_metric_adders.py checks both against
     the exposition."""
     value = getattr(child, "_value", None)
     inc = getattr(value, "inc", None)
