@@ -173,7 +173,7 @@ def request_work(answer: str, step: int) -> Callable[[], None]:
     ttft = 0.0421 if streamed else None
 
     def once() -> None:
-        relay = Relay(request, clock, 120.0, 60.0, "gpu-a", seen)  # type: ignore[arg-type]
+        relay = Relay(request, clock, 120.0, 60.0, "gpu-a", seen, ctype)  # type: ignore[arg-type]
         relay.start(response)  # type: ignore[arg-type]
         for chunk in chunks:
             relay.dataReceived(chunk)

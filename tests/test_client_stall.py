@@ -308,9 +308,8 @@ class DeliveredCompleteTests(_RelayCase):
         usage = (b'data: {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 3, '
                  b'"total_tokens": 8}}\n\ndata: [DONE]\n\n')
         for chunks, counted in (((b"data: {}\n\n", usage), True), ((b"data: {}\n\n", usage[:40]), False)):
-            relay = Relay(self.request, self.clock, IDLE, STALL)
+            relay = Relay(self.request, self.clock, IDLE, STALL, content_type=b"text/event-stream")
             response = FakeResponse()
-            response.headers = Headers({b"content-type": [b"text/event-stream"]})
             relay.start(response)  # type: ignore[arg-type]
             for chunk in chunks:
                 response.protocol.dataReceived(chunk)

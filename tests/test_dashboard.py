@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import signal
-from dataclasses import dataclass
+from types import SimpleNamespace
 from html.parser import HTMLParser
 from typing import Any
 
@@ -330,21 +330,15 @@ class PageTests(TestCase):
         return ensureDeferred(go())
 
 
-@dataclass(frozen=True)
-class _WithTokens(RequestRecord):
-    """A record as the tokens helper extends it (a field the accessor reads if present)."""
-
-    tokens: Any = None
-    model: str = ""
-    ended: str = ""
-
-
 def _record(host: str = "a", route: str = "r", **more: Any) -> RequestRecord:
-    base = dict(route=route, host=host, method="POST", path="/v1/chat/completions", target=f"/{route}/v1/chat/completions",
-                status=200, bytes=10, duration=0.5, ttfb=0.1, why="loaded least-busy")
+    """A record; with ``more``, a record-like object that also has those fields (a
+    ``tokens`` field the accessor reads if present)."""
+    record = RequestRecord(route=route, host=host, method="POST", path="/v1/chat/completions",
+                           target=f"/{route}/v1/chat/completions", status=200, bytes=10, duration=0.5, ttfb=0.1,
+                           why="loaded least-busy")
     if more:
-        return _WithTokens(**base, **more)  # type: ignore[arg-type]
-    return RequestRecord(**base)  # type: ignore[arg-type]
+        return SimpleNamespace(**{**record._asdict(), "ended": "", **more})  # type: ignore[return-value]
+    return record
 
 
 class RecentTests(SynchronousTestCase):

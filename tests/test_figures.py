@@ -233,6 +233,60 @@ class InlineReadTests(TestCase):
         self.assertEqual(got, expected(t, u), (t, u))
 
 
+_TIMINGS_ORDER = ("cache_n", "prompt_n", "prompt_ms", "prompt_per_token_ms", "prompt_per_second", "predicted_n",
+                  "predicted_ms", "predicted_per_token_ms", "predicted_per_second")
+_NEAR_LIMIT = st.sampled_from([0, 7, 999_999_999, 1_000_000_000, (1 << 31) - 1, 1 << 31, -1, 1e9 - 0.5, 1e9, 12.25, -0.0,
+                               1e-7, 3.5e12])
+
+
+class ExactBytesTests(TestCase):
+    """llama-server's own bytes (its key order, no blanks) are read without decoding
+    (issue 19's cost); whatever the values, the answer is what the rules give."""
+
+    @settings(max_examples=400, deadline=None)
+    @given(st.lists(_ANY_FIGURE | _NEAR_LIMIT, min_size=9, max_size=9), st.booleans())
+    def test_llama_timings_bytes(self, values: list[Any], stream: bool) -> None:
+        t = dict(zip(_TIMINGS_ORDER, values))
+        body = json.dumps({"choices": [], "timings": t}, separators=(",", ":")).encode()
+        got = read(sse(body, b"[DONE]"), SSE) if stream else read(body)
+        self.assertEqual(got, expected(t, ...), t)
+
+    @settings(max_examples=400, deadline=None)
+    @given(st.lists(_ANY_FIGURE | _NEAR_LIMIT, min_size=4, max_size=4), st.booleans(), st.booleans())
+    def test_usage_bytes_in_both_orders(self, values: list[Any], openai_order: bool, details: bool) -> None:
+        completion, prompt, total, cached = values
+        u = ({"prompt_tokens": prompt, "completion_tokens": completion} if openai_order
+             else {"completion_tokens": completion, "prompt_tokens": prompt})
+        u["total_tokens"] = total
+        if details:
+            u["prompt_tokens_details"] = {"cached_tokens": cached}
+        body = json.dumps({"choices": [], "usage": u}, separators=(",", ":")).encode()
+        self.assertEqual(read(body), expected(..., u), u)
+
+    def test_the_bytes_real_hosts_send(self) -> None:
+        """As llama-server b11669 wrote them (a stream's last event and a chat answer)."""
+        event = (b'data: {"choices":[],"created":1796181777,"id":"chatcmpl-m9","model":"tiny-a","object":'
+                 b'"chat.completion.chunk","usage":{"completion_tokens":3,"prompt_tokens":50,"total_tokens":53,'
+                 b'"prompt_tokens_details":{"cached_tokens":49}},"timings":{"cache_n":49,"prompt_n":1,"prompt_ms":0.427,'
+                 b'"prompt_per_token_ms":0.427,"prompt_per_second":2341.92037470726,"predicted_n":3,"predicted_ms":0.697,'
+                 b'"predicted_per_token_ms":0.3485,"predicted_per_second":2869.4404591104735}}\n\ndata: [DONE]\n\n')
+        self.assertEqual(read(event, SSE), Figures(1, 49, 3, 2341.92037470726, 2869.4404591104735))
+        answer = (b'{"choices":[],"object":"chat.completion","usage":{"completion_tokens":5,"prompt_tokens":50,'
+                  b'"total_tokens":55,"prompt_tokens_details":{"cached_tokens":0}},"id":"chatcmpl-Ff"}')
+        self.assertEqual(read(answer), Figures(50, 0, 5))
+        openai = b'{"usage":{"prompt_tokens":9,"completion_tokens":8,"total_tokens":17}}'
+        self.assertEqual(read(openai), Figures(9, 0, 8))
+        for cached, counted in ((5, True), (6, False)):  # more cached than the whole prompt: not believed
+            over = (b'{"usage":{"completion_tokens":1,"prompt_tokens":5,"total_tokens":6,"prompt_tokens_details":'
+                    b'{"cached_tokens":%d}}}' % cached)
+            self.assertEqual(read(over), Figures(0, 5, 1) if counted else None)
+
+    def test_a_stream_whose_figures_are_before_the_last_2k(self) -> None:
+        last = json.dumps({"choices": [], "timings": timings(3, 4, 5)}, separators=(",", ":")).encode()
+        body = sse(last, *[b'{"note":"' + b"n" * 900 + b'"}'] * 4)
+        self.assertEqual(read(body, SSE), Figures(3, 4, 5, 3000.0, 2500.0))
+
+
 class _Sink:
     """The client side of a relay, as much as dataReceived uses."""
 

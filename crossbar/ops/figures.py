@@ -45,6 +45,7 @@ nesting -- gives None: such an answer counts no tokens.
 from __future__ import annotations
 
 import json
+import re
 from json.scanner import make_scanner
 from typing import Any, NamedTuple, Sequence
 
@@ -141,6 +142,32 @@ def _is_json(content_type: bytes | None) -> bool:
 
 _TIMINGS, _USAGE, _PREDICTED, _EVALUATED = b'"timings":', b'"usage":', b'"tokens_predicted":', b'"tokens_evaluated":'
 
+# The exact bytes llama-server writes (and OpenAI's order of ``usage``), matched where the
+# key's value starts without decoding anything: a count is 0 or up to nine digits (below
+# 1e9, so below MAX_TOKENS), a speed the same with an optional fraction (below
+# MAX_SPEED, never negative, inf or nan), a figure crossbar does not read any JSON number.
+# What matches is valid by construction and reads exactly as the general path below would
+# read it; anything else (another order, blanks, another figure's shape) takes that path.
+_COUNT = rb"(0|[1-9][0-9]{0,8})"
+_SPEED = rb"((?:0|[1-9][0-9]{0,8})(?:\.[0-9]+)?)"
+_NUMBER = rb"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][-+]?[0-9]+)?"
+_LLAMA_TIMINGS = re.compile(
+    rb'\{"cache_n":' + _COUNT + rb',"prompt_n":' + _COUNT + rb',"prompt_ms":' + _NUMBER
+    + rb',"prompt_per_token_ms":' + _NUMBER + rb',"prompt_per_second":' + _SPEED + rb',"predicted_n":' + _COUNT
+    + rb',"predicted_ms":' + _NUMBER + rb',"predicted_per_token_ms":' + _NUMBER + rb',"predicted_per_second":'
+    + _SPEED + rb"\}")
+"""llama-server's ``timings`` (cache_n, prompt_n, prompt/s, predicted_n, predicted/s)."""
+_DETAILS = rb'(?:,"prompt_tokens_details":\{"cached_tokens":' + _COUNT + rb"\})?\}"
+_LLAMA_USAGE = re.compile(
+    rb'\{"completion_tokens":' + _COUNT + rb',"prompt_tokens":' + _COUNT + rb',"total_tokens":' + _NUMBER + _DETAILS)
+"""llama-server's OpenAI ``usage`` (completion, prompt, cached or None)."""
+_OPENAI_USAGE = re.compile(
+    rb'\{"prompt_tokens":' + _COUNT + rb',"completion_tokens":' + _COUNT + rb',"total_tokens":' + _NUMBER + _DETAILS)
+"""OpenAI's own order of ``usage`` (prompt, completion, cached or None)."""
+_SSE_WINDOW = 2048
+"""A stream's figures are in one of its last events: the tail's last this many bytes are
+searched first, the whole tail only when they hold none of the keys."""
+
 
 def _value_at(data: bytes, at: int) -> Any:
     """The JSON value starting at ``data[at:]`` (after blanks); only the bytes from
@@ -212,8 +239,10 @@ def read_figures(chunks: Sequence[bytes], content_type: bytes | None, path: byte
     del path  # every endpoint is read by the shape of its answer
     if not chunks or content_type is None:
         return None
-    if content_type.startswith(b"application/json"):  # the usual case, without parsing
+    if content_type.startswith(b"application/json"):  # the usual cases, without parsing
         sse = False
+    elif content_type.startswith(b"text/event-stream"):
+        sse = True
     else:
         sse = _is_sse(content_type)
         if not sse and not _is_json(content_type):
@@ -226,7 +255,10 @@ def read_figures(chunks: Sequence[bytes], content_type: bytes | None, path: byte
             data = data[-TAIL_BYTES:]
         start = None
         if sse:  # the last data: event carrying figures, read like an answer object
-            at = max(data.rfind(_TIMINGS), data.rfind(_USAGE), data.rfind(_PREDICTED))
+            window = len(data) - _SSE_WINDOW if len(data) > _SSE_WINDOW else 0
+            at = max(data.rfind(_TIMINGS, window), data.rfind(_USAGE, window), data.rfind(_PREDICTED, window))
+            if at < 0 < window:  # none in the window: any occurrence is before it
+                at = max(data.rfind(_TIMINGS), data.rfind(_USAGE), data.rfind(_PREDICTED))
             if at < 0:
                 return None
             line_start = data.rfind(b"\n", 0, at) + 1
@@ -240,6 +272,11 @@ def read_figures(chunks: Sequence[bytes], content_type: bytes | None, path: byte
         found: Figures | None = None
         try:
             at = data.rfind(_TIMINGS)
+            m = None if at < 0 else _LLAMA_TIMINGS.match(data, at + 10)
+            if m is not None:  # llama-server's own bytes: valid as matched
+                cached, prompt, prompt_speed, generated, generation_speed = m.groups()
+                return _NEW(Figures, (int(prompt), int(cached), int(generated), float(prompt_speed),
+                                      float(generation_speed)))
             t = None if at < 0 else _SCAN(data[at + 10:].decode("utf-8", "replace").lstrip(), 0)[0]
             if t is not None:
                 if type(t) is not dict:
@@ -265,6 +302,19 @@ def read_figures(chunks: Sequence[bytes], content_type: bytes | None, path: byte
                 found = _NEW(Figures, (prompt, cached, generated, prompt_speed, generation_speed))
             else:
                 at = data.rfind(_USAGE)
+                if at >= 0:
+                    m = _LLAMA_USAGE.match(data, at + 8)
+                    if m is not None:
+                        generated, total, cached = m.groups()
+                    else:
+                        m = _OPENAI_USAGE.match(data, at + 8)
+                        if m is not None:
+                            total, generated, cached = m.groups()
+                    if m is not None:  # as matched: counts below MAX_TOKENS
+                        total, cached = int(total), 0 if cached is None else int(cached)
+                        if cached > total:
+                            return None
+                        return _NEW(Figures, (total - cached, cached, int(generated), None, None))
                 u = None if at < 0 else _SCAN(data[at + 8:].decode("utf-8", "replace").lstrip(), 0)[0]
                 if u is None:
                     predicted = _value(data, _PREDICTED)

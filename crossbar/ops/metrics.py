@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
+from prometheus_client.values import MutexValue
 
 from crossbar.hosts.health import HostStatus
 
@@ -31,31 +32,52 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 
 def adder(child: Any) -> Callable[[float], None]:
     """``child.inc`` of a labelled counter child, without prometheus_client's per-call
-    checks: its value's own ``inc`` (the lock, and with workers the shared file's write,
-    stay). For amounts crossbar already knows are counts >= 0 (a request's tokens): one
-    call instead of four per ``inc``. The one place crossbar reaches into
-    prometheus_client's children (``_value``, as every version since 0.4 has it); a
-    child without it gets its public ``inc``. tests/test_metric_adders.py checks both against
-    the exposition."""
+    checks, for amounts crossbar already knows are >= 0 (a request, its tokens): once
+    per request, in place of four calls per ``inc``.
+
+    In one process the amount is added to the child's value directly, without its lock:
+    crossbar touches its metrics on the reactor thread only (updates and scrapes alike),
+    so the lock (~2k instructions per use) guards nothing. With workers the value's own
+    ``inc`` writes the shared file (prometheus_client's multiprocess mode). The one place
+    crossbar reaches into prometheus_client's children (``_value``, as every version
+    since 0.4 has it); a child without it gets its public ``inc``.
+    tests/test_metric_adders.py checks both against the exposition."""
     value = getattr(child, "_value", None)
     inc = getattr(value, "inc", None)
-    return inc if callable(inc) and child._is_observable() else child.inc
+    if not callable(inc) or not child._is_observable():
+        return child.inc
+    if type(value) is not MutexValue:
+        return inc
+
+    def add(amount: float) -> None:
+        value._value += amount
+
+    return add
 
 
 def observer(child: Any) -> Callable[[float], None]:
     """``child.observe`` of a labelled histogram child for finite amounts, without
     prometheus_client's per-call checks and bucket loop: the bucket is found by
     ``bisect`` (the first upper bound >= the amount, as ``observe`` picks it), and the
-    sum and that bucket are added to through their values' ``inc`` (see :func:`adder`).
-    A child without the expected parts gets its public ``observe``."""
+    sum and that bucket are added to as :func:`adder` adds (in one process, without the
+    lock). A child without the expected parts gets its public ``observe``."""
     bounds = getattr(child, "_upper_bounds", None)
     buckets = getattr(child, "_buckets", None)
-    total = getattr(getattr(child, "_sum", None), "inc", None)
+    total_value = getattr(child, "_sum", None)
+    total = getattr(total_value, "inc", None)
     if (not isinstance(bounds, list) or not isinstance(buckets, list) or len(bounds) != len(buckets)
             or not bounds or bounds[-1] != float("inf") or not callable(total) or not child._is_observable()):
         return child.observe
-    incs = [bucket.inc for bucket in buckets]
     bounds = list(bounds)
+    if type(total_value) is MutexValue and all(type(bucket) is MutexValue for bucket in buckets):
+        values = list(buckets)
+
+        def observe_here(amount: float) -> None:
+            total_value._value += amount
+            values[bisect_left(bounds, amount)]._value += 1
+
+        return observe_here
+    incs = [bucket.inc for bucket in buckets]
 
     def observe(amount: float) -> None:
         total(amount)

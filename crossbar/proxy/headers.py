@@ -14,7 +14,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IResponse
 
 __all__ = [
-    "HOP_BY_HOP", "HOST_HEADER", "answer_headers", "hop_by_hop_names", "is_event_stream", "relayable_phrase",
+    "HOP_BY_HOP", "HOST_HEADER", "answer_headers", "content_type", "hop_by_hop_names", "is_event_stream", "relayable_phrase",
     "upstream_headers",
 ]
 
@@ -112,7 +112,13 @@ def answer_headers(response: IResponse, out: Headers, method: bytes) -> None:
         out.setRawHeaders(b"Content-Length", [str(length).encode("ascii")])
 
 
-def is_event_stream(headers: Headers) -> bool:
-    """The answer's (first) ``Content-Type`` is ``text/event-stream``: a streamed answer."""
+def content_type(headers: Headers) -> bytes | None:
+    """The (first) ``Content-Type`` value of ``headers``, or None."""
     types = headers.getRawHeaders(b"content-type")
-    return types is not None and bool(types) and types[0].startswith(b"text/event-stream")
+    return types[0] if types else None
+
+
+def is_event_stream(content_type: bytes | None) -> bool:
+    """``content_type`` (a ``Content-Type`` value, or None) is ``text/event-stream``: a
+    streamed answer."""
+    return content_type is not None and content_type.startswith(b"text/event-stream")

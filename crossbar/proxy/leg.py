@@ -18,7 +18,7 @@ from crossbar.hosts.balance import Chosen
 from crossbar.proxy.attempt import Answer, Attempt
 from crossbar.proxy.client import forwarded_headers, write_head
 from crossbar.proxy.head import upstream_body
-from crossbar.proxy.headers import is_event_stream
+from crossbar.proxy.headers import content_type, is_event_stream
 from crossbar.proxy.relay import Relay
 from crossbar.upstream.hosturl import host_url
 
@@ -69,8 +69,10 @@ class Leg:
         table.seen[host] = ex.clock.seconds()
         tally.answered(answer.response.code, answer.sent_at)
         write_head(ex.request, answer.response, host, ex.runtime.draining)
-        tally.streamed = is_event_stream(ex.request.responseHeaders)
-        relay = self.relay = Relay(ex.request, ex.clock, timeouts.idle, timeouts.client_stall, host, table.seen)
+        answer_type = content_type(ex.request.responseHeaders)
+        tally.streamed = is_event_stream(answer_type)
+        relay = self.relay = Relay(ex.request, ex.clock, timeouts.idle, timeouts.client_stall, host, table.seen,
+                                   answer_type)
         return relay
 
     def stop(self) -> None:

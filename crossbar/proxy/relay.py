@@ -86,6 +86,8 @@ class Relay(Protocol):
     :param host: the host's name, for ``seen``.
     :param seen: per host, the clock seconds it last sent a byte of an answer (a sign
         of life, rule 7): each body chunk stores its time there; None: not kept.
+    :param content_type: the answer's ``Content-Type`` value (None: none), which says
+        how :meth:`figures` reads the answer's tail.
     :ivar bytes: body bytes written to the client so far.
     :ivar reason: for :data:`RelayEnd.MID_ANSWER`, :data:`RelayEnd.IDLE_TIMEOUT` and
         :data:`RelayEnd.CLIENT_STALL`, a one-line description of what failed.
@@ -99,8 +101,9 @@ class Relay(Protocol):
     """
 
     def __init__(self, request: Request, clock: IReactorTime, idle_timeout: float, client_stall: float = 60.0,
-                 host: str = "", seen: dict[str, float] | None = None) -> None:
+                 host: str = "", seen: dict[str, float] | None = None, content_type: bytes | None = None) -> None:
         self.request = request
+        self.content_type = content_type
         self._clock = clock
         self.idle_timeout = idle_timeout
         self.client_stall = client_stall
@@ -200,9 +203,8 @@ class Relay(Protocol):
         response, self._response = self._response, None
         if response is None or self.state is not RelayState.ENDED:
             return None
-        types = response.headers.getRawHeaders(b"content-type")
         head, self._head = self._head, None
-        figures = read_figures(self._tail, types[0] if types else None, path, head is None, head)
+        figures = read_figures(self._tail, self.content_type, path, head is None, head)
         self._tail.clear()
         return figures
 
