@@ -3,7 +3,6 @@ the checks on the head and on the whole request in their order, the body and mod
 
 from __future__ import annotations
 
-from dataclasses import fields
 
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -97,7 +96,7 @@ class HeadTests(SynchronousTestCase):
     def test_copies_keep_every_other_field(self) -> None:
         head = self.head(b"/keyed/v1/x?q=1").with_body([b"{}"], Peeked("m", "k:1")).with_key("alice")
         for copy, changed in ((head.with_key("bob"), "key"), (head.with_body([b"x"], NOTHING), "peeked chunks")):
-            for f in fields(head):
-                if f.name not in changed.split():
-                    self.assertEqual(getattr(copy, f.name), getattr(head, f.name), f.name)
+            for name in head._fields:
+                if name not in changed.split():
+                    self.assertEqual(getattr(copy, name), getattr(head, name), name)
         self.assertEqual((head.key, head.peeked, head.chunks), ("alice", Peeked("m", "k:1"), [b"{}"]))
