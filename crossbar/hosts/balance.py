@@ -10,9 +10,8 @@ round-robin position that breaks exact ties (:class:`Rotation`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import Enum
-from typing import Callable, Collection, Iterable, Mapping
+from typing import Callable, Collection, Iterable, Mapping, NamedTuple
 
 from crossbar.hosts import affinity
 from crossbar.config import Host, Route
@@ -43,9 +42,9 @@ class Verdict(Enum):
     404 ``model not found`` (docs/design.md §Choosing a host rule 1)."""
 
 
-@dataclass(frozen=True)
-class Chosen:
-    """The host a request goes to, and why (rule 5).
+class Chosen(NamedTuple):
+    """The host a request goes to, and why (rule 5); one per request, so a named tuple
+    (cheaper to make than a frozen dataclass).
 
     :ivar host: the host's name.
     :ivar fit: the tier it was chosen from.
