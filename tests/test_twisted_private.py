@@ -324,3 +324,62 @@ class EagerWritesTests(TestCase):
             self.assertEqual(bytes(got), blob + b"tail")
             self.assertEqual(paused[-1], False)  # resumed once the buffer drained
         return ensureDeferred(go())
+
+
+# -- touchpoint 6: twisted.logger._file.formatTime ----------------------------------------
+
+
+def _times() -> list[float | None]:
+    """Times in order, backwards, repeated, near and on whole seconds, and None."""
+    import random
+
+    rng = random.Random(6)
+    base = 1_796_181_777.0
+    out: list[float | None] = [base, base + 0.0004, base + 0.9996, base + 0.999_999_7, base + 1.0, None, 0.5, -1.25]
+    at = base
+    for _ in range(2000):
+        at += rng.choice([0.0, 0.000_01, 0.0003, 0.01, 0.3, 0.999, 1.0, 7.2, -0.5, -3.0])
+        out.append(at)
+    return out
+
+
+class LogTimestampTouchpointTests(_Private):
+    def test_the_observer_calls_the_module_global(self) -> None:
+        from twisted.logger import _file
+
+        self.require_attribute(_file, "formatTime", 6, "method")
+        source = inspect.getsource(_file.textFileLogObserver)
+        if "formatTime(e, timeFormat)" not in source:
+            self.fail(moved("twisted.logger._file.textFileLogObserver", 6, "it no longer calls formatTime(e, timeFormat)"))
+
+    def test_same_text_as_twisted_for_every_time_and_format(self) -> None:
+        from twisted.logger import formatTime, timeFormatRFC3339
+
+        from crossbar.upstream.twisted_private import per_second
+
+        cached = per_second(formatTime)
+        for time_format in (timeFormatRFC3339, "%Y-%m-%d %H:%M:%S", "%H:%M:%S.%f", "%S", None):
+            for when in _times():
+                self.assertEqual(cached(when, time_format), formatTime(when, time_format), (when, time_format))
+
+    def test_lines_of_twisteds_text_observer_unchanged(self) -> None:
+        import io
+
+        from twisted.logger import LogLevel, _file, textFileLogObserver
+
+        from crossbar.upstream.twisted_private import cache_log_timestamps
+
+        def lines() -> str:
+            out = io.StringIO()
+            observe = textFileLogObserver(out)
+            for n, when in enumerate(_times()[:500]):
+                observe({"log_format": "{n} at {when}", "n": n, "when": when, "log_time": when,
+                         "log_level": LogLevel.info, "log_namespace": "crossbar.test"})
+            return out.getvalue()
+
+        plain = lines()
+        self.patch(_file, "formatTime", _file.formatTime)  # restored after the test
+        self.assertTrue(cache_log_timestamps())
+        self.assertFalse(cache_log_timestamps(), "replaced once only")
+        self.assertTrue(getattr(_file.formatTime, "crossbar_per_second", False))
+        self.assertEqual(lines(), plain)
