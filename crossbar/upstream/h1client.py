@@ -312,10 +312,12 @@ class H1Connection(Protocol):
 
     # -- sending ----------------------------------------------------------------------
 
-    def send(self, method: bytes, path: bytes, headers: Headers, producer: IBodyProducer | None) -> Deferred[IResponse]:
+    def send(self, method: bytes, path: bytes, headers: Headers, producer: IBodyProducer | None,
+             host: bytes | None = None) -> Deferred[IResponse]:
         """Write one request; the Deferred fires with its :class:`H1Response` once the
         head arrived (body not read yet), or fails as the module says. Cancelling it
-        aborts the connection."""
+        aborts the connection. ``host``: a ``Host`` value written before ``headers``
+        (which then have none), or None."""
         result: Deferred[IResponse] = Deferred(self._cancel)
         if self.state is not _IDLE or self.transport is None:
             result.errback(RequestNotSent())
@@ -335,6 +337,8 @@ class H1Connection(Protocol):
         # space before a chunk extension's ";" is the BWS RFC 9112 §7.1.1 allows.
         parser.set_dangerous_leniencies(lenient_chunked_length=True, lenient_spaces_after_chunk_size=True)
         lines = [method, b" ", path, b" HTTP/1.1\r\n"]
+        if host is not None:
+            lines += (b"Host: ", host, b"\r\n")
         if not self.persistent:
             lines.append(b"Connection: close\r\n")
         if producer is not None:
@@ -880,14 +884,12 @@ class H1Agent:
         key = origin.key
         if headers is None:
             headers = Headers()
-        if not headers.hasHeader(b"host"):
-            headers = headers.copy()
-            headers.addRawHeader(b"host", origin.netloc)
+        host = None if headers.hasHeader(b"host") else origin.netloc  # written as it is, no copy of headers
         pool = self._pool
         if pool is not None:
             connection = pool.take(key)
             if connection is not None:
-                return connection.send(method, path, headers, bodyProducer)
+                return connection.send(method, path, headers, bodyProducer, host)
         factory = _ConnectionFactory(pool, key, pool is not None)
         connecting = self._endpoints.endpointForURI(origin.uri).connect(factory)
         sending: list[Deferred[IResponse]] = []
@@ -903,7 +905,7 @@ class H1Agent:
             if result.called:  # cancelled while the connection was being made
                 connection.abandon()
                 return
-            d = connection.send(method, path, headers, bodyProducer)
+            d = connection.send(method, path, headers, bodyProducer, host)
             sending.append(d)
             d.chainDeferred(result)
 
