@@ -383,3 +383,24 @@ class LogTimestampTouchpointTests(_Private):
         self.assertFalse(cache_log_timestamps(), "replaced once only")
         self.assertTrue(getattr(_file.formatTime, "crossbar_per_second", False))
         self.assertEqual(lines(), plain)
+
+
+# -- touchpoint 7: log_flattened as twisted.logger._flatten.flattenEvent writes it ----------
+
+
+class FlattenedLineTouchpointTests(_Private):
+    def test_same_as_flatten_event_and_formatted_the_same(self) -> None:
+        from twisted.logger import formatEvent
+        from twisted.logger import _flatten
+
+        from crossbar.upstream.twisted_private import flattened_line
+
+        flatten = self.require_attribute(_flatten, "flattenEvent", 7)
+        for line in ("POST /r/v1/x -> a 200 12B ttfb=1.0ms 2.0ms", "{not a field} 100% {{", ""):
+            event = {"log_format": "{line}", "line": line}
+            flatten(event)
+            if event.get("log_flattened") != flattened_line(line):
+                self.fail(moved("twisted.logger._flatten.flattenEvent", 7,
+                                f"it flattens {{line}} as {event.get('log_flattened')!r}"))
+            ours = {"log_format": "{line}", "line": line, "log_flattened": flattened_line(line)}
+            self.assertEqual(formatEvent(ours), line)

@@ -35,6 +35,10 @@ take a new Twisted on purpose, after that test and the suite pass.
    a second. The replacement gives the same text, formatted once per second; twistd
    offers no other way to choose its observer's time format cheaply (``--logger``
    replaces ``--logfile`` and ``--syslog`` handling altogether).
+7. :func:`flattened_line` writes a one-field event's ``log_flattened`` as
+   ``twisted.logger._flatten.flattenEvent`` would (keys ``"line!s:"`` and ``"line!:"``,
+   ``KeyFlattener``'s convention): Twisted formats a flattened event without
+   ``string.Formatter`` (~11k instructions per request's log line, issue 23).
 """
 
 from __future__ import annotations
@@ -46,8 +50,8 @@ from twisted.internet.tcp import Connection
 from twisted.logger import Logger
 from twisted.web.server import Request
 
-__all__ = ["BadRequestHook", "cache_log_timestamps", "client_is_paused", "eager_writes", "pending_write_bytes",
-           "per_second", "wrap_port_logger"]
+__all__ = ["BadRequestHook", "cache_log_timestamps", "client_is_paused", "eager_writes", "flattened_line",
+           "pending_write_bytes", "per_second", "wrap_port_logger"]
 
 
 class BadRequestHook:
@@ -167,3 +171,9 @@ def cache_log_timestamps() -> bool:
         return False
     setattr(_file, "formatTime", per_second(original))
     return True
+
+
+def flattened_line(line: str) -> dict[str, str]:
+    """The ``log_flattened`` of an event whose format is ``"{line}"`` (touchpoint 7), as
+    ``flattenEvent`` makes it: the field's text for ``{line}`` and its value."""
+    return {"line!s:": line, "line!:": line}
