@@ -404,3 +404,5 @@ class FlattenedLineTouchpointTests(_Private):
                                 f"it flattens {{line}} as {event.get('log_flattened')!r}"))
             ours = {"log_format": "{line}", "line": line, "log_flattened": flattened_line(line)}
             self.assertEqual(formatEvent(ours), line)
+        # a format without fields (a worker's message relayed by the supervisor): no values
+        self.assertEqual(formatEvent({"log_format": "odd {{braces}} 100%", "log_flattened": {}}), "odd {braces} 100%")

@@ -37,7 +37,8 @@ take a new Twisted on purpose, after that test and the suite pass.
    replaces ``--logfile`` and ``--syslog`` handling altogether).
 7. :func:`flattened_line` writes a one-field event's ``log_flattened`` as
    ``twisted.logger._flatten.flattenEvent`` would (keys ``"line!s:"`` and ``"line!:"``,
-   ``KeyFlattener``'s convention): Twisted formats a flattened event without
+   ``KeyFlattener``'s convention), and the supervisor relays a worker's line as a format
+   without fields whose flattened values are ``{}``: Twisted formats a flattened event without
    ``string.Formatter`` (~11k instructions per request's log line, issue 23).
 """
 
