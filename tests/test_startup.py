@@ -366,6 +366,25 @@ class LogIsTerminalTests(SynchronousTestCase):
             self.assertEqual(log_is_terminal(options), expected, options)
 
 
+class LogsJsonLinesTests(SynchronousTestCase):
+    def test_the_factory_twistd_resolved_or_its_name(self) -> None:
+        """twistd's ``--logger`` reaches the plugin as the factory (ServerOptions resolves
+        the name): workers log straight through with either (issue 23: every worker line
+        was relayed by the supervisor, ~100 us per request)."""
+        from twisted.scripts.twistd import ServerOptions
+
+        from crossbar.ops import jsonlog
+        from crossbar.process.service import logs_json_lines
+
+        options = ServerOptions()
+        options.parseOptions(["-n", "--logger=crossbar.ops.jsonlog.observer", "crossbar", "--config", "x.yaml"])
+        self.assertIs(options["logger"], jsonlog.observer)
+        self.assertTrue(logs_json_lines(options))
+        self.assertTrue(logs_json_lines({"logger": "crossbar.ops.jsonlog.observer"}))
+        for other in (None, {}, {"logger": None}, {"logger": lambda: None}, {"logfile": "-"}):
+            self.assertFalse(logs_json_lines(other), other)
+
+
 class StartupGuardTests(SynchronousTestCase):
     def guard(self, inner: Service) -> tuple[StartupGuard, list[ConfigError]]:
         reported: list[ConfigError] = []

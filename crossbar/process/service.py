@@ -372,6 +372,17 @@ def make_service(
     return CrossbarService(config, reactor, environ=environ, handle_signals=handle_signals)
 
 
+def logs_json_lines(twistd: Mapping[str, Any] | None) -> bool:
+    """twistd's options (None: not run by twistd) say its log is
+    :func:`crossbar.ops.jsonlog.observer`'s JSON lines on standard output, which workers
+    can then write to themselves. twistd has replaced the ``--logger`` name by the
+    factory it names by the time a plugin sees its options; the name is taken too."""
+    from crossbar.ops import jsonlog
+
+    logger = (twistd or {}).get("logger")
+    return logger is jsonlog.observer or logger == "crossbar.ops.jsonlog.observer"
+
+
 def make_daemon(config: Config, twistd: Mapping[str, Any] | None = None, stall: float | None = None) -> MultiService:
     """What ``twistd crossbar`` runs for ``config``: one :class:`CrossbarService` with
     signal handling, or with ``workers`` > 1 a :class:`~crossbar.process.supervisor.Supervisor`
@@ -386,7 +397,6 @@ def make_daemon(config: Config, twistd: Mapping[str, Any] | None = None, stall: 
     if config.workers > 1:
         from crossbar.process.supervisor import WorkerTimings, make_supervisor
 
-        logger = (twistd or {}).get("logger") or ""
         timings = WorkerTimings() if stall is None else WorkerTimings.with_stall(stall)
-        return make_supervisor(config, log_through=logger == "crossbar.ops.jsonlog.observer", timings=timings)
+        return make_supervisor(config, log_through=logs_json_lines(twistd), timings=timings)
     return make_service(config, handle_signals=True)
