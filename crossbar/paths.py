@@ -114,8 +114,9 @@ def is_forbidden(rest: bytes, read: bool) -> bool:
     """Whether the forbidden list of rule 3 covers ``rest`` for a GET/HEAD (``read``) or
     another method, matched as received, percent-decoded once with runs of ``/`` taken
     as one, and each with and without a leading ``/v1``."""
-    decoded = unquote_to_bytes(rest) if b"%" in rest else rest
-    if b"//" in decoded:
+    # find, not ``in``: a bytes ``in`` first tries its needle as an int (a TypeError raised and cleared)
+    decoded = unquote_to_bytes(rest) if rest.find(b"%") >= 0 else rest
+    if decoded.find(b"//") >= 0:
         decoded = _SLASHES.sub(b"/", decoded)
     for p in {rest, decoded, decoded[3:] if decoded.startswith(b"/v1/") else decoded}:
         if _under(p, FORBIDDEN, _FORBIDDEN_DIRS):

@@ -74,9 +74,11 @@ def hostile_header(name: bytes, value: bytes, repeated_te: bool) -> str | None:
     crossbar can be fed a framing crossbar did not read."""
     if _control_byte(value) is not None:  # one C search: every request header passes here
         return "bad header value"
-    if b"_" in name or repeated_te:
+    # find, not ``in``: a bytes ``in`` first tries its needle as an int, raising and
+    # clearing a TypeError each time (~1.7k instructions; three headers per request)
+    if name.find(b"_") >= 0 or repeated_te:
         lowered = name.strip(b" \t").lower()
-        if b"_" in lowered and lowered.replace(b"_", b"-") in _FRAMING_NAMES:
+        if lowered.find(b"_") >= 0 and lowered.replace(b"_", b"-") in _FRAMING_NAMES:
             return "bad header name"
         if repeated_te and lowered == b"transfer-encoding":
             return "repeated transfer-encoding"

@@ -944,8 +944,9 @@ def split_url(url: bytes) -> tuple[Origin, bytes]:
     if origin is None:
         return _split_slowly(url)
     target = url[end:]
-    if b"#" in target:
-        target = target[:target.index(b"#")]
+    fragment = target.find(b"#")  # find, not ``in``: a bytes ``in`` first tries the needle as an int
+    if fragment >= 0:
+        target = target[:fragment]
     return origin, target or b"/"
 
 

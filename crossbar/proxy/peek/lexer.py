@@ -542,7 +542,8 @@ def peek_small(body: bytes) -> Peeked | None:
     ``"model"`` once and never with a ``\\u006x`` escape (then that one is the
     top-level key); otherwise the incremental peek places it.
     """
-    if (body[:1] != b"{" or b"\x00" in body[:4]  # else not UTF-8 (json.detect_encoding)
+    # ``find``, not ``in``: a bytes ``in`` first tries its needle as an int (a TypeError raised and cleared)
+    if (body[:1] != b"{" or body.find(b"\x00", 0, 4) >= 0  # else not UTF-8 (json.detect_encoding)
             or body.count(b"{") + body.count(b"[") >= MAX_DEPTH or _SURROGATE.search(body)
             or (len(body) > KEY_EVENTS and most_events(body) > KEY_EVENTS)):  # the dict walk knows no bound
         return None
@@ -552,7 +553,7 @@ def peek_small(body: bytes) -> Peeked | None:
         if isinstance(found.top.get("model"), str):
             # "model" spelt once and never escaped (a letter of it as \u006x): that one is the key
             at = body.find(b'"model"')
-            if body.find(b'"model"', at + 7) >= 0 or b"\\u006" in body:
+            if body.find(b'"model"', at + 7) >= 0 or body.find(b"\\u006") >= 0:
                 return None
             member = _MODEL_MEMBER.match(body, at)
             if member is None:
