@@ -142,6 +142,10 @@ class HostileTests(TestCase):
         self.assertIsNone(read(b'{"timings": {"prompt_n": 1, "predicted_n": 1, "predicted_per_second": 1e999}}'))
         cached_over = {"usage": {"prompt_tokens": 5, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 6}}}
         self.assertIsNone(read(json.dumps(cached_over).encode()))
+        # a prompt total at MAX_TOKENS is not believed even when total - cached is below it
+        for usage in ({"prompt_tokens": 1 << 31, "completion_tokens": 1, "prompt_tokens_details": {"cached_tokens": 1 << 30}},
+                      {"input_tokens": 1 << 31, "output_tokens": 1, "input_tokens_details": {"cached_tokens": 1 << 30}}):
+            self.assertIsNone(read(json.dumps({"usage": usage}).encode()), usage)
         self.assertIsNone(read(json.dumps({"timings": "fast", "usage": "many"}).encode()))
 
     def test_deep_nesting_and_a_megabyte_of_usage(self) -> None:

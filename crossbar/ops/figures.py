@@ -99,6 +99,26 @@ def _figures(prompt: Any, cached: Any, generated: Any, prompt_speed: float | Non
     return _NEW(Figures, (prompt, cached, generated, prompt_speed, generation_speed))
 
 
+def _speed(value: Any) -> float | None:
+    """A speed: None, or an int or float in [0, :data:`MAX_SPEED`) (which excludes inf
+    and nan), as a float."""
+    if value is None:
+        return None
+    if not ((type(value) is float or type(value) is int) and 0 <= value < MAX_SPEED):
+        raise _Bad
+    return float(value)
+
+
+def _from_timings(t: Any) -> Figures:
+    """llama-server's ``timings`` in any layout (its own is read by :data:`_LLAMA_TIMINGS`):
+    ``prompt_n`` and ``predicted_n`` required, ``cache_n`` absent or null is 0."""
+    if type(t) is not dict:
+        raise _Bad
+    cached = t.get("cache_n")
+    return _figures(t.get("prompt_n"), 0 if cached is None else cached, t.get("predicted_n"),
+                    _speed(t.get("prompt_per_second")), _speed(t.get("predicted_per_second")))
+
+
 def _from_usage(u: Any, start: Any = None) -> Figures:
     """OpenAI (``prompt_tokens``), Responses (``input_tokens`` + ``input_tokens_details``)
     or Anthropic (``input_tokens`` + ``cache_read_input_tokens``) usage; ``start`` is an
@@ -124,7 +144,7 @@ def _from_usage(u: Any, start: Any = None) -> Figures:
         total = 0
     if cached is None:
         cached = 0
-    if type(total) is not int or type(cached) is not int or not 0 <= cached <= total:
+    if type(total) is not int or type(cached) is not int or not 0 <= cached <= total < MAX_TOKENS:
         raise _Bad
     return _figures(total - cached, cached, 0 if generated is None else generated)
 
@@ -232,9 +252,9 @@ def read_figures(chunks: Sequence[bytes], content_type: bytes | None, path: byte
     events): its last ``timings``, else its last ``usage``, else the native
     ``tokens_predicted``/``tokens_evaluated``. For a whole answer the last occurrence is
     the top-level one (llama-server writes its figures after the content; in an array,
-    the last element's). This runs once per request and in one call: llama-server's
-    ``timings`` and OpenAI's ``usage`` are read and checked in line (bench/figures_ab.py
-    times it), the other usage shapes by :func:`_from_usage`.
+    the last element's). llama-server's own bytes of ``timings`` and ``usage`` are read
+    in line by a pattern (bench/figures_ab.py times it); any other layout is decoded
+    and checked by :func:`_from_timings` and :func:`_from_usage`.
     """
     del path  # every endpoint is read by the shape of its answer
     if not chunks or content_type is None:
@@ -271,36 +291,19 @@ def read_figures(chunks: Sequence[bytes], content_type: bytes | None, path: byte
             data, head = line[5:], None
         found: Figures | None = None
         try:
+            t = None
             at = data.rfind(_TIMINGS)
-            m = None if at < 0 else _LLAMA_TIMINGS.match(data, at + 10)
-            if m is not None:  # llama-server's own bytes: valid as matched
-                cached, prompt, prompt_speed, generated, generation_speed = m.groups()
-                return _NEW(Figures, (int(prompt), int(cached), int(generated), float(prompt_speed),
-                                      float(generation_speed)))
-            t = None if at < 0 else _SCAN(data[at + 10:].decode("utf-8", "replace").lstrip(), 0)[0]
+            if at >= 0:
+                m = _LLAMA_TIMINGS.match(data, at + 10)
+                if m is not None:  # llama-server's own bytes: valid as matched
+                    cached, prompt, prompt_speed, generated, generation_speed = m.groups()
+                    return _NEW(Figures, (int(prompt), int(cached), int(generated), float(prompt_speed),
+                                          float(generation_speed)))
+                t = _value_at(data, at + 10)
             if t is not None:
-                if type(t) is not dict:
-                    raise _Bad
-                prompt, cached, generated = t.get("prompt_n"), t.get("cache_n"), t.get("predicted_n")
-                if cached is None:
-                    cached = 0
-                if (type(prompt) is not int or type(cached) is not int or type(generated) is not int
-                        or not (0 <= prompt < MAX_TOKENS and 0 <= cached < MAX_TOKENS and 0 <= generated < MAX_TOKENS)):
-                    raise _Bad  # a missing or null prompt_n / predicted_n too
-                prompt_speed, generation_speed = t.get("prompt_per_second"), t.get("predicted_per_second")
-                # a speed is None, or an int or float in [0, MAX_SPEED) (which excludes inf and nan)
-                if prompt_speed is not None:
-                    if not ((type(prompt_speed) is float or type(prompt_speed) is int)
-                            and 0 <= prompt_speed < MAX_SPEED):
-                        raise _Bad
-                    prompt_speed = float(prompt_speed)
-                if generation_speed is not None:
-                    if not ((type(generation_speed) is float or type(generation_speed) is int)
-                            and 0 <= generation_speed < MAX_SPEED):
-                        raise _Bad
-                    generation_speed = float(generation_speed)
-                found = _NEW(Figures, (prompt, cached, generated, prompt_speed, generation_speed))
-            else:
+                found = _from_timings(t)
+            else:  # no timings (or null): usage, else the native figures
+                u = None
                 at = data.rfind(_USAGE)
                 if at >= 0:
                     m = _LLAMA_USAGE.match(data, at + 8)
@@ -315,28 +318,14 @@ def read_figures(chunks: Sequence[bytes], content_type: bytes | None, path: byte
                         if cached > total:
                             return None
                         return _NEW(Figures, (total - cached, cached, int(generated), None, None))
-                u = None if at < 0 else _SCAN(data[at + 8:].decode("utf-8", "replace").lstrip(), 0)[0]
-                if u is None:
+                    u = _value_at(data, at + 8)
+                if u is not None:
+                    found = _from_usage(u, start)
+                else:
                     predicted = _value(data, _PREDICTED)
                     if predicted is not None:
                         found = _figures(_value(data, _EVALUATED) or 0, 0, predicted)
-                elif type(u) is dict and ("prompt_tokens" in u or "completion_tokens" in u):  # OpenAI
-                    total, details, generated = u.get("prompt_tokens"), u.get("prompt_tokens_details"), u.get(
-                        "completion_tokens")
-                    cached = details.get("cached_tokens") if type(details) is dict else None
-                    if total is None:
-                        total = 0
-                    if cached is None:
-                        cached = 0
-                    if generated is None:
-                        generated = 0
-                    if (type(total) is not int or type(cached) is not int or type(generated) is not int
-                            or not (0 <= cached <= total < MAX_TOKENS and 0 <= generated < MAX_TOKENS)):
-                        raise _Bad
-                    found = _NEW(Figures, (total - cached, cached, generated, None, None))
-                else:
-                    found = _from_usage(u, start)
-        except (ValueError, RecursionError, StopIteration):
+        except (ValueError, RecursionError):
             found = None  # a value cut or not JSON: as if absent
         if found is None and head is not None:
             # llama.cpp's native answers put their figures first and the token
