@@ -10,7 +10,6 @@ never from a request.
 
 from __future__ import annotations
 
-from time import time
 from typing import Any, Callable, NamedTuple
 
 from twisted.logger import Logger, LogLevel
@@ -18,7 +17,7 @@ from twisted.logger import Logger, LogLevel
 from crossbar.ops.figures import Figures
 from crossbar.ops.metrics import Metrics, adder, observer
 from crossbar.state.tokens import Cells, TokenLedger
-from crossbar.upstream.twisted_private import flattened_line
+from crossbar.upstream.twisted_private import emit_flattened, flattened_line
 
 __all__ = ["ENDINGS", "NO_ROUTE", "OTHER_MODEL", "RequestLog", "RequestRecord"]
 
@@ -34,22 +33,6 @@ Twisted cannot parse, a missing or unknown route."""
 
 _log = Logger(namespace="crossbar.proxy")
 _INFO = LogLevel.info
-
-
-def _emit_info(event: dict[str, Any]) -> None:
-    """``_log.info("{line}", **event)``, as :meth:`twisted.logger.Logger.emit` builds the
-    event (the same ``log_*`` keys, to the same observer), without its per-call check of
-    the level against every ``LogLevel`` constant: one record per request (issue 23).
-
-    The event comes already flattened (``log_flattened``, as Twisted's ``flattenEvent``
-    would make it, crossbar/upstream/twisted_private.py touchpoint 7): Twisted's formatting
-    of a flattened event skips ``string.Formatter`` (~11k instructions per line in
-    twistd's text log)."""
-    line = event["line"]
-    event["log_logger"], event["log_level"], event["log_namespace"] = _log, _INFO, _log.namespace
-    event["log_source"], event["log_format"], event["log_time"] = None, "{line}", time()
-    event["log_flattened"] = flattened_line(line)
-    _log.observer(event)
 
 
 class _TokenSeries(NamedTuple):
@@ -160,7 +143,8 @@ class RequestLog:
         ended_text = "" if record.ended == "complete" else f" ended={record.ended}"
         line = (f"{record.method} {record.target} -> {host} {status} {record.bytes}B{queued} ttfb={ttfb_text} "
                 f"{ms}ms{why}{key_text}{tokens_text}{ended_text}")
-        _emit_info(dict(
+        # as _log.info("{line}", ...) builds the event, already flattened: one per request (issue 23)
+        emit_flattened(_log, _INFO, "{line}", flattened_line(line), dict(
             line=line,
             route=route, host=host, method=record.method, path=record.path,
             target=record.target, status=status, bytes=record.bytes, ttfb_ms=ttfb_ms, ms=ms,

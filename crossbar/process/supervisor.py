@@ -44,7 +44,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -64,6 +63,7 @@ from crossbar.state.shared import SharedCounts
 from crossbar.ops.systemd import Notifier, SystemdNotifier, watchdog_interval
 from crossbar.waiting import Condition
 from crossbar.process.listen import WorkerListeners
+from crossbar.upstream.twisted_private import emit_flattened
 from crossbar.process.worker import HEARTBEAT
 
 __all__ = ["Supervisor", "WorkerTimings", "WorkerProcess", "make_supervisor", "relay_log_line"]
@@ -138,17 +138,10 @@ def relay_log_line(line: bytes, worker: int) -> None:
         logger = Logger(namespace=namespace)
         if len(_relay_loggers) < 256:
             _relay_loggers[namespace] = logger
-    # ``logger.emit(level, <the message escaped>, **fields)``, built as Logger.emit builds
-    # it without its scan of every level (one line per request, issue 23). The worker's
-    # message is already formatted: escaped, it is a format without fields, and comes
-    # flattened (its fields' values: none, ``{}``; crossbar/upstream/twisted_private.py
-    # touchpoint 7): shown as it is, without string.Formatter.
-    event["log_logger"], event["log_level"], event["log_namespace"], event["log_source"] = logger, level, namespace, None
-    event["log_format"] = message.replace("{", "{{").replace("}", "}}")
-    event["log_flattened"] = {}
+    # The worker's message is already formatted: escaped, it is a format without fields,
+    # whose flattened values are none (``{}``): shown as it is, without string.Formatter.
     event["log_system"] = f"{namespace}#{level.name} worker={worker}"
-    event["log_time"] = time.time()
-    logger.observer(event)
+    emit_flattened(logger, level, message.replace("{", "{{").replace("}", "}}"), {}, event)
 
 
 _relay_loggers: dict[str, Logger] = {}

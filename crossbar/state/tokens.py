@@ -128,7 +128,7 @@ class TokenLedger:
                 self.fleet.publish_tokens(name, value)
 
     def cells(self, route: str, host: str) -> Cells:
-        """The names of the five totals an answer of ``route`` from ``host`` adds to (for
+        """The :class:`Cells` an answer of ``route`` from ``host`` adds to (for
         :meth:`add_to`; the same for the ledger's whole life, reloads included)."""
         cells = self._cells.get((route, host))
         if cells is None:
