@@ -23,7 +23,7 @@ from tests.logs import LogCapture
 from crossbar.config import parse_config
 from crossbar.state.shared import SharedCounts
 from crossbar.state.tokens import TokenLedger
-from crossbar.state.worker_counts import WorkerCounts
+from crossbar.state.worker_counts import WorkerCounts, token_cell
 
 TIMINGS = {"cache_n": 3, "prompt_n": 4, "predicted_n": 5, "predicted_per_second": 50.0}
 
@@ -147,6 +147,25 @@ class FleetLedgerTests(SynchronousTestCase):
             ledgers[0].sample()
         self.assertEqual(ledgers[0].window().generated_per_second("a"), 0.0)
         self.assertIsNone(ledgers[0].window().cached_share("r", "r"))
+
+    def test_tokens_counted_before_the_fleet_are_published_with_it(self) -> None:
+        """In one process an answer's tokens wait in its cells; attaching the fleet (a
+        worker's start, a reload) publishes them with the rest."""
+        config = parse_config("listen: 'tcp:0'\nhosts: {a: 'http://127.0.0.1:1'}\nroutes: {r: {hosts: [a]}}\n", "t.yaml")
+        path = os.path.join(tempfile.mkdtemp(prefix="crossbar-tokens-"), "shared")
+        SharedCounts.create(path, 3)
+        clock = Clock()
+        alone = TokenLedger(clock.seconds, ("a",), ("r",))
+        alone.add("r", "a", 10, 90, 30)
+        self.assertEqual(alone.totals()[token_cell("h", "a", "generated")], 30)
+        alone.add("r", "a", 1, 2, 3)  # pending again when the fleet comes
+        alone.attach(WorkerCounts(SharedCounts(path, 3, 1), config))
+        other = TokenLedger(clock.seconds, ("a",), ("r",))
+        other.attach(WorkerCounts(SharedCounts(path, 3, 2), config))
+        totals = other.totals()
+        self.assertEqual((totals[token_cell("h", "a", "prompt")], totals[token_cell("h", "a", "cached")],
+                          totals[token_cell("h", "a", "generated")], totals[token_cell("r", "r", "cached")]),
+                         (11, 92, 33, 92))
 
 
 class WorkersTests(TestCase):
