@@ -34,6 +34,14 @@ class HeadTests(SynchronousTestCase):
     def head(self, target: bytes, method: bytes = b"POST") -> RequestHead:
         return RequestHead.parse(self.config, method, target)
 
+    def test_repr_never_shows_the_query_the_config_or_the_body(self) -> None:
+        """A head in a traceback or a debug line (rule 8: the query string is never logged)."""
+        head = self.head(b"/open/v1/chat/completions?api_key=SECRET").with_body([b'{"prompt": "PRIVATE"}'], NOTHING)
+        text = repr(head)
+        self.assertIn("/v1/chat/completions", text)
+        for hidden in ("SECRET", "PRIVATE", "Config("):
+            self.assertNotIn(hidden, text)
+
     def test_parsed_once(self) -> None:
         head = self.head(b"/open/v1/chat/completions?x=1")
         self.assertEqual((head.route_name, head.rest, head.path, head.query),
