@@ -420,67 +420,30 @@ def proxy_cpu(cpu: dict[str, float], target: str) -> float:
     return cpu.get(target, 0.0) if target != "direct" else cpu["crossbar"]
 
 
-def established_inodes(port: int) -> set[str]:
-    """Socket inodes of the ESTABLISHED TCP connections whose local port is ``port``
-    (the proxy's side of its client connections), from /proc/net/tcp and tcp6."""
-    out: set[str] = set()
-    want = f":{port:04X}"
-    for name in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(name).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            f = line.split()
-            if f[1].endswith(want) and f[3] == "01":
-                out.add(f[9])
-    return out
-
-
-def connections_per_worker(supervisor: int, port: int) -> list[int]:
-    """How many of the client connections on ``port`` each worker under ``supervisor``
-    holds now (from each worker's open sockets), busiest first."""
-    inodes = established_inodes(port)
-    counts = []
-    for pid in tree(supervisor)[1:]:
-        n = 0
-        try:
-            for fd in Path(f"/proc/{pid}/fd").iterdir():
-                try:
-                    link = os.readlink(fd)
-                except OSError:
-                    continue
-                if link.startswith("socket:[") and link[8:-1] in inodes:
-                    n += 1
-        except OSError:
-            continue
-        counts.append(n)
-    return sorted(counts, reverse=True)
-
-
 class SplitSampler:
-    """Samples :func:`connections_per_worker` every 50 ms while running and keeps the
-    sample with the most connections (the burst when it is all connected)."""
+    """Counts which worker holds each client connection while running, in a process of
+    its own (``bench/worker_split.py``: in this event loop its /proc reads stalled the
+    stream client), and keeps the sample with the most connections (the burst when it
+    is all connected) in :attr:`best`."""
 
     def __init__(self, supervisor: int, port: int) -> None:
         self.supervisor, self.port = supervisor, port
         self.best: list[int] = []
-        self.task: asyncio.Task[None] | None = None
+        self.proc: asyncio.subprocess.Process | None = None
 
-    async def _run(self) -> None:
-        while True:
-            counts = connections_per_worker(self.supervisor, self.port)
-            if sum(counts) > sum(self.best):
-                self.best = counts
-            await asyncio.sleep(0.05)
-
-    def __enter__(self) -> SplitSampler:
-        self.task = asyncio.get_running_loop().create_task(self._run())
+    async def __aenter__(self) -> SplitSampler:
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable, str(HERE / "worker_split.py"), str(self.supervisor), str(self.port),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        assert self.proc.stdout is not None
+        await self.proc.stdout.readline()  # its interpreter's start-up is over before the load begins
         return self
 
-    def __exit__(self, *exc: Any) -> None:
-        assert self.task is not None
-        self.task.cancel()
+    async def __aexit__(self, *exc: Any) -> None:
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.close()  # its signal to print the split (communicate() leaves it open without input)
+        out, _ = await self.proc.communicate()
+        self.best = json.loads(out or b"[]")
 
     def busiest_share(self) -> float:
         """The busiest worker's share of the connections, % (100 / workers is even)."""
@@ -679,7 +642,7 @@ class Bench:
     async def scenario_a(self, target: str, c: int) -> None:
         port, prefix = self.target(target)
         meter = CpuMeter(self.procs)
-        with self.splitter(target) as split:
+        async with self.splitter(target) as split:
             out = await wrk(f"http://{HOST}:{port}{prefix}/v1/chat/completions", c, self.s.wrk_seconds, self.lua)
         cpu = meter.read()
         g = f"a c={c}"
@@ -766,7 +729,7 @@ class Bench:
 
     async def scenario_b(self, target: str, n: int) -> None:
         meter = CpuMeter(self.procs)
-        with self.splitter(target) as split:
+        async with self.splitter(target) as split:
             res = await self.streams(target, n, 200, 5, 30)
         self.put_streams(f"b {n} streams", target, res, meter.read())
         self.put_split(f"b {n} streams", split)
