@@ -22,6 +22,7 @@ except under CI (env ``CI=true``), where that is a failure.
 
 from __future__ import annotations
 
+import atexit
 import json
 import sys
 from collections import Counter
@@ -87,45 +88,49 @@ def vscode_infill(prefix: str, middle: str, suffix: str, extra: list[dict[str, A
 
 
 class Servers:
-    """The class's three llama-servers, started once (blocking) and stopped at its end."""
+    """The class's three llama-servers, started once (blocking) by its first test and
+    stopped when the test process exits (trial has no class fixtures)."""
 
     one: LlamaServer
     two: LlamaServer
     router: LlamaServer
 
+    def stop(self) -> None:
+        for name in ("one", "two", "router"):
+            server = getattr(self, name, None)
+            if server is not None:
+                server.stop()
+
 
 class ClientsRealTests(TestCase):
     timeout = 240
     servers: ClassVar[Servers | None] = None
+    failed: ClassVar[str | None] = None  # why the servers could not start (not tried again)
 
     @classmethod
-    def setUpClass(cls) -> None:
-        if skip_reason() is not None:
-            return  # each test skips (or fails under CI) in setUp
-        servers = Servers()
-        servers.one = LlamaServer("single", extra_args=["--embeddings", "--pooling", "mean", "-np", "2"])
-        servers.two = LlamaServer("single", extra_args=["-np", "2"])
-        servers.router = LlamaServer("router")
-        cls.servers = servers
-        try:
-            for server in (servers.one, servers.two, servers.router):
-                server.start(timeout=90)
-        except BaseException:
-            cls.tearDownClass()
-            raise
-
-    @classmethod
-    def tearDownClass(cls) -> None:
-        servers, cls.servers = cls.servers, None
-        for name in ("one", "two", "router"):
-            server = getattr(servers, name, None)
-            if server is not None:
-                server.stop()
+    def shared_servers(cls) -> Servers:
+        """The three llama-servers, started on the first call."""
+        if cls.failed is not None:
+            raise RuntimeError(f"the class's llama-servers did not start: {cls.failed}")
+        if cls.servers is None:
+            servers = Servers()
+            servers.one = LlamaServer("single", extra_args=["--embeddings", "--pooling", "mean", "-np", "2"])
+            servers.two = LlamaServer("single", extra_args=["-np", "2"])
+            servers.router = LlamaServer("router")
+            try:
+                for server in (servers.one, servers.two, servers.router):
+                    server.start(timeout=90)
+            except BaseException as e:
+                servers.stop()
+                cls.failed = repr(e)
+                raise
+            cls.servers = servers
+            atexit.register(servers.stop)
+        return cls.servers
 
     def setUp(self) -> None:
         require_llama_server(self)
-        assert self.servers is not None
-        self.s = self.servers
+        self.s = self.shared_servers()
 
     async def crossbar(self) -> str:
         s = self.s
