@@ -4,6 +4,9 @@
 # switched on after 50 warm-up requests, N (default 400) sequential keep-alive requests of
 # bench (a), dumped, divided. The machine's load does not move the count (bench/README.md,
 # "Second pass"). Needs valgrind, curl, bench/.venv (bench/run makes it) and twistd in PY's dir.
+# EVENTS=1: instructions per streamed event instead: after the warm-up, one stream of 100
+# events and one of N+100 (2 ms apart, so each is its own read), each its own dump; the
+# difference divided by N leaves out what a request costs besides its events.
 set -euo pipefail
 SRC=$1; TAG=$2; N=${3:-400}
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -27,6 +30,21 @@ Y
     "$PY" "$(dirname "$PY")/twistd" -n --pidfile= --logfile="$OUT/log" crossbar --config "$OUT/cb.yaml" > "$OUT/vg" 2>&1) & CB=$!
 for _ in $(seq 1 600); do curl -s -o /dev/null -m 2 "http://127.0.0.1:$PORT/_crossbar/readyz" && break; sleep 0.5; done
 "$PY" "$HERE/seq_client.py" "$PORT" 50 > /dev/null
+stream() {  # one SSE stream of $1 events through the route, read to its end
+    curl -s -N -o /dev/null -m 600 -H 'Content-Type: application/json' \
+        -d "{\"model\":\"bench\",\"stream\":true,\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}" \
+        "http://127.0.0.1:$PORT/bench/v1/chat/completions?stream=1&n=$1&d=2"
+}
+if [ -n "${EVENTS:-}" ]; then
+    stream 20
+    callgrind_control -i on "$CB" > /dev/null 2>&1
+    stream 100; callgrind_control -d "$CB" > /dev/null 2>&1
+    stream $((N + 100)); callgrind_control -d "$CB" > /dev/null 2>&1
+    SHORT=$(grep -h "^summary:" "$OUT"/cg.*.1 | head -1 | awk '{print $2}')
+    LONG=$(grep -h "^summary:" "$OUT"/cg.*.2 | head -1 | awk '{print $2}')
+    echo "$TAG instructions/event $(((LONG - SHORT) / N))  (stream of 100: $SHORT, of $((N + 100)): $LONG)"
+    exit 0
+fi
 callgrind_control -i on "$CB" > /dev/null 2>&1
 "$PY" "$HERE/seq_client.py" "$PORT" "$N" > /dev/null
 callgrind_control -d "$CB" > /dev/null 2>&1

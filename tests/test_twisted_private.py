@@ -27,11 +27,11 @@ from twisted.internet.testing import MemoryReactor, StringTransport
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.http import HTTPChannel
-from twisted.web.server import Site
+from twisted.web.server import Request, Site
 from twisted.web.test.requesthelper import DummyChannel, DummyRequest
 from zope.interface import implementer
 
-from crossbar.upstream.twisted_private import BadRequestHook, client_is_paused, eager_writes, pending_write_bytes
+from crossbar.upstream.twisted_private import BadRequestHook, body_writer, client_is_paused, eager_writes, pending_write_bytes
 from tests.fakes import HoldResource
 
 
@@ -406,3 +406,80 @@ class FlattenedLineTouchpointTests(_Private):
             self.assertEqual(formatEvent(ours), line)
         # a format without fields (a worker's message relayed by the supervisor): no values
         self.assertEqual(formatEvent({"log_format": "odd {{braces}} 100%", "log_flattened": {}}), "odd {braces} 100%")
+
+
+# -- touchpoint 8: a body chunk written past server.Request.write and http.Request.write ----
+
+
+class BodyWriterTouchpointTests(_Private):
+    CHUNKS = (b"data: {\"a\":1}\n\n", b"", b"x" * 70000, b"data: [DONE]\n\n")
+
+    def _answer(self, head: bytes, length: bytes | None = None) -> tuple[Any, StringTransport]:
+        """A request read from ``head`` on a channel over a StringTransport, its answer's
+        head out (as crossbar's write_head leaves it), the transport emptied."""
+        channel, transport, resource = _serve(HTTPChannel)
+        channel.dataReceived(head)
+        request = resource.requests[0]
+        request.setHeader(b"content-type", b"text/event-stream")
+        if length is not None:
+            request.setHeader(b"content-length", length)
+        request.write(b"")
+        transport.clear()
+        return request, transport
+
+    def test_names_exist(self) -> None:
+        from twisted.web import http
+
+        for name in ("chunked", "_disconnected", "sentLength", "startedWriting", "finished"):
+            if not hasattr(http.Request, name):
+                self.fail(moved(f"twisted.web.http.Request.{name}", 8, "no longer a class attribute"))
+        for name in ("_encoder", "_inFakeHead"):
+            if not hasattr(Request, name):
+                self.fail(moved(f"twisted.web.server.Request.{name}", 8, "no longer a class attribute"))
+        self.assertEqual(b"".join(http.toChunk(b"abc")), b"3\r\nabc\r\n",
+                         moved("twisted.web.http.toChunk", 8, "a chunk is framed otherwise"))
+
+    def test_same_bytes_and_count_as_request_write(self) -> None:
+        """Chunked (HTTP/1.1), with a Content-Length, and to an HTTP/1.0 client: the
+        writer's bytes and ``sentLength`` are ``request.write``'s."""
+        for head, length in ((b"GET /r HTTP/1.1\r\nHost: x\r\n\r\n", None),
+                             (b"GET /r HTTP/1.1\r\nHost: x\r\n\r\n", b"70031"),
+                             (b"GET /r HTTP/1.0\r\n\r\n", None)):
+            theirs, their_bytes = self._answer(head, length)
+            ours, our_bytes = self._answer(head, length)
+            write = body_writer(ours)
+            self.assertIsNot(write, ours.write, "the head is out: the writer is not the fallback")
+            for chunk in self.CHUNKS:
+                theirs.write(chunk)
+                write(chunk)
+                self.assertEqual(our_bytes.value(), their_bytes.value(), moved(
+                    "twisted.web.http.Request.write", 8, f"it writes {their_bytes.value()[-40:]!r}"))
+                self.assertEqual(ours.sentLength, theirs.sentLength)
+            self.assertEqual(ours.chunked, length is None and b"1.1" in head)
+
+    def test_gone_client_and_finished_answer(self) -> None:
+        request, transport = self._answer(b"GET /r HTTP/1.1\r\nHost: x\r\n\r\n")
+        write = body_writer(request)
+        request.finish()
+        self.assertRaises(RuntimeError, write, b"late")
+        request, transport = self._answer(b"GET /r HTTP/1.1\r\nHost: x\r\n\r\n")
+        write = body_writer(request)
+        request.connectionLost(Failure(ConnectionDone()))
+        write(b"dropped")
+        self.assertEqual(transport.value(), b"")
+
+    def test_falls_back_to_request_write(self) -> None:
+        """Before the head, for a HEAD request, for an encoded answer, and for a request
+        class with its own write: ``request.write`` itself."""
+        channel, _, resource = _serve(HTTPChannel)
+        channel.dataReceived(b"GET /r HTTP/1.1\r\nHost: x\r\n\r\n")
+        request = resource.requests[0]
+        self.assertEqual(body_writer(request), request.write)  # head not out yet
+        head, _ = self._answer(b"HEAD /r HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertEqual(body_writer(head), head.write)
+        encoded, _ = self._answer(b"GET /r HTTP/1.1\r\nHost: x\r\n\r\n")
+        encoded._encoder = object()
+        self.assertEqual(body_writer(encoded), encoded.write)
+        dummy = DummyRequest([b"r"])
+        dummy.startedWriting = 1
+        self.assertEqual(body_writer(dummy), dummy.write)  # type: ignore[arg-type]

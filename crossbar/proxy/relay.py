@@ -43,7 +43,7 @@ from zope.interface import implementer
 
 from crossbar.ops.figures import TAIL_BYTES, Figures, read_figures
 from crossbar.upstream.failures import describe_failure
-from crossbar.upstream.twisted_private import client_is_paused, pending_write_bytes
+from crossbar.upstream.twisted_private import body_writer, client_is_paused, pending_write_bytes
 
 __all__ = ["Relay", "RelayEnd", "RelayState"]
 
@@ -103,6 +103,7 @@ class Relay(Protocol):
     def __init__(self, request: Request, clock: IReactorTime, idle_timeout: float, client_stall: float = 60.0,
                  host: str = "", seen: dict[str, float] | None = None, content_type: bytes | None = None) -> None:
         self.request = request
+        self._write = request.write  # body_writer's once the head is out (start)
         self.content_type = content_type
         self._clock = clock
         self.idle_timeout = idle_timeout
@@ -128,6 +129,7 @@ class Relay(Protocol):
     def start(self, response: IResponse) -> None:
         """Register with the client's connection and start reading ``response``'s body."""
         self._response = response
+        self._write = body_writer(self.request)
         self.request.registerProducer(self, True)
         self._arm_stall(held=False)
         if client_is_paused(self.request):
@@ -185,7 +187,7 @@ class Relay(Protocol):
         kept = self._tail_bytes = self._tail_bytes + size
         if kept - len(tail[0]) >= TAIL_BYTES:
             self._trim()
-        self.request.write(data)
+        self._write(data)
 
     def _trim(self) -> None:
         """Drop the oldest chunks not needed to cover the last :data:`TAIL_BYTES`."""
