@@ -483,3 +483,104 @@ class BodyWriterTouchpointTests(_Private):
         dummy = DummyRequest([b"r"])
         dummy.startedWriting = 1
         self.assertEqual(body_writer(dummy), dummy.write)  # type: ignore[arg-type]
+
+
+# -- touchpoint 9: the epoll reactor's dispatch without log.callWithLogger -----------------
+
+
+class _Readable:
+    """A descriptor on one end of a socket pair: records the legacy log context's
+    ``system`` while its ``doRead`` runs, logs through the legacy ``log.msg``, and can be
+    made to fail in ``doRead`` and again in ``connectionLost``."""
+
+    def __init__(self, sock: socket.socket, prefix: str, fail: bool = False) -> None:
+        self.sock, self.prefix, self.fail = sock, prefix, fail
+        self.seen: list[str] = []
+        self.lost: list[Failure] = []
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def logPrefix(self) -> str:
+        if self.prefix == "buggy":
+            raise KeyError("no prefix")
+        return self.prefix
+
+    def doRead(self) -> None:
+        from twisted.python import context, log
+
+        self.sock.recv(100)
+        self.seen.append(context.get(log.ILogContext)["system"])
+        log.msg("inside doRead")
+        if self.fail:
+            raise ValueError("doRead failed")
+
+    def connectionLost(self, reason: Failure) -> None:
+        self.lost.append(reason)
+        if self.fail:
+            raise RuntimeError("connectionLost failed too")  # escapes _doReadOrWrite
+
+
+class LeanDispatchTouchpointTests(_Private):
+    def test_names_exist(self) -> None:
+        from twisted.internet import epollreactor
+        from twisted.python import context, log
+
+        r = epollreactor.EPollReactor
+        self.require_attribute(r, "doPoll", 9)
+        self.require_attribute(r, "_doReadOrWrite", 9)
+        if r.doIteration is not r.doPoll:
+            self.fail(moved("EPollReactor.doIteration", 9, "it is no longer doPoll"))
+        source = inspect.getsource(r.doPoll)
+        for needed in ("self._poller.poll(timeout, len(self._selectables))", "log.callWithLogger(selectable, _drdw"):
+            if needed not in source:
+                self.fail(moved("EPollReactor.doPoll", 9, f"it no longer says {needed!r}"))
+        if "callWithContext({\"system\": lp}" not in inspect.getsource(log.callWithLogger):
+            self.fail(moved("twisted.python.log.callWithLogger", 9, "its context is no longer {'system': logPrefix}"))
+        self.require_attribute(context.theContextTracker, "currentContext", 9)
+        self.assertIsInstance(context.theContextTracker.currentContext().contexts, list,
+                              moved("ContextTracker.contexts", 9, "no longer a list"))
+
+    def _turn(self, lean: bool, prefix: str, fail: bool) -> tuple[list[str], list[tuple[str, str]], int, bool]:
+        """One turn of a fresh epoll reactor (Twisted's dispatch or the lean one) with one
+        ready descriptor: what ``system`` it saw, the legacy events (message or failure,
+        system), how often it was told it was lost, and whether it is still a reader."""
+        from twisted.internet.epollreactor import EPollReactor
+        from twisted.python import log
+
+        from crossbar.upstream.twisted_private import lean_dispatch
+
+        r = EPollReactor()
+        self.addCleanup(r._poller.close)
+        a, b = socket.socketpair()
+        self.addCleanup(a.close)
+        self.addCleanup(b.close)
+        reader = _Readable(a, prefix, fail)
+        if lean:
+            self.assertTrue(lean_dispatch(r))
+            self.assertFalse(lean_dispatch(r), "installed once")
+        r.addReader(reader)  # type: ignore[arg-type]
+        b.send(b"x")
+        events: list[dict[str, Any]] = []
+        log.addObserver(events.append)
+        try:
+            r.doIteration(0)
+        finally:
+            log.removeObserver(events.append)
+        got = [(" ".join(map(str, e.get("message", ()))) or type(e["failure"].value).__name__, e.get("system", ""))
+               for e in events]
+        self.flushLoggedErrors(ValueError, RuntimeError, KeyError)
+        return reader.seen, got, len(reader.lost), reader in r.getReaders()
+
+    def test_same_context_logs_and_errors_as_twisted(self) -> None:
+        for prefix, fail in (("Reader,7,127.0.0.1", False), ("Reader,7,127.0.0.1", True), ("buggy", False)):
+            twisted_way = self._turn(False, prefix, fail)
+            lean = self._turn(True, prefix, fail)
+            self.assertEqual(lean, twisted_way, f"prefix {prefix!r}, failing {fail}")
+            self.assertEqual(twisted_way[0], ["(buggy logPrefix method)" if prefix == "buggy" else prefix])
+
+    def test_only_an_epoll_reactor(self) -> None:
+        from crossbar.upstream.twisted_private import lean_dispatch
+
+        self.assertFalse(lean_dispatch(MemoryReactor()))
+        self.assertFalse(lean_dispatch(Clock()))

@@ -38,7 +38,7 @@ from crossbar.state.runtime import Runtime
 from crossbar.upstream.tls import HostTLS
 from crossbar.ops.systemd import Notifier, SystemdNotifier, watchdog_interval
 from crossbar.upstream.pools import PollAgent, UpstreamEndpoints, UpstreamPools, poll_pool
-from crossbar.upstream.twisted_private import cache_log_timestamps
+from crossbar.upstream.twisted_private import cache_log_timestamps, lean_dispatch
 from crossbar.waiting import Condition
 from crossbar.process.listen import ListenService, listen_endpoint
 from crossbar.proxy.web import CrossbarSite, Root
@@ -394,6 +394,9 @@ def make_daemon(config: Config, twistd: Mapping[str, Any] | None = None, stall: 
     :raises ConfigError: as :func:`make_service` and :class:`~crossbar.process.supervisor.Supervisor`.
     """
     cache_log_timestamps()  # twistd's text log: its time stamp formatted once per second
+    from twisted.internet import reactor
+
+    lean_dispatch(reactor)  # no log.callWithLogger layers per ready descriptor
     if config.workers > 1:
         from crossbar.process.supervisor import WorkerTimings, make_supervisor
 

@@ -168,6 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     from crossbar.process.service import CrossbarService
     from crossbar.state.box_limits import BoxLimits
     from crossbar.state.shared import SharedCounts
+    from crossbar.upstream.twisted_private import lean_dispatch
 
     try:
         config = load_config(args.config, text=read_config_text(args.snapshot))
@@ -254,6 +255,7 @@ def main(argv: list[str] | None = None) -> None:
 
     reactor.callWhenRunning(start)
     reactor.callWhenRunning(heartbeat.start, args.heartbeat)
+    lean_dispatch(reactor)  # no log.callWithLogger layers per ready descriptor
     reactor.callWhenRunning(lambda: service.when_ready().addCallbacks(ready, lambda f: None))
     reactor.addSystemEventTrigger("before", "shutdown", service.stopService)
     reactor.run(installSignalHandlers=False)
