@@ -58,6 +58,9 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=60)
     ap.add_argument("--streams", type=int, default=0, metavar="N",
                     help="drive N streams of 200 events 5 ms apart (bench (b)'s shape) instead of wrk: figures per event")
+    ap.add_argument("--burst", type=int, default=0, metavar="N",
+                    help="open N one-event streams at once, each on a new connection, again and again "
+                         "(the start of bench (b)'s burst) instead of wrk: figures per stream")
     ap.add_argument("--save", metavar="FILE", help="with --profile: keep the profile (and the request count) in FILE")
     ap.add_argument("--diff", nargs=2, metavar=("BEFORE", "AFTER"),
                     help="compare two --save files: calls per request by function, largest changes first")
@@ -125,6 +128,23 @@ def main() -> None:
                     raise SystemExit(f"cpu_probe: {a.streams - res.completed} streams failed")
                 return sum(s.events for s in res.streams)
 
+        if a.burst:
+            sys.path.insert(0, str(HERE))
+            import asyncio
+
+            from load import run_streams
+
+            def wrk(seconds: int) -> int:  # noqa: F811 - bursts drive instead of wrk
+                async def bursts() -> int:
+                    done, end = 0, time.monotonic() + seconds
+                    while time.monotonic() < end:
+                        res = await run_streams("127.0.0.1", port, "/bench", a.burst, 1, 0, 60)
+                        if res.completed != a.burst:
+                            raise SystemExit(f"cpu_probe: {a.burst - res.completed} streams of a burst failed")
+                        done += a.burst
+                    return done
+                return asyncio.run(bursts())
+
         wrk(1)  # warm-up: connections, pools, caches
         if a.profile:
             cb.send_signal(signal.SIGUSR2)
@@ -135,7 +155,7 @@ def main() -> None:
             n = wrk(a.seconds)
             per.append((cpu() - c0) / n * 1e6)
             served += n
-            unit = "event" if a.streams else "request"
+            unit = "event" if a.streams else "stream" if a.burst else "request"
             print(f"{unit}s {n}  crossbar CPU us/{unit} {per[-1]:.1f}", flush=True)
         print(f"median CPU us/{unit} {sorted(per)[len(per) // 2]:.1f}" + ("  (profiled)" if a.profile else ""))
         if a.profile:
