@@ -480,6 +480,17 @@ class BodyWriterTouchpointTests(_Private):
         encoded, _ = self._answer(b"GET /r HTTP/1.1\r\nHost: x\r\n\r\n")
         encoded._encoder = object()
         self.assertEqual(body_writer(encoded), encoded.write)
+        for code in (204, 304):  # Twisted makes write a no-op once such a head is out
+            channel, transport, resource = _serve(HTTPChannel)
+            channel.dataReceived(b"GET /r HTTP/1.1\r\nHost: x\r\n\r\n")
+            empty = resource.requests[0]
+            empty.setResponseCode(code)
+            empty.write(b"")
+            transport.clear()
+            write = body_writer(empty)
+            self.assertEqual(write, empty.write)
+            write(b"no body")
+            self.assertEqual((transport.value(), empty.sentLength), (b"", 0))
         dummy = DummyRequest([b"r"])
         dummy.startedWriting = 1
         self.assertEqual(body_writer(dummy), dummy.write)  # type: ignore[arg-type]
@@ -495,7 +506,7 @@ class _Readable:
 
     def __init__(self, sock: socket.socket, prefix: str, fail: bool = False) -> None:
         self.sock, self.prefix, self.fail = sock, prefix, fail
-        self.seen: list[str] = []
+        self.seen: list[tuple[tuple[str, str], ...]] = []
         self.lost: list[Failure] = []
 
     def fileno(self) -> int:
@@ -510,7 +521,7 @@ class _Readable:
         from twisted.python import context, log
 
         self.sock.recv(100)
-        self.seen.append(context.get(log.ILogContext)["system"])
+        self.seen.append(tuple(sorted(context.get(log.ILogContext).items())))
         log.msg("inside doRead")
         if self.fail:
             raise ValueError("doRead failed")
@@ -532,7 +543,8 @@ class LeanDispatchTouchpointTests(_Private):
         if r.doIteration is not r.doPoll:
             self.fail(moved("EPollReactor.doIteration", 9, "it is no longer doPoll"))
         source = inspect.getsource(r.doPoll)
-        for needed in ("self._poller.poll(timeout, len(self._selectables))", "log.callWithLogger(selectable, _drdw"):
+        for needed in ("self._poller.poll(timeout, len(self._selectables))", "log.callWithLogger(selectable, _drdw",
+                       "if err.errno == errno.EINTR:", "selectable = self._selectables[fd]", "timeout = -1"):
             if needed not in source:
                 self.fail(moved("EPollReactor.doPoll", 9, f"it no longer says {needed!r}"))
         if "callWithContext({\"system\": lp}" not in inspect.getsource(log.callWithLogger):
@@ -541,43 +553,108 @@ class LeanDispatchTouchpointTests(_Private):
         self.assertIsInstance(context.theContextTracker.currentContext().contexts, list,
                               moved("ContextTracker.contexts", 9, "no longer a list"))
 
-    def _turn(self, lean: bool, prefix: str, fail: bool) -> tuple[list[str], list[tuple[str, str]], int, bool]:
-        """One turn of a fresh epoll reactor (Twisted's dispatch or the lean one) with one
-        ready descriptor: what ``system`` it saw, the legacy events (message or failure,
-        system), how often it was told it was lost, and whether it is still a reader."""
+    def _turn(self, lean: bool, readers: list[tuple[str, bool]]) -> tuple[Any, ...]:
+        """One turn of a fresh epoll reactor (Twisted's dispatch or the lean one), inside
+        an outer log context with a key of its own, with ``readers`` (prefix, failing)
+        ready: the log context each saw, the legacy events (message or failure, system),
+        how often each was told it was lost and whether it is still a reader, and the
+        context stack's depth and log context after the turn."""
         from twisted.internet.epollreactor import EPollReactor
-        from twisted.python import log
+        from twisted.python import context, log
 
         from crossbar.upstream.twisted_private import lean_dispatch
 
         r = EPollReactor()
         self.addCleanup(r._poller.close)
-        a, b = socket.socketpair()
-        self.addCleanup(a.close)
-        self.addCleanup(b.close)
-        reader = _Readable(a, prefix, fail)
         if lean:
             self.assertTrue(lean_dispatch(r))
             self.assertFalse(lean_dispatch(r), "installed once")
-        r.addReader(reader)  # type: ignore[arg-type]
-        b.send(b"x")
+        ready = []
+        for prefix, fail in readers:
+            a, b = socket.socketpair()
+            self.addCleanup(a.close)
+            self.addCleanup(b.close)
+            reader = _Readable(a, prefix, fail)
+            r.addReader(reader)  # type: ignore[arg-type]
+            b.send(b"x")
+            ready.append(reader)
         events: list[dict[str, Any]] = []
         log.addObserver(events.append)
+        stack = context.theContextTracker.currentContext().contexts
         try:
-            r.doIteration(0)
+            depth = len(stack)
+            outer = dict(context.get(log.ILogContext), extra="outer key")
+            context.call({log.ILogContext: outer}, r.doIteration, 0)
+            after = (len(stack) - depth, context.get(log.ILogContext))
         finally:
             log.removeObserver(events.append)
-        got = [(" ".join(map(str, e.get("message", ()))) or type(e["failure"].value).__name__, e.get("system", ""))
-               for e in events]
+        got = sorted((" ".join(map(str, e.get("message", ()))) or type(e["failure"].value).__name__,
+                      e.get("system", "")) for e in events)
         self.flushLoggedErrors(ValueError, RuntimeError, KeyError)
-        return reader.seen, got, len(reader.lost), reader in r.getReaders()
+        seen = sorted((tuple(reader.seen), len(reader.lost), reader in r.getReaders()) for reader in ready)
+        return seen, got, after
 
     def test_same_context_logs_and_errors_as_twisted(self) -> None:
-        for prefix, fail in (("Reader,7,127.0.0.1", False), ("Reader,7,127.0.0.1", True), ("buggy", False)):
-            twisted_way = self._turn(False, prefix, fail)
-            lean = self._turn(True, prefix, fail)
-            self.assertEqual(lean, twisted_way, f"prefix {prefix!r}, failing {fail}")
-            self.assertEqual(twisted_way[0], ["(buggy logPrefix method)" if prefix == "buggy" else prefix])
+        for readers in ([("Reader,7,127.0.0.1", False)], [("Reader,7,127.0.0.1", True)], [("buggy", False)],
+                        [("A,1,127.0.0.1", False), ("B,2,127.0.0.1", True), ("buggy", True)]):
+            twisted_way = self._turn(False, readers)
+            lean = self._turn(True, readers)
+            self.assertEqual(lean, twisted_way, f"readers {readers}")
+            self.assertEqual(twisted_way[2], (0, {"system": "-"}), "the context stack is back where it was")
+            for prefix, fail in readers:  # each saw its own system and the outer context's other keys
+                system = "(buggy logPrefix method)" if prefix == "buggy" else prefix
+                self.assertIn(((( ("extra", "outer key"), ("system", system)),), int(fail), not fail), twisted_way[0])
+
+    def test_keyboard_interrupt_and_poll_errors(self) -> None:
+        """``KeyboardInterrupt`` from a descriptor goes through; ``EINTR`` from
+        ``epoll_wait`` ends the turn quietly, another error is raised."""
+        from twisted.internet.epollreactor import EPollReactor
+
+        from crossbar.upstream.twisted_private import lean_dispatch
+
+        class _Interrupting(_Readable):
+            def logPrefix(self) -> str:
+                raise KeyboardInterrupt()
+
+        class _LostInterrupting(_Readable):
+            def connectionLost(self, reason: Failure) -> None:
+                raise KeyboardInterrupt()
+
+        class _Poller:
+            def __init__(self, errno_: int) -> None:
+                self.errno = errno_
+
+            def poll(self, timeout: float, most: int) -> list[tuple[int, int]]:
+                raise OSError(self.errno, "poll failed")
+
+        import errno
+
+        for lean in (False, True):
+            r = EPollReactor()
+            self.addCleanup(r._poller.close)
+            if lean:
+                lean_dispatch(r)
+            a, b = socket.socketpair()
+            self.addCleanup(a.close)
+            self.addCleanup(b.close)
+            r.addReader(_Interrupting(a, "x"))  # type: ignore[arg-type]
+            b.send(b"x")
+            self.assertRaises(KeyboardInterrupt, r.doIteration, 0)
+            r.removeAll()
+            r.addReader(_LostInterrupting(a, "x", fail=True))  # type: ignore[arg-type]
+            self.assertRaises(KeyboardInterrupt, r.doIteration, 0)  # from connectionLost, past _doReadOrWrite
+            self.flushLoggedErrors(ValueError)
+            for code, raised in ((errno.EINTR, False), (errno.EBADF, True)):
+                r = EPollReactor()
+                self.addCleanup(r._poller.close)
+                real, r._poller = r._poller, _Poller(code)
+                self.addCleanup(real.close)
+                if lean:
+                    lean_dispatch(r)
+                if raised:
+                    self.assertRaises(OSError, r.doIteration, 0)
+                else:
+                    self.assertIsNone(r.doIteration(0))
 
     def test_only_an_epoll_reactor(self) -> None:
         from crossbar.upstream.twisted_private import lean_dispatch

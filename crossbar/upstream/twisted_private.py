@@ -160,10 +160,11 @@ def body_writer(request: Request) -> Callable[[bytes], None]:
     ``%x\\r\\n`` size line and ``\\r\\n`` when the answer is chunked) to the same transport,
     ``sentLength`` counted, nothing written to a client that is gone, Twisted's
     ``RuntimeError`` after ``finish``. ``request.write`` itself when the head is not out
-    yet, or the answer is a HEAD's or encoded, or a class on the way overrides a
-    ``write`` this skips."""
+    yet, or the answer has no body (a HEAD's, a 204 or 304: Twisted made its ``write`` a
+    no-op) or is encoded, or a class on the way overrides a ``write`` this skips."""
     channel: Any = getattr(request, "channel", None)
-    if (type(request).write is not Request.write or not request.startedWriting or request.method == b"HEAD"
+    if (type(request).write is not Request.write or "write" in vars(request)  # HEAD, 204, 304: Twisted's no-op
+            or not request.startedWriting or request.method == b"HEAD"
             or request._encoder is not None or request._inFakeHead or not isinstance(channel, HTTPChannel) or type(channel).write is not HTTPChannel.write
             or type(channel).writeSequence is not HTTPChannel.writeSequence or channel.transport is None):
         return request.write
@@ -188,8 +189,8 @@ def lean_dispatch(reactor: Any) -> bool:
     descriptor's ``doRead``/``doWrite`` runs, the legacy log context's ``system`` is its
     ``logPrefix()`` (what ``twisted.python.log.msg`` and ``err`` stamp on events), an
     exception escaping the dispatch is logged with that ``system`` and the loop goes on,
-    ``KeyboardInterrupt`` goes through. Call on the reactor's thread; once is enough
-    (returns False the second time, and for any other reactor, changing nothing)."""
+    ``KeyboardInterrupt`` goes through. Once is enough (returns False the second time,
+    and for any other reactor, changing nothing)."""
     from twisted.internet.epollreactor import EPollReactor
     from twisted.python import context, log
 
@@ -199,7 +200,6 @@ def lean_dispatch(reactor: Any) -> bool:
     poll = reactor._poller.poll
     selectables: dict[int, Any] = reactor._selectables
     dispatch = reactor._doReadOrWrite
-    contexts: list[dict[Any, Any]] = context.theContextTracker.currentContext().contexts
     log_context = log.ILogContext
     log_error = log.err
 
@@ -210,7 +210,11 @@ def lean_dispatch(reactor: Any) -> bool:
             if e.errno == errno.EINTR:
                 return
             raise
-        outer = context.get(log_context)  # the same for every descriptor of this turn
+        # this thread's context stack, and its log context: the same for every descriptor of this turn
+        tracker = context.theContextTracker
+        contexts: list[dict[Any, Any]] = (
+            tracker.currentContext() if hasattr(tracker, "currentContext") else tracker).contexts
+        outer = context.get(log_context)
         for fd, event in events:
             selectable = selectables.get(fd)
             if selectable is None:
