@@ -211,7 +211,7 @@ def lean_dispatch(reactor: Any) -> bool:
                 return
             raise
         # this thread's context stack, and its log context: the same for every descriptor of this turn
-        tracker = context.theContextTracker
+        tracker: Any = context.theContextTracker
         contexts: list[dict[Any, Any]] = (
             tracker.currentContext() if hasattr(tracker, "currentContext") else tracker).contexts
         outer = context.get(log_context)
