@@ -605,6 +605,39 @@ class LeanDispatchTouchpointTests(_Private):
                 system = "(buggy logPrefix method)" if prefix == "buggy" else prefix
                 self.assertIn(((( ("extra", "outer key"), ("system", system)),), int(fail), not fail), twisted_way[0])
 
+    def test_the_loops_thread(self) -> None:
+        """Installed on one thread, run on another: the loop's thread's context stack is
+        the one pushed to and read from (Twisted's thread-local tracker)."""
+        import threading
+
+        from twisted.internet.epollreactor import EPollReactor
+        from twisted.python import context, log
+
+        from crossbar.upstream.twisted_private import lean_dispatch
+
+        r = EPollReactor()
+        self.addCleanup(r._poller.close)
+        self.assertTrue(lean_dispatch(r))
+        a, b = socket.socketpair()
+        self.addCleanup(a.close)
+        self.addCleanup(b.close)
+        reader = _Readable(a, "Reader,3,127.0.0.1")
+        r.addReader(reader)  # type: ignore[arg-type]
+        b.send(b"x")
+        main_stack = list(context.theContextTracker.currentContext().contexts)
+        after: list[Any] = []
+
+        def loop() -> None:
+            context.call({log.ILogContext: {"system": "-", "thread": "yes"}}, r.doIteration, 0)
+            after.append(len(context.theContextTracker.currentContext().contexts))
+
+        thread = threading.Thread(target=loop)
+        thread.start()
+        thread.join()
+        self.assertEqual(reader.seen, [(("system", "Reader,3,127.0.0.1"), ("thread", "yes"))])
+        self.assertEqual(after, [1])
+        self.assertEqual(context.theContextTracker.currentContext().contexts, main_stack)
+
     def test_keyboard_interrupt_and_poll_errors(self) -> None:
         """``KeyboardInterrupt`` from a descriptor goes through; ``EINTR`` from
         ``epoll_wait`` ends the turn quietly, another error is raised."""

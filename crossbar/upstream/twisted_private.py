@@ -203,6 +203,8 @@ def lean_dispatch(reactor: Any) -> bool:
     log_context = log.ILogContext
     log_error = log.err
 
+    contexts: list[dict[Any, Any]] = []  # the context stack of the thread running the loop (first_turn)
+
     def doPoll(timeout: float | None) -> None:
         try:
             events = poll(-1 if timeout is None else timeout, len(selectables))
@@ -210,11 +212,7 @@ def lean_dispatch(reactor: Any) -> bool:
             if e.errno == errno.EINTR:
                 return
             raise
-        # this thread's context stack, and its log context: the same for every descriptor of this turn
-        tracker: Any = context.theContextTracker
-        contexts: list[dict[Any, Any]] = (
-            tracker.currentContext() if hasattr(tracker, "currentContext") else tracker).contexts
-        outer = context.get(log_context)
+        outer = context.get(log_context)  # the same for every descriptor of this turn
         for fd, event in events:
             selectable = selectables.get(fd)
             if selectable is None:
@@ -239,7 +237,15 @@ def lean_dispatch(reactor: Any) -> bool:
             except BaseException:
                 log_error(system=system)
 
-    setattr(reactor, "doIteration", doPoll)  # mainLoop calls self.doIteration(t)
+    def first_turn(timeout: float | None) -> None:
+        """Find the context stack of the thread that runs the loop, then turn leanly."""
+        nonlocal contexts
+        tracker: Any = context.theContextTracker
+        contexts = (tracker.currentContext() if hasattr(tracker, "currentContext") else tracker).contexts
+        setattr(reactor, "doIteration", doPoll)
+        doPoll(timeout)
+
+    setattr(reactor, "doIteration", first_turn)  # mainLoop calls self.doIteration(t)
     return True
 
 
