@@ -638,6 +638,66 @@ class LeanDispatchTouchpointTests(_Private):
         self.assertEqual(after, [1])
         self.assertEqual(context.theContextTracker.currentContext().contexts, main_stack)
 
+    def test_upstreams_first_then_clients_within_the_budget(self) -> None:
+        """Connections crossbar made go first; the others until the turn is
+        INCOMING_BUDGET old (at least one per turn); the rest come in the next turn."""
+        from twisted.internet.epollreactor import EPollReactor
+        from twisted.internet.tcp import Client
+
+        from crossbar.upstream.twisted_private import INCOMING_BUDGET, lean_dispatch
+
+        now = [0.0]
+        order: list[str] = []
+
+        class _Client(_Readable):  # a client's connection: each read takes 60% of the budget
+            def doRead(self) -> None:
+                super().doRead()
+                order.append(self.prefix)
+                now[0] += 0.6 * INCOMING_BUDGET
+
+        class _Made(_Readable, Client):  # a connection crossbar made (an upstream)
+            def doRead(self) -> None:
+                super().doRead()
+                order.append(self.prefix)
+
+        r = EPollReactor()
+        self.addCleanup(r._poller.close)
+        self.assertTrue(lean_dispatch(r, clock=lambda: now[0]))
+        ready = [_Client, _Made, _Client, _Client, _Made]
+        for n, kind in enumerate(ready):
+            a, b = socket.socketpair()
+            self.addCleanup(a.close)
+            self.addCleanup(b.close)
+            r.addReader(kind(a, f"{kind.__name__}{n}"))  # type: ignore[arg-type]
+            b.send(b"x")
+        r.doIteration(0)
+        self.assertEqual(sorted(order[:2]), ["_Made1", "_Made4"], f"upstreams first: {order}")
+        self.assertEqual(len(order), 4, f"two clients within the budget, the third waits: {order}")
+        r.doIteration(0)
+        self.assertEqual(len(order), 5, order)
+        self.assertEqual(sorted(order), ["_Client0", "_Client2", "_Client3", "_Made1", "_Made4"])
+        class _Slow(_Client):  # a read longer than the whole budget: still one per turn
+            def doRead(self) -> None:
+                super().doRead()
+                now[0] += INCOMING_BUDGET
+
+        class _SlowMade(_Made):  # upstream work that alone takes twice the budget
+            def doRead(self) -> None:
+                super().doRead()
+                now[0] += 2 * INCOMING_BUDGET
+
+        for n, kind in enumerate([_Slow, _SlowMade, _Slow]):
+            a, b = socket.socketpair()
+            self.addCleanup(a.close)
+            self.addCleanup(b.close)
+            r.addReader(kind(a, f"slow{n}"))  # type: ignore[arg-type]
+            b.send(b"x")
+        r.doIteration(0)
+        self.assertEqual(len(order), 7, f"the upstream, then one client however late the turn is: {order}")
+        self.assertEqual(order[5], "slow1")
+        r.doIteration(0)
+        self.assertEqual(len(order), 8)
+
     def test_keyboard_interrupt_and_poll_errors(self) -> None:
         """``KeyboardInterrupt`` from a descriptor goes through; ``EINTR`` from
         ``epoll_wait`` ends the turn quietly, another error is raised."""

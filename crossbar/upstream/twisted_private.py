@@ -54,7 +54,9 @@ take a new Twisted on purpose, after that test and the suite pass.
    ``*args`` calls and dict copies cost ~16k instructions per read, ~30% of a relayed
    event (issue 23). The replacement pushes the same log context (the descriptor's
    ``logPrefix()`` as ``system``), logs an escaping error as ``callWithLogger`` does, and
-   handles ``epoll_wait`` as ``doPoll`` does, in one loop.
+   handles ``epoll_wait`` as ``doPoll`` does, in one loop. That loop also orders a turn:
+   upstream connections first, then clients' descriptors within a time budget (the rest
+   next turn), so a burst of new requests does not hold running streams' events.
 """
 
 from __future__ import annotations
@@ -183,15 +185,32 @@ def body_writer(request: Request) -> Callable[[bytes], None]:
     return write
 
 
-def lean_dispatch(reactor: Any) -> bool:
+INCOMING_BUDGET = 0.005
+"""Seconds into a reactor turn after which descriptors crossbar did not connect (clients'
+connections, the listening port, pipes) wait for the next turn, the upstream
+connections' events having gone first (:func:`lean_dispatch`)."""
+
+
+def lean_dispatch(reactor: Any, clock: Callable[[], float] = time.monotonic) -> bool:
     """Make ``reactor`` (an ``EPollReactor``, Linux's default) dispatch ready descriptors
     without ``log.callWithLogger``'s layers (touchpoint 9), with its effects: while a
     descriptor's ``doRead``/``doWrite`` runs, the legacy log context's ``system`` is its
     ``logPrefix()`` (what ``twisted.python.log.msg`` and ``err`` stamp on events), an
     exception escaping the dispatch is logged with that ``system`` and the loop goes on,
-    ``KeyboardInterrupt`` goes through. Once is enough (returns False the second time,
-    and for any other reactor, changing nothing)."""
+    ``KeyboardInterrupt`` goes through.
+
+    And in one order: when several descriptors are ready, the connections crossbar made
+    (``tcp.Client``: upstreams, polls) go first, then the others (clients' connections,
+    the listening port) until the turn is :data:`INCOMING_BUDGET` seconds of ``clock``
+    old, at least one of them per turn. Those left are reported again by the next
+    ``epoll_wait`` (level-triggered), a moment later: a burst of new requests cannot hold
+    the events of streams already running for longer than that (docs/design.md §Quality
+    bar: a chunk reaches the client without waiting; issue 23: the burst's lag p99).
+
+    Once is enough (returns False the second time, and for any other reactor, changing
+    nothing)."""
     from twisted.internet.epollreactor import EPollReactor
+    from twisted.internet.tcp import Client
     from twisted.python import context, log
 
     if (not isinstance(reactor, EPollReactor) or "doIteration" in vars(reactor)
@@ -213,7 +232,16 @@ def lean_dispatch(reactor: Any) -> bool:
                 return
             raise
         outer = context.get(log_context)  # the same for every descriptor of this turn
+        left, deadline = len(events), 0.0  # left: dispatches before the budget is looked at
+        if left > 1:  # the connections crossbar made (upstreams) first; the rest within the budget
+            made = [item for item in events if isinstance(selectables.get(item[0]), Client)]
+            if len(made) != left:
+                events = made + [item for item in events if not isinstance(selectables.get(item[0]), Client)]
+                left, deadline = len(made) + 1, clock() + INCOMING_BUDGET
         for fd, event in events:
+            left -= 1
+            if left < 0 and clock() > deadline:
+                break  # level-triggered: the next epoll_wait reports the rest again
             selectable = selectables.get(fd)
             if selectable is None:
                 continue
