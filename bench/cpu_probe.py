@@ -116,12 +116,13 @@ def main() -> None:
                 raise SystemExit(f"cpu_probe: wrk:\n{out}")
             return int(m.group(1))
 
-        if a.streams:
+        if a.streams or a.burst:
             sys.path.insert(0, str(HERE))
             import asyncio
 
             from load import run_streams
 
+        if a.streams:
             def wrk(seconds: int) -> int:  # noqa: F811 - the streams drive instead of wrk's
                 res = asyncio.run(run_streams("127.0.0.1", port, "/bench", a.streams, 200, 5, 60))
                 if res.completed != a.streams:
@@ -129,11 +130,6 @@ def main() -> None:
                 return sum(s.events for s in res.streams)
 
         if a.burst:
-            sys.path.insert(0, str(HERE))
-            import asyncio
-
-            from load import run_streams
-
             def wrk(seconds: int) -> int:  # noqa: F811 - bursts drive instead of wrk
                 async def bursts() -> int:
                     done, end = 0, time.monotonic() + seconds

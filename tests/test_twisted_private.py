@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import inspect
 import socket
-from typing import Any
+from typing import Any, Callable
 
 import twisted
 from twisted.internet import reactor
@@ -533,6 +533,17 @@ class _Readable:
 
 
 class LeanDispatchTouchpointTests(_Private):
+    def _ready(self, reactor: Any, make: Callable[[socket.socket], _Readable]) -> _Readable:
+        """A descriptor made by ``make`` on one end of a socket pair, added to
+        ``reactor`` as a reader, with a byte waiting for it."""
+        a, b = socket.socketpair()
+        self.addCleanup(a.close)
+        self.addCleanup(b.close)
+        reader = make(a)
+        reactor.addReader(reader)
+        b.send(b"x")
+        return reader
+
     def test_names_exist(self) -> None:
         from twisted.internet import epollreactor
         from twisted.python import context, log
@@ -569,15 +580,7 @@ class LeanDispatchTouchpointTests(_Private):
         if lean:
             self.assertTrue(lean_dispatch(r))
             self.assertFalse(lean_dispatch(r), "installed once")
-        ready = []
-        for prefix, fail in readers:
-            a, b = socket.socketpair()
-            self.addCleanup(a.close)
-            self.addCleanup(b.close)
-            reader = _Readable(a, prefix, fail)
-            r.addReader(reader)  # type: ignore[arg-type]
-            b.send(b"x")
-            ready.append(reader)
+        ready = [self._ready(r, lambda sock, p=prefix, f=fail: _Readable(sock, p, f)) for prefix, fail in readers]
         events: list[dict[str, Any]] = []
         log.addObserver(events.append)
         stack = context.theContextTracker.currentContext().contexts
@@ -618,12 +621,7 @@ class LeanDispatchTouchpointTests(_Private):
         r = EPollReactor()
         self.addCleanup(r._poller.close)
         self.assertTrue(lean_dispatch(r))
-        a, b = socket.socketpair()
-        self.addCleanup(a.close)
-        self.addCleanup(b.close)
-        reader = _Readable(a, "Reader,3,127.0.0.1")
-        r.addReader(reader)  # type: ignore[arg-type]
-        b.send(b"x")
+        reader = self._ready(r, lambda sock: _Readable(sock, "Reader,3,127.0.0.1"))
         main_stack = list(context.theContextTracker.currentContext().contexts)
         after: list[Any] = []
 
@@ -665,11 +663,7 @@ class LeanDispatchTouchpointTests(_Private):
         self.assertTrue(lean_dispatch(r, clock=lambda: now[0]))
         ready = [_Client, _Made, _Client, _Client, _Made]
         for n, kind in enumerate(ready):
-            a, b = socket.socketpair()
-            self.addCleanup(a.close)
-            self.addCleanup(b.close)
-            r.addReader(kind(a, f"{kind.__name__}{n}"))  # type: ignore[arg-type]
-            b.send(b"x")
+            self._ready(r, lambda sock, k=kind, n=n: k(sock, f"{k.__name__}{n}"))
         r.doIteration(0)
         self.assertEqual(sorted(order[:2]), ["_Made1", "_Made4"], f"upstreams first: {order}")
         self.assertEqual(len(order), 4, f"two clients within the budget, the third waits: {order}")
@@ -687,11 +681,7 @@ class LeanDispatchTouchpointTests(_Private):
                 now[0] += 2 * INCOMING_BUDGET
 
         for n, kind in enumerate([_Slow, _SlowMade, _Slow]):
-            a, b = socket.socketpair()
-            self.addCleanup(a.close)
-            self.addCleanup(b.close)
-            r.addReader(kind(a, f"slow{n}"))  # type: ignore[arg-type]
-            b.send(b"x")
+            self._ready(r, lambda sock, k=kind, n=n: k(sock, f"slow{n}"))
         r.doIteration(0)
         self.assertEqual(len(order), 7, f"the upstream, then one client however late the turn is: {order}")
         self.assertEqual(order[5], "slow1")
@@ -727,14 +717,10 @@ class LeanDispatchTouchpointTests(_Private):
             self.addCleanup(r._poller.close)
             if lean:
                 lean_dispatch(r)
-            a, b = socket.socketpair()
-            self.addCleanup(a.close)
-            self.addCleanup(b.close)
-            r.addReader(_Interrupting(a, "x"))  # type: ignore[arg-type]
-            b.send(b"x")
+            interrupting = self._ready(r, lambda sock: _Interrupting(sock, "x"))
             self.assertRaises(KeyboardInterrupt, r.doIteration, 0)
             r.removeAll()
-            r.addReader(_LostInterrupting(a, "x", fail=True))  # type: ignore[arg-type]
+            r.addReader(_LostInterrupting(interrupting.sock, "x", fail=True))  # type: ignore[arg-type]
             self.assertRaises(KeyboardInterrupt, r.doIteration, 0)  # from connectionLost, past _doReadOrWrite
             self.flushLoggedErrors(ValueError)
             for code, raised in ((errno.EINTR, False), (errno.EBADF, True)):

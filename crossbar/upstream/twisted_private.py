@@ -71,8 +71,8 @@ from twisted.logger import Logger, LogLevel
 from twisted.web.http import HTTPChannel
 from twisted.web.server import Request
 
-__all__ = ["BadRequestHook", "body_writer", "cache_log_timestamps", "client_is_paused", "eager_writes", "emit_flattened", "flattened_line", "lean_dispatch",
-           "pending_write_bytes", "per_second", "wrap_port_logger"]
+__all__ = ["BadRequestHook", "body_writer", "cache_log_timestamps", "client_is_paused", "eager_writes", "emit_flattened",
+           "flattened_line", "lean_dispatch", "pending_write_bytes", "per_second", "wrap_port_logger"]
 
 
 class BadRequestHook:
@@ -165,10 +165,12 @@ def body_writer(request: Request) -> Callable[[bytes], None]:
     yet, or the answer has no body (a HEAD's, a 204 or 304: Twisted made its ``write`` a
     no-op) or is encoded, or a class on the way overrides a ``write`` this skips."""
     channel: Any = getattr(request, "channel", None)
-    if (type(request).write is not Request.write or "write" in vars(request)  # HEAD, 204, 304: Twisted's no-op
-            or not request.startedWriting or request.method == b"HEAD"
-            or request._encoder is not None or request._inFakeHead or not isinstance(channel, HTTPChannel) or type(channel).write is not HTTPChannel.write
-            or type(channel).writeSequence is not HTTPChannel.writeSequence or channel.transport is None):
+    if (type(request).write is not Request.write
+            or "write" in vars(request)  # HEAD, 204, 304: Twisted made it a no-op with the head
+            or not request.startedWriting or request._encoder is not None or request._inFakeHead
+            or not isinstance(channel, HTTPChannel) or channel.transport is None
+            or type(channel).write is not HTTPChannel.write
+            or type(channel).writeSequence is not HTTPChannel.writeSequence):
         return request.write
     fallback = request.write
     transport = channel.transport
@@ -234,9 +236,12 @@ def lean_dispatch(reactor: Any, clock: Callable[[], float] = time.monotonic) -> 
         outer = context.get(log_context)  # the same for every descriptor of this turn
         left, deadline = len(events), 0.0  # left: dispatches before the budget is looked at
         if left > 1:  # the connections crossbar made (upstreams) first; the rest within the budget
-            made = [item for item in events if isinstance(selectables.get(item[0]), Client)]
-            if len(made) != left:
-                events = made + [item for item in events if not isinstance(selectables.get(item[0]), Client)]
+            made: list[tuple[int, int]] = []
+            rest: list[tuple[int, int]] = []
+            for item in events:
+                (made if isinstance(selectables.get(item[0]), Client) else rest).append(item)
+            if rest:
+                events = made + rest
                 left, deadline = len(made) + 1, clock() + INCOMING_BUDGET
         for fd, event in events:
             left -= 1
