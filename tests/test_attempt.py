@@ -33,7 +33,7 @@ from twisted.web.client import (  # type: ignore[attr-defined]
 from twisted.web.http_headers import Headers
 
 from crossbar.upstream.h1client import KEEP_ALIVE_MARGIN
-from crossbar.proxy.attempt import STALE_WINDOW, Answer, Attempt, BytesProducer, FailureKind, UpstreamFailed
+from crossbar.proxy.attempt import Answer, Attempt, BytesProducer, FailureKind, UpstreamFailed
 from crossbar.upstream.pools import MAX_RESPONSE_HEAD, UpstreamPools
 
 URL = b"http://127.0.0.1:8080/v1/chat/completions"
@@ -216,11 +216,11 @@ class FakeRuleTests(SynchronousTestCase):
         self.failure(d, FailureKind.CONNECT)
         self.assertEqual(len(self.pools.agents), 1)
 
-    # -- a stale pooled connection
+    # -- a stale pooled connection (rule 7: retried once, fresh, same host, nothing marked down)
 
-    def retried_on(self, kind: type[Exception]) -> None:
-        d = self.start()
-        self.clock.advance(STALE_WINDOW / 2)
+    def retried_on(self, kind: type[Exception], after: float = 0.5) -> None:
+        d = self.start(body=b"a POST the host dropped with its idle connection")
+        self.clock.advance(after)
         self.pools.request(0).deferred.errback(stale(kind))
         self.assertNoResult(d)
         self.assertEqual([fresh for fresh, _, _ in self.pools.agents], [False, True])
@@ -233,21 +233,26 @@ class FakeRuleTests(SynchronousTestCase):
     def test_request_not_sent_is_retried_fresh(self) -> None:
         self.retried_on(RequestNotSent)
 
-    def not_retried_on(self, kind: type[Exception]) -> None:
-        """Issue 20 item 6, rule 7: once the request was written on the reused
-        connection the host may have read it: never sent again (mark down, 502)."""
-        d = self.start(body=b"a POST the host may have read")
-        self.clock.advance(STALE_WINDOW / 2)
-        self.pools.request(0).deferred.errback(stale(kind))
+    def test_request_transmission_failed_is_retried_fresh(self) -> None:
+        """Issue 29 item 1: the host closed the reused connection while the body went out."""
+        self.retried_on(RequestTransmissionFailed)
+
+    def test_response_never_received_is_retried_fresh(self) -> None:
+        """Issue 29 item 1: the request was written, the reused connection closed with no
+        byte of the answer (the host dropped it as idle; llama-server cancels that work)."""
+        self.retried_on(ResponseNeverReceived)
+
+    def test_retried_however_long_after_sending(self) -> None:
+        """No time window: what tells a stale connection is no byte of the answer."""
+        self.retried_on(ResponseNeverReceived, after=TIMEOUT / 2)
+
+    def test_part_of_an_answer_is_not_retried(self) -> None:
+        """A connection that sent bytes of an answer and died is the host failing (502)."""
+        d = self.start(body=b"a POST the host read")
+        self.pools.request(0).deferred.errback(stale(ResponseFailed))
         error = self.failure(d, FailureKind.REQUEST)
         self.assertTrue(error.reason.startswith("request failed: "), error.reason)
         self.assertEqual(len(self.pools.agents), 1)
-
-    def test_request_transmission_failed_is_not_retried(self) -> None:
-        self.not_retried_on(RequestTransmissionFailed)
-
-    def test_response_never_received_is_not_retried(self) -> None:
-        self.not_retried_on(ResponseNeverReceived)
 
     def test_retry_sends_the_body_again(self) -> None:
         self.start(body=b"hello")
@@ -258,19 +263,24 @@ class FakeRuleTests(SynchronousTestCase):
 
     def test_retried_once_only(self) -> None:
         d = self.start()
-        self.pools.request(0).deferred.errback(stale(RequestNotSent))
-        self.pools.request(1).deferred.errback(stale(RequestNotSent))
+        self.pools.request(0).deferred.errback(stale(ResponseNeverReceived))
+        self.pools.agents[1][2].connects = 1
+        self.pools.request(1).deferred.errback(stale(ResponseNeverReceived))
         error = self.failure(d, FailureKind.REQUEST)
-        self.assertIn("request failed", error.reason)
+        self.assertEqual(error.reason, "request failed: Connection was closed cleanly."
+                                       " (on a fresh connection, after a stale one)")
         self.assertEqual(len(self.pools.agents), 2)
 
-    def test_retry_failing_to_connect_is_a_connect_failure(self) -> None:
+    def test_retry_failing_to_connect_is_a_request_failure(self) -> None:
+        """The host may have read the request on the stale connection: a retry that
+        cannot connect is a 502 (mark down), never a failover to another host (rule 7)."""
         d = self.start()
-        self.pools.request(0).deferred.errback(stale(RequestNotSent))
+        self.pools.request(0).deferred.errback(stale(ResponseNeverReceived))
         refused = Failure(ConnectionRefusedError())
         self.pools.agents[1][2].connect_failure = refused
         self.pools.request(1).deferred.errback(refused)
-        self.failure(d, FailureKind.CONNECT)
+        error = self.failure(d, FailureKind.REQUEST)
+        self.assertIn("Connection was refused", error.reason)
 
     def test_not_retried_when_a_new_connection_was_opened(self) -> None:
         """The connection was new: the host itself failed, no pooled connection to blame."""
@@ -280,20 +290,6 @@ class FakeRuleTests(SynchronousTestCase):
         error = self.failure(d, FailureKind.REQUEST)
         self.assertEqual(error.reason, "request failed: Connection was closed cleanly.")
         self.assertEqual(len(self.pools.agents), 1)
-
-    def test_not_retried_after_the_stale_window(self) -> None:
-        d = self.start()
-        self.clock.advance(STALE_WINDOW)
-        self.pools.request(0).deferred.errback(stale(RequestNotSent))
-        self.failure(d, FailureKind.REQUEST)
-        self.assertEqual(len(self.pools.agents), 1)
-
-    def test_retried_just_inside_the_stale_window(self) -> None:
-        d = self.start()
-        self.clock.advance(STALE_WINDOW - 0.001)
-        self.pools.request(0).deferred.errback(stale(RequestNotSent))
-        self.assertNoResult(d)
-        self.assertEqual(len(self.pools.agents), 2)
 
     def test_retry_gets_a_whole_first_byte_timeout(self) -> None:
         d = self.start()
@@ -505,15 +501,28 @@ class RealAgentTests(SynchronousTestCase):
         answer = self.answer(protocol, d, b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
         self.assertEqual(answer.sent_at, 57.0)  # the request time: nothing was opened
 
-    def test_pooled_connection_closed_after_the_request_is_not_retried(self) -> None:
-        """Issue 20 item 6: the host closed the reused connection once the request was
-        written (it may have read the POST): not sent again on a new connection, a
-        request failure (rule 7)."""
+    def test_pooled_connection_closed_after_the_request_is_retried_fresh(self) -> None:
+        """Issue 29 item 1, rule 7: the host closed the reused connection once the request
+        was written, with no byte of the answer (it dropped the idle connection as the
+        request reached it): sent again once, on a new connection to the same host."""
         protocol, transport = self.reuse()
         d = self.start()
         self.assertTrue(transport.value().startswith(b"POST /v1/chat/completions"))
         self.reactor.advance(0.1)
         protocol.connectionLost(Failure(ConnectionDone()))
+        self.assertNoResult(d)
+        self.assertEqual(len(self.reactor.tcpClients), 2)  # a new connection, same host
+        self.assertEqual(self.reactor.tcpClients[1][:2], self.reactor.tcpClients[0][:2])
+        fresh, fresh_transport = self.connect(1)
+        self.assertTrue(fresh_transport.value().startswith(b"POST /v1/chat/completions"))
+        self.answer(fresh, d, b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+
+    def test_pooled_connection_cut_mid_head_is_not_retried(self) -> None:
+        """A byte of the answer came: the host was working on it (rule 7: 502)."""
+        protocol, _ = self.reuse()
+        d = self.start()
+        protocol.dataReceived(b"HTTP/1.1 200 OK\r\n")
+        protocol.connectionLost(Failure(ConnectionLost()))
         self.failure(d, FailureKind.REQUEST)
         self.assertEqual(len(self.reactor.tcpClients), 1)
 
@@ -533,14 +542,16 @@ class RealAgentTests(SynchronousTestCase):
         self.start()
         self.assertEqual(len(self.reactor.tcpClients), 2)  # a new connection
 
-    def test_pooled_connection_dying_late_is_a_request_failure(self) -> None:
+    def test_pooled_connection_and_its_retry_dying_is_a_request_failure(self) -> None:
         protocol, _ = self.reuse()
         d = self.start()
-        self.reactor.advance(STALE_WINDOW + 1)
+        self.reactor.advance(2.0)
         protocol.connectionLost(Failure(ConnectionLost()))
+        fresh, _ = self.connect(1)
+        fresh.connectionLost(Failure(ConnectionLost()))
         error = self.failure(d, FailureKind.REQUEST)
         self.assertIn("Connection to the other side was lost", error.reason)
-        self.assertEqual(len(self.reactor.tcpClients), 1)
+        self.assertEqual(len(self.reactor.tcpClients), 2)
 
     def test_new_connection_dying_before_the_head_is_a_request_failure(self) -> None:
         d = self.start()

@@ -1,6 +1,7 @@
 """Failing hosts and leaving clients on real loopback sockets (docs/design.md §The proxy,
-rule 7): fail over on a refused connection, 502/504 without retry once the request was
-sent (a POST the host may have read is never sent twice), truncated answers on mid-answer
+rule 7): fail over on a refused connection, one retry on a fresh connection to the same
+host when a reused one closes with no byte of the answer (never another host), 502/504
+otherwise once the request was sent, truncated answers on mid-answer
 death or idle silence, and a client that leaves cancels the upstream at once. After
 every kind of ending ``inflight`` in ``/_crossbar/status`` is back to 0.
 """
@@ -19,8 +20,7 @@ from twisted.internet.task import deferLater
 from twisted.trial.unittest import TestCase
 from twisted.web.server import Site
 
-from crossbar.proxy.attempt import STALE_WINDOW
-from tests.harness import FakeLlama, http_client, listen, start_crossbar, start_routes, wait_for
+from tests.harness import FakeLlama, http_client, listen, start_crossbar, start_routes, upstream_requests, wait_for
 from tests.logs import LogCapture
 from tests.raw import connect_raw, post_bytes
 from tests.upstreams import Die, Hang, KillReused, host_status
@@ -41,6 +41,16 @@ async def _within(d: Deferred[Any], seconds: float) -> float:
         if timer.active():
             timer.cancel()
     return time.monotonic() - start
+
+
+async def _primary_a(case: TestCase, a: str, b: str) -> tuple[Any, str]:
+    """crossbar with route ``r`` over hosts ``a`` (its ``primary``: it takes every
+    request it has room for) and ``b``, once the first poll round is done."""
+    text = (f"health: {{interval: 60, timeout: 5}}\nhosts: {{a: '{a}', b: '{b}'}}\n"
+            "routes:\n  r: {hosts: [a, b], primary: a}\n")
+    service, base = await start_crossbar(case, text)
+    await service.poller.when_first_round_done()
+    return service, base
 
 
 async def _stoppable(case: TestCase, upstream: FakeLlama) -> tuple[str, Any]:
@@ -163,51 +173,56 @@ class HostFailureTests(TestCase):
 
         return ensureDeferred(go())
 
-    def test_post_read_on_a_pooled_connection_is_never_sent_twice(self) -> object:
-        """Issue 20 item 6, rule 7: the host reads a POST on a reused kept-alive
-        connection and closes it: the host may have started the work, so the POST is
-        not sent again on a fresh connection (it got it once): 502 naming the host,
-        marked down."""
+    def test_stale_pooled_connection_is_retried_fresh_on_the_same_host(self) -> object:
+        """Issue 29 item 1, rule 7: the host closes a reused kept-alive connection as a POST
+        reaches it, with no byte of the answer: the POST goes once more, on a fresh
+        connection to the same host (llama-server cancels the work of a closed
+        connection), the client gets its 200, and nothing is marked down."""
 
         async def go() -> None:
             kill = KillReused()
             upstream = FakeLlama()
             upstream.handlers[b"/v1/chat/completions"] = kill
-            _, base = await start_routes(self, {"a": await listen(self, upstream)})
+            other = FakeLlama()
+            _, base = await _primary_a(self, await listen(self, upstream), await listen(self, other))
             http = http_client(self)
             first = await http.post(base + "/r/v1/chat/completions", json=_PLAIN)
             self.assertEqual(first.code, 200)
-            self.assertEqual((await treq.json_content(first))["object"], "chat.completion")
+            self.assertEqual(first.headers.getRawHeaders("x-crossbar-host"), ["a"])
+            await treq.content(first)
             second = await http.post(base + "/r/v1/chat/completions", json=_PLAIN)
-            self.assertEqual(second.code, 502)
-            self.assertEqual(await treq.json_content(second), {"error": "upstream failed", "host": "a"})
+            self.assertEqual(second.code, 200)
+            self.assertEqual(second.headers.getRawHeaders("x-crossbar-host"), ["a"])
+            self.assertEqual((await treq.json_content(second))["object"], "chat.completion")
             self.assertEqual(kill.killed, 1, "crossbar did not reuse its pooled connection")
-            self.assertEqual(kill.requests, 2, "the host received the POST twice")
-            self.assertEqual(len(kill.connections), 1)
+            self.assertEqual((kill.requests, len(kill.connections)), (3, 2), "not retried on a fresh connection")
+            self.assertEqual(upstream_requests(other), [])
             status = (await host_status(self, base))["a"]
-            self.assertFalse(status["healthy"])
-            self.assertEqual(status["inflight"], 0)
+            self.assertTrue(status["healthy"])
+            self.assertEqual((status["last_err"], status["inflight"]), ("", 0))
 
         return ensureDeferred(go())
 
-    def test_reused_connection_dying_late_is_a_host_failure(self) -> object:
-        """A reused connection that dies well after the request was sent (longer than
-        ``STALE_WINDOW``) is not a stale pooled connection but a host that may have
-        started the work: 502, marked down, not retried."""
+    def test_stale_connection_whose_retry_fails_too_is_a_host_failure(self) -> object:
+        """Rule 7: the fresh connection fails as well: 502 naming the host, marked down,
+        and the request never goes to another host (the host may have read it)."""
 
         async def go() -> None:
-            kill = KillReused(delay=STALE_WINDOW + 0.5)
+            kill = KillReused(every=True)
             upstream = FakeLlama()
             upstream.handlers[b"/v1/chat/completions"] = kill
-            _, base = await start_routes(self, {"a": await listen(self, upstream)})
+            other = FakeLlama()
+            _, base = await _primary_a(self, await listen(self, upstream), await listen(self, other))
             http = http_client(self)
             first = await http.post(base + "/r/v1/chat/completions", json=_PLAIN)
             self.assertEqual(first.code, 200)
             await treq.content(first)
             second = await http.post(base + "/r/v1/chat/completions", json=_PLAIN)
-            self.assertEqual(second.code, 502)
-            self.assertEqual(await treq.json_content(second), {"error": "upstream failed", "host": "a"})
-            self.assertEqual((kill.requests, kill.killed), (2, 1))
+            self.assertEqual((second.code, second.headers.getRawHeaders("x-crossbar-host")), (502, ["a"]))
+            error = (await treq.json_content(second))["error"]
+            self.assertEqual((error["message"], error["host"]), ("upstream failed", "a"))
+            self.assertEqual((kill.requests, kill.killed), (3, 2))
+            self.assertEqual(upstream_requests(other), [])
             status = (await host_status(self, base))["a"]
             self.assertFalse(status["healthy"])
             self.assertEqual(status["inflight"], 0)

@@ -138,13 +138,15 @@ class KillReused:
     """An upstream completion handler that answers the first request on a connection and
     kills the connection when a second request arrives on it (an upstream closing an
     idle keep-alive connection just as crossbar reuses it), or ``delay`` seconds later
-    (a host that dies while working on it).
+    (a host that dies while working on it); with ``every``, it answers only the very
+    first request and kills the connection of every later one.
 
     :ivar requests: requests received; :ivar connections: distinct connections seen.
     """
 
-    def __init__(self, delay: float = 0.0) -> None:
+    def __init__(self, delay: float = 0.0, every: bool = False) -> None:
         self.delay = delay
+        self.every = every
         self.requests = 0
         self.killed = 0
         self._served: set[int] = set()
@@ -154,7 +156,7 @@ class KillReused:
         self.requests += 1
         channel = id(request.channel)
         self.connections.add(channel)
-        if channel in self._served:
+        if channel in self._served or (self.every and self._served):
             self.killed += 1
             reactor.callLater(self.delay, request.channel.transport.abortConnection)  # type: ignore[attr-defined]
             return NOT_DONE_YET

@@ -1,10 +1,12 @@
 """One upstream request to one chosen host (docs/design.md §The proxy, rules 6-7).
 
-An :class:`Attempt` sends the request, retries once on a fresh connection when a reused
-pooled connection turns out dead before any byte of the request was written (the host
-cannot have read it: a request a host has received is never sent again, rule 7; the
-pool itself retires connections before the host's keep-alive timeout and never hands
-out one it can see closed, :class:`crossbar.upstream.h1client.H1Pool`), and bounds the wait for the
+An :class:`Attempt` sends the request, retries it once on a fresh connection to the same
+host when a reused pooled connection closes or resets before any byte of the answer (the
+host dropped an idle connection as the request reached it: HAProxy's ``empty-response``,
+Go's "server closed idle connection"; llama-server cancels the work of a connection that
+closed, so the host never works twice; rule 7; the pool itself retires connections
+before the host's keep-alive timeout and never hands out one it can see closed,
+:class:`crossbar.upstream.h1client.H1Pool`), and bounds the wait for the
 response head by ``timeouts.first_byte``. Its Deferred fires with an :class:`Answer`
 (the response head and when the request was sent) or fails with
 :class:`UpstreamFailed`, classified by :class:`FailureKind`, so the exchange's policy
@@ -22,7 +24,11 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.client import RequestNotSent  # type: ignore[attr-defined]  # re-exported by twisted.web.client
+from twisted.web.client import (  # type: ignore[attr-defined]  # re-exported by twisted.web.client
+    RequestNotSent,
+    RequestTransmissionFailed,
+    ResponseNeverReceived,
+)
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IResponse
 from zope.interface import implementer
@@ -32,15 +38,13 @@ from crossbar.upstream.h1client import INLINE_BODY, IInlineBody
 from crossbar.upstream.tls import tls_failure_reason
 from crossbar.upstream.pools import ConnectTracker, UpstreamPools
 
-__all__ = ["STALE_WINDOW", "Answer", "Attempt", "FailureKind", "UpstreamFailed"]
+__all__ = ["Answer", "Attempt", "FailureKind", "UpstreamFailed"]
 
 _log = Logger(namespace="crossbar.proxy")
 
-STALE_WINDOW = 1.0
-"""Seconds after sending within which a reused pooled connection found dead before any
-byte of the request was written (``RequestNotSent``) is retried once on a fresh
-connection (docs/design.md rule 7). A connection that dies once the request was written may
-have been read by the host: that is a host failure (mark_down, 502, no retry)."""
+_NO_ANSWER = (RequestNotSent, RequestTransmissionFailed, ResponseNeverReceived)
+"""How Twisted's client (and :mod:`crossbar.upstream.h1client`) says a connection was lost
+before any byte of the answer: before the request was written, while writing it, or after."""
 
 
 class FailureKind(Enum):
@@ -208,7 +212,7 @@ class Attempt:
         self._current = d
         d.addTimeout(self._timeout, self._clock, onTimeoutCancel=self._timed_out)
         d.addCallbacks(self._answered, self._failed, callbackArgs=(tracker, requested),
-                       errbackArgs=(tracker, requested, fresh))
+                       errbackArgs=(tracker, fresh))
 
     def _timed_out(self, result: IResponse | Failure, timeout: float) -> Failure:
         if not isinstance(result, Failure):  # the head won the race with the cancel
@@ -224,12 +228,15 @@ class Attempt:
         sent_at = tracker.connected_at if tracker.connected_at is not None else requested
         self.result.callback(Answer(response, sent_at))
 
-    def _failed(self, failure: Failure, tracker: ConnectTracker, requested: float, fresh: bool) -> None:
+    def _failed(self, failure: Failure, tracker: ConnectTracker, fresh: bool) -> None:
         self._current = None
         if self._cancelled:
             return  # cancelled by the exchange: says nothing about the host
         if failure.check(UpstreamFailed):
             self.result.errback(failure)
+        elif fresh:  # the host may have received the request the first time: 502, never another host
+            reason = f"request failed: {describe_failure(failure)} (on a fresh connection, after a stale one)"
+            self.result.errback(UpstreamFailed(FailureKind.REQUEST, reason))
         elif tracker.connect_failure is not None:
             reason = f"connect: {describe_failure(tracker.connect_failure)}"
             self.result.errback(UpstreamFailed(FailureKind.CONNECT, reason))
@@ -237,24 +244,20 @@ class Attempt:
             # TLS 1.3: a host that refuses our client certificate says so after the
             # handshake, before any answer: still a connect failure (rule 7, §Access).
             self.result.errback(UpstreamFailed(FailureKind.CONNECT, f"connect: {describe_failure(failure)}"))
-        elif self._is_stale(failure, tracker, requested, fresh):
+        elif self._is_stale(failure, tracker):
             _log.debug("retrying {url} on a fresh connection", url=self._url.decode("latin-1"))
             self._send(fresh=True)
         else:
             reason = f"request failed: {describe_failure(failure)}"
             self.result.errback(UpstreamFailed(FailureKind.REQUEST, reason))
 
-    def _is_stale(self, failure: Failure, tracker: ConnectTracker, requested: float, fresh: bool) -> bool:
-        """Rule 7: a reused pooled connection (no new connection was opened) found dead
-        before any byte of the request was written (``RequestNotSent``: the host cannot
-        have read it), within :data:`STALE_WINDOW` of sending, on the first try. Once
-        written (``RequestTransmissionFailed``, ``ResponseNeverReceived``), never."""
-        return (
-            not fresh
-            and tracker.connects == 0
-            and self._clock.seconds() - requested < STALE_WINDOW
-            and failure.check(RequestNotSent) is not None
-        )
+    def _is_stale(self, failure: Failure, tracker: ConnectTracker) -> bool:
+        """Rule 7: the first try went out on a reused pooled connection (no new
+        connection was opened) and that connection closed or reset before any byte of
+        the answer (:data:`_NO_ANSWER`): retried once on a fresh connection, marking
+        nothing down. A connection that sent part of an answer (``ResponseFailed``), or
+        one opened for this request, is the host's failure."""
+        return tracker.connects == 0 and failure.check(*_NO_ANSWER) is not None
 
     def _cancel(self, d: Deferred[Answer]) -> None:
         self._cancelled = True  # result then fails with CancelledError
