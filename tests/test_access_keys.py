@@ -80,7 +80,7 @@ class KeysTests(TestCase):
         before = len(upstream_requests(self.a)) + len(upstream_requests(self.k))
         code, headers_in, body = await self.post(route, headers, query=query)
         self.assertEqual(code, 401, body)
-        self.assertEqual(json.loads(body), {"error": "invalid api key"})
+        self.assertEqual(json.loads(body), {"error": {"code": 401, "message": "invalid api key", "type": "authentication_error"}})
         self.assertEqual(headers_in.getRawHeaders(b"www-authenticate"), [b"Bearer"])
         self.assertEqual(len(upstream_requests(self.a)) + len(upstream_requests(self.k)), before, "reached a host")
 
@@ -128,7 +128,7 @@ class KeysTests(TestCase):
         await wait_for(lambda: len(held.requests) == 1, what="alice's request at the host")
         response = await self.client.request("OPTIONS", f"{self.base}/r/v1/chat/completions")
         body = await response.content()
-        self.assertEqual((response.code, json.loads(body)), (503, {"error": "all hosts busy"}))
+        self.assertEqual((response.code, json.loads(body)), (503, {"error": {"code": 503, "message": "all hosts busy", "type": "unavailable_error"}}))
         self.assertEqual(self.service.runtime.queues.queued("r"), 0)
         held.release()
         self.assertEqual((await alice)[0], 200)
@@ -170,7 +170,7 @@ class KeysTests(TestCase):
         ci_first = ensureDeferred(self.post("r", bearer(CI)))  # in flight on a
         await wait_for(lambda: len(held.requests) == 1, what="ci's request at the host")
         code, headers, body = await self.post("r", bearer(CI))
-        self.assertEqual((code, json.loads(body)), (429, {"error": "too many requests"}))
+        self.assertEqual((code, json.loads(body)), (429, {"error": {"code": 429, "message": "too many requests", "type": "rate_limit_error"}}))
         self.assertEqual(headers.getRawHeaders(b"retry-after"), [b"1"])
         again = await self.client.post(f"{self.base}/r/v1/chat/completions", data=CHAT, headers=bearer(CI))
         self.assertEqual((again.code, again.phrase), (429, b"Too Many Requests"))  # not "Unknown Status"
@@ -345,8 +345,8 @@ class EarlyRefusalTests(TestCase):
         sent, answer, seconds = await deferToThread(_send_16_mib_without_key, port_of(base), "r")
         self.assertTrue(answer.startswith(b"HTTP/1.1 401 "), answer[:200])
         self.assertIn(b"WWW-Authenticate: Bearer\r\n", answer)
-        self.assertTrue(answer.endswith(b'{"error": "invalid api key"}') or answer.endswith(b'{"error":"invalid api key"}'),
-                        answer)
+        self.assertTrue(answer.endswith(b'{"error": {"code": 401, "message": "invalid api key", '
+                                        b'"type": "authentication_error"}}'), answer)
         self.assertLess(sent, 4 * 1024 * 1024, f"{sent} bytes sent before the 401")
         print(f"\n16 MiB upload without key: 401 after {sent} body bytes sent, {seconds * 1000:.1f} ms")
         self.assertEqual(upstream_requests(host), [])

@@ -96,7 +96,7 @@ class RetryAfterTests(TestCase):
             for response in (await client.post(hosts.base + "/d/v1/chat/completions", json={"model": "x"}),
                              await client.get(hosts.base + "/d/v1/models")):
                 self.assertEqual(response.code, 503)
-                self.assertEqual(await treq.json_content(response), {"error": "no healthy host"})
+                self.assertEqual(await treq.json_content(response), {"error": {"code": 503, "message": "no healthy host", "type": "unavailable_error"}})
                 self.assertEqual(response.headers.getRawHeaders(b"retry-after"), [b"1"])
 
         return ensureDeferred(go())

@@ -310,7 +310,7 @@ class QueueTests(TestCase):
             started = time.monotonic()
             code, headers, body = await fleet.ask(1)
             waited = time.monotonic() - started
-            self.assertEqual((code, body), (503, {"error": "all hosts busy"}))
+            self.assertEqual((code, body), (503, {"error": {"code": 503, "message": "all hosts busy", "type": "unavailable_error"}}))
             self.assertEqual(headers.getRawHeaders(b"retry-after"), [b"1"])
             self.assertGreaterEqual(waited, 0.25)
             self.assertEqual(fleet.queued(), 0)
@@ -330,7 +330,7 @@ class QueueTests(TestCase):
             second = fleet.send(1)
             await wait_for(lambda: fleet.queued() == 1, what="second queued")
             code, headers, body = await fleet.ask(2)
-            self.assertEqual((code, body), (503, {"error": "queue full"}))
+            self.assertEqual((code, body), (503, {"error": {"code": 503, "message": "queue full", "type": "unavailable_error"}}))
             self.assertEqual(headers.getRawHeaders(b"retry-after"), [b"1"])
             fleet.workers["a"].release()
             await wait_for(lambda: fleet.busy() == 1, what="second in flight")
@@ -350,7 +350,7 @@ class QueueTests(TestCase):
             started = time.monotonic()
             code, headers, body = await fleet.ask(1)
             self.assertLess(time.monotonic() - started, 1.0)
-            self.assertEqual((code, body), (503, {"error": "all hosts busy"}))
+            self.assertEqual((code, body), (503, {"error": {"code": 503, "message": "all hosts busy", "type": "unavailable_error"}}))
             self.assertEqual(headers.getRawHeaders(b"retry-after"), [b"1"])
             fleet.workers["a"].release()
             self.assertEqual((await first)[0], 200)
@@ -451,7 +451,7 @@ class RouteModelsTests(TestCase):
             fleet.hosts["a"].health_code = 503
             await fleet.start(fleet_config("  a: {a}", "    hosts: [a]"))
             response = await fleet.http.get(fleet.base + "/r/v1/models")
-            self.assertEqual((response.code, await treq.json_content(response)), (503, {"error": "no healthy host"}))
+            self.assertEqual((response.code, await treq.json_content(response)), (503, {"error": {"code": 503, "message": "no healthy host", "type": "unavailable_error"}}))
 
         return ensureDeferred(go())
 

@@ -161,7 +161,7 @@ class NoDelayTests(TestCase):
 
 
 class BadRequestTests(TestCase):
-    """What Twisted cannot parse is answered ``400 {"error": "bad request"}`` in JSON
+    """What Twisted cannot parse is answered ``400 {"error": {"code": 400, "message": "bad request", "type": "invalid_request_error"}}`` in JSON
     (docs/design.md §The proxy, rule 9), and the connection closed."""
 
     def answer(self, data: bytes) -> bytes:
@@ -176,7 +176,7 @@ class BadRequestTests(TestCase):
         self.assertEqual(lines[0], b"HTTP/1.1 400 Bad Request")
         self.assertIn(b"Content-Type: application/json", lines)
         self.assertIn(b"Content-Length: %d" % len(body), lines)
-        self.assertEqual(json.loads(body), {"error": "bad request"})
+        self.assertEqual(json.loads(body), {"error": {"code": 400, "message": "bad request", "type": "invalid_request_error"}})
 
     def test_bad_request_line(self) -> None:
         self.assertJSON400(self.answer(b"NOT-HTTP\r\n\r\n"))

@@ -208,7 +208,7 @@ routes:
             for method, path in (("GET", "/slots"), ("POST", "/slots/0?action=erase"), ("POST", "/models/load"),
                                  ("GET", "/metrics"), ("POST", "/props")):
                 response = await http_client(self).request(method, f"{base}/one{path}", data=b"{}")
-                self.assertEqual((response.code, await treq.json_content(response)), (403, {"error": "forbidden path"}))
+                self.assertEqual((response.code, await treq.json_content(response)), (403, {"error": {"code": 403, "message": "forbidden path", "type": "permission_error"}}))
             # Continue posts /completion with no model: the route's default_model, on a router host too
             code, doc, _ = await self.post(base + "/router/completion", {"prompt": "hi", "n_predict": 2, "stream": False})
             self.assertEqual((code, doc.get("model")), (200, "tiny-b"), doc)

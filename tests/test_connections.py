@@ -113,7 +113,7 @@ routes: {{r: {{hosts: [a], default_model: m}}}}
         await wait_for(lambda: len(service.site.open_channels) == 4, what="4 open connections")
         data, how = await raw_exchange(port, request_bytes(b"GET", b"/r/v1/models"), timeout=5)
         [answer] = parse_responses(data)
-        self.assertEqual((answer.status, json.loads(answer.body)), (503, {"error": "too many connections"}))
+        self.assertEqual((answer.status, json.loads(answer.body)), (503, {"error": {"code": 503, "message": "too many connections", "type": "unavailable_error"}}))
         self.assertEqual(answer.one(b"retry-after"), b"1")
         self.assertIn(how, ("close", "half-close"))  # closed at once, the request unread
         self.assertEqual(len(service.site.open_channels), 4)

@@ -64,7 +64,7 @@ class DrainTests(TestCase):
                 response = await http.post(open_base + f"/_crossbar/hosts/a/{verb}", headers=AUTH)
                 self.assertEqual(response.code, 403)
                 self.assertEqual(response.headers.getRawHeaders(b"content-type"), [b"application/json"])
-                self.assertIn("ops.token", (await treq.json_content(response))["error"])
+                self.assertIn("ops.token", (await treq.json_content(response))["error"]["message"])
             service, base = await start_crossbar(self, _config({"a": url}, {"r": ["a"]}))
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
                 response = await http.post(base + "/_crossbar/hosts/a/drain", headers=headers)
@@ -78,7 +78,7 @@ class DrainTests(TestCase):
             self.assertEqual(await treq.json_content(response), {"host": "gpü:1@x", "draining": True, "inflight": 0})
             self.assertEqual(odd_service.runtime.drained, {"gpü:1@x"})
             response = await http.post(base + "/_crossbar/hosts/nowhere/drain", headers=AUTH)
-            self.assertEqual((response.code, await treq.json_content(response)), (404, {"error": "no such host"}))
+            self.assertEqual((response.code, await treq.json_content(response)), (404, {"error": {"code": 404, "message": "no such host", "type": "invalid_request_error"}}))
             response = await http.get(base + "/_crossbar/hosts/a/drain", headers=AUTH)
             self.assertEqual(response.code, 405)
             await treq.content(response)

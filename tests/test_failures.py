@@ -164,7 +164,7 @@ class HostFailureTests(TestCase):
             response = await http_client(self).post(base + "/r/v1/chat/completions", json=_PLAIN)
             self.assertEqual(response.code, 502)
             self.assertEqual(response.headers.getRawHeaders(b"content-type"), [b"application/json"])
-            self.assertEqual(await treq.json_content(response), {"error": "upstream failed", "host": "b"})
+            self.assertEqual(await treq.json_content(response), {"error": {"code": 502, "message": "upstream failed", "type": "server_error", "host": "b"}})
             hosts = await host_status(self, base)
             for name in ("a", "b"):
                 self.assertFalse(hosts[name]["healthy"])
@@ -272,7 +272,7 @@ class HostFailureTests(TestCase):
             _, base = await start_routes(self, {"a": await listen(self, upstream), "b": await listen(self, other)})
             response = await http_client(self).post(base + "/r/v1/chat/completions", json=_PLAIN)
             self.assertEqual(response.code, 502)
-            self.assertEqual(await treq.json_content(response), {"error": "upstream failed", "host": "a"})
+            self.assertEqual(await treq.json_content(response), {"error": {"code": 502, "message": "upstream failed", "type": "server_error", "host": "a"}})
             self.assertEqual(response.headers.getRawHeaders(b"x-crossbar-host"), [b"a"])
             self.assertEqual(die.requests, 1)
             self.assertEqual([s.uri for s in other.seen if s.uri.startswith(b"/v1/chat")], [])
@@ -298,7 +298,7 @@ class HostFailureTests(TestCase):
             took = time.monotonic() - start
             self.assertEqual(response.code, 504)
             self.assertEqual(response.headers.getRawHeaders(b"content-type"), [b"application/json"])
-            self.assertEqual(await treq.json_content(response), {"error": "upstream timed out", "host": "a"})
+            self.assertEqual(await treq.json_content(response), {"error": {"code": 504, "message": "upstream timed out", "type": "server_error", "host": "a"}})
             self.assertEqual(response.headers.getRawHeaders(b"x-crossbar-host"), [b"a"])
             self.assertGreaterEqual(took, 0.45)
             self.assertLess(took, 5.0)
@@ -336,7 +336,7 @@ class HostFailureTests(TestCase):
             await treq.content(other)
             response = await slow
             self.assertEqual(response.code, 504)
-            self.assertEqual(await treq.json_content(response), {"error": "upstream timed out", "host": "a"})
+            self.assertEqual(await treq.json_content(response), {"error": {"code": 504, "message": "upstream timed out", "type": "server_error", "host": "a"}})
             self.assertEqual(response.headers.getRawHeaders(b"x-crossbar-host"), [b"a"])
             status = (await host_status(self, base))["a"]
             self.assertTrue(status["healthy"], status)
@@ -468,7 +468,7 @@ class CrossbarBugTests(TestCase):
             response = await http_client(self).post(base + "/r/v1/chat/completions", json=_PLAIN)
             self.assertEqual(response.code, 500)
             self.assertEqual(response.headers.getRawHeaders(b"content-type"), [b"application/json"])
-            self.assertEqual(await treq.json_content(response), {"error": "internal error"})
+            self.assertEqual(await treq.json_content(response), {"error": {"code": 500, "message": "internal error", "type": "server_error"}})
             self.assertEqual(service.runtime.active, set())
             self.assertEqual(service.runtime.inflight.host("a"), 0)
             self.assertEqual([e["status"] for e in log.proxied()], [500])

@@ -104,7 +104,7 @@ async def _assert_cut_off(case: TestCase, setup: _Setup, data: bytes, how: str) 
 def _assert_502(case: TestCase, setup: _Setup, answer: RawResponse, reason: str = "") -> None:
     case.assertEqual(answer.status, 502, answer)
     case.assertEqual(answer.one(b"content-type"), b"application/json")
-    case.assertEqual(json.loads(answer.body), {"error": "upstream failed", "host": "evil"})
+    case.assertEqual(json.loads(answer.body), {"error": {"code": 502, "message": "upstream failed", "type": "server_error", "host": "evil"}})
     status = setup.service.table.get("evil")
     assert status is not None
     case.assertFalse(status.healthy)

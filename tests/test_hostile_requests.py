@@ -65,7 +65,7 @@ class HostileRequestTests(TestCase):
         setup = await _setup(self)
         for target in (b"/r/v1/..#", b"/r/v1/%2e%2e#/x", b"/r/v1/chat/completions#?stream=true"):
             answer = await _one(setup, request_bytes(b"GET", target))
-            self.assertEqual((answer.status, json.loads(answer.body)), (400, {"error": "bad path"}), target)
+            self.assertEqual((answer.status, json.loads(answer.body)), (400, {"error": {"code": 400, "message": "bad path", "type": "invalid_request_error"}}), target)
         self.assertEqual(upstream_requests(setup.host), [])
 
     async def test_head_refusals_have_no_body(self) -> None:
@@ -82,21 +82,21 @@ class HostileRequestTests(TestCase):
         setup = await _setup(self)
         for method in (b"GET", b"OPTIONS", b"POST"):
             answer = await _one(setup, request_bytes(method, b"*"))
-            self.assertEqual((answer.status, json.loads(answer.body)), (400, {"error": "missing route"}), method)
+            self.assertEqual((answer.status, json.loads(answer.body)), (400, {"error": {"code": 400, "message": "missing route", "type": "invalid_request_error"}}), method)
             self.assertIsNone(answer.one(b"server"))
         self.assertEqual([e["status"] for e in setup.watch.proxied()], [400, 400, 400])
 
     async def test_non_utf8_ops_path_is_a_json_404_without_a_traceback(self) -> None:
         setup = await _setup(self)
         answer = await _one(setup, request_bytes(b"GET", b"/_crossbar/%ff"))
-        self.assertEqual((answer.status, json.loads(answer.body)), (404, {"error": "not found"}))
+        self.assertEqual((answer.status, json.loads(answer.body)), (404, {"error": {"code": 404, "message": "not found", "type": "invalid_request_error"}}))
         self.assertEqual(setup.watch.errors(), [])
 
     async def test_trace_and_connect_are_never_forwarded(self) -> None:
         setup = await _setup(self)
         for method, target in ((b"TRACE", b"/r/v1/x"), (b"CONNECT", b"/r/v1/x"), (b"TRACE", b"/k/v1/x")):
             answer = await _one(setup, request_bytes(method, target, [(b"Authorization", b"Bearer " + _KEY)]))
-            self.assertEqual((answer.status, json.loads(answer.body)), (405, {"error": "method not allowed"}))
+            self.assertEqual((answer.status, json.loads(answer.body)), (405, {"error": {"code": 405, "message": "method not allowed", "type": "invalid_request_error"}}))
         self.assertEqual(upstream_requests(setup.host), [])
 
     async def test_host_header_rules(self) -> None:
@@ -113,7 +113,7 @@ class HostileRequestTests(TestCase):
             answer = await _one(setup, raw(version, hosts))
             # A control byte is refused for any header before the Host rule is reached.
             why = "bad header value" if any(b"\x7f" in h for h in hosts) else "bad host header"
-            self.assertEqual((answer.status, json.loads(answer.body)), (400, {"error": why}), hosts)
+            self.assertEqual((answer.status, json.loads(answer.body)), (400, {"error": {"code": 400, "message": why, "type": "invalid_request_error"}}), hosts)
         self.assertEqual(upstream_requests(setup.host), [])
         answer = await _one(setup, raw(b"HTTP/1.0", []))  # HTTP/1.0 needs none
         self.assertEqual(answer.status, 200)
@@ -134,7 +134,7 @@ class HostileRequestTests(TestCase):
         for method in (b"trace", b"Trace", b"get", b"Post", b"BREW", b"PROPFIND", b"connect"):
             for target in (b"/r/v1/chat/completions", b"/k/v1/x", b"/_crossbar/livez"):
                 answer = await _one(setup, request_bytes(method, target, [(b"Authorization", b"Bearer " + _KEY)]))
-                self.assertEqual((answer.status, json.loads(answer.body)), (405, {"error": "method not allowed"}),
+                self.assertEqual((answer.status, json.loads(answer.body)), (405, {"error": {"code": 405, "message": "method not allowed", "type": "invalid_request_error"}}),
                                  (method, target))
                 self.assertEqual(answer.one(b"allow"), b"GET, HEAD, POST, PUT, PATCH, DELETE, OPTIONS")
                 self.assertEqual(answer.one(b"content-type"), b"application/json")

@@ -144,7 +144,7 @@ class ThroughCrossbar(TestCase):
                                      headers={"Authorization": "Bearer ci-secret-1"})
         body = await response.json()
         if response.code == 429:
-            self.assertEqual(body, {"error": "too many requests"})
+            self.assertEqual(body, {"error": {"code": 429, "message": "too many requests", "type": "rate_limit_error"}})
         retry = response.headers.getRawHeaders("retry-after")
         return response.code, retry[0] if retry else None
 

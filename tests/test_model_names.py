@@ -97,7 +97,7 @@ class PathTests(TestCase):
             before = len(f.a.seen) + len(f.b.seen)
             for method, rest in FORBIDDEN:
                 status, body, host = await f.send(method, b"/r" + rest, b"{}" if method == b"POST" else b"")
-                self.assertEqual((status, json.loads(body), host), (403, {"error": "forbidden path"}, None), rest)
+                self.assertEqual((status, json.loads(body), host), (403, {"error": {"code": 403, "message": "forbidden path", "type": "permission_error"}}, None), rest)
             self.assertEqual(len(f.a.seen) + len(f.b.seen), before)
 
         return ensureDeferred(go())
@@ -115,7 +115,7 @@ class PathTests(TestCase):
             for method, rest in ((b"POST", b"/health"), (b"GET", b"/slotsx"), (b"POST", b"/infill/x"),
                                  (b"POST", b"/extra"), (b"GET", b"/models/model-b")):
                 status, body, host = await f.send(method, b"/r" + rest, b"{}" if method == b"POST" else b"")
-                self.assertEqual((status, json.loads(body)), (404, {"error": "not found"}), rest)
+                self.assertEqual((status, json.loads(body)), (404, {"error": {"code": 404, "message": "not found", "type": "invalid_request_error"}}), rest)
 
         return ensureDeferred(go())
 

@@ -108,7 +108,7 @@ class TokenTests(TestCase):
                     response = await http.get(base + path, headers=headers)
                     self.assertEqual(response.code, 401, (path, headers))
                     self.assertEqual(response.headers.getRawHeaders(b"content-type"), [b"application/json"])
-                    self.assertEqual(await treq.json_content(response), {"error": "unauthorized"})
+                    self.assertEqual(await treq.json_content(response), {"error": {"code": 401, "message": "unauthorized", "type": "authentication_error"}})
                 for good in (f"Bearer {TOKEN}", f"bearer {TOKEN}", f"BEARER {TOKEN}"):  # RFC 9110 §11.1
                     response = await http.get(base + path, headers={"Authorization": good})
                     self.assertEqual(response.code, 200, (path, good))

@@ -61,7 +61,7 @@ class PathTests(TestCase):
                         b"{}" if method == b"POST" else b""))
                     [response] = parse_responses(data)
                     self.assertEqual(response.status, 400, target)
-                    self.assertEqual(json.loads(response.body), {"error": "bad path"})
+                    self.assertEqual(json.loads(response.body), {"error": {"code": 400, "message": "bad path", "type": "invalid_request_error"}})
                     self.assertEqual(response.one(b"content-type"), b"application/json")
             self.assertEqual(upstream_requests(hosts.a) + upstream_requests(hosts.b), [])
             self.assertTrue(hosts.service.table.is_healthy("a") and hosts.service.table.is_healthy("b"))

@@ -136,7 +136,7 @@ class FramingTests(_Case):
         self.assertLessEqual(max(per_turn), 2048 // 6 + 1)
         head, _, body = transport.value().partition(b"\r\n\r\n")
         self.assertTrue(head.startswith(b"HTTP/1.1 400 "), head)
-        self.assertEqual(json.loads(body), {"error": "chunk framing too small"})
+        self.assertEqual(json.loads(body), {"error": {"code": 400, "message": "chunk framing too small", "type": "invalid_request_error"}})
         self.assertEqual(hold.requests, [])
         # The reactor parsed at most a slice past the limit, not 500,000 chunks.
         self.assertLessEqual(_Counting.chunks_parsed, 1024 + 2048 // 6 + 1)
@@ -216,7 +216,7 @@ class ReleaseTests(_Case):
             head, _, body = answer.partition(b"\r\n\r\n")
             self.assertTrue(head.startswith(b"HTTP/1.1 503 "), head)
             self.assertIn(b"Retry-After: 1", head.split(b"\r\n"))
-            self.assertEqual(json.loads(body), {"error": "too many request bodies held"})
+            self.assertEqual(json.loads(body), {"error": {"code": 503, "message": "too many request bodies held", "type": "unavailable_error"}})
         self.assertLessEqual(self.budget.held, self.budget.limit)
         self.assertEqual(self.budget.held, 3000000)
         first.connectionLost(Failure(ConnectionDone()))
@@ -252,7 +252,7 @@ routes: {{r: {{hosts: [a], default_model: m}}}}
         body = b'{"model": "m", "messages": [], "pad": "' + b"p" * (9 << 20) + b'"}'
         data, _ = await raw_exchange(port, post_bytes(b"/r/v1/chat/completions", body), timeout=10)
         [answer] = parse_responses(data)
-        self.assertEqual((answer.status, json.loads(answer.body)), (503, {"error": "too many request bodies held"}))
+        self.assertEqual((answer.status, json.loads(answer.body)), (503, {"error": {"code": 503, "message": "too many request bodies held", "type": "unavailable_error"}}))
         self.assertEqual(answer.one(b"retry-after"), b"1")
         # The client leaves: its body is released at once, not when a GC finds it.
         big.transport.abortConnection()  # type: ignore[union-attr]

@@ -32,7 +32,7 @@ class BodyLimitTests(TestCase):
         responses = parse_responses(data)
         self.assertEqual([r.status for r in responses], [413], data[:300])
         [response] = responses
-        self.assertEqual(json.loads(response.body), {"error": "body too large"})
+        self.assertEqual(json.loads(response.body), {"error": {"code": 413, "message": "body too large", "type": "invalid_request_error"}})
         self.assertEqual(response.one(b"content-type"), b"application/json")
         self.assertEqual(response.one(b"connection"), b"close")
 

@@ -224,9 +224,12 @@ class ErrorAnswerTests(TestCase):
             ]
             for target, code, message in cases:
                 got = await self.answer(hosts, target)
-                self.assertEqual(got, (code, {"error": message}, b"application/json"), target)
+                kind = {400: "invalid_request_error", 403: "permission_error", 404: "invalid_request_error",
+                        503: "unavailable_error"}[code]
+                error = {"error": {"code": code, "message": message, "type": kind}}
+                self.assertEqual(got, (code, error, b"application/json"), target)
             got = await self.answer(hosts, b"/d/v1/chat/completions", b"POST")
-            self.assertEqual(got, (503, {"error": "no healthy host"}, b"application/json"))
+            self.assertEqual(got, (503, {"error": {"code": 503, "message": "no healthy host", "type": "unavailable_error"}}, b"application/json"))
             self.assertEqual(upstream_requests(hosts.a) + upstream_requests(hosts.b), [])
             for name in ("a", "b"):
                 status = hosts.service.table.get(name)

@@ -87,7 +87,7 @@ class OpsApp:
     def _error(self, request: IRequest, code: int, message: str) -> bytes:
         request.setResponseCode(code)
         request.setHeader(b"Content-Type", b"application/json")
-        return json_error_bytes(message)
+        return json_error_bytes(code, message)
 
     def _unauthorized(self, request: IRequest) -> bytes:
         request.setHeader(b"WWW-Authenticate", b'Bearer realm="crossbar"')
@@ -308,7 +308,7 @@ class OpsApp:
             request.setResponseCode(308)
             request.setHeader(b"Location", b"/_crossbar/")
             request.setHeader(b"Content-Type", b"application/json")
-            return json_error_bytes("see /_crossbar/")
+            return json.dumps({"location": "/_crossbar/"}).encode("utf-8")
         if failure.check(NotFound):
             return self._error(request, 404, "not found")
         if failure.check(MethodNotAllowed):

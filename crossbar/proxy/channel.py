@@ -267,7 +267,7 @@ class HeadDeadlineChannel(BadRequestHook, HTTPChannel):
         tests/test_channel.py pin it."""
         if self.transport is None or getattr(self.transport, "disconnecting", False):
             return  # answered already
-        body = json_error_bytes(message)
+        body = json_error_bytes(400, message)
         head = self._method == b"HEAD"  # a HEAD answer carries no body
         self.transport.write(
             b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\n"

@@ -54,13 +54,14 @@ def write_json(request: Request, code: int, body: bytes, retry_after: bool | int
     return 0 if request.method == b"HEAD" else len(body)
 
 
-def error_body(request: Request, message: str, host: str | None) -> bytes:
-    """Crossbar's own JSON error (rule 9) saying ``message``; ``host`` names the host that
-    failed (in the body and ``X-Crossbar-Host``, like a relayed answer)."""
+def error_body(request: Request, code: int, message: str, host: str | None) -> bytes:
+    """Crossbar's own JSON error (rule 9) of status ``code`` saying ``message``; ``host``
+    names the host that failed (in the error object and ``X-Crossbar-Host``, like a
+    relayed answer)."""
     if host is None:
-        return json_error_bytes(message)
+        return json_error_bytes(code, message)
     request.setHeader(HOST_HEADER, host.encode("utf-8"))
-    return json_error_bytes(message, host=host)
+    return json_error_bytes(code, message, host=host)
 
 
 def write_head(request: Request, response: IResponse, host: str, draining: bool) -> None:

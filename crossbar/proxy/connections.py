@@ -68,7 +68,7 @@ class OverLimit(Protocol):
     """The protocol of a connection over the bound: answers 503 at once and closes."""
 
     def connectionMade(self) -> None:
-        body = json_error_bytes("too many connections")
+        body = json_error_bytes(503, "too many connections")
         transport: Any = self.transport
         transport.write(
             b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"

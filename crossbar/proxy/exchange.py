@@ -257,7 +257,7 @@ class Exchange(Phased):
     @acts_in(*LIVE)
     def answer_error(self, code: int, message: str, retry_after: bool | int = False, host: str | None = None) -> None:
         """Answer crossbar's own JSON error (rule 9, :func:`~crossbar.proxy.client.error_body`) and end."""
-        self.answer(code, error_body(self.request, message, host), retry_after)
+        self.answer(code, error_body(self.request, code, message, host), retry_after)
 
     def answer(self, code: int, body: bytes, retry_after: bool | int = False) -> None:
         """Answer ``code`` with the JSON ``body`` and end; ``retry_after``: ``Retry-After: 1``

@@ -204,7 +204,7 @@ class CappedRequest(Request):
         # No "100 Continue" for a body we will not read (HTTPChannel sends it after
         # gotLength returns when this header is present).
         self.requestHeaders.removeHeader(b"expect")
-        body = json_error_bytes(message)
+        body = json_error_bytes(code, message)
         sent = b"" if self.head_line()[0] == b"HEAD" else body  # a HEAD answer has no content
         transport: Any = self.channel.transport  # an ITCPTransport (write, half-close, abort)
         headers += cors_headers(self.requestHeaders)

@@ -55,7 +55,7 @@ class ProxyResource(Resource):
             _log.error("no request head for {uri!r}", uri=request.path)
             request.setResponseCode(500)
             request.setHeader(b"Content-Type", b"application/json")
-            return json_error_bytes("internal error")
+            return json_error_bytes(500, "internal error")
         exchange = Exchange(self, request, head)
         try:
             exchange.start()

@@ -59,7 +59,7 @@ class _JSONError(Resource):
     def __init__(self, code: int, message: str) -> None:
         super().__init__()
         self._code = code
-        self._body = json_error_bytes(message)
+        self._body = json_error_bytes(code, message)
 
     def render(self, request: Request) -> bytes:
         request.setResponseCode(self._code)
