@@ -64,6 +64,16 @@ def _refused(base: str, route: str, api_key: str) -> Any:
     raise AssertionError("not refused")
 
 
+def _direct_error(url: str, key: str) -> Any:
+    """The llama-server's own error document for ``GET /v1/models`` with ``key``."""
+    request = urllib.request.Request(url + "/v1/models", headers={"Authorization": f"Bearer {key}"})
+    try:
+        urllib.request.urlopen(request, timeout=10).close()
+    except urllib.error.HTTPError as e:
+        return json.loads(e.read())
+    raise AssertionError("not refused")
+
+
 def _direct_status(url: str, key: str) -> int:
     """The llama-server's own answer to a one-token chat completion with ``key``."""
     body = json.dumps({"model": "tiny-a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).encode()
@@ -114,6 +124,14 @@ class RealKeysTests(unittest.TestCase):
         # The server really checks its key: the client's crossbar key alone is refused there.
         self.assertEqual(await deferToThread(_direct_status, server.url, CLIENT_KEY), 401)
         self.assertEqual(await deferToThread(_direct_status, server.url, SERVER_KEY), 200)
+        # Issue 29 item 11, rule 9: crossbar's 401 has the host's own shape, read alike by
+        # the openai client (error.message, error.type).
+        theirs = (await deferToThread(_direct_error, server.url, CLIENT_KEY))["error"]
+        refused = await deferToThread(_refused, base, "r", CLIENT_KEY + "x")
+        self.assertEqual((refused.status_code, refused.body["code"], refused.body["type"]),
+                         (401, theirs["code"], theirs["type"]))
+        self.assertEqual(set(refused.body), set(theirs))
+        self.assertEqual(refused.body["message"], "invalid api key")
         # Polls succeed: several more rounds keep the host healthy, its model listed.
         await deferLater(reactor, 1.2)  # two more poll rounds (interval 0.5 s)
         self.assertTrue(service.table.is_healthy("gpu"))
