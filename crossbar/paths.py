@@ -11,8 +11,8 @@ import re
 from enum import Enum
 from urllib.parse import unquote_to_bytes
 
-__all__ = ["FORBIDDEN", "MODEL_LISTS", "NATIVE", "NATIVE_READ", "READ_ONLY", "PathKind", "classify_path", "is_forbidden",
-           "path_kind"]
+__all__ = ["FORBIDDEN", "KEYLESS", "MODEL_LISTS", "NATIVE", "NATIVE_READ", "READ_ONLY", "PathKind", "classify_path",
+           "is_forbidden", "needs_no_key", "path_kind"]
 
 _SLASHES = re.compile(rb"/{2,}")
 _READ = (b"GET", b"HEAD")
@@ -28,12 +28,17 @@ a POST to them changes the host's settings or loads a model."""
 
 NATIVE = (
     b"/completion", b"/completions", b"/infill", b"/tokenize", b"/detokenize", b"/embedding",
-    b"/embeddings", b"/rerank", b"/reranking", b"/apply-template", b"/chat/completions", b"/responses",
+    b"/embeddings", b"/rerank", b"/reranking", b"/apply-template", b"/chat/completions",
+    b"/chat/completions/input_tokens", b"/responses",
 )
 """llama.cpp's own endpoints that its clients call (editor plugins post to ``/infill``)."""
 
 NATIVE_READ = (b"/health", b"/props", b"/lora-adapters")
 """llama.cpp's endpoints forwarded for GET and HEAD only."""
+
+KEYLESS = (b"/health", b"/v1/health")
+"""GET/HEAD of these needs no key on a keyed route, as on llama-server itself (rule 2):
+load balancers and llama.cpp's clients probe them without credentials."""
 
 MODEL_LISTS = (b"/v1/models", b"/models")
 """``GET`` of these is the route model list (rule 10), answered by crossbar."""
@@ -108,6 +113,12 @@ def path_kind(method: bytes, rest: bytes, paths: tuple[str, ...] = ()) -> PathKi
         if rest == wanted or (wanted.endswith(b"/") and rest.startswith(wanted)):
             return PathKind.FORWARD
     return PathKind.NOT_FOUND
+
+
+def needs_no_key(method: bytes, rest: bytes) -> bool:
+    """Whether a request for ``rest`` (the path after the route, as received) needs no key
+    on a keyed route: GET or HEAD of :data:`KEYLESS` (rule 2)."""
+    return method in _READ and rest in KEYLESS
 
 
 def is_forbidden(rest: bytes, read: bool) -> bool:

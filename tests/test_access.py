@@ -121,6 +121,19 @@ class ApiKeyHeaderTests(SynchronousTestCase):
     def test_unkeyed_route_needs_none(self) -> None:
         self.assertEqual(access.check_key(self.config.routes["open"], b"POST", None, x_api_key=[b"x"]), "")
 
+    def test_health_needs_no_key(self) -> None:
+        """Issue 29 item 12, rule 2: GET/HEAD /health and /v1/health need no key, as on
+        llama-server; a valid key there is still named; anything else still needs one."""
+        route = self.config.routes["r"]
+        for method in (b"GET", b"HEAD"):
+            for rest in (b"/health", b"/v1/health"):
+                self.assertEqual(access.check_key(route, method, None, rest=rest), "", (method, rest))
+                self.assertEqual(access.check_key(route, method, [b"Bearer nope"], rest=rest), "")
+                self.assertEqual(access.check_key(route, method, [b"Bearer alice-s3cret"], rest=rest), "alice")
+        for method, rest in ((b"POST", b"/health"), (b"GET", b"/healthz"), (b"GET", b"/health/"), (b"GET", b"/props"),
+                             (b"GET", b"/v1/models")):
+            self.assertIsNone(access.check_key(route, method, None, rest=rest), (method, rest))
+
     def test_no_key_header_reaches_a_host_from_a_keyed_route(self) -> None:
         src = Headers({b"Authorization": [b"Bearer alice-s3cret"], b"X-Api-Key": [b"alice-s3cret"],
                        b"anthropic-version": [b"2023-06-01"]})

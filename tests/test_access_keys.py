@@ -114,6 +114,24 @@ class KeysTests(TestCase):
             if seen.uri.startswith(b"/v1/chat"):
                 self.assertNotIn(b"authorization", [k.lower() for k, _ in seen.headers.getAllRawHeaders()])
 
+    async def test_health_needs_no_key_and_never_gets_one(self) -> None:
+        """Issue 29 item 12: llama.cpp's own suite probes ``GET /health`` with no key on
+        a keyed route; llama-server never asks for one there, and crossbar neither."""
+        response = await self.client.get(f"{self.base}/r/health")
+        self.assertEqual((response.code, await response.content()), (200, b'{"status":"ok"}'))
+        head = await self.client.head(f"{self.base}/r/health")
+        self.assertEqual(head.code, 200)
+        response = await self.client.get(f"{self.base}/r/v1/health")  # the fake host has no such path
+        await response.content()
+        self.assertEqual((response.code, response.headers.getRawHeaders(b"x-crossbar-host")), (404, [b"a"]))
+        response = await self.client.get(f"{self.base}/r/v1/health", headers=bearer(ALICE))
+        await response.content()
+        seen = [s for s in upstream_requests(self.a) if s.uri == b"/v1/health"]
+        self.assertEqual(len(seen), 2)
+        headers = [k.lower() for s in seen for k, _ in s.headers.getAllRawHeaders()]
+        self.assertNotIn(b"authorization", headers)
+        await self.assert_401("r", query="")  # a completion still needs its key
+
     async def test_options_needs_no_key(self) -> None:
         response = await self.client.request("OPTIONS", f"{self.base}/r/v1/chat/completions")
         await response.content()

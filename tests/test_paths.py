@@ -94,3 +94,14 @@ class RememberedKindTests(TestCase):
         for i in range(2000):
             paths.classify_path(b"POST", b"/v1/p%d" % i)
             self.assertLessEqual(len(paths._KINDS), 512)
+
+
+class ForwardedNativeTests(TestCase):
+    def test_input_tokens_is_forwarded(self) -> None:
+        """Issue 29 item 12: llama.cpp's ``/chat/completions/input_tokens`` is forwarded
+        like its ``/v1/`` form."""
+        from crossbar.paths import PathKind, path_kind
+
+        for rest in (b"/chat/completions/input_tokens", b"/v1/chat/completions/input_tokens"):
+            self.assertIs(path_kind(b"POST", rest), PathKind.FORWARD, rest)
+        self.assertIs(path_kind(b"POST", b"/chat/completions/other"), PathKind.NOT_FOUND)

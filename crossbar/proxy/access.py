@@ -11,6 +11,7 @@ import hmac
 from typing import Mapping, Sequence
 
 from crossbar.config import ClientKey, Route
+from crossbar.paths import needs_no_key
 
 __all__ = ["authorize", "check_key", "key_named"]
 
@@ -57,7 +58,7 @@ def key_named(keys: Mapping[str, ClientKey], secret: bytes) -> str | None:
 
 def check_key(
     route: Route | None, method: bytes, authorization: Sequence[bytes] | None, has_body: bool = False,
-    x_api_key: Sequence[bytes] | None = None,
+    x_api_key: Sequence[bytes] | None = None, rest: bytes = b"",
 ) -> str | None:
     """Rule 2 of docs/design.md §The proxy, on the request head: the name of the key the
     request presents on a keyed route, "" where no key is needed (no such route, a
@@ -75,9 +76,15 @@ def check_key(
         chunked): a preflight never has one, so such an ``OPTIONS`` needs a key.
     :param x_api_key: every ``X-Api-Key`` value (``X-Api-Key: <secret>``, what
         Anthropic-style clients send; docs/design.md §Access), or None.
+    :param rest: the path after the route segment: GET/HEAD ``/health`` and
+        ``/v1/health`` need no key (:func:`crossbar.paths.needs_no_key`), as on
+        llama-server; a valid key presented there is still named.
     """
     if route is None or not route.keys or (method == b"OPTIONS" and not has_body):
         return ""
+    if needs_no_key(method, rest):
+        named = check_key(route, method, authorization, has_body, x_api_key)
+        return "" if named is None else named
     if (authorization is not None and len(authorization) != 1) or (x_api_key is not None and len(x_api_key) != 1):
         return None
     by_bearer = authorize(route.keys, authorization[0]) if authorization else None

@@ -171,7 +171,7 @@ def check_on_head(
         return Refusal(400, "bad host header")
     if head.path == b"*":
         return Refusal(400, "missing route")
-    key = check_key(head.route, head.method, authorization, has_body=has_body, x_api_key=x_api_key)
+    key = check_key(head.route, head.method, authorization, has_body=has_body, x_api_key=x_api_key, rest=head.rest)
     if key is None:
         return Refusal(401, "invalid api key", ((b"WWW-Authenticate", b"Bearer"),))
     return key
