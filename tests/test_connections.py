@@ -20,7 +20,7 @@ from crossbar.process.listen import listen_endpoint
 from crossbar.proxy.connections import (
     LISTEN_BACKLOG, RESERVED_FDS, RateLimitedAcceptErrors, connection_limit, with_backlog,
 )
-from crossbar.upstream.twisted_private import wrap_port_logger
+from crossbar.compat.twisted import wrap_port_logger
 from tests.harness import FakeLlama, listen, port_of, start_crossbar, wait_for
 from tests.raw import parse_responses, raw_exchange, request_bytes
 

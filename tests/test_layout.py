@@ -1,7 +1,8 @@
 """The package's wings import only downwards (issue 17): a newcomer finds one docs/design.md
 section's code in one folder, and no wing reaches into a wing that builds on it.
 
-Order, bottom to top: the core modules (``crossbar/*.py``), ``upstream`` (talking to
+Order, bottom to top: ``compat`` (the one fence per library whose private names crossbar
+touches: it imports no crossbar module at all), the core modules (``crossbar/*.py``), ``upstream`` (talking to
 hosts), ``hosts`` (health table, poller, model lists, balance, affinity), ``state``
 (runtime, in-flight counts, queues, counts shared by workers), ``ops`` (records, metrics,
 logs, systemd, the ops app), ``proxy`` (the request path), ``process`` (service,
@@ -18,12 +19,15 @@ from twisted.trial.unittest import SynchronousTestCase
 import crossbar
 
 WINGS = ["upstream", "hosts", "state", "ops", "proxy", "process"]
+FLOOR = "compat"  # below the core modules
 ROOT = pathlib.Path(crossbar.__file__).parent
 
 
 def _wing(module: str) -> int:
     """The level of a dotted ``crossbar...`` module name: 0 for a core module."""
     parts = module.split(".")
+    if len(parts) > 1 and parts[1] == FLOOR:
+        return -1
     if len(parts) > 1 and parts[1] in WINGS:
         return 1 + WINGS.index(parts[1])
     return 0
@@ -35,7 +39,7 @@ def _imports(path: pathlib.Path) -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("crossbar"):
             names.append(node.module)
-            if node.module in ("crossbar",) + tuple(f"crossbar.{w}" for w in WINGS):
+            if node.module in ("crossbar",) + tuple(f"crossbar.{w}" for w in WINGS + [FLOOR]):
                 names.extend(f"{node.module}.{a.name}" for a in node.names)
         elif isinstance(node, ast.Import):
             names.extend(a.name for a in node.names if a.name.startswith("crossbar"))
@@ -47,7 +51,7 @@ class LayoutTests(SynchronousTestCase):
         for path in ROOT.rglob("*.py"):
             rel = path.relative_to(ROOT)
             if len(rel.parts) > 1:
-                self.assertIn(rel.parts[0], WINGS, f"{rel}: a folder that is not a wing")
+                self.assertIn(rel.parts[0], WINGS + [FLOOR], f"{rel}: a folder that is not a wing")
 
     def test_no_wing_imports_a_wing_above_it(self) -> None:
         upward = []
@@ -58,6 +62,13 @@ class LayoutTests(SynchronousTestCase):
                 if _wing(name) > _wing(own):
                     upward.append(f"{rel} imports {name}")
         self.assertEqual(upward, [], "imports that run upwards")
+
+    def test_the_fences_import_no_crossbar_module(self) -> None:
+        """``crossbar/compat`` is the bottom floor: the wings import it, it imports none
+        of them (nor the core modules)."""
+        found = [f"{path.relative_to(ROOT)} imports {name}" for path in (ROOT / FLOOR).rglob("*.py")
+                 for name in _imports(path)]
+        self.assertEqual(found, [])
 
     def test_every_package_is_installed(self) -> None:
         """A regular ``pip install .`` (CI's, bench's and production's) ships every

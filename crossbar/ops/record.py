@@ -17,7 +17,7 @@ from twisted.logger import Logger, LogLevel
 from crossbar.ops.figures import Figures
 from crossbar.ops.metrics import Metrics, adder, observer
 from crossbar.state.tokens import Cells, TokenLedger
-from crossbar.upstream.twisted_private import emit_flattened, flattened_line
+from crossbar.compat.twisted import emit_flattened, flattened_line
 
 __all__ = ["ENDINGS", "NO_ROUTE", "OTHER_MODEL", "RequestLog", "RequestRecord"]
 

@@ -21,7 +21,7 @@ from twisted.python.failure import Failure
 
 from crossbar.config import Config, ConfigError
 from crossbar.proxy.connections import RateLimitedAcceptErrors, with_backlog
-from crossbar.upstream.twisted_private import wrap_port_logger
+from crossbar.compat.twisted import wrap_port_logger
 from crossbar.waiting import Condition
 
 __all__ = ["ListenService", "TCPAddress", "WorkerListeners", "listen_endpoint", "tcp_address"]

@@ -38,7 +38,7 @@ from crossbar.state.runtime import Runtime
 from crossbar.upstream.tls import HostTLS
 from crossbar.ops.systemd import Notifier, SystemdNotifier, watchdog_interval
 from crossbar.upstream.pools import PollAgent, UpstreamEndpoints, UpstreamPools, poll_pool
-from crossbar.upstream.twisted_private import cache_log_timestamps, lean_dispatch
+from crossbar.compat.twisted import cache_log_timestamps, lean_dispatch, log_fallback
 from crossbar.waiting import Condition
 from crossbar.process.listen import ListenService, listen_endpoint
 from crossbar.proxy.web import CrossbarSite, Root
@@ -393,6 +393,7 @@ def make_daemon(config: Config, twistd: Mapping[str, Any] | None = None, stall: 
 
     :raises ConfigError: as :func:`make_service` and :class:`~crossbar.process.supervisor.Supervisor`.
     """
+    log_fallback(Logger(namespace="crossbar"))  # an unchecked Twisted: its own behaviour, said once
     cache_log_timestamps()  # twistd's text log: its time stamp formatted once per second
     from twisted.internet import reactor
 

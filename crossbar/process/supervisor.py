@@ -63,7 +63,7 @@ from crossbar.state.shared import SharedCounts
 from crossbar.ops.systemd import Notifier, SystemdNotifier, watchdog_interval
 from crossbar.waiting import Condition
 from crossbar.process.listen import WorkerListeners
-from crossbar.upstream.twisted_private import emit_flattened
+from crossbar.compat.twisted import emit_flattened
 from crossbar.process.worker import HEARTBEAT
 
 __all__ = ["Supervisor", "WorkerTimings", "WorkerProcess", "make_supervisor", "relay_log_line"]

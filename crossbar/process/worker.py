@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     from crossbar.process.service import CrossbarService
     from crossbar.state.box_limits import BoxLimits
     from crossbar.state.shared import SharedCounts
-    from crossbar.upstream.twisted_private import lean_dispatch
+    from crossbar.compat.twisted import lean_dispatch
 
     try:
         config = load_config(args.config, text=read_config_text(args.snapshot))

@@ -30,7 +30,7 @@ from twisted.web.http import HTTPChannel
 from crossbar.errors import json_error_bytes
 from crossbar.proxy.request import MAX_BODY
 from crossbar.upstream.tcp import no_delay
-from crossbar.upstream.twisted_private import BadRequestHook, eager_writes
+from crossbar.compat.twisted import BadRequestHook, eager_writes
 
 __all__ = ["HEAD_DEADLINE", "MIN_BODY_RATE", "HeadDeadlineChannel", "body_deadline", "hostile_header"]
 
@@ -263,7 +263,7 @@ class HeadDeadlineChannel(BadRequestHook, HTTPChannel):
         """Twisted's answer to a request it cannot parse (bad request line, header,
         framing or size) is a bare ``400``; crossbar's error answers are JSON
         (docs/design.md §The proxy, rule 9) and recorded like any other answer (rule 8).
-        Called through :class:`~crossbar.upstream.twisted_private.BadRequestHook`; the tests in
+        Called through :class:`~crossbar.compat.twisted.BadRequestHook`; the tests in
         tests/test_channel.py pin it."""
         if self.transport is None or getattr(self.transport, "disconnecting", False):
             return  # answered already

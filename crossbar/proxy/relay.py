@@ -16,7 +16,7 @@ other side: a client that takes no byte for that long while crossbar holds bytes
 (the relay paused because the client's transport is full, or bytes waiting in the
 transport) is cut, so that a client that never reads cannot hold a host's slot. Its
 timer is reset when the client resumes us; when it fires it asks the transport how many
-bytes it still holds (:func:`~crossbar.upstream.twisted_private.pending_write_bytes`):
+bytes it still holds (:func:`~crossbar.compat.twisted.pending_write_bytes`):
 a client that took some since the last check is slow, not stalled, and gets another
 window. No work per body chunk.
 
@@ -43,7 +43,7 @@ from zope.interface import implementer
 
 from crossbar.ops.figures import TAIL_BYTES, Figures, read_figures
 from crossbar.upstream.failures import describe_failure
-from crossbar.upstream.twisted_private import body_writer, client_is_paused, pending_write_bytes
+from crossbar.compat.twisted import body_writer, client_is_paused, pending_write_bytes
 
 __all__ = ["Relay", "RelayEnd", "RelayState"]
 

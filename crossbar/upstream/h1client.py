@@ -63,7 +63,7 @@ from twisted.web.iweb import UNKNOWN_LENGTH, IAgent, IAgentEndpointFactory, IBod
 from zope.interface import implementer
 
 from crossbar.upstream.tcp import no_delay
-from crossbar.upstream.twisted_private import eager_writes
+from crossbar.compat.twisted import eager_writes
 
 __all__ = [
     "INLINE_BODY", "KEEP_ALIVE_MARGIN", "MAX_RESPONSE_HEAD", "BodyTruncated", "H1Agent", "H1Connection", "H1Pool",

@@ -1,10 +1,10 @@
-"""Pins every private Twisted touchpoint listed in crossbar/upstream/twisted_private.py.
+"""Pins every private Twisted touchpoint listed in crossbar/compat/twisted.py.
 
 Each touchpoint has two kinds of test: the private names exist with the expected kind
 and do what crossbar relies on (these fail with a message naming the Twisted internal
 that moved), and a behaviour check through crossbar's public function. A failure here
-after a Twisted upgrade means: read crossbar/upstream/twisted_private.py, adapt the touchpoint,
-then refresh the pin in .ci/constraints.txt.
+after a Twisted upgrade means: read crossbar/compat/twisted.py, adapt the touchpoint,
+then raise its CHECKED range, pyproject.toml's bound and the pin in .ci/constraints.txt.
 """
 
 from __future__ import annotations
@@ -31,13 +31,13 @@ from twisted.web.server import Request, Site
 from twisted.web.test.requesthelper import DummyChannel, DummyRequest
 from zope.interface import implementer
 
-from crossbar.upstream.twisted_private import BadRequestHook, body_writer, client_is_paused, eager_writes, pending_write_bytes
+from crossbar.compat.twisted import BadRequestHook, body_writer, client_is_paused, eager_writes, pending_write_bytes
 from tests.fakes import HoldResource
 
 
 def moved(name: str, touchpoint: int, what: str) -> str:
     return (
-        f"Twisted {twisted.__version__} changed {name} ({what}): crossbar/upstream/twisted_private.py "
+        f"Twisted {twisted.__version__} changed {name} ({what}): crossbar/compat/twisted.py "
         f"touchpoint {touchpoint} relies on it; adapt it before taking this Twisted"
     )
 
@@ -157,7 +157,7 @@ class WaitingForTransportTests(_Private):
 
         resource.requests[0].registerProducer(_Producer(), True)
         self.assertEqual(paused, [], "Twisted now pauses a producer registered on a paused channel: "
-                                     "crossbar/upstream/twisted_private.py touchpoint 2 may be dropped")
+                                     "crossbar/compat/twisted.py touchpoint 2 may be dropped")
 
     def test_client_is_paused(self) -> None:
         """Behaviour through :func:`client_is_paused`."""
@@ -179,16 +179,110 @@ class WaitingForTransportTests(_Private):
 
 
 class VersionTests(SynchronousTestCase):
-    def test_checked_range_covers_this_twisted(self) -> None:
-        """The module's docstring names the Twisted versions it was checked against; the
-        one installed must be among them (raise the range after checking a new one)."""
-        import crossbar.upstream.twisted_private as module
+    def test_pyproject_bounds_twisted_to_the_checked_range(self) -> None:
+        """``pyproject.toml`` lets pip take only a Twisted the touchpoints were checked
+        against (CHECKED), and the installed one is such a Twisted."""
+        import pathlib
+        import tomllib
 
-        doc = module.__doc__ or ""
-        version = twisted.version
-        self.assertIn("checked", doc)
-        self.assertIn(f"{version.major}.{version.minor}", doc,
-                      f"Twisted {twisted.__version__} is not named in crossbar/upstream/twisted_private.py's docstring")
+        from packaging.requirements import Requirement
+
+        from crossbar.compat.twisted import CHECKED
+
+        with open(pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as f:
+            deps = tomllib.load(f)["project"]["dependencies"]
+        (twisted_req,) = [Requirement(d) for d in deps if Requirement(d).name.lower() == "twisted"]
+        spec = twisted_req.specifier
+        (low_major, low_minor), (high_major, high_minor) = CHECKED
+        for inside in (f"{low_major}.{low_minor}.0", f"{high_major}.{high_minor}.0", f"{high_major}.{high_minor}.9"):
+            self.assertIn(inside, spec, f"pyproject.toml's {spec} refuses {inside}, which CHECKED covers")
+        for outside in (f"{low_major}.{low_minor - 1}.9" if low_minor else f"{low_major - 1}.99.0",
+                        f"{high_major}.{high_minor + 1}.0", f"{high_major + 1}.0.0"):
+            self.assertNotIn(outside, spec, f"pyproject.toml's {spec} lets pip take {outside}, never checked")
+        self.assertIn(twisted.__version__, spec)
+
+    def test_versions_compare_as_numbers(self) -> None:
+        """26.1 and 26.4 are within 25.5-26.10; 26.11 and 25.4 are not (a substring match
+        of "26.10" would say otherwise)."""
+        from crossbar.compat.twisted import version_checked
+
+        self.assertEqual([version_checked(*v) for v in ((25, 5), (26, 1), (26, 4), (26, 10))], [True] * 4)
+        self.assertEqual([version_checked(*v) for v in ((25, 4), (26, 11), (27, 0), (3, 0))], [False] * 4)
+
+    def test_this_twisted_needs_no_fallback(self) -> None:
+        from crossbar.compat.twisted import FALLBACK, moved
+
+        self.assertEqual(moved(), [])
+        self.assertIsNone(FALLBACK)
+
+    def test_moved_names_the_touchpoint(self) -> None:
+        from crossbar.compat.twisted import moved
+
+        self.patch(HTTPChannel, "_respondToBadRequestAndDisconnect", None)
+        from twisted.internet import tcp
+
+        self.patch(tcp.Port, "_logger", "not a logger")
+        self.assertEqual(moved(), [
+            "touchpoint 1: HTTPChannel._respondToBadRequestAndDisconnect (it is gone)",
+            "touchpoint 3: tcp.Port._logger (not a Logger)",
+        ])
+
+
+class FallbackTests(SynchronousTestCase):
+    """With the start-up check failed (an unchecked Twisted, or a moved name), every
+    touchpoint does what Twisted itself does and changes nothing of Twisted's."""
+
+    def setUp(self) -> None:
+        import crossbar.compat.twisted as module
+
+        self.module = module
+        self.patch(module, "FALLBACK", "Twisted 99.1 is outside the range")
+
+    def test_request_path_touchpoints_are_twisteds_own(self) -> None:
+        request = DummyRequest([b""])
+        self.assertFalse(client_is_paused(request))  # type: ignore[arg-type]
+        self.assertIsNone(pending_write_bytes(request))  # type: ignore[arg-type]
+        self.assertFalse(eager_writes(StringTransport()))
+        from twisted.internet import tcp
+
+        port = tcp.Port(0, None)
+        self.assertFalse(self.module.wrap_port_logger(port, lambda o: o))
+        self.assertNotIn("_logger", vars(port))
+        answer, _ = BodyWriterTouchpointTests("test_names_exist")._answer(b"GET /r HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertEqual(body_writer(answer), answer.write)
+
+    def test_bad_request_is_twisteds_bare_400(self) -> None:
+        channel, transport, _ = _serve(_Hooked)
+        channel.dataReceived(b"NOT-HTTP\r\n\r\n")
+        self.assertEqual(channel.bad, 0)  # type: ignore[attr-defined]
+        self.assertTrue(transport.value().startswith(b"HTTP/1.1 400 Bad Request"), transport.value())
+
+    def test_reactor_and_log_touchpoints_change_nothing(self) -> None:
+        from twisted.internet.epollreactor import EPollReactor
+        from twisted.logger import Logger, LogLevel
+        from twisted.logger import _file
+
+        r = EPollReactor()
+        self.addCleanup(r._poller.close)
+        self.assertFalse(self.module.lean_dispatch(r))
+        self.assertNotIn("doIteration", vars(r))
+        before = _file.formatTime
+        self.assertFalse(self.module.cache_log_timestamps())
+        self.assertIs(_file.formatTime, before)
+        events: list[dict[str, Any]] = []
+        log = Logger(namespace="t", observer=events.append)
+        self.module.emit_flattened(log, LogLevel.info, "{line}", self.module.flattened_line("x"), {"line": "x"})
+        self.assertEqual([(e["log_format"], e["line"], e["log_level"]) for e in events], [("{line}", "x", LogLevel.info)])
+
+    def test_said_once_at_start_up(self) -> None:
+        from twisted.logger import Logger
+
+        events: list[dict[str, Any]] = []
+        self.assertTrue(self.module.log_fallback(Logger(namespace="crossbar", observer=events.append)))
+        self.assertEqual(len(events), 1)
+        self.assertIn("Twisted 99.1 is outside the range", events[0]["why"])
+        self.patch(self.module, "FALLBACK", None)
+        self.assertFalse(self.module.log_fallback(Logger(namespace="crossbar", observer=events.append)))
 
 
 class PortLoggerTouchpointTests(_Private):
@@ -355,7 +449,7 @@ class LogTimestampTouchpointTests(_Private):
     def test_same_text_as_twisted_for_every_time_and_format(self) -> None:
         from twisted.logger import formatTime, timeFormatRFC3339
 
-        from crossbar.upstream.twisted_private import per_second
+        from crossbar.compat.twisted import per_second
 
         cached = per_second(formatTime)
         for time_format in (timeFormatRFC3339, "%Y-%m-%d %H:%M:%S", "%H:%M:%S.%f", "%S", None):
@@ -367,7 +461,7 @@ class LogTimestampTouchpointTests(_Private):
 
         from twisted.logger import LogLevel, _file, textFileLogObserver
 
-        from crossbar.upstream.twisted_private import cache_log_timestamps
+        from crossbar.compat.twisted import cache_log_timestamps
 
         def lines() -> str:
             out = io.StringIO()
@@ -393,7 +487,7 @@ class FlattenedLineTouchpointTests(_Private):
         from twisted.logger import formatEvent
         from twisted.logger import _flatten
 
-        from crossbar.upstream.twisted_private import flattened_line
+        from crossbar.compat.twisted import flattened_line
 
         flatten = self.require_attribute(_flatten, "flattenEvent", 7)
         for line in ("POST /r/v1/x -> a 200 12B ttfb=1.0ms 2.0ms", "{not a field} 100% {{", ""):
@@ -573,7 +667,7 @@ class LeanDispatchTouchpointTests(_Private):
         from twisted.internet.epollreactor import EPollReactor
         from twisted.python import context, log
 
-        from crossbar.upstream.twisted_private import lean_dispatch
+        from crossbar.compat.twisted import lean_dispatch
 
         r = EPollReactor()
         self.addCleanup(r._poller.close)
@@ -616,7 +710,7 @@ class LeanDispatchTouchpointTests(_Private):
         from twisted.internet.epollreactor import EPollReactor
         from twisted.python import context, log
 
-        from crossbar.upstream.twisted_private import lean_dispatch
+        from crossbar.compat.twisted import lean_dispatch
 
         r = EPollReactor()
         self.addCleanup(r._poller.close)
@@ -642,7 +736,7 @@ class LeanDispatchTouchpointTests(_Private):
         from twisted.internet.epollreactor import EPollReactor
         from twisted.internet.tcp import Client
 
-        from crossbar.upstream.twisted_private import INCOMING_BUDGET, lean_dispatch
+        from crossbar.compat.twisted import INCOMING_BUDGET, lean_dispatch
 
         now = [0.0]
         order: list[str] = []
@@ -693,7 +787,7 @@ class LeanDispatchTouchpointTests(_Private):
         ``epoll_wait`` ends the turn quietly, another error is raised."""
         from twisted.internet.epollreactor import EPollReactor
 
-        from crossbar.upstream.twisted_private import lean_dispatch
+        from crossbar.compat.twisted import lean_dispatch
 
         class _Interrupting(_Readable):
             def logPrefix(self) -> str:
@@ -736,7 +830,7 @@ class LeanDispatchTouchpointTests(_Private):
                     self.assertIsNone(r.doIteration(0))
 
     def test_only_an_epoll_reactor(self) -> None:
-        from crossbar.upstream.twisted_private import lean_dispatch
+        from crossbar.compat.twisted import lean_dispatch
 
         self.assertFalse(lean_dispatch(MemoryReactor()))
         self.assertFalse(lean_dispatch(Clock()))

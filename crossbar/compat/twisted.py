@@ -1,9 +1,16 @@
 """Every place crossbar touches a private Twisted name, fenced in one module.
 
 Each touchpoint says why it is needed; no public API does the same. They were checked
-against Twisted 25.5 through 26.10 (the version pinned in ``.ci/constraints.txt``), and
-``tests/test_twisted_private.py`` fails loudly if a Twisted release moves any of them:
-take a new Twisted on purpose, after that test and the suite pass.
+against Twisted 25.5 through 26.10 (:data:`CHECKED`; ``pyproject.toml`` bounds Twisted
+to the same range, ``twisted>=25.5,<26.11``, and ``.ci/constraints.txt`` pins 26.10),
+and ``tests/test_compat_twisted.py`` fails naming what moved if a Twisted release moves
+any of them: take a new Twisted on purpose, after that test and the suite pass.
+
+The start-up check runs once, when this module is imported: :data:`FALLBACK` is None
+when the installed Twisted is in :data:`CHECKED` and every private name below is as
+expected; otherwise it says why, and every touchpoint does what Twisted itself does
+(its bare 400, ``request.write``, its buffered writes, its dispatch loop, its log time
+stamps): crossbar works, only slower. :func:`log_fallback` says so once at start-up.
 
 1. :class:`BadRequestHook` overrides ``HTTPChannel._respondToBadRequestAndDisconnect``:
    Twisted's answer to a request it cannot parse is a bare ``400``; crossbar's errors
@@ -64,15 +71,94 @@ from __future__ import annotations
 import errno
 import math
 import time
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from twisted.internet.tcp import Connection
 from twisted.logger import Logger, LogLevel
 from twisted.web.http import HTTPChannel
 from twisted.web.server import Request
 
-__all__ = ["BadRequestHook", "body_writer", "cache_log_timestamps", "client_is_paused", "eager_writes", "emit_flattened",
-           "flattened_line", "lean_dispatch", "pending_write_bytes", "per_second", "wrap_port_logger"]
+__all__ = ["CHECKED", "FALLBACK", "BadRequestHook", "body_writer", "cache_log_timestamps", "client_is_paused",
+           "eager_writes", "emit_flattened", "flattened_line", "lean_dispatch", "log_fallback", "moved",
+           "pending_write_bytes", "per_second", "version_checked", "wrap_port_logger"]
+
+CHECKED = ((25, 5), (26, 10))
+"""The oldest and the newest Twisted (major, minor) the touchpoints were checked against,
+both included; ``pyproject.toml``'s bound on Twisted says the same."""
+
+
+def version_checked(major: int, minor: int) -> bool:
+    """Whether Twisted ``major.minor`` is within :data:`CHECKED` (compared as numbers:
+    26.1 is older than 26.10)."""
+    return CHECKED[0] <= (major, minor) <= CHECKED[1]
+
+
+def moved() -> list[str]:
+    """The private Twisted names the touchpoints rely on that are not as expected in
+    the installed Twisted, each as ``"touchpoint N: name (what)"``; empty when all are.
+    Cheap (attribute look-ups, one flattened event): it runs at import."""
+    from twisted.internet import abstract, epollreactor, tcp
+    from twisted.logger import _file, _flatten
+    from twisted.web import http, server
+
+    found: list[str] = []
+
+    def need(ok: bool, touchpoint: int, name: str, what: str = "it is gone") -> None:
+        if not ok:
+            found.append(f"touchpoint {touchpoint}: {name} ({what})")
+
+    need(callable(getattr(HTTPChannel, "_respondToBadRequestAndDisconnect", None)), 1,
+         "HTTPChannel._respondToBadRequestAndDisconnect")
+    need(isinstance(getattr(HTTPChannel(), "_waitingForTransport", None), bool), 2, "HTTPChannel._waitingForTransport")
+    need(isinstance(getattr(tcp.Port, "_logger", None), Logger), 3, "tcp.Port._logger", "not a Logger")
+    fd: Any = abstract.FileDescriptor(reactor=cast(Any, object()))
+    for name in ("dataBuffer", "offset", "_tempDataLen", "_writeDisconnected"):
+        need(hasattr(fd, name), 5, f"FileDescriptor.{name}")
+    need(callable(getattr(_file, "formatTime", None)), 6, "twisted.logger._file.formatTime")
+    event: dict[str, Any] = {"log_format": "{line}", "line": "x"}
+    flatten = getattr(_flatten, "flattenEvent", None)
+    if callable(flatten):
+        flatten(event)
+    need(event.get("log_flattened") == flattened_line("x"), 7, "twisted.logger._flatten.flattenEvent",
+         "keys flattened otherwise")
+    for name in ("chunked", "_disconnected", "sentLength", "startedWriting", "finished"):
+        need(hasattr(http.Request, name), 8, f"http.Request.{name}")
+    for name in ("_encoder", "_inFakeHead"):
+        need(hasattr(server.Request, name), 8, f"server.Request.{name}")
+    reactor_class: Any = epollreactor.EPollReactor
+    need(callable(getattr(reactor_class, "_doReadOrWrite", None)), 9, "EPollReactor._doReadOrWrite")
+    need(getattr(reactor_class, "doIteration", None) is getattr(reactor_class, "doPoll", 0), 9,
+         "EPollReactor.doIteration", "no longer doPoll")
+    return found
+
+
+def _fallback() -> str | None:
+    """Why the touchpoints must do what Twisted does (:data:`FALLBACK`), or None."""
+    import re
+
+    import twisted
+
+    found = re.match(r"(\d+)\.(\d+)", twisted.__version__)
+    if found is None or not version_checked(int(found[1]), int(found[2])):
+        return (f"Twisted {twisted.__version__} is outside the range crossbar's touchpoints were checked against"
+                f" ({CHECKED[0][0]}.{CHECKED[0][1]} to {CHECKED[1][0]}.{CHECKED[1][1]})")
+    try:
+        gone = moved()
+    except Exception as e:  # an internal so changed that probing it fails
+        gone = [f"probing failed: {e!r}"]
+    if gone:
+        return f"Twisted {twisted.__version__} moved what crossbar relies on: {'; '.join(gone)}"
+    return None
+
+
+def log_fallback(log: Logger) -> bool:
+    """Log, as a warning on ``log``, that the touchpoints fall back to Twisted's own
+    behaviour and why; True when they do (the daemon's start-up says it once)."""
+    if FALLBACK is None:
+        return False
+    log.warn("{why}: using Twisted's own behaviour where crossbar would reach into it (slower, same answers)",
+             why=FALLBACK)
+    return True
 
 
 class BadRequestHook:
@@ -84,13 +170,16 @@ class BadRequestHook:
         raise NotImplementedError
 
     def _respondToBadRequestAndDisconnect(self) -> None:
+        if FALLBACK is not None:
+            super()._respondToBadRequestAndDisconnect()  # type: ignore[misc]  # Twisted's bare 400
+            return
         self.respond_to_bad_request()
 
 
 def client_is_paused(request: Request) -> bool:
     """Whether the client connection of ``request`` is already full, i.e. a producer
     registered now would not be told to pause (touchpoint 2)."""
-    return bool(getattr(request.channel, "_waitingForTransport", False))
+    return FALLBACK is None and bool(getattr(request.channel, "_waitingForTransport", False))
 
 
 def wrap_port_logger(port: object, wrap: Callable[[Any], Any]) -> bool:
@@ -98,7 +187,7 @@ def wrap_port_logger(port: object, wrap: Callable[[Any], Any]) -> bool:
     through ``wrap(its observer)`` (touchpoint 3); returns False, changing nothing, for
     a port without a ``_logger`` (another kind of listener)."""
     logger = getattr(port, "_logger", None)
-    if not isinstance(logger, Logger):
+    if FALLBACK is not None or not isinstance(logger, Logger):
         return False
     setattr(port, "_logger", Logger(namespace=logger.namespace, source=logger.source, observer=wrap(logger.observer)))
     return True
@@ -108,7 +197,7 @@ def pending_write_bytes(request: Request) -> int | None:
     """Bytes written to the client connection of ``request`` that its transport still
     holds (not yet taken by the kernel), or None when the transport does not say
     (touchpoint 4). A TLS connection's bytes are counted on the TCP transport under it."""
-    transport: Any = getattr(request.channel, "transport", None)
+    transport: Any = getattr(request.channel, "transport", None) if FALLBACK is None else None
     for _ in range(3):  # the channel's transport, or a TLS protocol's TCP transport
         if transport is None:
             return None
@@ -126,6 +215,8 @@ def eager_writes(transport: Any) -> bool:
     and every write made while bytes are waiting, goes through Twisted's own ``write``
     (its buffer, its producer pausing, its error handling in ``doWrite``). Returns
     False, changing nothing, for a transport that is not a ``tcp.Connection``."""
+    if FALLBACK is not None:
+        return False
     for _ in range(2):
         if isinstance(transport, Connection):
             break
@@ -165,7 +256,7 @@ def body_writer(request: Request) -> Callable[[bytes], None]:
     yet, or the answer has no body (a HEAD's, a 204 or 304: Twisted made its ``write`` a
     no-op) or is encoded, or a class on the way overrides a ``write`` this skips."""
     channel: Any = getattr(request, "channel", None)
-    if (type(request).write is not Request.write
+    if (FALLBACK is not None or type(request).write is not Request.write
             or "write" in vars(request)  # HEAD, 204, 304: Twisted made it a no-op with the head
             or not request.startedWriting or request._encoder is not None or request._inFakeHead
             or not isinstance(channel, HTTPChannel) or channel.transport is None
@@ -215,7 +306,7 @@ def lean_dispatch(reactor: Any, clock: Callable[[], float] = time.monotonic) -> 
     from twisted.internet.tcp import Client
     from twisted.python import context, log
 
-    if (not isinstance(reactor, EPollReactor) or "doIteration" in vars(reactor)
+    if (FALLBACK is not None or not isinstance(reactor, EPollReactor) or "doIteration" in vars(reactor)
             or type(reactor).doIteration is not EPollReactor.doPoll):
         return False
     poll = reactor._poller.poll
@@ -314,7 +405,7 @@ def cache_log_timestamps() -> bool:
     from twisted.logger import _file
 
     original = getattr(_file, "formatTime", None)
-    if not callable(original) or getattr(original, "crossbar_per_second", False):
+    if FALLBACK is not None or not callable(original) or getattr(original, "crossbar_per_second", False):
         return False
     setattr(_file, "formatTime", per_second(original))
     return True
@@ -332,7 +423,15 @@ def emit_flattened(logger: Logger, level: LogLevel, log_format: str, flattened: 
     (touchpoint 7): the same ``log_*`` keys :meth:`Logger.emit` sets, to the same
     observer, without its per-call scan of every ``LogLevel`` constant. ``event`` (the
     fields) becomes the event itself."""
+    if FALLBACK is not None:
+        logger.emit(level, log_format, **event)
+        return
     event["log_logger"], event["log_level"], event["log_namespace"] = logger, level, logger.namespace
     event["log_source"], event["log_format"], event["log_time"] = logger.source, log_format, time.time()
     event["log_flattened"] = flattened
     logger.observer(event)
+
+
+FALLBACK: str | None = _fallback()
+"""None when every touchpoint may reach into Twisted; else why each does what Twisted
+itself does (the start-up check, run once at import)."""
