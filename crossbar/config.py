@@ -18,6 +18,7 @@ from urllib.parse import unquote
 
 import yaml
 
+from crossbar.hosturl import HostURL, HostURLError
 from crossbar.paths import is_forbidden
 
 __all__ = [
@@ -139,7 +140,8 @@ class Host:
     """One upstream host (docs/design.md §Configuration, §Choosing a host, §Access).
 
     :ivar name: its configured name.
-    :ivar url: its base URL (no trailing slash).
+    :ivar url: its base URL, parsed once (:class:`crossbar.hosturl.HostURL`; a ``str``
+        given here is parsed, :class:`~crossbar.hosturl.HostURLError` if it cannot be).
     :ivar weight: its share among equally fit hosts (> 0, default 1).
     :ivar max_inflight: requests in flight to it at once, or None for no limit (or for
         ``max_inflight: slots`` until the host's slot count is known).
@@ -153,12 +155,16 @@ class Host:
     """
 
     name: str
-    url: str
+    url: HostURL
     weight: float = 1.0
     max_inflight: int | None = None
     api_key: str | None = field(default=None, repr=False)
     tls: HostTLSSettings | None = None
     max_inflight_slots: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.url, str):
+            object.__setattr__(self, "url", HostURL.parse(self.url))
 
     def connection_settings(self) -> tuple[object, ...]:
         """What a connection to the host depends on: URL, ``tls`` and ``api_key``.
@@ -650,7 +656,6 @@ _HOST_KEYS = ("url", "weight", "max_inflight", "api_key", "tls")
 _TLS_KEYS = ("ca", "verify", "client_cert", "client_key")
 _ROUTE_KEYS = ("hosts", "default_model", "primary", "queue", "affinity", "keys", "aliases", "paths")
 _PRINTABLE_ASCII = re.compile(r"[\x21-\x7e]+\Z")  # what an HTTP request target may hold
-_URL = re.compile(r"(?P<scheme>https?)://(?P<authority>[^/?#\s]+)(?P<path>/[^?#\s]*)?\Z")
 
 def load_config(path: str, environ: Mapping[str, str] | None = None, text: str | None = None) -> Config:
     """Read, parse and validate the YAML file at ``path``; log its warnings.
@@ -878,8 +883,8 @@ def _hosts(c: _Checker, raw: Any) -> dict[str, Host]:
         else:
             url_key, url_raw = key, value
         url = _url(c, url_key, url_raw)
-        scheme, address, path = _split_url(url)
-        if path.rstrip("/").lower().endswith("/v1"):
+        scheme, address, path = url.scheme, (url.host.lower(), url.port), url.path
+        if path.lower().endswith("/v1"):
             c.warn(
                 url_key,
                 f"host {name!r}: the URL ends in /v1, but crossbar adds /v1 itself (requests and polls would "
@@ -920,20 +925,6 @@ def _hosts(c: _Checker, raw: Any) -> dict[str, Host]:
             max_inflight_slots=slots,
         )
     return hosts
-
-
-def _split_url(url: str) -> tuple[str, tuple[str, int], str]:
-    """``(scheme, (host, port), path)`` of a URL :func:`_url` accepted."""
-    m = _URL.match(url)
-    assert m is not None
-    scheme, authority = m.group("scheme"), m.group("authority")
-    if authority.startswith("["):
-        end = authority.index("]")
-        host, port_text = authority[: end + 1], authority[end + 2:]
-    else:
-        host, _, port_text = authority.partition(":")
-    port = int(port_text) if port_text else (443 if scheme == "https" else 80)
-    return scheme, (host.lower(), port), m.group("path") or ""
 
 
 def _tls(c: _Checker, key: str, raw: Any) -> HostTLSSettings:
@@ -989,37 +980,15 @@ def _check_client_pair(c: _Checker, key: str, cert_pem: bytes, key_pem: bytes) -
         raise c.fail(f"{key}.client_key", "does not match client_cert")
 
 
-def _url(c: _Checker, key: str, raw: Any) -> str:
-    url = c.string(key, raw).strip()
-    shown = c.show(raw, url)
-    m = _URL.match(url)
-    if m is None:
-        raise c.fail(key, f"must be an absolute http:// or https:// URL without query, not {shown}")
-    if not _PRINTABLE_ASCII.match(url):
-        raise c.fail(
-            key, f"must be printable ASCII (percent-encode the path, IDNA-encode the host name), not {shown}"
-        )
-    authority = m.group("authority")
-    if "@" in authority:
-        raise c.fail(key, "must not carry credentials (user@host)")
-    hostport = authority
-    if hostport.startswith("["):
-        end = hostport.find("]")
-        if end < 0:
-            raise c.fail(key, f"bad IPv6 address in {shown}")
-        try:
-            ipaddress.IPv6Address(unquote(hostport[1:end]))  # a zone is written %25 in a URL
-        except ValueError:
-            raise c.fail(key, f"bad IPv6 address in {shown}") from None
-        port = hostport[end + 1:]
-    else:
-        port = hostport[hostport.find(":"):] if ":" in hostport else ""
-        if not hostport.split(":")[0]:
-            raise c.fail(key, f"missing host name in {shown}")
-    if port:
-        if not port.startswith(":") or not port[1:].isdigit() or not 0 < int(port[1:]) < 65536:
-            raise c.fail(key, f"bad port in {shown}")
-    return url.rstrip("/")
+def _url(c: _Checker, key: str, raw: Any) -> HostURL:
+    """The host URL at ``key``, parsed as polls and requests use it
+    (:meth:`crossbar.hosturl.HostURL.parse`, the one parser); its error, quoting the value
+    as written when it holds ``${...}``, is the config error."""
+    text = c.string(key, raw).strip()
+    try:
+        return HostURL.parse(text)
+    except HostURLError as e:
+        raise c.fail(key, str(e).replace(repr(text), c.show(raw, text))) from None
 
 
 def _routes(c: _Checker, raw: Any, hosts: Mapping[str, Host]) -> dict[str, Route]:

@@ -122,8 +122,8 @@ class DefaultsTests(_Case):
     def test_design_example_parses(self) -> None:
         c = parse(DESIGN_EXAMPLE, {"CROSSBAR_OPS_TOKEN": "s3cret"})
         self.assertEqual(c.ops.token, "s3cret")
-        self.assertEqual(c.hosts["gpu-a"].url, "http://10.0.0.5:8080")
-        self.assertEqual(c.hosts["gpu-b"].url, "http://10.0.0.6:8080")
+        self.assertEqual(c.hosts["gpu-a"].url.url, "http://10.0.0.5:8080")
+        self.assertEqual(c.hosts["gpu-b"].url.url, "http://10.0.0.6:8080")
         self.assertEqual(c.routes["opencode-a"], Route("opencode-a", ("gpu-a", "gpu-b"), "qwen2.5-coder-7b"))
         self.assertEqual(c.health, HealthSettings())
         self.assertEqual(c.timeouts, Timeouts())
@@ -347,10 +347,27 @@ class HostURLTests(_Case):
 
     def test_trailing_slash_trimmed(self) -> None:
         c = parse(doc(hosts={"a": "http://h:8080/", "b": {"url": "https://h/llama/"}, "c": "http://h//"}))
-        self.assertEqual([h.url for h in c.hosts.values()], ["http://h:8080", "https://h/llama", "http://h"])
+        self.assertEqual([h.url.url for h in c.hosts.values()], ["http://h:8080", "https://h/llama", "http://h"])
 
     def test_ipv6_literal(self) -> None:
-        self.assertEqual(parse(doc(hosts={"a": "http://[::1]:8080/"})).hosts["a"].url, "http://[::1]:8080")
+        self.assertEqual(parse(doc(hosts={"a": "http://[::1]:8080/"})).hosts["a"].url.url, "http://[::1]:8080")
+
+    def test_host_url_is_the_record_polls_and_requests_use(self) -> None:
+        """Issue 30 item 3: the config parses a host URL with the one parser polls and
+        requests use (an IPv6 zone and the host's case included), and keeps the record."""
+        from crossbar.hosturl import HostURL
+
+        url = parse(doc(hosts={"a": "http://[FE80::1%25eth0]:8080/llama/"})).hosts["a"].url
+        self.assertIsInstance(url, HostURL)
+        self.assertEqual(url, HostURL.parse("http://[FE80::1%25eth0]:8080/llama/"))
+        self.assertEqual(url.target(b"/health"), b"http://[FE80::1%25eth0]:8080/llama/health")
+        for bad in ("http://[fe80::zz]:8080", "http://h:0", "http://u@h:1", "http://[::1", "http://:80"):
+            try:
+                HostURL.parse(bad)
+            except ValueError as e:
+                self.assertRejected(doc(hosts={"a": bad}), f"x.yaml: hosts.a: {e}")
+            else:
+                self.fail(f"{bad!r} parsed")
 
     def test_bad_host_name(self) -> None:
         self.assertRejected(
@@ -638,7 +655,7 @@ class EnvironmentTests(_Case):
 
     def test_variable_in_url(self) -> None:
         c = parse(doc(hosts={"a": "http://${GPU_A}:8080/"}), {"GPU_A": "10.0.0.5"})
-        self.assertEqual(c.hosts["a"].url, "http://10.0.0.5:8080")
+        self.assertEqual(c.hosts["a"].url.url, "http://10.0.0.5:8080")
 
     def test_variable_in_route_host_list(self) -> None:
         """``${NAME}`` works in every string value, route host lists included."""
@@ -901,7 +918,7 @@ class HostBalancingKeyTests(_Case):
     def test_url_ending_in_v1_warns_naming_the_host(self) -> None:
         c = parse(doc(hosts={"ok": "http://h:1/llama", "gpu-a": "http://h:8080/v1/", "b": {"url": "https://h:2/x/V1"}},
                       routes={"r": {"hosts": ["ok"]}}))
-        self.assertEqual(c.hosts["gpu-a"].url, "http://h:8080/v1")  # it still loads
+        self.assertEqual(c.hosts["gpu-a"].url.url, "http://h:8080/v1")  # it still loads
         self.assertEqual(
             c.warnings,
             (
@@ -1188,7 +1205,7 @@ class FlowMappingReferenceTests(_Case):
     def test_in_flow_mapping_and_sequence(self) -> None:
         c = parse("listen: tcp:1\nhosts: {a: {url: ${X}, api_key: ${K}}, b: ${Y}}\nroutes: {r: {hosts: [${A}, b], default_model: ${M}}}\n",
                   {"X": "http://x:1", "Y": "http://y:2/", "K": "k-1", "A": "a", "M": "m"})
-        self.assertEqual((c.hosts["a"].url, c.hosts["a"].api_key, c.hosts["b"].url), ("http://x:1", "k-1", "http://y:2"))
+        self.assertEqual((c.hosts["a"].url.url, c.hosts["a"].api_key, c.hosts["b"].url.url), ("http://x:1", "k-1", "http://y:2"))
         self.assertEqual((c.routes["r"].hosts, c.routes["r"].default_model), (("a", "b"), "m"))
 
     def test_value_with_yaml_syntax_stays_verbatim(self) -> None:

@@ -1,7 +1,7 @@
 """Host URLs (docs/design.md §Configuration ``hosts``; §The health table; §The proxy, rule 6):
 every form the config accepts works the same for polls and for requests.
 
-``HostURLTests`` check :class:`~crossbar.upstream.hosturl.HostURL` itself, and that it accepts
+``HostURLTests`` check :class:`~crossbar.hosturl.HostURL` itself, and that it accepts
 and refuses what the config loader does. ``LoopbackFormTests`` run crossbar in-process
 in front of a real loopback upstream served at each URL form (names, IPv4 and IPv6
 literals, explicit and default ports, base paths plain, percent-encoded and with
@@ -29,7 +29,7 @@ from twisted.trial.unittest import SkipTest, SynchronousTestCase, TestCase
 from twisted.web.server import Request
 
 from crossbar.config import ConfigError, parse_config
-from crossbar.upstream.hosturl import HostURL, HostURLError, host_url
+from crossbar.hosturl import HostURL, HostURLError, host_url
 from tests.harness import FakeLlama, _QuietSite, start_routes, upstream_requests
 from tests.raw import parse_responses, post_bytes, raw_exchange
 

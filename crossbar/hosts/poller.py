@@ -2,7 +2,7 @@
 
 One poll of one host is ``GET <base>/health`` (must be 200), then ``GET <base>/v1/models``
 (must be 200 and list models); see :class:`HTTPProbe`. Both URLs are built by
-:meth:`crossbar.upstream.hosturl.HostURL.target`, exactly as the proxy builds a request's. :class:`HealthPoller` runs a
+:meth:`crossbar.hosturl.HostURL.target`, exactly as the proxy builds a request's. :class:`HealthPoller` runs a
 ``LoopingCall`` that every ``health.interval`` starts a poll of each host that has none
 in flight (rule 7), bounds each by ``health.timeout``, and records every result in the
 :class:`~crossbar.hosts.health.HealthTable` as it arrives. It never requests ``/slots`` nor
@@ -37,7 +37,7 @@ from twisted.web.http_headers import Headers
 
 from crossbar.upstream.failures import describe_failure
 from crossbar.hosts.health import HealthTable
-from crossbar.upstream.hosturl import HostURL, host_url
+from crossbar.hosturl import HostURL, host_url
 from crossbar.hosts.models import ModelList, ModelsError, parse_models
 from crossbar.waiting import Condition
 
@@ -66,16 +66,16 @@ class PollCancelled(CancelledError):
 class IHostProbe(Interface):
     """Polls one host once."""
 
-    def poll(url: str) -> Deferred[ModelList | tuple[str, ...]]:
+    def poll(url: str | HostURL) -> Deferred[ModelList | tuple[str, ...]]:
         """Poll the host whose configured base URL is ``url`` (a ``str``; a
-        :class:`~crossbar.upstream.hosturl.HostURL` is accepted too).
+        :class:`~crossbar.hosturl.HostURL` is accepted too).
 
         Fires with the :class:`~crossbar.hosts.models.ModelList` the host listed (or, from a
         fake, the loaded ids); errbacks with :class:`PollFailed` for
         a host that failed the poll, or :class:`PollCancelled` when cancelled.
         """
 
-    def slots(url: str) -> Deferred[int]:
+    def slots(url: str | HostURL) -> Deferred[int]:
         """The number of slots the single-model llama-server at ``url`` reports
         (``GET <base>/props`` → ``total_slots``); errbacks with :class:`PollFailed`
         (``props: ...``) when it cannot be read."""
@@ -283,7 +283,7 @@ class HealthPoller(Service):
     def __init__(
         self,
         table: HealthTable,
-        hosts: Mapping[str, str],
+        hosts: Mapping[str, str | HostURL],
         probe: IHostProbe,
         interval: float,
         timeout: float,
@@ -335,7 +335,7 @@ class HealthPoller(Service):
         """A Deferred that fires once :attr:`first_round_done` is true."""
         return self._first_round.wait()
 
-    def set_hosts(self, hosts: Mapping[str, str], fresh: Iterable[str] = ()) -> None:
+    def set_hosts(self, hosts: Mapping[str, str | HostURL], fresh: Iterable[str] = ()) -> None:
         """Poll ``hosts`` (name -> base URL) from now on (a config reload).
 
         A poll in flight to a host that is gone, whose URL changed or that is in
@@ -382,7 +382,7 @@ class HealthPoller(Service):
             except Exception:
                 self._log.failure("starting a poll of {host} failed", host=name)
 
-    def _start(self, name: str, url: str) -> None:
+    def _start(self, name: str, url: str | HostURL) -> None:
         started = self.clock.seconds()
         try:
             d = self.probe.poll(url)

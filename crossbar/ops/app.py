@@ -115,7 +115,7 @@ class OpsApp:
         for name, s in runtime.table.all().items():
             host = config.hosts.get(name)
             hosts[name] = {
-                "url": host.url if host is not None else None,
+                "url": host.url.url if host is not None else None,
                 "healthy": s.healthy,
                 "loaded": list(s.loaded),
                 "loading": list(s.loading),

@@ -23,7 +23,6 @@ from twisted.logger import Logger
 from crossbar.config import Config
 from crossbar.state.worker_counts import AFFINITY_OUTCOMES, WorkerCounts
 from crossbar.hosts.health import HealthTable
-from crossbar.upstream.hosturl import host_url
 from crossbar.ops.metrics import LiveCollector, Metrics
 from crossbar.ops.app import OpsApp
 from crossbar.ops.fleet_recent import FleetRecent
@@ -169,7 +168,7 @@ class CrossbarService(MultiService):
         """The poller's probe for ``config``'s hosts: ``timeout`` bounds opening a
         connection to a host, ``tls`` is how https hosts are checked."""
         endpoints = UpstreamEndpoints(self.reactor, timeout, tls)
-        api_keys = {host_url(h.url).url: h.api_key for h in config.hosts.values() if h.api_key is not None}
+        api_keys = {h.url.url: h.api_key for h in config.hosts.values() if h.api_key is not None}
         return HTTPProbe(PollAgent(endpoints, self._poll_pool), api_keys)
 
     def _wake_if_waiting(self) -> None:
@@ -325,7 +324,7 @@ class CrossbarService(MultiService):
         table.failure_threshold = health.failure_threshold
         table.set_hosts(new.hosts, reset=plan.fresh)
         self.pools.tls = tls
-        if any(new.hosts[name].url.startswith("https:") for name in plan.fresh):
+        if any(new.hosts[name].url.scheme == "https" for name in plan.fresh):
             self.pools.close()  # no pooled connection made under the old TLS settings
         self.pools.connect_timeout = new.timeouts.connect
         self.runtime.config = new

@@ -20,7 +20,6 @@ from crossbar.proxy.client import forwarded_headers, write_head
 from crossbar.proxy.head import upstream_body
 from crossbar.proxy.headers import content_type, is_event_stream
 from crossbar.proxy.relay import Relay
-from crossbar.upstream.hosturl import host_url
 
 if TYPE_CHECKING:
     from crossbar.proxy.exchange import Exchange
@@ -55,7 +54,7 @@ class Leg:
         host, head, runtime = ex.config.hosts[name], ex.head, ex.runtime
         headers = forwarded_headers(ex.request, bool(ex.route.keys), host.api_key, ex.key)
         body = upstream_body(head, ex.model, lambda: runtime.table.is_router(name))
-        target = host_url(host.url).target(head.rest + ex.query)
+        target = host.url.target(head.rest + ex.query)
         self.attempt = Attempt(ex.proxy.pools, ex.clock, head.method, target, headers, body,
                                ex.config.timeouts.first_byte).start()
         return self.attempt

@@ -46,7 +46,6 @@ from twisted.internet.ssl import (
 from twisted.protocols.policies import ProtocolWrapper, WrappingFactory
 from twisted.protocols.tls import TLSMemoryBIOFactory, TLSMemoryBIOProtocol
 from twisted.python.failure import Failure
-from twisted.web.client import URI
 from twisted.web.iweb import IPolicyForHTTPS
 from zope.interface import implementer
 
@@ -230,9 +229,8 @@ class HostTLS:
         one ``tls`` setting per address)."""
         settings: dict[tuple[str, int], HostTLSSettings | None] = {}
         for host in config.hosts.values():
-            uri = URI.fromBytes(host.url.encode("ascii"))
-            if uri.scheme == b"https":
-                settings[(uri.host.decode("ascii"), uri.port)] = host.tls
+            if host.url.scheme == "https":
+                settings[(host.url.host, host.url.port)] = host.tls
         return cls(settings)
 
     def creatorForNetloc(self, hostname: bytes, port: int) -> IOpenSSLClientConnectionCreator:
