@@ -7,13 +7,27 @@ Every one has the shape llama-server's own errors have, and OpenAI's::
 so a client reads crossbar's errors and its hosts' alike (``error.message``,
 ``error.type``). Where crossbar names the host that failed (502, 504), ``"host"`` is a
 member of the error object.
+
+One writer for every path: :func:`error_headers` are the headers of every error answer
+(its extra headers -- CORS, ``WWW-Authenticate``, ``Allow`` --, ``Retry-After`` on every
+503, the JSON content type), set on a ``Request`` by the proxy and the ops app alike;
+:func:`raw_error_answer` writes the same answer as bytes for the early answers made on
+the connection before (or without) a ``Request``: a head Twisted cannot parse, a body
+refused on its head, a connection over the bound. A HEAD's answer has no body.
 """
 
 from __future__ import annotations
 
 import json
+from typing import Sequence
 
-__all__ = ["error_type", "json_error_bytes"]
+from twisted.web.http import RESPONSES
+
+__all__ = ["error_headers", "error_type", "json_error_bytes", "phrase", "raw_error_answer"]
+
+Header = tuple[bytes, bytes]
+
+_PHRASES = {413: b"Content Too Large", 429: b"Too Many Requests"}  # RFC 9110's names twisted.web lacks
 
 _TYPES = {
     400: "invalid_request_error",
@@ -49,3 +63,39 @@ def json_error_bytes(code: int, message: str, **extra: str) -> bytes:
     :returns: UTF-8 JSON bytes.
     """
     return json.dumps({"error": {"code": code, "message": message, "type": error_type(code), **extra}}).encode("utf-8")
+
+
+def phrase(code: int) -> bytes:
+    """The reason phrase of status ``code`` (RFC 9110's, e.g. ``b"Too Many Requests"``)."""
+    return _PHRASES.get(code) or RESPONSES.get(code, b"Error")
+
+
+def error_headers(code: int, extra: Sequence[Header] = ()) -> list[Header]:
+    """The headers of an error answer of status ``code`` (rule 9): ``extra`` as given,
+    ``Retry-After: 1`` for a 503 that names no ``Retry-After`` (every 503 crossbar makes
+    tells a client when to come back, rule 10), and ``Content-Type: application/json``.
+
+    :param extra: (name, value) pairs: CORS, ``WWW-Authenticate``, ``Allow``, ``Retry-After``.
+    :returns: a new list of (name, value) ``bytes`` pairs.
+    """
+    headers = list(extra)
+    if code == 503 and not any(name.lower() == b"retry-after" for name, _ in headers):
+        headers.append((b"Retry-After", b"1"))
+    headers.append((b"Content-Type", b"application/json"))
+    return headers
+
+
+def raw_error_answer(code: int, message: str, head_only: bool = False, extra: Sequence[Header] = ()) -> tuple[bytes, int]:
+    """A whole HTTP/1.1 error answer as bytes, for a connection crossbar answers before
+    (or without) a ``Request``, closing after it: the status line, :func:`error_headers`,
+    ``Content-Length``, ``Connection: close`` and the :func:`json_error_bytes` body
+    (none for a HEAD: ``head_only``).
+
+    :returns: the bytes to write, and how many of them are body (for the request log).
+    """
+    body = json_error_bytes(code, message)
+    sent = b"" if head_only else body
+    lines = [b"HTTP/1.1 %d %s" % (code, phrase(code))]
+    lines += [name + b": " + value for name, value in error_headers(code, extra)]
+    lines += [b"Content-Length: %d" % len(body), b"Connection: close"]
+    return b"\r\n".join(lines) + b"\r\n\r\n" + sent, len(sent)

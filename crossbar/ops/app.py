@@ -26,7 +26,7 @@ from crossbar.state.worker_counts import AFFINITY_OUTCOMES
 from crossbar.ops.dashboard import CSP, load_static, snapshot
 from crossbar.ops.metrics import CONTENT_TYPE_LATEST, Metrics
 from crossbar.ops.recent import RecentRequests
-from crossbar.errors import json_error_bytes
+from crossbar.errors import error_headers, json_error_bytes
 from crossbar.config import Host
 from crossbar.hosts.balance import limit_in_force
 from crossbar.hosts.health import HostStatus
@@ -85,8 +85,10 @@ class OpsApp:
         return json.dumps(doc).encode("utf-8")
 
     def _error(self, request: IRequest, code: int, message: str) -> bytes:
+        """crossbar's error answer (docs/design.md rule 9), as the proxy writes it."""
         request.setResponseCode(code)
-        request.setHeader(b"Content-Type", b"application/json")
+        for name, value in error_headers(code):
+            request.setHeader(name, value)
         return json_error_bytes(code, message)
 
     def _unauthorized(self, request: IRequest) -> bytes:

@@ -27,7 +27,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.http import HTTPChannel
 
-from crossbar.errors import json_error_bytes
+from crossbar.errors import raw_error_answer
 from crossbar.proxy.request import MAX_BODY
 from crossbar.upstream.tcp import no_delay
 from crossbar.compat.twisted import BadRequestHook, eager_writes
@@ -267,17 +267,12 @@ class HeadDeadlineChannel(BadRequestHook, HTTPChannel):
         tests/test_channel.py pin it."""
         if self.transport is None or getattr(self.transport, "disconnecting", False):
             return  # answered already
-        body = json_error_bytes(400, message)
-        head = self._method == b"HEAD"  # a HEAD answer carries no body
-        self.transport.write(
-            b"HTTP/1.1 400 Bad Request\r\nContent-Type: application/json\r\n"
-            b"Content-Length: " + str(len(body)).encode("ascii") + b"\r\n"
-            b"Connection: close\r\n\r\n" + (b"" if head else body)
-        )
+        answer, sent = raw_error_answer(400, message, head_only=self._method == b"HEAD")
+        self.transport.write(answer)
         self.loseConnection()
         record = getattr(getattr(self, "site", None), "record_early_answer", None)
         if record is not None:
-            record(self._method, self._target, 400, 0 if head else len(body))
+            record(self._method, self._target, 400, sent)
 
     def _head_deadline_passed(self) -> None:
         self._head_timer = None

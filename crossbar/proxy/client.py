@@ -15,7 +15,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IResponse
 from twisted.web.server import Request
 
-from crossbar.errors import json_error_bytes
+from crossbar.errors import error_headers, json_error_bytes, phrase
 from crossbar.proxy.cors import cors_headers
 from crossbar.proxy.headers import HOST_HEADER, answer_headers, relayable_phrase, upstream_headers
 
@@ -23,7 +23,6 @@ __all__ = [
     "abort_connection", "close_if_draining", "error_body", "forwarded_headers", "write_head", "write_json",
 ]
 
-_PHRASES = {429: b"Too Many Requests"}  # codes twisted.web has no phrase for
 
 
 def close_if_draining(request: Request, draining: bool) -> None:
@@ -40,13 +39,13 @@ def write_json(request: Request, code: int, body: bytes, retry_after: bool | int
     """Answer ``code`` with the JSON ``body`` and finish; ``retry_after``: True for
     ``Retry-After: 1`` (busy answers), or a number of seconds. Returns the body bytes
     sent (0 for HEAD)."""
-    request.setResponseCode(code, _PHRASES.get(code))
+    request.setResponseCode(code, phrase(code))
     request.responseHeaders.removeHeader(b"server")
+    extra = cors_headers(request.requestHeaders)  # like the hosts' answers
     if retry_after:
-        request.setHeader(b"Retry-After", str(int(retry_after)).encode("ascii"))
-    for name, value in cors_headers(request.requestHeaders):  # like the hosts' answers
+        extra += ((b"Retry-After", str(int(retry_after)).encode("ascii")),)
+    for name, value in error_headers(code, extra) if code >= 400 else extra + ((b"Content-Type", b"application/json"),):
         request.setHeader(name, value)
-    request.setHeader(b"Content-Type", b"application/json")
     request.setHeader(b"Content-Length", str(len(body)).encode("ascii"))
     close_if_draining(request, draining)
     request.write(body)

@@ -20,7 +20,7 @@ from twisted.internet.protocol import Protocol
 from twisted.logger import ILogObserver, LogEvent, Logger
 from zope.interface import implementer
 
-from crossbar.errors import json_error_bytes
+from crossbar.errors import raw_error_answer
 
 __all__ = [
     "EMFILE_LOG_INTERVAL", "LISTEN_BACKLOG", "RESERVED_FDS", "OverLimit", "RateLimitedAcceptErrors",
@@ -68,13 +68,8 @@ class OverLimit(Protocol):
     """The protocol of a connection over the bound: answers 503 at once and closes."""
 
     def connectionMade(self) -> None:
-        body = json_error_bytes(503, "too many connections")
         transport: Any = self.transport
-        transport.write(
-            b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-            b"Retry-After: 1\r\nContent-Length: " + str(len(body)).encode("ascii") + b"\r\n"
-            b"Connection: close\r\n\r\n" + body
-        )
+        transport.write(raw_error_answer(503, "too many connections")[0])
         transport.loseConnection()
 
     def dataReceived(self, data: bytes) -> None:

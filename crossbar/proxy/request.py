@@ -26,7 +26,7 @@ from typing import Any
 from twisted.internet.interfaces import ISSLTransport
 from twisted.web.server import Request
 
-from crossbar.errors import json_error_bytes
+from crossbar.errors import raw_error_answer
 from crossbar.proxy.cors import cors_headers
 from crossbar.proxy.peek import NOTHING, BodyPeek, Peeked
 
@@ -124,9 +124,9 @@ class CappedRequest(Request):
         self.content = BytesIO()
         self._chunked = length is None
         if length is not None and length > self.max_body:
-            self.refuse(413, b"Content Too Large", "body too large")
+            self.refuse(413, "body too large")
         elif length and self.budget.held + length > self.budget.limit:
-            self.refuse(503, b"Service Unavailable", "too many request bodies held", ((b"Retry-After", b"1"),))
+            self.refuse(503, "too many request bodies held")
 
     def handleContentChunk(self, data: bytes) -> None:
         if self.refused:
@@ -134,15 +134,15 @@ class CappedRequest(Request):
         size = len(data)
         self._received += size
         if self._received > self.max_body:
-            self.refuse(413, b"Content Too Large", "body too large")
+            self.refuse(413, "body too large")
             return
         if self._chunked:
             self._calls += 1
             if self._calls > _CHUNK_GRACE and self._received < self._calls * MIN_CHUNK_AVERAGE:
-                self.refuse(400, b"Bad Request", "chunk framing too small")
+                self.refuse(400, "chunk framing too small")
                 return
         if not self.budget.take(size):
-            self.refuse(503, b"Service Unavailable", "too many request bodies held", ((b"Retry-After", b"1"),))
+            self.refuse(503, "too many request bodies held")
             return
         self._held += size
         tail = self._tail
@@ -191,8 +191,8 @@ class CappedRequest(Request):
             return
         super().process()
 
-    def refuse(self, code: int, phrase: bytes, message: str, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
-        """Answer ``code phrase`` with the JSON error ``message`` (and ``headers``) now,
+    def refuse(self, code: int, message: str, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+        """Answer ``code`` with the JSON error ``message`` (and ``headers``) now,
         on the request head, without reading the body: the 413 for a body over the
         limit, a keyed route's 401 (docs/design.md §Access). The connection closes after it.
         """
@@ -204,19 +204,12 @@ class CappedRequest(Request):
         # No "100 Continue" for a body we will not read (HTTPChannel sends it after
         # gotLength returns when this header is present).
         self.requestHeaders.removeHeader(b"expect")
-        body = json_error_bytes(code, message)
-        sent = b"" if self.head_line()[0] == b"HEAD" else body  # a HEAD answer has no content
         transport: Any = self.channel.transport  # an ITCPTransport (write, half-close, abort)
-        headers += cors_headers(self.requestHeaders)
-        transport.write(
-            b"HTTP/1.1 %d %s\r\n" % (code, phrase)
-            + b"".join(name + b": " + value + b"\r\n" for name, value in headers)
-            + b"Content-Type: application/json\r\n"
-            b"Content-Length: " + str(len(body)).encode("ascii") + b"\r\n"
-            b"Connection: close\r\n\r\n" + sent
-        )
+        answer, sent = raw_error_answer(code, message, head_only=self.head_line()[0] == b"HEAD",
+                                        extra=headers + cors_headers(self.requestHeaders))
+        transport.write(answer)
         self.channel.persistent = False
-        self.refused_answer(code, len(sent))
+        self.refused_answer(code, sent)
         # What the client still sends is read and dropped unparsed: no chunk framing
         # of a refused body costs the reactor anything (Twisted drops bytes after a
         # non-persistent request the same way).

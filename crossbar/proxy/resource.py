@@ -16,7 +16,7 @@ from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 
 from crossbar.config import Config
-from crossbar.errors import json_error_bytes
+from crossbar.errors import error_headers, json_error_bytes
 from crossbar.ops.record import RequestLog
 from crossbar.proxy.exchange import Exchange
 from crossbar.proxy.phase import Phase
@@ -54,7 +54,8 @@ class ProxyResource(Resource):
         if head is None:  # not a request of crossbar's site: a wiring bug
             _log.error("no request head for {uri!r}", uri=request.path)
             request.setResponseCode(500)
-            request.setHeader(b"Content-Type", b"application/json")
+            for name, value in error_headers(500):
+                request.setHeader(name, value)
             return json_error_bytes(500, "internal error")
         exchange = Exchange(self, request, head)
         try:

@@ -15,7 +15,7 @@ from urllib.parse import unquote_to_bytes
 from twisted.web.resource import IResource, Resource
 from twisted.web.server import Request, Site
 
-from crossbar.errors import json_error_bytes
+from crossbar.errors import error_headers, json_error_bytes, phrase
 from crossbar.ops.record import NO_ROUTE, RequestLog, RequestRecord
 from crossbar.proxy.channel import HeadDeadlineChannel
 from crossbar.proxy.connections import OverLimit, connection_limit
@@ -28,7 +28,6 @@ from crossbar.state.runtime import Runtime
 __all__ = ["METHODS", "CrossbarRequest", "CrossbarSite", "Root"]
 
 
-_PHRASES = {400: b"Bad Request", 401: b"Unauthorized", 405: b"Method Not Allowed"}
 """The reason phrases of the refusals made on the head."""
 
 
@@ -62,10 +61,9 @@ class _JSONError(Resource):
         self._body = json_error_bytes(code, message)
 
     def render(self, request: Request) -> bytes:
-        request.setResponseCode(self._code)
-        for name, value in cors_headers(request.requestHeaders):
+        request.setResponseCode(self._code, phrase(self._code))
+        for name, value in error_headers(self._code, cors_headers(request.requestHeaders)):
             request.setHeader(name, value)
-        request.setHeader(b"Content-Type", b"application/json")
         return self._body
 
 
@@ -98,7 +96,7 @@ class CrossbarRequest(CappedRequest):
                                 headers.getRawHeaders(b"authorization"), has_body=length != 0,
                                 x_api_key=headers.getRawHeaders(b"x-api-key"))
         if isinstance(verdict, Refusal):
-            return self.refuse(verdict.code, _PHRASES[verdict.code], verdict.message, verdict.headers)
+            return self.refuse(verdict.code, verdict.message, verdict.headers)
         if verdict:
             self.head = head.with_key(verdict)
         super().gotLength(length)
