@@ -374,7 +374,7 @@ class LogsJsonLinesTests(SynchronousTestCase):
         from twisted.scripts.twistd import ServerOptions
 
         from crossbar.ops import jsonlog
-        from crossbar.process.service import logs_json_lines
+        from crossbar.process.daemon import logs_json_lines
 
         options = ServerOptions()
         options.parseOptions(["-n", "--logger=crossbar.ops.jsonlog.observer", "crossbar", "--config", "x.yaml"])

@@ -39,7 +39,7 @@ from zope.interface import implementer
 
 from crossbar.config import MAX_WORKERS, ConfigError, load_config, parse_config, usable_cpus
 from crossbar.process.supervisor import STALL, Supervisor, WorkerTimings, relay_log_line
-from crossbar.process.worker import HEARTBEAT
+from crossbar.process.heartbeat import HEARTBEAT
 from tests.harness import FakeLlama, listen, port_of, wait_for
 from tests.process import START, ClientStream, Twistd, start_twistd
 

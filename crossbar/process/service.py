@@ -37,7 +37,6 @@ from crossbar.state.runtime import Runtime
 from crossbar.upstream.tls import HostTLS
 from crossbar.ops.systemd import Notifier, SystemdNotifier, watchdog_interval
 from crossbar.upstream.pools import PollAgent, UpstreamEndpoints, UpstreamPools, poll_pool
-from crossbar.compat.twisted import cache_log_timestamps, lean_dispatch, log_fallback
 from crossbar.waiting import Condition
 from crossbar.process.listen import ListenService, listen_endpoint
 from crossbar.proxy.web import CrossbarSite, Root
@@ -369,37 +368,3 @@ def make_service(
 
         reactor = global_reactor
     return CrossbarService(config, reactor, environ=environ, handle_signals=handle_signals)
-
-
-def logs_json_lines(twistd: Mapping[str, Any] | None) -> bool:
-    """twistd's options (None: not run by twistd) say its log is
-    :func:`crossbar.ops.jsonlog.observer`'s JSON lines on standard output, which workers
-    can then write to themselves. twistd has replaced the ``--logger`` name by the
-    factory it names by the time a plugin sees its options; the name is taken too."""
-    from crossbar.ops import jsonlog
-
-    logger = (twistd or {}).get("logger")
-    return logger is jsonlog.observer or logger == "crossbar.ops.jsonlog.observer"
-
-
-def make_daemon(config: Config, twistd: Mapping[str, Any] | None = None, stall: float | None = None) -> MultiService:
-    """What ``twistd crossbar`` runs for ``config``: one :class:`CrossbarService` with
-    signal handling, or with ``workers`` > 1 a :class:`~crossbar.process.supervisor.Supervisor`
-    of that many (docs/design.md §Workers). ``twistd`` is twistd's own options: when its
-    ``--logger`` is :func:`crossbar.ops.jsonlog.observer`, workers log straight to the same
-    standard output. ``stall``: seconds a worker may be silent before it is killed (the
-    plugin's ``--worker-stall``; default :data:`~crossbar.process.supervisor.STALL`).
-
-    :raises ConfigError: as :func:`make_service` and :class:`~crossbar.process.supervisor.Supervisor`.
-    """
-    log_fallback(Logger(namespace="crossbar"))  # an unchecked Twisted: its own behaviour, said once
-    cache_log_timestamps()  # twistd's text log: its time stamp formatted once per second
-    from twisted.internet import reactor
-
-    lean_dispatch(reactor)  # no log.callWithLogger layers per ready descriptor
-    if config.workers > 1:
-        from crossbar.process.supervisor import WorkerTimings, make_supervisor
-
-        timings = WorkerTimings() if stall is None else WorkerTimings.with_stall(stall)
-        return make_supervisor(config, log_through=logs_json_lines(twistd), timings=timings)
-    return make_service(config, handle_signals=True)

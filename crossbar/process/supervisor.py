@@ -64,7 +64,7 @@ from crossbar.ops.systemd import Notifier, SystemdNotifier, watchdog_interval
 from crossbar.waiting import Condition
 from crossbar.process.listen import WorkerListeners
 from crossbar.compat.twisted import emit_flattened
-from crossbar.process.worker import HEARTBEAT
+from crossbar.process.heartbeat import HEARTBEAT, host_line, parse_host_line
 
 __all__ = ["Supervisor", "WorkerTimings", "WorkerProcess", "make_supervisor", "relay_log_line"]
 
@@ -76,7 +76,7 @@ is killed."""
 
 STALL = 30.0
 """Seconds without a line from a worker's reactor (it sends ``alive`` every
-:data:`crossbar.process.worker.HEARTBEAT`) after which the supervisor kills it."""
+:data:`crossbar.process.heartbeat.HEARTBEAT`) after which the supervisor kills it."""
 
 
 @dataclass(frozen=True)
@@ -84,7 +84,7 @@ class WorkerTimings:
     """The supervisor's waits, in seconds; the defaults are production's.
 
     :ivar stall: silence after which a worker is killed (:data:`STALL`).
-    :ivar heartbeat: how often a worker says ``alive`` (:data:`~crossbar.process.worker.HEARTBEAT`).
+    :ivar heartbeat: how often a worker says ``alive`` (:data:`~crossbar.process.heartbeat.HEARTBEAT`).
     :ivar stop_margin: :data:`STOP_MARGIN`.
     :ivar young: a worker that dies sooner after its start is restarted after a
         growing back-off (from ``first_backoff``, doubling, up to ``max_backoff``).
@@ -187,13 +187,13 @@ class WorkerProcess(ProcessProtocol):
                 if line.strip() == b"ready":
                     self.ready = True
                     self.supervisor.worker_ready(self)
-                elif line.startswith((b"host-drain ", b"host-undrain ")):
-                    verb, _, encoded = line.strip().partition(b" ")
+                else:
                     try:
-                        host = bytes.fromhex(encoded.decode("ascii")).decode("utf-8")
+                        drained = parse_host_line(line.decode("ascii"))
                     except ValueError:
                         continue
-                    self.supervisor.drain_host(host, verb == b"host-drain")
+                    if drained is not None:
+                        self.supervisor.drain_host(*drained)
 
     def processEnded(self, reason: Failure) -> None:
         self.ended = True
@@ -368,7 +368,7 @@ class Supervisor(MultiService):
         self.workers[index] = process
         _log.info("worker {worker} started (pid {pid})", worker=index, pid=process.transport.pid)  # type: ignore[union-attr]
         for host in sorted(self.drained):  # read once its reactor runs
-            process.send(_drain_command(host, True))
+            process.send(host_line(host, True))
 
     def drain_host(self, host: str, draining: bool) -> None:
         """A worker drained (or undrained) ``host``: every worker does, and workers
@@ -382,7 +382,7 @@ class Supervisor(MultiService):
         _log.info("host {host} {what} in every worker", host=host, what="drained" if draining else "undrained")
         for process in self.workers:
             if process is not None:
-                process.send(_drain_command(host, draining))
+                process.send(host_line(host, draining))
 
     def _backoff(self, index: int, young: bool) -> float:
         """Seconds before worker ``index`` is started again: 0 after a long life, then
@@ -518,12 +518,6 @@ class Supervisor(MultiService):
     def when_all_ready(self) -> Deferred[None]:
         """Fires once every worker has said it is ready."""
         return self._all_ready.wait()
-
-
-def _drain_command(host: str, draining: bool) -> str:
-    """The worker command that drains (or undrains) ``host`` (its name in hex: any
-    UTF-8 name fits one ASCII line)."""
-    return ("host-drain " if draining else "host-undrain ") + host.encode("utf-8").hex()
 
 
 def make_supervisor(

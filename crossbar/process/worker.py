@@ -59,12 +59,17 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import ILogObserver, Logger, globalLogBeginner
 from zope.interface import implementer
 
+from crossbar.config import ConfigError, load_config, read_config_text
+from crossbar.process.heartbeat import HEARTBEAT, LISTEN_FD, STATUS_FD, host_line, parse_host_line
+from crossbar.process.reload import SIGHUPReload
+from crossbar.process.service import CrossbarService
+from crossbar.state.box_limits import BoxLimits
+from crossbar.state.shared import SharedCounts
+from crossbar.state.worker_counts import WorkerCounts
+from crossbar.compat.twisted import lean_dispatch
+
 __all__ = ["AdoptedEndpoint", "main"]
 
-LISTEN_FD = 3
-STATUS_FD = 4
-HEARTBEAT = 5.0
-"""Seconds between a worker's ``alive`` lines."""
 
 _log = Logger(namespace="crossbar.worker")
 
@@ -162,14 +167,6 @@ def main(argv: list[str] | None = None) -> None:
 
     reactor: Any = global_reactor  # the running reactor: posix, with threads and signals
 
-    from crossbar.config import ConfigError, load_config, read_config_text
-    from crossbar.state.worker_counts import WorkerCounts
-    from crossbar.process.reload import SIGHUPReload
-    from crossbar.process.service import CrossbarService
-    from crossbar.state.box_limits import BoxLimits
-    from crossbar.state.shared import SharedCounts
-    from crossbar.compat.twisted import lean_dispatch
-
     try:
         config = load_config(args.config, text=read_config_text(args.snapshot))
         limits = BoxLimits(args.limits, args.rows, args.row, config) if args.limits else None
@@ -209,16 +206,16 @@ def main(argv: list[str] | None = None) -> None:
             service.hurry()
         elif name == "reload":
             reload()
-        elif name.startswith(("host-drain ", "host-undrain ")):
-            verb, _, encoded = name.partition(" ")
+        elif name:
             try:
-                host = bytes.fromhex(encoded).decode("utf-8")
+                drained = parse_host_line(name)
             except ValueError:
                 _log.warn("bad supervisor command {command!r}", command=name)
                 return
-            service.runtime.drain_host(host, verb == "host-drain", tell=False)
-        elif name:
-            _log.warn("unknown supervisor command {command!r}", command=name)
+            if drained is None:
+                _log.warn("unknown supervisor command {command!r}", command=name)
+            else:
+                service.runtime.drain_host(*drained, tell=False)
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         reactor.callFromThread(drain)
@@ -233,8 +230,7 @@ def main(argv: list[str] | None = None) -> None:
         status(b"ready\n")
 
     def drain_changed(host: str, draining: bool) -> None:
-        verb = b"host-drain " if draining else b"host-undrain "
-        status(verb + host.encode("utf-8").hex().encode("ascii") + b"\n")
+        status(host_line(host, draining).encode("ascii") + b"\n")
 
     service.runtime.on_drain_change = drain_changed
 

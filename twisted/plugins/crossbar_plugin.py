@@ -44,7 +44,7 @@ class CrossbarServiceMaker:
 
     def makeService(self, options: Options) -> Any:
         from crossbar.config import ConfigError, load_config
-        from crossbar.process.service import make_daemon
+        from crossbar.process.daemon import make_daemon
         from crossbar.process.startup import StartupGuard, check_config, report_and_exit
 
         # Absolute now: twistd changes directory (--rundir, daemon mode) after this, and

@@ -1,0 +1,55 @@
+"""What ``twistd crossbar`` runs (docs/design.md §Shape, §Workers).
+
+:func:`make_daemon` builds one :class:`~crossbar.process.service.CrossbarService` with
+signal handling, or with ``workers`` > 1 a
+:class:`~crossbar.process.supervisor.Supervisor` of that many, after the start-up
+steps that concern the whole process (the Twisted fence's check, the log time stamps,
+the reactor's dispatch). It is the one module that knows both: ``daemon -> service``
+and ``daemon -> supervisor``, so neither imports the other.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from twisted.application.service import MultiService
+from twisted.logger import Logger
+
+from crossbar.compat.twisted import cache_log_timestamps, lean_dispatch, log_fallback
+from crossbar.config import Config
+from crossbar.process.service import make_service
+from crossbar.process.supervisor import WorkerTimings, make_supervisor
+
+__all__ = ["logs_json_lines", "make_daemon"]
+
+
+def logs_json_lines(twistd: Mapping[str, Any] | None) -> bool:
+    """twistd's options (None: not run by twistd) say its log is
+    :func:`crossbar.ops.jsonlog.observer`'s JSON lines on standard output, which workers
+    can then write to themselves. twistd has replaced the ``--logger`` name by the
+    factory it names by the time a plugin sees its options; the name is taken too."""
+    from crossbar.ops import jsonlog
+
+    logger = (twistd or {}).get("logger")
+    return logger is jsonlog.observer or logger == "crossbar.ops.jsonlog.observer"
+
+
+def make_daemon(config: Config, twistd: Mapping[str, Any] | None = None, stall: float | None = None) -> MultiService:
+    """What ``twistd crossbar`` runs for ``config``: one :class:`~crossbar.process.service.CrossbarService` with
+    signal handling, or with ``workers`` > 1 a :class:`~crossbar.process.supervisor.Supervisor`
+    of that many (docs/design.md §Workers). ``twistd`` is twistd's own options: when its
+    ``--logger`` is :func:`crossbar.ops.jsonlog.observer`, workers log straight to the same
+    standard output. ``stall``: seconds a worker may be silent before it is killed (the
+    plugin's ``--worker-stall``; default :data:`~crossbar.process.supervisor.STALL`).
+
+    :raises ConfigError: as :func:`~crossbar.process.service.make_service` and :class:`~crossbar.process.supervisor.Supervisor`.
+    """
+    log_fallback(Logger(namespace="crossbar"))  # an unchecked Twisted: its own behaviour, said once
+    cache_log_timestamps()  # twistd's text log: its time stamp formatted once per second
+    from twisted.internet import reactor
+
+    lean_dispatch(reactor)  # no log.callWithLogger layers per ready descriptor
+    if config.workers > 1:
+        timings = WorkerTimings() if stall is None else WorkerTimings.with_stall(stall)
+        return make_supervisor(config, log_through=logs_json_lines(twistd), timings=timings)
+    return make_service(config, handle_signals=True)
