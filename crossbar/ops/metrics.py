@@ -193,8 +193,10 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
-            "crossbar_requests", "Answered requests by route, host, status code and client key name.",
-            ("route", "host", "code", "key"), registry=r,
+            "crossbar_requests", "Answered requests by route, host, status code, client key name and how the "
+            "answer ended (complete; cut: the host died or went silent mid-answer, or a drain's grace ran out; "
+            "client_gone: the client left first), so a cut 200 is not counted as a plain one.",
+            ("route", "host", "code", "key", "ended"), registry=r,
         )
         self.duration = Histogram(
             "crossbar_request_duration_seconds", "Time from request received to answer ended.",
