@@ -78,3 +78,23 @@ class FirstPollWaitTests(TestCase):
         self.assertEqual(response.code, 503)
         self.assertIn(b"all hosts busy", await response.content())
         late.release()
+
+    async def test_model_list_waits_for_every_first_poll(self) -> None:
+        """``GET /r/v1/models`` in the first poll round waits too: neither a 503 nor a
+        list without the models of the host not polled yet."""
+        service, base, _, late = await self.start()
+        listed = ensureDeferred(http_client(self).get(base + "/r/v1/models"))
+        await wait_for(lambda: service.runtime.queued("r") == 1, what="the model list waiting")
+        late.release()
+        response = await listed
+        self.assertEqual(response.code, 200)
+        doc = json.loads(await response.content())
+        self.assertEqual([m["id"] for m in doc["data"]], ["m1", "other"])
+        self.assertEqual(service.runtime.queued("r"), 0)
+
+    async def test_model_list_at_the_queue_timeout_is_what_the_polls_gave(self) -> None:
+        _, base, _, late = await self.start(queue="{max: 5, timeout: 0.2}")
+        response = await http_client(self).get(base + "/r/v1/models")
+        self.assertEqual(response.code, 200)
+        self.assertEqual([m["id"] for m in json.loads(await response.content())["data"]], ["other"])
+        late.release()
