@@ -208,3 +208,56 @@ class DeadWorkerSharesTests(SynchronousTestCase):
         # and a reload (which clears the supervisor's row) keeps the dead worker's share
         self.assertTrue(supervisor.reload())
         self.assertEqual(fleet.counter(CLUSTER_LOST), 4)
+
+
+class FleetCountersTests(SynchronousTestCase):
+    """A collector's per-process counter made the box's (``ops.metrics.FleetCounters``
+    over ``Runtime.counter``), without processes: two runtimes share one counts file."""
+
+    def test_the_answering_worker_gives_the_sum(self) -> None:
+        from prometheus_client import CollectorRegistry, generate_latest
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        from crossbar.config import parse_config
+        from crossbar.ops.metrics import FleetCounters
+        from crossbar.state.runtime import Runtime
+        from crossbar.state.shared import SharedCounts
+        from crossbar.state.worker_counts import CLUSTER_LOST, WorkerCounts
+
+        config = parse_config("listen: tcp:0\nhosts: {a: 'http://h:1'}\nroutes: {r: {hosts: [a]}}\n", "c.yaml", {})
+        path = self.mktemp()
+        SharedCounts.create(path, 3)
+        lost = {0: 1, 1: 2}
+        runtimes = []
+        for row in (0, 1):
+            runtime = Runtime(config, lambda: 0.0)
+            runtime.own_counters[CLUSTER_LOST] = lambda row=row: lost[row]
+            runtime.attach(WorkerCounts(SharedCounts(path, 3, row), config))
+            runtimes.append(runtime)
+
+        class Link:
+            """A collector of this process only, like the cluster's."""
+
+            def collect(self) -> list[Any]:
+                up = GaugeMetricFamily("crossbar_cluster_up", "up")
+                up.add_metric((), 1)
+                own = CounterMetricFamily("crossbar_cluster_lost", "lost")
+                own.add_metric((), 99)
+                return [up, own]
+
+        def scrape(runtime: Runtime) -> str:
+            registry = CollectorRegistry(auto_describe=False)
+            registry.register(FleetCounters(Link(), {"crossbar_cluster_lost": lambda: runtime.counter(CLUSTER_LOST)}))
+            return generate_latest(registry).decode()
+
+        for runtime in runtimes:
+            text = scrape(runtime)
+            self.assertIn("crossbar_cluster_lost_total 3.0", text)
+            self.assertIn("crossbar_cluster_up 1.0", text)  # gauges pass through
+        lost[1] = 5  # grown in worker 1, which has not published yet: worker 0 reads 1 + 2
+        self.assertIn("crossbar_cluster_lost_total 3.0", scrape(runtimes[0]))
+        runtimes[1].publish_counters()  # what its cluster-change hook does
+        self.assertIn("crossbar_cluster_lost_total 6.0", scrape(runtimes[0]))
+        alone = Runtime(config, lambda: 0.0)
+        alone.own_counters[CLUSTER_LOST] = lambda: 4
+        self.assertEqual(alone.counter(CLUSTER_LOST), 4)  # one process: its own
