@@ -34,6 +34,22 @@ def _three_events(request: Request, body: bytes) -> Any:
     return NOT_DONE_YET
 
 
+async def requests_total(case: TestCase, base: str) -> dict[tuple[str, str], float]:
+    """``crossbar_requests_total`` of route ``r``, host ``a`` as scraped: (code, ended) ->
+    count (a series without ``ended`` counts under "")."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = await treq.text_content(await http_client(case).get(base + "/_crossbar/metrics"))
+    out: dict[tuple[str, str], float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = sample.labels
+            if sample.name == "crossbar_requests_total" and (labels["route"], labels["host"]) == ("r", "a"):
+                key = (labels["code"], labels.get("ended", ""))
+                out[key] = out.get(key, 0) + sample.value
+    return out
+
+
 class EndingTests(TestCase):
     def test_client_leaving_after_done_is_complete(self) -> object:
         """The client read ``[DONE]`` and closed before the host's end reached crossbar:
@@ -62,6 +78,9 @@ class EndingTests(TestCase):
             self.assertEqual((event["status"], event["ended"]), (499, "client_gone"))
             self.assertIn("ended=client_gone", event["line"])
             self.assertEqual(watch.errors(), [])
+            # crossbar_requests_total says how each ended beside its code (rule 8)
+            counted = await requests_total(self, base)
+            self.assertEqual(counted, {("200", "complete"): 1, ("499", "client_gone"): 1})
 
         return ensureDeferred(go())
 
@@ -81,6 +100,8 @@ class EndingTests(TestCase):
             self.assertIn("ended=cut", event["line"])
             metrics = await treq.text_content(await http_client(self).get(base + "/_crossbar/metrics"))
             self.assertIn('crossbar_unfinished_answers_total{ended="cut",host="a",route="r"} 1.0', metrics)
+            # not a plain 200: the request counter carries ended="cut" beside the code (rule 8)
+            self.assertEqual(await requests_total(self, base), {("200", "cut"): 1})
 
         return ensureDeferred(go())
 

@@ -7,7 +7,7 @@ the rules themselves, checked against the inputs rather than a copy of the code.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -234,3 +234,51 @@ class Ties(SynchronousTestCase):
             assert isinstance(got, Chosen)
             load[got.host] += 1
         self.assertEqual(load, {"a": 8, "b": 4})
+
+
+class FirstPollTests(SynchronousTestCase):
+    """A new or restarted worker answers neither ``model not found`` nor ``no healthy
+    host`` while a host of the route has not had its first poll: the request waits
+    (BUSY) for it (docs/design.md §Several crossbars, last bullet)."""
+
+    ROUTER = HostStatus(healthy=True, polled=True, router=True, available=("other",))
+    SINGLE = HostStatus(healthy=True, polled=True, loaded=("m1",))
+
+    def setUp(self) -> None:
+        self.route = Route("r", ("router", "single"))
+        self.hosts = {h: Host(h, "http://127.0.0.1:1") for h in self.route.hosts}
+
+    def run_choose(self, statuses: dict[str, HostStatus], exclude: tuple[str, ...] = ()) -> Chosen | Verdict:
+        return choose(self.route, self.hosts, statuses, lambda h: 0, "m1", None, Rotation(), exclude)
+
+    def test_router_polled_first_waits_for_the_others(self) -> None:
+        """The soak's case: the router-mode host answered its first poll before the
+        host that serves the model; the request waits, it is not 404."""
+        got = self.run_choose({"router": self.ROUTER, "single": HostStatus()})
+        self.assertIs(got, Verdict.BUSY)
+
+    def test_dispatched_once_the_poll_lands(self) -> None:
+        got = self.run_choose({"router": self.ROUTER, "single": self.SINGLE})
+        self.assertEqual(got, Chosen("single", Fit.LOADED, "least-busy"))
+
+    def test_model_not_found_once_every_host_was_polled(self) -> None:
+        unhealthy = HostStatus(polled=True, failures=1, last_err="health: HTTP 503")
+        self.assertIs(self.run_choose({"router": self.ROUTER, "single": unhealthy}), Verdict.NO_MODEL)
+
+    def test_an_excluded_unpolled_host_is_not_waited_for(self) -> None:
+        got = self.run_choose({"router": self.ROUTER, "single": HostStatus()}, exclude=("single",))
+        self.assertIs(got, Verdict.NO_HOST)
+
+    def test_no_healthy_host_waits_too(self) -> None:
+        failed = HostStatus(polled=True, failures=1, last_err="health: HTTP 503")
+        self.assertIs(self.run_choose({"router": failed, "single": HostStatus()}), Verdict.BUSY)
+
+    @settings(max_examples=250, deadline=None)
+    @given(cases(), st.lists(st.booleans(), min_size=5, max_size=5))
+    def test_never_a_refusal_while_a_host_awaits_its_first_poll(self, case: Case, router: list[bool]) -> None:
+        """Over random fleets with router-mode hosts: NO_MODEL and NO_HOST only when
+        every untried host of the route has had its first poll."""
+        statuses = {h: replace(s, router=r) for (h, s), r in zip(case.statuses.items(), router)}
+        got = replace(case, statuses=statuses).run()
+        if got in (Verdict.NO_MODEL, Verdict.NO_HOST):
+            self.assertEqual(case.unpolled(), [])

@@ -28,7 +28,8 @@ async def _requests_total(case: TestCase, base: str) -> dict[tuple[str, str, str
         for sample in family.samples:
             if sample.name == "crossbar_requests_total":
                 labels = sample.labels
-                out[(labels["route"], labels["host"], labels["code"])] = sample.value
+                key = (labels["route"], labels["host"], labels["code"])
+                out[key] = out.get(key, 0.0) + sample.value  # summed over `ended`
     return out
 
 

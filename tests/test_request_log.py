@@ -113,13 +113,13 @@ class RecordLineTests(SynchronousTestCase):
                          ("r", "a", 200, 4.5, 12.3, "only"))
         registry = metrics.registry
         self.assertEqual(registry.get_sample_value(
-            "crossbar_requests_total", {"route": "r", "host": "a", "code": "200", "key": "k1"}), 2.0)
+            "crossbar_requests_total", {"route": "r", "host": "a", "code": "200", "key": "k1", "ended": "complete"}), 2.0)
         self.assertEqual(registry.get_sample_value(
             "crossbar_request_duration_seconds_count", {"route": "r", "host": "a"}), 2.0)
         self.assertEqual(registry.get_sample_value(
             "crossbar_time_to_first_byte_seconds_count", {"route": "r", "host": "a"}), 1.0)
         self.assertEqual(registry.get_sample_value(
-            "crossbar_requests_total", {"route": "-", "host": "-", "code": "404", "key": ""}), 1.0)
+            "crossbar_requests_total", {"route": "-", "host": "-", "code": "404", "key": "", "ended": "complete"}), 1.0)
 
     def test_event_built_as_logger_info_builds_it(self) -> None:
         """The record's event skips ``Logger.emit`` (issue 23) but is the event

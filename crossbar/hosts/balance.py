@@ -17,7 +17,7 @@ from crossbar.hosts import affinity
 from crossbar.config import Host, Route
 from crossbar.hosts.health import HostStatus
 
-__all__ = ["Chosen", "Fit", "Rotation", "Verdict", "choose", "fit_tier", "has_room", "limit_in_force", "lists"]
+__all__ = ["Chosen", "Fit", "Rotation", "Verdict", "awaits_first_poll", "choose", "fit_tier", "has_room", "limit_in_force", "lists"]
 
 
 class Fit(Enum):
@@ -33,13 +33,16 @@ class Verdict(Enum):
     """No host was chosen."""
 
     BUSY = "busy"
-    """The best tier has no host with room, or no host is healthy but one has not been
-    polled yet (new, or reset by a reload): wait in the route's queue (rule 4)."""
+    """The best tier has no host with room, or no healthy host lists the model (or
+    none is healthy) but a host of the route has not been polled yet (new, or reset by
+    a reload): wait in the route's queue (rule 4)."""
     NO_HOST = "no_host"
-    """No healthy host of the route is left to try."""
+    """No healthy host of the route is left to try, and every untried one has had its
+    first poll."""
     NO_MODEL = "no_model"
-    """Every healthy host of the route is in router mode and none lists the model:
-    404 ``model not found`` (docs/design.md §Choosing a host rule 1)."""
+    """Every healthy host of the route is in router mode and none lists the model, and
+    every host has had its first poll: 404 ``model not found`` (docs/design.md
+    §Choosing a host rule 1)."""
 
 
 class Chosen(NamedTuple):
@@ -127,6 +130,19 @@ def fit_tier(
     return Fit.FALLBACK, [h for h in names if not statuses[h].router]
 
 
+def awaits_first_poll(
+    route: Route, hosts: Mapping[str, Host], statuses: Mapping[str, HostStatus], exclude: Collection[str] = ()
+) -> bool:
+    """Whether a host of ``route`` not in ``exclude`` has not had its first poll yet (a
+    new or restarted worker or instance, or a host a reload reset): until it has, no
+    request of the route is answered ``model not found`` or ``no healthy host``; it
+    waits for that poll in the route's queue (docs/design.md §Several crossbars, last
+    bullet; §Choosing a host rule 4)."""
+    return any(
+        h not in exclude and h in hosts and h in statuses and not statuses[h].polled for h in route.hosts
+    )
+
+
 def choose(
     route: Route,
     hosts: Mapping[str, Host],
@@ -159,15 +175,17 @@ def choose(
     if not candidates:
         # A host not polled yet (new, or reset by a reload: URL, tls or api_key changed)
         # may be healthy in a moment: wait for its first poll rather than answer 503.
-        if any(h not in skip and h in hosts and h in statuses and not statuses[h].polled for h in route.hosts):
-            return Verdict.BUSY
-        return Verdict.NO_HOST
+        return Verdict.BUSY if awaits_first_poll(route, hosts, statuses, skip) else Verdict.NO_HOST
     if draining:
         candidates = [h for h in candidates if h not in draining]
         if not candidates:
             return Verdict.BUSY
     fit, tier = fit_tier(candidates, model, statuses)
     if not tier:
+        # The hosts polled so far (router-mode ones) do not list the model; one not
+        # polled yet may serve it: a restarted worker waits for it rather than 404.
+        if awaits_first_poll(route, hosts, statuses, skip):
+            return Verdict.BUSY
         return Verdict.NO_HOST if skip else Verdict.NO_MODEL
     load = {h: inflight(h) for h in tier}
     roomy = [h for h in tier if has_room(hosts[h], load[h], statuses[h])]

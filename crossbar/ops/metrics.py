@@ -23,7 +23,7 @@ from prometheus_client.values import MutexValue
 
 from crossbar.hosts.health import HostStatus
 
-__all__ = ["CONTENT_TYPE_LATEST", "LiveCollector", "Metrics", "adder", "observer"]
+__all__ = ["CONTENT_TYPE_LATEST", "FleetCounters", "LiveCollector", "Metrics", "adder", "observer"]
 
 _SPEED_BUCKETS = (1, 2, 5, 10, 20, 35, 50, 75, 100, 150, 200, 300, 500, 1000, 2000, 5000, 10000)
 """Tokens/s."""
@@ -153,6 +153,37 @@ class LiveCollector(Collector):
         return []  # dynamic: described by collect() at scrape time only
 
 
+class FleetCounters(Collector):
+    """Another collector's families, with some of its counters made the box's: a
+    collector of this process (e.g. the cluster's ``crossbar_cluster_lost``, counted by
+    each worker's own link to Redis) would give another value for each worker that
+    answers, which Prometheus reads as a counter reset (docs/design.md §Workers:
+    counters are summed over workers).
+
+    :param inner: the collector whose families are passed on.
+    :param totals: counter family name (without ``_total``) -> its value summed over
+        every worker (:meth:`Runtime.counter <crossbar.state.runtime.Runtime.counter>`);
+        such a family must have no labels (one sample).
+    """
+
+    def __init__(self, inner: Collector, totals: Mapping[str, Callable[[], int]]) -> None:
+        self._inner = inner
+        self._totals = totals
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self._inner.collect():
+            total = self._totals.get(family.name)
+            if total is None or family.type != "counter":
+                yield family
+                continue
+            summed = CounterMetricFamily(family.name, family.documentation)
+            summed.add_metric((), total())
+            yield summed
+
+    def describe(self) -> Iterable[Metric]:
+        return []  # dynamic, like LiveCollector
+
+
 class Metrics:
     """The collectors crossbar updates. Label values are config names, status codes
     and fixed reason kinds only, so cardinality stays bounded."""
@@ -162,8 +193,10 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
-            "crossbar_requests", "Answered requests by route, host, status code and client key name.",
-            ("route", "host", "code", "key"), registry=r,
+            "crossbar_requests", "Answered requests by route, host, status code, client key name and how the "
+            "answer ended (complete; cut: the host died or went silent mid-answer, or a drain's grace ran out; "
+            "client_gone: the client left first), so a cut 200 is not counted as a plain one.",
+            ("route", "host", "code", "key", "ended"), registry=r,
         )
         self.duration = Histogram(
             "crossbar_request_duration_seconds", "Time from request received to answer ended.",

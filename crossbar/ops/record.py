@@ -110,7 +110,7 @@ class RequestLog:
         self.tokens = tokens
         self._ended: dict[tuple[str, str, str], Any] = {}
         self._token_series: dict[tuple[str, str, str, str], _TokenSeries] = {}
-        self._requests: dict[tuple[str, str, str, str], Callable[[float], None]] = {}
+        self._requests: dict[tuple[str, str, str, str, str], Callable[[float], None]] = {}
         self._durations: dict[tuple[str, str], tuple[Callable[[float], None], ...]] = {}
         """Per (route, host): the request duration's, time to first byte's and time to
         first token's observers."""
@@ -163,10 +163,10 @@ class RequestLog:
 
     def _count(self, record: RequestRecord, route: str, host: str) -> None:
         m = self.metrics
-        labels = (route, host, str(record.status), record.key)
-        count = self._requests.get(labels)
+        request_labels = (route, host, str(record.status), record.key, record.ended)
+        count = self._requests.get(request_labels)
         if count is None:
-            count = self._requests[labels] = adder(m.requests.labels(*labels))
+            count = self._requests[request_labels] = adder(m.requests.labels(*request_labels))
         count(1)
         observers = self._durations.get((route, host))
         if observers is None:

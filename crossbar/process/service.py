@@ -21,9 +21,9 @@ from twisted.internet.task import LoopingCall, deferLater
 from twisted.logger import Logger
 
 from crossbar.config import Config
-from crossbar.state.worker_counts import AFFINITY_OUTCOMES, WorkerCounts
+from crossbar.state.worker_counts import AFFINITY_OUTCOMES, CLUSTER_LOST, WorkerCounts
 from crossbar.hosts.health import HealthTable
-from crossbar.ops.metrics import LiveCollector, Metrics
+from crossbar.ops.metrics import FleetCounters, LiveCollector, Metrics
 from crossbar.ops.app import OpsApp
 from crossbar.ops.fleet_recent import FleetRecent
 from crossbar.ops.recent import TICK, RecentRequests
@@ -96,11 +96,14 @@ class CrossbarService(MultiService):
         ))
         self.cluster: RedisCluster | None = None
         if config.cluster is not None:  # docs/design.md §Several crossbars
-            self.cluster = RedisCluster(config.cluster.redis, reactor, on_change=runtime.others_changed,
-                                        tls=config.cluster.tls)
-            runtime.join(self.cluster)
-            runtime.limits.fleet = RedisLimits(self.cluster)
-            self.metrics.watch(ClusterCollector(self.cluster))  # rendered with workers too (the answering worker's link)
+            self.cluster = cluster = RedisCluster(config.cluster.redis, reactor, on_change=self._cluster_changed,
+                                                  tls=config.cluster.tls)
+            runtime.own_counters[CLUSTER_LOST] = lambda: cluster.lost
+            runtime.join(cluster)
+            runtime.limits.fleet = RedisLimits(cluster)
+            # The gauges are the answering worker's link; its losses are summed over workers.
+            self.metrics.watch(FleetCounters(ClusterCollector(cluster),
+                                             {"crossbar_cluster_lost": lambda: runtime.counter(CLUSTER_LOST)}))
         self.metrics.watch(LimitsCollector(runtime.limits))  # with workers: the box's spending
         self.requests = RequestLog(self.metrics, runtime.tokens)
         # The dashboard's recent requests: one append per request; with workers, every
@@ -169,6 +172,12 @@ class CrossbarService(MultiService):
         endpoints = UpstreamEndpoints(self.reactor, timeout, tls)
         api_keys = {h.url.url: h.api_key for h in config.hosts.values() if h.api_key is not None}
         return HTTPProbe(PollAgent(endpoints, self._poll_pool), api_keys)
+
+    def _cluster_changed(self) -> None:
+        """The cluster's view changed (another instance's counts, or Redis lost or
+        back): publish this worker's losses to the fleet, and wake the queues."""
+        self.runtime.publish_counters()
+        self.runtime.others_changed()
 
     def _wake_if_waiting(self) -> None:
         if len(self.runtime.queues):

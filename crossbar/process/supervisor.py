@@ -9,7 +9,8 @@ one socket and stays shared by every worker. It only supervises:
 
 - a worker that dies is restarted (after a back-off when it dies young), logged and
   counted (``crossbar_worker_restarts_total``); its in-flight counts are cleared (what
-  it admitted under a key's ``limits`` keeps counting for the box). A
+  it admitted under a key's ``limits`` keeps counting for the box, and the supervisor
+  keeps its share of every counter: affinity, tokens, Redis losses). A
   worker silent for :data:`STALL` seconds (:class:`WorkerTimings`; no ``alive`` line:
   its reactor wedged, or the process stopped) is killed, and so restarted;
 - SIGTERM drains every worker at once (each runs its own drain: readiness 503,
@@ -56,7 +57,7 @@ from twisted.logger import Logger, LogLevel, InvalidLogLevelError
 from twisted.python.failure import Failure
 
 from crossbar.config import Config, ConfigError
-from crossbar.state.worker_counts import AFFINITY_OUTCOMES, WorkerCounts, check_capacity
+from crossbar.state.worker_counts import WorkerCounts, check_capacity
 from crossbar.process.reload import REFUSED, SIGHUPReload, catch_second_stop_signal, next_config
 from crossbar.state.box_limits import BoxLimits, check_limit_room, limit_slots_for
 from crossbar.state.shared import SharedCounts
@@ -257,7 +258,7 @@ class Supervisor(MultiService):
         self._limits_path = ""
         self._snapshot_path = ""
         self._stall_check: LoopingCall | None = None
-        self._folded: Counter[tuple[str, str]] = Counter()  # dead workers' affinity counts
+        self._folded: Counter[str] = Counter()  # dead workers' shares of the counter cells
         self.metrics_directory = ""
         self.drained: set[str] = set()
         """Hosts drained at run time (every worker is told; see :meth:`drain_host`)."""
@@ -404,11 +405,11 @@ class Supervisor(MultiService):
         """A worker exited: counted and restarted unless crossbar is stopping."""
         index = process.index
         if self.counts is not None:
-            # Its affinity counts are counters: this process keeps them (they must never
-            # go down); the rest of its row (in flight, waiting) is gone with it.
-            for name in self.config.routes:
-                for outcome in AFFINITY_OUTCOMES:
-                    self._folded[(name, outcome)] += self.counts.affinity_of_row(name, outcome, index)
+            # Its counters (affinity outcomes, token totals, Redis losses): this process
+            # keeps its share (they must never go down); the rest of its row (in flight,
+            # waiting) is gone with it.
+            for name in self.counts.counter_cells():
+                self._folded[name] += self.counts.of_row(name, index)
             self.counts.shared.clear_row(index)
             self._publish_own()
         self._all_ended.check()
@@ -424,11 +425,11 @@ class Supervisor(MultiService):
         self.reactor.callLater(delay, self._spawn, index)
 
     def _publish_own(self) -> None:
-        """This process's row: restarts, and the affinity counts of dead workers."""
+        """This process's row: restarts, and the counters of dead workers."""
         if self.counts is not None:
             self.counts.publish_restarts(self.restarts)
-            for (name, outcome), count in self._folded.items():
-                self.counts.publish_affinity(name, outcome, count)
+            for name, count in self._folded.items():
+                self.counts.publish_counter(name, count)
 
     # -- stop --------------------------------------------------------------------------
 

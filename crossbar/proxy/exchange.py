@@ -18,7 +18,7 @@ from twisted.python.failure import Failure
 from twisted.web.server import Request
 
 from crossbar.config import Config, Route
-from crossbar.hosts.balance import Chosen, Verdict, choose
+from crossbar.hosts.balance import Chosen, Verdict, awaits_first_poll, choose
 from crossbar.ops.record import NO_ROUTE
 from crossbar.paths import PathKind
 from crossbar.proxy.attempt import Answer, UpstreamFailed
@@ -61,6 +61,7 @@ class Exchange(Phased):
         self.leg: Leg | None = None
         self.relay: Relay | None = None  # the answer's body, once its head went to the client
         self.place: QueuePlace | None = None
+        self.listing = False  # the route model list (rule 10), answered from the health table
 
     @property
     def route_name(self) -> str:
@@ -77,8 +78,16 @@ class Exchange(Phased):
             return self.answer_error(checked.code, checked.message)
         assert self.route is not None
         if checked is PathKind.MODEL_LIST:
-            body = models_body(self.route, self.runtime.table.all())
-            return self.answer_error(503, "no healthy host") if body is None else self.answer(200, body)
+            self.listing = True
+            if awaits_first_poll(self.route, self.config.hosts, self.runtime.table.all()):
+                # A new or restarted worker: the list waits for the route's first polls
+                # rather than answer 503 or leave out the hosts not polled yet (§Several
+                # crossbars); it counts like a waiting request until it is answered.
+                self.runtime.begin(self)
+                self._enter(Phase.FORWARDING)
+                self.enqueue()
+                return
+            return self.answer_models()
         self.model, self.query = wanted_model(head, self.route)
         self.tally.model = self.model
         if head.key and not self.runtime.key_admits(self.route, head.key):
@@ -108,6 +117,8 @@ class Exchange(Phased):
         ``waiting`` request stays queued), or answer that none is left. True once out of the queue."""
         assert self.route is not None
         runtime = self.runtime
+        if self.listing:
+            return self.list_models_when_polled()
         verdict = choose(self.route, self.config.hosts, runtime.table.all(), runtime.inflight.host, self.model,
                          self.head.peeked.affinity_key, runtime.rotation, exclude=self.tried,
                          draining=runtime.drained)
@@ -121,6 +132,22 @@ class Exchange(Phased):
         else:
             self.carry_out(decide(verdict, None, self.tried))
         return True
+
+    def list_models_when_polled(self) -> bool:
+        """A waiting model list: answered once every host of the route has had its first
+        poll (True), else it keeps waiting (False)."""
+        assert self.route is not None
+        if awaits_first_poll(self.route, self.config.hosts, self.runtime.table.all()):
+            return False
+        self.leave_queue()
+        self.answer_models()
+        return True
+
+    def answer_models(self) -> None:
+        """Rule 10: the route model list from the health table, or 503 ``no healthy host``."""
+        assert self.route is not None
+        body = models_body(self.route, self.runtime.table.all())
+        return self.answer_error(503, "no healthy host") if body is None else self.answer(200, body)
 
     def dispatch(self, chosen: Chosen) -> None:
         """Send the request to ``chosen.host`` on a new :class:`~crossbar.proxy.leg.Leg` (rules 6-7)."""
@@ -141,6 +168,8 @@ class Exchange(Phased):
             self.place = QueuePlace(self.runtime.queues, self.clock, self.tally, self.retry, self.on_queue_timeout)
         refusal = self.place.join(self.route, preflight=bool(self.route.keys) and not self.key)
         if refusal is not None:
+            if self.listing:  # no queue to wait in: the list as the polls so far give it
+                return self.answer_models()
             return self.answer_error(503, refusal, retry_after=True)
         self._enter(Phase.QUEUED)
 
@@ -155,7 +184,10 @@ class Exchange(Phased):
 
     @acts_in(Phase.QUEUED)
     def on_queue_timeout(self) -> None:
-        """``queue.timeout`` passed without room: 503 with ``Retry-After``."""
+        """``queue.timeout`` passed without room: 503 with ``Retry-After`` (a model list:
+        the list as the polls so far give it)."""
+        if self.listing:
+            return self.answer_models()
         self.answer_error(503, "all hosts busy", retry_after=True)
 
     def leave_queue(self) -> None:

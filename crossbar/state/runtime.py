@@ -46,6 +46,11 @@ class Runtime:
     :ivar tokens: token totals per host and route, and their last minute (status).
     :ivar fleet: with workers, the fleet-wide counts (:meth:`attach`); else None.
     :ivar cluster: with ``cluster.redis``, the other instances' counts (:meth:`join`).
+    :ivar own_counters: counters this process keeps outside the runtime, by shared cell
+        name (e.g. :data:`~crossbar.state.worker_counts.CLUSTER_LOST`: the times its
+        link to Redis was lost) -> how to read this process's value; with workers they
+        are published to the fleet (:meth:`publish_counters`) and read summed
+        (:meth:`counter`).
     :ivar limits: the client keys' request and token limits (docs/design.md §Access).
     :ivar active: the requests being handled (proxy exchanges), until each ends.
     :ivar draining: a drain has started (docs/design.md §Operations).
@@ -69,6 +74,7 @@ class Runtime:
         self.tokens = TokenLedger(now, tuple(config.hosts), tuple(config.routes))
         self.fleet: WorkerCounts | None = None
         self.cluster: ClusterView | None = None
+        self.own_counters: dict[str, Callable[[], int]] = {}
         self.limits = KeyLimiter(now)
         self.active: set[Any] = set()
         self.draining = False
@@ -115,6 +121,25 @@ class Runtime:
             self.fleet.publish_affinity(route, outcome, n)
         for route, key in self.key_inflight:
             self._publish_key(route, key)
+        self.publish_counters()
+
+    def publish_counters(self) -> None:
+        """Write this process's :attr:`own_counters` to the fleet (with workers; call it
+        whenever one may have grown)."""
+        if self.fleet is not None:
+            for name, read in self.own_counters.items():
+                self.fleet.publish_counter(name, read())
+
+    def counter(self, name: str) -> int:
+        """Own counter ``name`` (:attr:`own_counters`): this process's value, or with
+        workers the sum over every worker, those that died included (the supervisor
+        keeps their share), so it never goes down whichever worker answers
+        (docs/design.md §Workers)."""
+        if self.fleet is None:
+            read = self.own_counters.get(name)
+            return read() if read is not None else 0
+        self.publish_counters()
+        return self.fleet.counter(name)
 
     def _publish_key(self, route: str, key: str) -> None:
         if self.cluster is not None:

@@ -22,11 +22,14 @@ from crossbar.config import Config, ConfigError
 from crossbar.state.box_limits import BoxLimits
 from crossbar.state.shared import CELLS, SharedCounts, cell_map
 
-__all__ = ["AFFINITY_OUTCOMES", "RESTARTS", "WorkerCounts", "check_capacity", "token_cell"]
+__all__ = ["AFFINITY_OUTCOMES", "CLUSTER_LOST", "RESTARTS", "WorkerCounts", "check_capacity", "token_cell"]
 
 AFFINITY_OUTCOMES = ("home", "spill", "none")
 RESTARTS = "restarts"
 """The cell, in the supervisor's row, counting worker restarts."""
+CLUSTER_LOST = "cluster_lost"
+"""The cell of the times a worker's link to Redis was lost (``cluster.redis``; each
+worker is an instance of its own): ``crossbar_cluster_lost_total`` is the sum."""
 
 
 def token_cell(scope: str, name: str, kind: str) -> str:
@@ -36,7 +39,7 @@ def token_cell(scope: str, name: str, kind: str) -> str:
 
 
 def _names(config: Config) -> list[str]:
-    names = [RESTARTS]
+    names = [RESTARTS, CLUSTER_LOST]
     names += [f"h\0{h}" for h in config.hosts]
     names += [token_cell("h", h, k) for h in config.hosts for k in ("prompt", "cached", "generated")]
     names += [token_cell("r", r, k) for r in config.routes for k in ("prompt", "cached")]
@@ -46,6 +49,12 @@ def _names(config: Config) -> list[str]:
         names += [f"a\0{route.name}\0{o}" for o in AFFINITY_OUTCOMES]
         names += [f"k\0{route.name}\0{key}" for key in route.keys]
     return names
+
+
+def _is_counter(name: str) -> bool:
+    """Whether cell ``name`` is a counter (it only grows over a process's life: affinity
+    outcomes, token totals, Redis losses) rather than a count of the moment."""
+    return name == CLUSTER_LOST or name.startswith(("a\0", "th\0", "tr\0"))
 
 
 def check_capacity(config: Config) -> None:
@@ -158,6 +167,26 @@ class WorkerCounts:
 
     def tokens(self, name: str) -> int:
         """The token total of cell ``name`` over every worker."""
+        return self._total(name)
+
+    def counter_cells(self) -> list[str]:
+        """The names of the cells that are counters (:func:`_is_counter`): when a worker
+        dies the supervisor keeps its share of each (:meth:`of_row`, :meth:`publish_counter`),
+        so no counter goes down with it."""
+        return [name for name in self._cells if _is_counter(name)]
+
+    def of_row(self, name: str, row: int) -> int:
+        """What the process of ``row`` published in cell ``name`` (0 for a name not counted)."""
+        cell = self._cells.get(name)
+        return self.shared.get(cell, row) if cell is not None else 0
+
+    def publish_counter(self, name: str, value: int) -> None:
+        """This process's counter ``name`` (e.g. :data:`CLUSTER_LOST`) is ``value``."""
+        self._set(name, value)
+
+    def counter(self, name: str) -> int:
+        """Counter ``name`` summed over every process (the supervisor's row included:
+        the shares of workers that died)."""
         return self._total(name)
 
     def restarts(self) -> int:
