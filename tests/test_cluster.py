@@ -424,3 +424,51 @@ class BehindHAProxy(TestCase):
             proc.signal("TERM")
             await proc.ended
         await deferLater(reactor, 0.2)
+
+
+def _keyed(host_url: str, redis_url: str, rpm: int) -> str:
+    return (
+        f"cluster:\n  redis: {redis_url}\nhealth: {{interval: 60, timeout: 5}}\nhosts:\n  h: {host_url}\n"
+        "routes:\n  r:\n    hosts: [h]\n    keys:\n      ci:\n        secret: ci-secret-1\n"
+        f"        limits: {{requests_per_minute: {rpm}}}\n"
+    )
+
+
+class Readiness(TestCase):
+    """An instance with ``cluster.redis`` is ready only once its first connection to
+    Redis has succeeded or failed (docs/design.md §Several crossbars)."""
+
+    timeout = 60
+
+    async def test_ready_only_once_joined(self) -> None:
+        """Two fresh instances, a key with 6 requests a minute, 8 requests sent the
+        moment each is ready: 6 are admitted fleet-wide (counting alone, 8 were)."""
+        redis = start_redis(self)
+        url = await listen(self, FakeLlama(["m"]))
+        instances = [await start_crossbar(self, _keyed(url, redis.url, 6)) for _ in range(2)]
+        for service, _ in instances:
+            await wait_for(lambda: service.runtime.ready, step=0.001, what="ready")
+            assert service.cluster is not None
+            self.assertTrue(service.cluster.joined, "ready before joining Redis")
+        http = http_client(self)
+        answers = [http.post(instances[i % 2][1] + "/r/v1/chat/completions", json={"model": "m"},
+                             headers={"Authorization": "Bearer ci-secret-1"}) for i in range(8)]
+        codes = []
+        for d in answers:
+            response = await d
+            codes.append(response.code)
+            await response.content()
+        self.assertEqual(sorted(codes), [200] * 6 + [429] * 2)
+
+    async def test_ready_when_redis_refuses(self) -> None:
+        """Nothing listens where Redis should be: ready at the first refused
+        connection, well before the 2 s cap, counting alone."""
+        from tests.redis_server import _free_port
+
+        url = await listen(self, FakeLlama(["m"]))
+        started = reactor.seconds()
+        service, _ = await start_crossbar(self, config(url, f"redis://127.0.0.1:{_free_port()}/0"))
+        await wait_for(lambda: service.runtime.ready, what="ready", step=0.01)
+        self.assertLess(reactor.seconds() - started, cluster_module.SETTLE)
+        assert service.cluster is not None
+        self.assertFalse(service.cluster.joined)

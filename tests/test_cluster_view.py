@@ -17,6 +17,7 @@ class FakeCluster:
 
     def __init__(self, instances: int = 2) -> None:
         self.joined = True
+        self.settled = True
         self.totals: dict[str, int] = {}
         self.mine: dict[str, int] = {}
         self.rising: set[str] = set()
@@ -70,3 +71,20 @@ class InflightOverCluster(SynchronousTestCase):
         self.assertFalse(runtime.key_admits(route, "ci"))
         cluster.joined = False
         self.assertTrue(runtime.key_admits(route, "ci"))
+
+
+class ReadyOnceSettled(SynchronousTestCase):
+    """docs/design.md §Several crossbars: with ``cluster.redis`` an instance is not
+    ready until its first connection to Redis has succeeded or failed."""
+
+    def test_not_ready_before_redis_answered(self) -> None:
+        config = parse_config("listen: tcp:0\nhosts:\n  h: http://h:1\nroutes:\n  r:\n    hosts: [h]\n", "c.yaml", {})
+        runtime = Runtime(config, lambda: 0.0)
+        runtime.table.record_success("h", ["m"])
+        self.assertTrue(runtime.ready)
+        cluster = FakeCluster()
+        cluster.joined = cluster.settled = False
+        runtime.join(cluster)
+        self.assertFalse(runtime.ready)
+        cluster.settled = True  # Redis refused or did not answer: ready, counting alone
+        self.assertTrue(runtime.ready)

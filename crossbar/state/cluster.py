@@ -46,7 +46,7 @@ try:  # txredisapi parses replies with hiredis (C) when it is installed, as it i
 except ImportError:  # pragma: no cover - the pure-Python parser and command builder of txredisapi
     hiredis = None  # type: ignore[assignment]
 
-__all__ = ["BOUND", "FLUSH", "GAP", "HEARTBEAT", "RESYNC", "TTL", "ClusterCollector", "ClusterView", "RedisCluster"]
+__all__ = ["BOUND", "FLUSH", "GAP", "HEARTBEAT", "RESYNC", "SETTLE", "TTL", "ClusterCollector", "ClusterView", "RedisCluster"]
 
 _log = Logger(namespace="crossbar.cluster")
 
@@ -68,6 +68,10 @@ GAP = 0.005
 under load one write carries many requests' changes, whatever the rate (a write costs
 both instances far more CPU than a request's own count does). A freed slot still
 reaches the other instances well within the 20 ms of §Several crossbars."""
+
+SETTLE = 2.0
+"""Seconds after start at the latest at which the instance is :attr:`~RedisCluster.settled`
+(readiness waits for it: §Several crossbars), when Redis has neither answered nor refused."""
 
 _SEQ = "#seq"
 _CONNECTING = 2.5
@@ -124,6 +128,11 @@ class ClusterView(Protocol):
     def joined(self) -> bool:
         """True while the other instances' counts are known (Redis answers)."""
 
+    @property
+    def settled(self) -> bool:
+        """The first connection to Redis has succeeded (the instance joined) or failed,
+        or :data:`SETTLE` seconds have passed since start: readiness waits for it."""
+
     def others(self, name: str) -> int:
         """The sum of count ``name`` over every other live instance (0 when alone)."""
 
@@ -150,6 +159,7 @@ class RedisCluster:
         None: the system trust store. An untrusted certificate never connects: the
         instance counts alone (logged once, like a Redis that does not answer).
     :ivar joined: see :class:`ClusterView`.
+    :ivar settled: see :class:`ClusterView`.
     :ivar lost: how many times this instance went on alone (for the metrics).
     """
 
@@ -166,6 +176,7 @@ class RedisCluster:
         self._live = prefix + "live"
         self._channel = f"{prefix}{url.db}:changes"
         self.joined = False
+        self.settled = False
         self.lost = 0
         self._mine: dict[str, int] = {}
         self._dirty: set[str] = set()
@@ -191,6 +202,7 @@ class RedisCluster:
         self._said_alone = False
         self._started_at: float | None = None
         self._last_loss: str | None = None
+        self._settle_call: Any = None
 
     # -- the view -------------------------------------------------------------------
 
@@ -250,7 +262,9 @@ class RedisCluster:
         factory.protocol = _Protocol
         factory.maxDelay = 1.0  # rejoin within about a second of Redis answering again
         factory.initialDelay = 0.1
-        _connect_quietly(factory, endpoint, self._lost)
+        for slot in _connect_quietly(factory, endpoint, self._lost):
+            # the first attempt refused (no Redis there, TLS refused): no need to wait longer
+            slot.service.whenConnected(failAfterFailures=1).addErrback(self._settle)
         self._factory = factory
         subscriber = _SubscriberFactory(self)
         subscriber.password = url.password
@@ -260,6 +274,7 @@ class RedisCluster:
         _connect_quietly(subscriber, self._endpoint())
         self._subscriber = subscriber
         self._started_at = self.reactor.seconds()
+        self._settle_call = self.reactor.callLater(SETTLE, self._settle)
         self._resync.start(RESYNC, now=False)
         self._heartbeat.start(HEARTBEAT, now=False)
         self.reactor.callLater(0, self.resync)
@@ -271,8 +286,16 @@ class RedisCluster:
             endpoint = wrapClientTLS(client_creator(url.host, self.tls), endpoint)
         return endpoint
 
+    def _settle(self, _: object = None) -> None:
+        """Redis answered, refused, or :data:`SETTLE` passed: readiness no longer waits."""
+        self.settled = True
+        call, self._settle_call = self._settle_call, None
+        if call is not None and call.active():
+            call.cancel()
+
     def stop(self) -> Deferred[Any]:
         """Remove this instance's counts from Redis (best effort) and disconnect."""
+        self._settle()
         for loop in (self._resync, self._heartbeat):
             if loop.running:
                 loop.stop()
@@ -453,6 +476,7 @@ class RedisCluster:
             views[instance] = view
         self._views = views
         self._recount()
+        self._settle()
         if not self.joined:
             self.joined = True
             self._said_alone = False
@@ -471,6 +495,7 @@ class RedisCluster:
         starting = self._started_at is not None and self.reactor.seconds() - self._started_at < _CONNECTING
         if starting and not self.joined and failure.check(txredisapi.ConnectionError):
             return  # the first connection is still being made
+        self._settle()  # connected, but Redis did not answer in time (or refused the command)
         if self.joined or not self._said_alone:
             self._said_alone = True
             error = failure.getErrorMessage() or repr(failure.value)
@@ -541,10 +566,12 @@ class _QuietClientService(ClientService):
     _log = Logger(observer=LogPublisher())  # no observers: every event dropped
 
 
-def _connect_quietly(factory: Any, endpoint: Any, on_lost: Callable[[Failure], None] | None = None) -> None:
+def _connect_quietly(factory: Any, endpoint: Any, on_lost: Callable[[Failure], None] | None = None) -> list[Any]:
     """What ``RedisFactory.startConnecting`` does (txredisapi 1.6), each connection
     kept by a :class:`_QuietClientService`; ``on_lost`` is told why each connection
-    ended (a TLS handshake refused, say)."""
+    ended (a TLS handshake refused, say). Returns the pool's slots (``slot.service``:
+    the :class:`~twisted.application.internet.ClientService`)."""
+    slots = []
     for _ in range(factory.poolsize):
         slot = txredisapi._PoolSlot(factory, endpoint, factory.reconnect)
 
@@ -566,6 +593,8 @@ def _connect_quietly(factory: Any, endpoint: Any, on_lost: Callable[[Failure], N
         )
         factory.slots.append(slot)
         slot.start()
+        slots.append(slot)
+    return slots
 
 
 def _no_delay(protocol: Any) -> None:

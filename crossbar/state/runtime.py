@@ -189,8 +189,11 @@ class Runtime:
     @property
     def ready(self) -> bool:
         """Readiness (docs/design.md §Operations): every host's first poll is done, some
-        host is healthy, and crossbar is not draining."""
-        if self.draining:
+        host is healthy, and crossbar is not draining; with ``cluster.redis``, the first
+        connection to Redis has also succeeded or failed (at most 2 s after start,
+        §Several crossbars: an instance never serves its first requests counting alone
+        while Redis is there)."""
+        if self.draining or (self.cluster is not None and not self.cluster.settled):
             return False
         statuses = self.table.all().values()
         return all(s.polled for s in statuses) and any(s.healthy for s in statuses)
