@@ -165,6 +165,34 @@ class TwoInstances(TestCase):
             await r.content()
         self.assertLessEqual(held.most, 3)
 
+    async def test_burst_takes_room_atomically(self) -> None:
+        """A burst reaching both instances at once: the host never has more than its
+        max_inflight (each place is taken in Redis before the request goes), status
+        never shows more than the host has, and all are served in turn."""
+        redis, held, instances = await self.start()
+        http = [http_client(self) for _ in instances]
+        for _ in range(3):  # a few bursts: each instance's view is fresh each time
+            answers = [http[i % 2].post(instances[i % 2][1] + "/r/v1/chat/completions",
+                                        json={"model": "m", "stream": True}) for i in range(8)]
+            await wait_for(lambda: len(held.open) >= 2, what="the first requests")
+            await deferLater(reactor, 0.3)
+            self.assertEqual([s.cluster.slow for s, _ in instances if s.cluster is not None], [0, 0])
+            self.assertEqual(held.most, 2)
+            for service, _ in instances:
+                self.assertEqual(service.runtime.inflight.host("h"), 2)
+            while held.open:
+                held.end(1)
+                await deferLater(reactor, 0.02)
+                self.assertLessEqual(len(held.open), 2)
+                for service, _ in instances:
+                    self.assertLessEqual(service.runtime.inflight.host("h"), 2)
+            results = await DeferredList(answers, consumeErrors=True)
+            self.assertEqual([r.code for ok, r in results if ok], [200] * 8)
+            for _, r in results:
+                await r.content()
+            self.assertEqual(held.most, 2)
+            held.most = 0
+
     async def test_freed_slot_wakes_the_other_instance(self) -> None:
         """A slot freed on B dispatches the request waiting on A within 20 ms."""
         redis, held, (a, b) = await self.start()
@@ -178,7 +206,8 @@ class TwoInstances(TestCase):
         b_release = b[0].runtime.inflight.on_release
         b[0].runtime.inflight.on_release = lambda: (released.append(reactor.seconds()), b_release and b_release())
         a_enter = a[0].runtime.inflight.enter
-        a[0].runtime.inflight.enter = lambda r, h: (dispatched.append(reactor.seconds()), a_enter(r, h))[1]
+        a[0].runtime.inflight.enter = lambda r, h, limit=None: (  # type: ignore[method-assign]
+            dispatched.append(reactor.seconds()), a_enter(r, h, limit))[1]
         held.end(1)
         await wait_for(lambda: dispatched, what="A dispatches")
         self.assertLess(dispatched[0] - released[0], 0.02)

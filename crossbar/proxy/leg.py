@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from twisted.internet.defer import Deferred
 
-from crossbar.hosts.balance import Chosen
+from crossbar.hosts.balance import Chosen, limit_in_force
 from crossbar.proxy.attempt import Answer, Attempt
 from crossbar.proxy.client import forwarded_headers, write_head
 from crossbar.proxy.head import upstream_body
@@ -30,7 +30,8 @@ __all__ = ["Leg"]
 
 class Leg:
     """``exchange``'s try at ``chosen.host``; it holds the host's slot from now until
-    :meth:`release` (idempotent).
+    :meth:`release` (idempotent). With ``cluster.redis`` the slot may still be being
+    taken in Redis: ``lease.taken`` (:class:`~crossbar.state.inflight.Lease`).
 
     :ivar host: the host's name.
     :ivar attempt: the request under way until the answer's head (or a failure), else None.
@@ -41,7 +42,9 @@ class Leg:
         self.exchange = exchange
         self.host = chosen.host
         assert exchange.route is not None
-        self.lease = exchange.runtime.inflight.enter(exchange.route.name, chosen.host)
+        runtime = exchange.runtime
+        limit = limit_in_force(exchange.config.hosts[chosen.host], runtime.table.get(chosen.host))[0]
+        self.lease = runtime.inflight.enter(exchange.route.name, chosen.host, limit)
         self.attempt: Deferred[Answer] | None = None
         self.relay: Relay | None = None
 

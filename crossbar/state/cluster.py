@@ -11,9 +11,14 @@ rule 4). Every :data:`RESYNC` seconds an instance reads every live hash back (on
 script): this drops an instance that died (its hash expired) and mends anything a
 lost message missed.
 
-Nothing on the request path waits for Redis: :meth:`RedisCluster.set` only notes the
-new value (the changes of :data:`FLUSH` seconds go in one write), :meth:`RedisCluster.others`
-reads the cached view. A reply that takes longer than :data:`BOUND` seconds, or a
+Nothing on the request path waits for Redis longer than :data:`BOUND`:
+:meth:`RedisCluster.set` only notes the new value (the changes of :data:`FLUSH` seconds
+go in one write), :meth:`RedisCluster.others` reads the cached view, and
+:meth:`RedisCluster.take` -- a request taking its place at a host with a
+``max_inflight`` -- is one script call that raises this instance's count only while
+every instance's together stay within the limit (§Several crossbars: room is taken, not
+guessed), answered within the bound or decided by this instance's own view (logged at
+most once a minute, counted in :attr:`RedisCluster.slow`). A reply that takes longer than :data:`BOUND` seconds, or a
 connection that is gone, turns the instance *alone*: it logs it once, drops the other
 instances' counts (room and limits then count this instance alone, as without
 ``cluster``), stays ready, and rejoins -- writing its whole state again -- once a read
@@ -46,7 +51,7 @@ try:  # txredisapi parses replies with hiredis (C) when it is installed, as it i
 except ImportError:  # pragma: no cover - the pure-Python parser and command builder of txredisapi
     hiredis = None  # type: ignore[assignment]
 
-__all__ = ["BOUND", "FLUSH", "GAP", "HEARTBEAT", "RESYNC", "SETTLE", "TTL", "ClusterCollector", "ClusterView", "RedisCluster"]
+__all__ = ["BOUND", "FLUSH", "GAP", "HEARTBEAT", "RESYNC", "SETTLE", "SLOW_LOG", "TTL", "ClusterCollector", "ClusterView", "RedisCluster"]
 
 _log = Logger(namespace="crossbar.cluster")
 
@@ -72,6 +77,9 @@ reaches the other instances well within the 20 ms of §Several crossbars."""
 SETTLE = 2.0
 """Seconds after start at the latest at which the instance is :attr:`~RedisCluster.settled`
 (readiness waits for it: §Several crossbars), when Redis has neither answered nor refused."""
+
+SLOW_LOG = 60.0
+"""Seconds at least between two log lines about single checks over the bound."""
 
 _SEQ = "#seq"
 _CONNECTING = 2.5
@@ -100,6 +108,33 @@ JSON text ``{id: [seq, value, ...]}`` (missing: false) -- in Redis's one order o
 writes, of two instances raising a count at once the second learns of the first.
 Every reply is one string: txredisapi parses each element of an array reply in a
 reactor turn of its own, which under load would stretch a reply past the bound."""
+
+_TAKE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local field, value = ARGV[6], tonumber(ARGV[7])
+local out = {}
+local sum = 0
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], now, '+inf')) do
+  if id ~= ARGV[2] then
+    local v = redis.call('HMGET', ARGV[5] .. id, '#seq', field)
+    out[id] = v
+    if v[2] then sum = sum + tonumber(v[2]) end
+  end
+end
+if sum + value > tonumber(ARGV[8]) then return cjson.encode({0, out}) end
+redis.call('HSET', KEYS[1], '#seq', ARGV[3], field, value)
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+redis.call('ZADD', KEYS[2], now + tonumber(ARGV[1]), ARGV[2])
+redis.call('PUBLISH', KEYS[3], ARGV[4])
+return cjson.encode({1, out})
+"""
+"""KEYS: own hash, live set, channel; ARGV: ttl ms, instance, seq, message, the hashes'
+prefix, field, this instance's new count, the limit. Writes the count (as
+:data:`_WRITE` does) only while every live instance's counts of ``field`` together
+stay within the limit. Returns JSON ``[1 (taken) or 0 (refused), {id: [seq, value]}]``:
+the other instances' counts as Redis holds them, which the view takes (after a refusal
+it sees the host full)."""
 
 _READ = """
 local t = redis.call('TIME')
@@ -139,9 +174,12 @@ class ClusterView(Protocol):
     def set(self, name: str, value: int) -> None:
         """This instance's count ``name`` is now ``value`` (never waits)."""
 
-    def unsettled(self, name: str) -> bool:
-        """This instance raised count ``name`` and Redis has not acknowledged it yet
-        (the other instances may not have seen it, nor this one theirs)."""
+    def take(self, name: str, value: int, limit: int) -> Deferred[bool]:
+        """This instance's count ``name`` rises to ``value`` (one request more) if every
+        instance's together stay within ``limit``: fires True (taken; also when Redis
+        does not answer within the bound or this instance is alone: its own view
+        decided), or False (refused: the count stays as it was for the other
+        instances, and the view now holds theirs). Never fails."""
 
     def instances(self) -> int:
         """Live instances known, this one included (1 when alone)."""
@@ -161,6 +199,8 @@ class RedisCluster:
     :ivar joined: see :class:`ClusterView`.
     :ivar settled: see :class:`ClusterView`.
     :ivar lost: how many times this instance went on alone (for the metrics).
+    :ivar slow: how many single checks (a take, a key's limits) Redis did not answer
+        within the bound, so this instance decided alone (for the metrics).
     """
 
     def __init__(self, url: RedisURL, reactor: Any, on_change: Callable[[], None] | None = None,
@@ -178,10 +218,10 @@ class RedisCluster:
         self.joined = False
         self.settled = False
         self.lost = 0
+        self.slow = 0
+        self._slow_said = float("-inf")
         self._mine: dict[str, int] = {}
         self._dirty: set[str] = set()
-        self._rising: set[str] = set()
-        self._pending: dict[str, int] = {}
         self._flush_call: Any = None
         self._sent_at = float("-inf")
         """when this instance's last write went out (reactor seconds)"""
@@ -214,30 +254,26 @@ class RedisCluster:
         """Live instances known, this one included (1 when alone)."""
         return len(self._views) + 1 if self.joined else 1
 
-    def unsettled(self, name: str) -> bool:
-        """See :class:`ClusterView`. While a host's count is unsettled, the runtime
-        counts one more request for each other instance (one each may have taken a
-        slot this instance cannot see yet): so a burst on every instance at once
-        exceeds ``max_inflight`` by at most the number of instances - 1."""
-        return self.joined and (name in self._rising or name in self._pending)
-
     def set(self, name: str, value: int) -> None:
         """See :class:`ClusterView`: written to Redis within :data:`FLUSH` seconds."""
         old = self._mine.get(name, 0)
         if old == value and name not in self._dirty:
             return
-        if value > old and self.joined:
-            self._rising.add(name)
         self._mine[name] = value
         self._dirty.add(name)
-        if not self.joined:
-            return
+        if self.joined:
+            self._schedule(value < old)
+
+    def _schedule(self, falling: bool) -> None:
+        """A write of the changed counts is due: at the end of this turn (``falling``)
+        or within :data:`FLUSH`, and at least :data:`GAP` after the previous one."""
         # A freed slot goes out at the end of this reactor turn (requests wait for it on
-        # other instances, §Choosing a host rule 4); rises gather for FLUSH (they count as
-        # unsettled meanwhile); and a write follows the previous one by GAP at least, so
-        # under load one write carries many requests' changes.
+        # other instances, §Choosing a host rule 4); rises gather for FLUSH (a host's
+        # slot under a max_inflight is taken at once instead: take()); and a write
+        # follows the previous one by GAP at least, so under load one write carries many
+        # requests' changes.
         call = self._flush_call
-        if value < old:
+        if falling:
             now = self.reactor.seconds()
             when = max(now, self._sent_at + GAP)
             if call is not None:
@@ -248,6 +284,52 @@ class RedisCluster:
         elif call is None:
             now = self.reactor.seconds()
             self._flush_call = self.reactor.callLater(max(now + FLUSH, self._sent_at + GAP) - now, self._flush)
+
+    def take(self, name: str, value: int, limit: int) -> Deferred[bool]:
+        """See :class:`ClusterView`: one :data:`_TAKE` script call, bounded by
+        :data:`BOUND` (docs/design.md §Several crossbars: room is taken atomically)."""
+        self._mine[name] = value
+        if not self.joined:
+            self._dirty.add(name)  # written when the instance rejoins
+            return succeed(True)
+        self._dirty.discard(name)  # this call writes it
+        self._seq += 1
+        message = json.dumps([self.instance, self._seq, {name: value}])
+        d = self.command("eval", _TAKE, [self._hash, self._live, self._channel],
+                         [int(TTL * 1000), self.instance, self._seq, message, self._hash_prefix, name, value, limit])
+        return d.addCallbacks(self._taken, self._take_failed, callbackArgs=(name,), errbackArgs=(name,))
+
+    def _taken(self, reply: str | bytes, name: str) -> bool:
+        doc = json.loads(reply)
+        taken, others = bool(doc[0]), doc[1] if isinstance(doc[1], dict) else {}
+        if self.joined:
+            for instance, values in others.items():
+                if isinstance(values, list) and len(values) == 2 and values[0]:
+                    self._apply(instance, int(values[0]), {name: int(values[1] or 0)})
+        return taken
+
+    def _take_failed(self, failure: Failure, name: str) -> bool:
+        """No answer within the bound (or no connection): this instance's view decided;
+        its count goes out with the next write."""
+        self.note_slow("take of a host's slot", failure)
+        if name not in self._dirty:
+            self._dirty.add(name)
+            if self.joined:
+                self._schedule(False)
+        return True
+
+    def note_slow(self, what: str, failure: Failure) -> None:
+        """A single check (``what``) got no answer within the bound and this instance
+        decided alone: counted in :attr:`slow`, logged at most every :data:`SLOW_LOG`
+        seconds (docs/design.md §Several crossbars)."""
+        self.slow += 1
+        now = self.reactor.seconds()
+        if now - self._slow_said >= SLOW_LOG:
+            self._slow_said = now
+            _log.warn("cluster: Redis at {url} did not answer a {what} within {bound} ms ({error}); this "
+                      "instance decided it alone ({slow} such checks so far; said at most once a minute)",
+                      url=self.url.display(), what=what, bound=int(BOUND * 1000),
+                      error=failure.getErrorMessage() or repr(failure.value), slow=self.slow)
 
     # -- connecting -----------------------------------------------------------------
 
@@ -409,19 +491,15 @@ class RedisCluster:
     def _write(self, fields: dict[str, int]) -> None:
         self._sent_at = self.reactor.seconds()
         self._seq += 1
-        seq = self._seq
-        for name in self._rising:
-            self._pending[name] = seq
-        self._rising.clear()
         message = json.dumps([self.instance, self._seq, fields]) if fields else ""
         args: list[Any] = [int(TTL * 1000), self.instance, self._seq, message, self._hash_prefix]
         names = list(fields)
         for name in names:
             args += [name, fields[name]]
         d = self.command("eval", _WRITE, [self._hash, self._live, self._channel], args)
-        d.addCallbacks(self._written, self._failed, callbackArgs=(seq, names), errbackArgs=("write",))
+        d.addCallbacks(self._written, self._failed, callbackArgs=(names,), errbackArgs=("write",))
 
-    def _written(self, reply: str | bytes, seq: int, names: list[str]) -> None:
+    def _written(self, reply: str | bytes, names: list[str]) -> None:
         if not self.joined:
             return
         others = _object(reply)
@@ -430,10 +508,6 @@ class RedisCluster:
                 continue  # expired meanwhile
             # An instance that has counted nothing yet still counts in instances().
             self._apply(instance, int(values[0]), {n: int(v) for n, v in zip(names, values[1:]) if v})
-        settled = [name for name, at in self._pending.items() if at <= seq]
-        for name in settled:
-            del self._pending[name]
-        self._changed()  # room held back for the acknowledgement is free again
 
     def _apply(self, instance: str, seq: int, fields: dict[str, int]) -> None:
         """``instance`` had ``fields`` at its ``seq``: keep each unless newer is known."""
@@ -509,8 +583,6 @@ class RedisCluster:
             self.joined = False
             self._views = {}
             self._totals = {}
-            self._pending.clear()
-            self._rising.clear()
             self._changed()
 
     # -- messages from other instances ----------------------------------------------
@@ -647,7 +719,8 @@ class ClusterCollector(Collector):
     """The cluster's gauges, read at scrape time: ``crossbar_cluster_up`` (1 while
     this instance shares counts through Redis, 0 while it goes on alone),
     ``crossbar_cluster_instances`` (live instances seen, this one included) and
-    ``crossbar_cluster_lost_total`` (times it went on alone)."""
+    ``crossbar_cluster_lost_total`` (times it went on alone) and
+    ``crossbar_cluster_slow_total`` (single checks over the bound, decided alone)."""
 
     def __init__(self, cluster: RedisCluster) -> None:
         self._cluster = cluster
@@ -660,7 +733,10 @@ class ClusterCollector(Collector):
         instances.add_metric((), c.instances())
         lost = CounterMetricFamily("crossbar_cluster_lost", "Times this instance lost Redis and went on alone.")
         lost.add_metric((), c.lost)
-        return [up, instances, lost]
+        slow = CounterMetricFamily("crossbar_cluster_slow", "Single checks (a host's slot, a key's limits) Redis "
+                                   "did not answer within the bound: this instance decided alone.")
+        slow.add_metric((), c.slow)
+        return [up, instances, lost, slow]
 
     def describe(self) -> Iterable[Metric]:
         return self.collect()
