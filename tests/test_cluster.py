@@ -501,3 +501,48 @@ class Readiness(TestCase):
         self.assertLess(reactor.seconds() - started, cluster_module.SETTLE)
         assert service.cluster is not None
         self.assertFalse(service.cluster.joined)
+
+
+class Drains(TestCase):
+    """A host drained through one instance is drained on every instance within a
+    second, and an instance that joins later learns it from Redis (docs/design.md
+    §Several crossbars, §Operations)."""
+
+    timeout = 60
+
+    async def test_drain_through_one_reaches_all(self) -> None:
+        redis = start_redis(self)
+        fake = FakeLlama(["m"])
+        held = Held()
+        fake.handlers[b"/v1/chat/completions"] = held
+        url = await listen(self, fake)
+        text = "ops: {token: ops-token-1}\n" + config(url, redis.url, queue_timeout=0.3)
+        a, b = [await start_crossbar(self, text) for _ in range(2)]
+        for service, _ in (a, b):
+            await wait_for(lambda: service.runtime.ready, what="ready")
+        http = http_client(self)
+        auth = {"Authorization": "Bearer ops-token-1"}
+        response = await http.post(a[1] + "/_crossbar/hosts/h/drain", headers=auth)
+        self.assertEqual(response.code, 200)
+        await response.content()
+        await wait_for(lambda: b[0].runtime.drained == {"h"}, timeout=1.0, what="B drains h", step=0.01)
+        # B sends the host nothing new: its request waits, then 503.
+        response = await http.post(b[1] + "/r/v1/chat/completions", json={"model": "m", "stream": True})
+        self.assertEqual(response.code, 503)
+        await response.content()
+        self.assertEqual(held.arrived, [])
+        # An instance started now learns the drain from Redis.
+        c = await start_crossbar(self, text)
+        await wait_for(lambda: c[0].runtime.ready, what="C ready")
+        self.assertEqual(c[0].runtime.drained, {"h"})
+        # Undrained through B: every instance takes requests for h again.
+        response = await http.post(b[1] + "/_crossbar/hosts/h/undrain", headers=auth)
+        self.assertEqual(response.code, 200)
+        await response.content()
+        await wait_for(lambda: not a[0].runtime.drained and not c[0].runtime.drained, timeout=1.0,
+                       what="A and C undrain h", step=0.01)
+        answer = http.post(c[1] + "/r/v1/chat/completions", json={"model": "m", "stream": True})
+        await wait_for(lambda: len(held.arrived) == 1, what="C's request at the host")
+        held.end(1)
+        await (await answer).content()
+        self.assertEqual(redis.command("HKEYS", "crossbar:drained"), [])

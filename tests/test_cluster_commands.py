@@ -17,6 +17,7 @@ from twisted.trial.unittest import SynchronousTestCase
 import txredisapi
 
 from crossbar.config import RedisURL
+from crossbar.state import cluster as cluster_module
 from crossbar.state.cluster import BOUND, FLUSH, GAP, RedisCluster
 
 
@@ -184,3 +185,34 @@ class Writes(SynchronousTestCase):
         self.c.set("h\0a", 0)
         self.clock.advance(1)
         self.assertEqual(self.conn.sent, [])
+
+
+class Drains(SynchronousTestCase):
+    """Host drains through Redis (docs/design.md §Several crossbars, §Operations)."""
+
+    def test_drain_while_alone_is_written_on_rejoining(self) -> None:
+        conn = FakeConnection()
+        c, clock = cluster(conn)
+        told: list[tuple[dict[str, bool], bool]] = []
+        c.on_drains = lambda drains, whole: told.append((drains, whole))
+        c.drain("h", True)
+        self.assertEqual(conn.sent, [])
+        c._read(json.dumps({"#drained": {}}))  # Redis answers again: joined
+        drains = [args[3:] for args in conn.sent if args[1] == hashlib.sha1(cluster_module._DRAIN.encode()).hexdigest()]
+        self.assertEqual(drains, [("crossbar:drained", "crossbar:0:drains", "h", "1")])
+        self.assertEqual(told, [])  # that read did not know of it yet
+        c._read(json.dumps({"#drained": ["h"]}), c._drain_writes)
+        self.assertEqual(told, [({"h": True}, True)])
+
+    def test_a_read_older_than_a_drain_is_not_applied(self) -> None:
+        conn = FakeConnection()
+        c, clock = cluster(conn)
+        c.joined = True
+        told: list[tuple[dict[str, bool], bool]] = []
+        c.on_drains = lambda drains, whole: told.append((drains, whole))
+        sent_at = c._drain_writes
+        c.drain("h", True)
+        c._read(json.dumps({"#drained": {}}), sent_at)
+        self.assertEqual(told, [])
+        c.drain_message(json.dumps(["h", "0"]))
+        self.assertEqual(told, [({"h": False}, False)])

@@ -4,6 +4,8 @@ tested in tests/test_cluster.py)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from twisted.internet.defer import Deferred, succeed
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -23,6 +25,11 @@ class FakeCluster:
         self.mine: dict[str, int] = {}
         self.taken: list[tuple[str, int, int]] = []
         self.n = instances
+        self.drains: list[tuple[str, bool]] = []
+        self.on_drains: Any = None
+
+    def drain(self, host: str, draining: bool) -> None:
+        self.drains.append((host, draining))
 
     def others(self, name: str) -> int:
         return self.totals.get(name, 0) if self.joined else 0

@@ -11,6 +11,11 @@ rule 4). Every :data:`RESYNC` seconds an instance reads every live hash back (on
 script): this drops an instance that died (its hash expired) and mends anything a
 lost message missed.
 
+A host drained or undrained through one instance (§Operations) is noted in the hash
+``crossbar:drained`` (host -> 1) and PUBLISHed on a channel of its own: every instance
+follows within milliseconds, and each read (every :data:`RESYNC` seconds, and when an
+instance joins) brings the whole set, so one that joins later learns it.
+
 Nothing on the request path waits for Redis longer than :data:`BOUND`:
 :meth:`RedisCluster.set` only notes the new value (the changes of :data:`FLUSH` seconds
 go in one write), :meth:`RedisCluster.others` reads the cached view, and
@@ -143,9 +148,23 @@ local out = {}
 for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
   out[id] = redis.call('HGETALL', ARGV[1] .. id)
 end
+out['#drained'] = redis.call('HKEYS', KEYS[2])
 return cjson.encode(out)
 """
-"""KEYS: live set; ARGV: the hashes' prefix. Returns JSON ``{id: [field, value, ...]}``."""
+"""KEYS: live set, drained hosts; ARGV: the hashes' prefix. Returns JSON
+``{id: [field, value, ...], "#drained": [host, ...]}``."""
+
+_DRAIN = """
+for i = 1, #ARGV, 2 do
+  if ARGV[i + 1] == '1' then redis.call('HSET', KEYS[1], ARGV[i], '1') else redis.call('HDEL', KEYS[1], ARGV[i]) end
+end
+redis.call('PUBLISH', KEYS[2], cjson.encode(ARGV))
+return 1
+"""
+"""KEYS: drained hosts (hash), the drains channel; ARGV: host, '1' (drained) or '0', ...
+The message is the JSON list of ARGV."""
+
+_DRAINED_FIELD = "#drained"
 
 _LEAVE = """
 redis.call('DEL', KEYS[1])
@@ -184,6 +203,14 @@ class ClusterView(Protocol):
     def instances(self) -> int:
         """Live instances known, this one included (1 when alone)."""
 
+    def drain(self, host: str, draining: bool) -> None:
+        """``host`` was drained (``draining``) or undrained through this instance: tell
+        every instance, and Redis for those that join later (never waits)."""
+
+    on_drains: Callable[[dict[str, bool], bool], None] | None
+    """Called with (host -> draining, whole) when the drains are known from Redis:
+    ``whole`` -- the full set (hosts absent are not draining), else one change."""
+
 
 class RedisCluster:
     """This instance's share of the counts of several crossbars (see the module doc).
@@ -215,6 +242,13 @@ class RedisCluster:
         self._hash = self._hash_prefix + self.instance
         self._live = prefix + "live"
         self._channel = f"{prefix}{url.db}:changes"
+        self._drained = prefix + "drained"
+        self._drain_channel = f"{prefix}{url.db}:drains"
+        self.on_drains: Callable[[dict[str, bool], bool], None] | None = None
+        self._drains: dict[str, bool] = {}
+        """drains done through this instance not yet written to Redis"""
+        self._drain_writes = 0
+        """drain writes sent so far: a read sent before the latest does not know it"""
         self.joined = False
         self.settled = False
         self.lost = 0
@@ -330,6 +364,38 @@ class RedisCluster:
                       "instance decided it alone ({slow} such checks so far; said at most once a minute)",
                       url=self.url.display(), what=what, bound=int(BOUND * 1000),
                       error=failure.getErrorMessage() or repr(failure.value), slow=self.slow)
+
+    # -- host drains (docs/design.md §Operations) ----------------------------------------
+
+    def drain(self, host: str, draining: bool) -> None:
+        """See :class:`ClusterView`: written (and published) at once while joined, else
+        when the instance rejoins."""
+        self._drains[host] = draining
+        if self.joined:
+            self._write_drains()
+
+    def _write_drains(self) -> None:
+        drains, self._drains = self._drains, {}
+        self._drain_writes += 1
+        args: list[str] = []
+        for host, draining in drains.items():
+            args += [host, "1" if draining else "0"]
+        d = self.command("eval", _DRAIN, [self._drained, self._drain_channel], args, bound=max(BOUND, 1.0))
+
+        def again(failure: Failure) -> None:  # Redis away: written when it rejoins (unless overtaken)
+            self._drains = {**drains, **self._drains}
+
+        d.addErrback(again)
+
+    def drain_message(self, data: str | bytes) -> None:
+        """One message on the drains channel (the subscriber's call)."""
+        try:
+            flat = json.loads(data)
+            changes = {str(flat[i]): flat[i + 1] == "1" for i in range(0, len(flat) - 1, 2)}
+        except (ValueError, TypeError, KeyError, IndexError):
+            return
+        if changes and self.on_drains is not None:
+            self.on_drains(changes, False)
 
     # -- connecting -----------------------------------------------------------------
 
@@ -528,16 +594,18 @@ class RedisCluster:
         if self._reading:
             return
         self._reading = True
-        d = self.command("eval", _READ, [self._live], [self._hash_prefix])
-        d.addCallbacks(self._read, self._failed, errbackArgs=("read",))
+        d = self.command("eval", _READ, [self._live, self._drained], [self._hash_prefix])
+        d.addCallbacks(self._read, self._failed, callbackArgs=(self._drain_writes,), errbackArgs=("read",))
         d.addBoth(self._read_done)
 
     def _read_done(self, result: object) -> None:
         self._reading = False
 
-    def _read(self, reply: str | bytes) -> None:
+    def _read(self, reply: str | bytes, drain_writes: int = 0) -> None:
         views: dict[str, dict[str, tuple[int, int]]] = {}
-        for instance, flat in _object(reply).items():
+        doc = _object(reply)
+        drained = doc.pop(_DRAINED_FIELD, [])
+        for instance, flat in doc.items():
             if instance == self.instance or not isinstance(flat, list):
                 continue
             fields = {str(flat[j]): int(flat[j + 1]) for j in range(0, len(flat) - 1, 2)}
@@ -559,6 +627,10 @@ class RedisCluster:
             self._dirty.update(self._mine)
             self._write(dict(self._mine))
             self._dirty.clear()
+        if self._drains:
+            self._write_drains()  # done here while alone: the next read brings the whole set
+        elif drain_writes == self._drain_writes and self.on_drains is not None:
+            self.on_drains({str(h): True for h in (drained if isinstance(drained, list) else [])}, True)
         self._changed()
 
     def _lost(self, reason: Failure) -> None:
@@ -701,10 +773,17 @@ class _SubscriberFactory(txredisapi.SubscriberFactory):  # type: ignore[misc]
     def buildProtocol(self, addr: Any) -> Any:
         protocol = super().buildProtocol(addr)
         cluster = self.cluster
-        protocol.messageReceived = lambda pattern, channel, message: cluster.message(message)
+
+        def received(pattern: Any, channel: Any, message: Any) -> None:
+            if channel in (cluster._drain_channel, cluster._drain_channel.encode()):
+                cluster.drain_message(message)
+            else:
+                cluster.message(message)
+
+        protocol.messageReceived = received
 
         def subscribe(p: Any) -> Any:
-            d = p.subscribe(cluster._channel)
+            d = p.subscribe([cluster._channel, cluster._drain_channel])
             d.addErrback(lambda _: None)
             # Whatever was published while the subscriber was away is mended by a read.
             cluster.reactor.callLater(0, cluster.resync)
