@@ -245,6 +245,9 @@ class RedisCluster:
         self._drained = prefix + "drained"
         self._drain_channel = f"{prefix}{url.db}:drains"
         self.on_drains: Callable[[dict[str, bool], bool], None] | None = None
+        self.on_join: list[Callable[[], None]] = []
+        """called (no arguments) each time the instance joins or rejoins, after its own
+        counts were written (key limits write what they counted alone)"""
         self._drains: dict[str, bool] = {}
         """drains done through this instance not yet written to Redis"""
         self._drain_writes = 0
@@ -627,6 +630,8 @@ class RedisCluster:
             self._dirty.update(self._mine)
             self._write(dict(self._mine))
             self._dirty.clear()
+            for joined in self.on_join:
+                joined()
         if self._drains:
             self._write_drains()  # done here while alone: the next read brings the whole set
         elif drain_writes == self._drain_writes and self.on_drains is not None:
