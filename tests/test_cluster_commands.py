@@ -11,6 +11,7 @@ from typing import Any
 
 from twisted.internet.defer import Deferred, TimeoutError, succeed
 from twisted.internet.task import Clock
+from twisted.internet.testing import MemoryReactorClock
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -216,3 +217,40 @@ class Drains(SynchronousTestCase):
         self.assertEqual(told, [])
         c.drain_message(json.dumps(["h", "0"]))
         self.assertEqual(told, [({"h": False}, False)])
+
+
+class Settling(SynchronousTestCase):
+    """Readiness waits until the first connection to Redis succeeded or failed, at most
+    SETTLE seconds (docs/design.md §Several crossbars)."""
+
+    def start(self) -> tuple[RedisCluster, MemoryReactorClock]:
+        reactor = MemoryReactorClock()
+        c = RedisCluster(RedisURL(tls=False, host="127.0.0.1", port=6379), reactor, instance="me")
+        c.start()
+        self.addCleanup(c.stop)
+        return c, reactor
+
+    def test_at_most_settle_seconds(self) -> None:
+        """A connection that neither succeeds nor fails (a black-holed address)."""
+        c, reactor = self.start()
+        reactor.advance(cluster_module.SETTLE - 0.01)
+        self.assertFalse(c.settled)
+        reactor.advance(0.01)
+        self.assertTrue(c.settled)
+        self.assertFalse(c.joined)
+
+    def test_at_the_first_refused_connection(self) -> None:
+        c, reactor = self.start()
+        host, port, factory, _, _ = reactor.tcpClients[0]
+        self.assertEqual((host, port), ("127.0.0.1", 6379))
+        factory.clientConnectionFailed(None, Failure(ConnectionRefusedError()))
+        reactor.advance(0.5)  # HostnameEndpoint gives up on its addresses after 0.3 s
+        self.assertTrue(c.settled)
+        self.assertFalse(c.joined)
+
+    def test_when_joined(self) -> None:
+        c, reactor = self.start()
+        factory, c._factory = c._factory, FakeFactory(FakeConnection())  # connected: Redis answers
+        c._read(json.dumps({"#drained": {}}))
+        self.assertTrue(c.settled and c.joined)
+        c._factory = factory
