@@ -23,8 +23,9 @@ go in one write), :meth:`RedisCluster.others` reads the cached view, and
 ``max_inflight`` -- is one script call that raises this instance's count only while
 every instance's together stay within the limit (§Several crossbars: room is taken, not
 guessed), answered within the bound or decided by this instance's own view (logged at
-most once a minute, counted in :attr:`RedisCluster.slow`). A reply that takes longer than :data:`BOUND` seconds, or a
-connection that is gone, turns the instance *alone*: it logs it once, drops the other
+most once a minute, counted in :attr:`RedisCluster.slow`). A reply to the cluster's own
+reads and writes that takes longer than :data:`BOUND` seconds, or a connection that is
+gone, turns the instance *alone*: it logs it once, drops the other
 instances' counts (room and limits then count this instance alone, as without
 ``cluster``), stays ready, and rejoins -- writing its whole state again -- once a read
 succeeds.
@@ -56,7 +57,10 @@ try:  # txredisapi parses replies with hiredis (C) when it is installed, as it i
 except ImportError:  # pragma: no cover - the pure-Python parser and command builder of txredisapi
     hiredis = None  # type: ignore[assignment]
 
-__all__ = ["BOUND", "FLUSH", "GAP", "HEARTBEAT", "RESYNC", "SETTLE", "SLOW_LOG", "TTL", "ClusterCollector", "ClusterView", "RedisCluster"]
+__all__ = [
+    "BOUND", "FLUSH", "GAP", "HEARTBEAT", "RESYNC", "SETTLE", "SLOW_LOG", "TTL", "ClusterCollector", "ClusterView",
+    "RedisCluster",
+]
 
 _log = Logger(namespace="crossbar.cluster")
 
@@ -577,6 +581,7 @@ class RedisCluster:
                 continue  # expired meanwhile
             # An instance that has counted nothing yet still counts in instances().
             self._apply(instance, int(values[0]), {n: int(v) for n, v in zip(names, values[1:]) if v})
+        self._changed()  # another instance's count may have fallen meanwhile
 
     def _apply(self, instance: str, seq: int, fields: dict[str, int]) -> None:
         """``instance`` had ``fields`` at its ``seq``: keep each unless newer is known."""
@@ -802,7 +807,7 @@ class _SubscriberFactory(txredisapi.SubscriberFactory):  # type: ignore[misc]
 class ClusterCollector(Collector):
     """The cluster's gauges, read at scrape time: ``crossbar_cluster_up`` (1 while
     this instance shares counts through Redis, 0 while it goes on alone),
-    ``crossbar_cluster_instances`` (live instances seen, this one included) and
+    ``crossbar_cluster_instances`` (live instances seen, this one included),
     ``crossbar_cluster_lost_total`` (times it went on alone) and
     ``crossbar_cluster_slow_total`` (single checks over the bound, decided alone)."""
 
