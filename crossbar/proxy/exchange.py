@@ -169,13 +169,34 @@ class Exchange(Phased):
         return self.answer_error(503, "no healthy host") if body is None else self.answer(200, body)
 
     def dispatch(self, chosen: Chosen) -> None:
-        """Send the request to ``chosen.host`` on a new :class:`~crossbar.proxy.leg.Leg` (rules 6-7)."""
-        assert self.route is not None
+        """Send the request to ``chosen.host`` on a new :class:`~crossbar.proxy.leg.Leg` (rules 6-7),
+        once its slot is taken (with ``cluster.redis``, in Redis: §Several crossbars)."""
         self._enter(Phase.FORWARDING)
+        leg = self.leg = Leg(self.ctx, self.request, self.head, self.model, self.upstream_query, chosen, self.tally)
+        taken = leg.lease.taken
+        if taken is None:
+            return self.send_leg(chosen)
+        taken.addCallback(self.on_taken, leg, chosen)
+        taken.addErrback(self.on_bug)
+
+    @acts_in(Phase.FORWARDING)
+    def on_taken(self, taken: bool, leg: Leg, chosen: Chosen) -> None:
+        """Redis answered for the host's slot: send, or (the fleet has the host full; the
+        view now knows it) choose again, which may wait in the queue."""
+        if leg is not self.leg:
+            return
+        if taken:
+            return self.send_leg(chosen)
+        leg.release()
+        self.leg = None
+        self.forward()
+
+    def send_leg(self, chosen: Chosen) -> None:
+        """The slot at ``chosen.host`` is this request's: send it there."""
+        assert self.route is not None and self.leg is not None
         if not self.tried:
             self.runtime.count_affinity(self.route.name, chosen.affinity)
         self.tally.chose(chosen, failover=bool(self.tried))
-        self.leg = Leg(self.ctx, self.request, self.head, self.model, self.upstream_query, chosen, self.tally)
         sent = self.leg.send()
         sent.addCallbacks(self.on_answer, self.on_attempt_failed)
         sent.addErrback(self.on_bug)

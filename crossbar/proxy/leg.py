@@ -15,7 +15,7 @@ from __future__ import annotations
 from twisted.internet.defer import Deferred
 from twisted.web.server import Request
 
-from crossbar.hosts.balance import Chosen
+from crossbar.hosts.balance import Chosen, limit_in_force
 from crossbar.proxy.attempt import Answer, Attempt
 from crossbar.proxy.client import forwarded_headers, write_head
 from crossbar.proxy.context import ProxyContext
@@ -30,7 +30,9 @@ __all__ = ["Leg"]
 class Leg:
     """A try at ``chosen.host`` of the request ``request`` (whose head is ``head``,
     wanting ``model``, with the upstream ``query``); it holds the host's slot from now
-    until :meth:`release` (idempotent), and counts in ``tally``.
+    until :meth:`release` (idempotent), and counts in ``tally``. With ``cluster.redis``
+    the slot may still be being taken in Redis: ``lease.taken``
+    (:class:`~crossbar.state.inflight.Lease`).
 
     :ivar host: the host's name.
     :ivar attempt: the request under way until the answer's head (or a failure), else None.
@@ -42,7 +44,9 @@ class Leg:
         assert head.route is not None
         self.ctx, self.request, self.head, self.model, self.query, self.tally = ctx, request, head, model, query, tally
         self.host = chosen.host
-        self.lease = ctx.runtime.inflight.enter(head.route.name, chosen.host)
+        runtime = ctx.runtime
+        limit = limit_in_force(head.config.hosts[chosen.host], runtime.table.get(chosen.host))[0]
+        self.lease = runtime.inflight.enter(head.route.name, chosen.host, limit)
         self.attempt: Deferred[Answer] | None = None
         self.relay: Relay | None = None
 
