@@ -64,6 +64,10 @@ stamps): crossbar works, only slower. :func:`log_fallback` says so once at start
    handles ``epoll_wait`` as ``doPoll`` does, in one loop. That loop also orders a turn:
    upstream connections first, then clients' descriptors within a time budget (the rest
    next turn), so a burst of new requests does not hold running streams' events.
+10. :class:`QuietClientService` replaces ``ClientService._log`` (a class attribute) with a
+   logger that drops every event: the reconnecting service logs each attempt, so while
+   Redis is away (``cluster.redis``) it would write a line a second; the cluster says so
+   once instead. Under the fallback it is ``ClientService`` itself.
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ from twisted.logger import Logger, LogLevel
 from twisted.web.http import HTTPChannel
 from twisted.web.server import Request
 
-__all__ = ["CHECKED", "FALLBACK", "BadRequestHook", "body_writer", "cache_log_timestamps", "client_is_paused",
+__all__ = ["CHECKED", "FALLBACK", "BadRequestHook", "QuietClientService", "body_writer", "cache_log_timestamps", "client_is_paused",
            "eager_writes", "emit_flattened", "flattened_line", "lean_dispatch", "log_fallback", "moved",
            "pending_write_bytes", "per_second", "version_checked", "wrap_port_logger"]
 
@@ -125,6 +129,9 @@ def moved() -> list[str]:
         need(hasattr(http.Request, name), 8, f"http.Request.{name}")
     for name in ("_encoder", "_inFakeHead"):
         need(hasattr(server.Request, name), 8, f"server.Request.{name}")
+    from twisted.application.internet import ClientService
+
+    need(isinstance(getattr(ClientService, "_log", None), Logger), 10, "ClientService._log", "not a Logger")
     reactor_class: Any = epollreactor.EPollReactor
     need(callable(getattr(reactor_class, "_doReadOrWrite", None)), 9, "EPollReactor._doReadOrWrite")
     need(getattr(reactor_class, "doIteration", None) is getattr(reactor_class, "doPoll", 0), 9,
@@ -435,3 +442,22 @@ def emit_flattened(logger: Logger, level: LogLevel, log_format: str, flattened: 
 FALLBACK: str | None = _fallback()
 """None when every touchpoint may reach into Twisted; else why each does what Twisted
 itself does (the start-up check, run once at import)."""
+
+
+def _quiet_client_service() -> type:
+    from twisted.application.internet import ClientService
+    from twisted.logger import LogPublisher
+
+    if FALLBACK is not None:
+        return ClientService
+
+    class QuietClientService(ClientService):
+        """A reconnecting ``ClientService`` that logs nothing per attempt (touchpoint 10)."""
+
+        _log = Logger(observer=LogPublisher())  # no observers: every event dropped
+
+    return QuietClientService
+
+
+QuietClientService: Any = _quiet_client_service()
+"""Twisted's ``ClientService`` without a log line per connection attempt (touchpoint 10)."""

@@ -42,20 +42,16 @@ from typing import Any, Callable, Iterable, Protocol
 import txredisapi
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from twisted.application.internet import ClientService
 from twisted.internet.defer import CancelledError, Deferred, DeferredList, TimeoutError, fail, succeed
 from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
 from twisted.internet.task import LoopingCall
 from twisted.logger import LogPublisher, Logger
 from twisted.python.failure import Failure
 
+from crossbar.compat import txredis
 from crossbar.config import HostTLSSettings, RedisURL
 from crossbar.upstream.tls import client_creator
 
-try:  # txredisapi parses replies with hiredis (C) when it is installed, as it is by default
-    import hiredis
-except ImportError:  # pragma: no cover - the pure-Python parser and command builder of txredisapi
-    hiredis = None  # type: ignore[assignment]
 
 __all__ = [
     "BOUND", "FLUSH", "GAP", "HEARTBEAT", "RESYNC", "SETTLE", "SLOW_LOG", "TTL", "ClusterCollector", "ClusterView",
@@ -414,19 +410,18 @@ class RedisCluster:
             f"{url.host}:{url.port}", url.db, 1, isLazy=True, charset="utf-8", password=url.password,
             replyTimeout=None, convertNumbers=False, username=url.username,
         )
-        factory.protocol = _Protocol
+        factory.protocol = txredis.Protocol
         factory.maxDelay = 1.0  # rejoin within about a second of Redis answering again
         factory.initialDelay = 0.1
-        for slot in _connect_quietly(factory, endpoint, self._lost):
-            # the first attempt refused (no Redis there, TLS refused): no need to wait longer
-            slot.service.whenConnected(failAfterFailures=1).addErrback(self._settle)
+        # the first attempt refused (no Redis there, TLS refused): no need to wait longer
+        txredis.connect(factory, endpoint, self._lost, on_first_failure=self._settle)
         self._factory = factory
         subscriber = _SubscriberFactory(self)
         subscriber.password = url.password
         subscriber.username = url.username
         subscriber.maxDelay = 1.0
         subscriber.initialDelay = 0.1
-        _connect_quietly(subscriber, self._endpoint())
+        txredis.connect(subscriber, self._endpoint())
         self._subscriber = subscriber
         self._started_at = self.reactor.seconds()
         self._settle_call = self.reactor.callLater(SETTLE, self._settle)
@@ -701,69 +696,6 @@ class RedisCluster:
 
 _SHAS: dict[str, str] = {}
 """script text -> its SHA1 (EVALSHA), computed once per script."""
-
-
-class _Protocol(txredisapi.RedisProtocol):  # type: ignore[misc]
-    """txredisapi's protocol (with hiredis: replies parsed in C), each command packed by
-    hiredis too: txredisapi's own builder encodes every argument in Python (about 26
-    calls per command)."""
-
-    if hiredis is not None:
-        def _build_command(self, *args: Any, **kwargs: Any) -> bytes:
-            return bytes(hiredis.pack_command(args))
-
-
-class _QuietClientService(ClientService):
-    """txredisapi's reconnecting service without a log line per attempt: while Redis is
-    away the cluster says so once (:meth:`RedisCluster._failed`), not every second."""
-
-    _log = Logger(observer=LogPublisher())  # no observers: every event dropped
-
-
-def _connect_quietly(factory: Any, endpoint: Any, on_lost: Callable[[Failure], None] | None = None) -> list[Any]:
-    """What ``RedisFactory.startConnecting`` does (txredisapi 1.6), each connection
-    kept by a :class:`_QuietClientService`; ``on_lost`` is told why each connection
-    ended (a TLS handshake refused, say). Returns the pool's slots (``slot.service``:
-    the :class:`~twisted.application.internet.ClientService`)."""
-    slots = []
-    for _ in range(factory.poolsize):
-        slot = txredisapi._PoolSlot(factory, endpoint, factory.reconnect)
-
-        def prepare(protocol: Any, slot: Any = slot) -> Any:
-            _no_delay(protocol)
-            if on_lost is not None:
-                lost = protocol.connectionLost
-
-                def connection_lost(reason: Failure, lost: Any = lost) -> Any:
-                    on_lost(reason)
-                    return lost(reason)
-
-                protocol.connectionLost = connection_lost
-            return slot._prepareConnection(protocol)
-
-        slot.service = _QuietClientService(
-            endpoint, txredisapi._SlotFactory(factory, slot), retryPolicy=slot._retryDelay,
-            prepareConnection=prepare,
-        )
-        factory.slots.append(slot)
-        slot.start()
-        slots.append(slot)
-    return slots
-
-
-def _no_delay(protocol: Any) -> None:
-    """TCP_NODELAY on the connection under ``protocol`` (through a TLS layer): without
-    it Nagle's algorithm holds a command written while the previous one is unacknowledged
-    until Redis's delayed ACK, ~40 ms -- most of the 50 ms bound."""
-    transport = getattr(protocol, "transport", None)
-    for _ in range(4):
-        if transport is None:
-            return
-        set_no_delay = getattr(transport, "setTcpNoDelay", None)
-        if set_no_delay is not None:
-            set_no_delay(True)
-            return
-        transport = getattr(transport, "transport", None)
 
 
 def _object(reply: str | bytes) -> dict[str, Any]:
