@@ -191,6 +191,40 @@ class DashboardBrowserTests(TestCase):
 
         return ensureDeferred(go())
 
+    def test_recent_rows_show_the_model_as_named_and_its_alias_target(self) -> object:
+        async def go() -> None:
+            a, b = FakeLlama(models=["tiny-a"]), FakeLlama(models=["tiny-b"])
+            evil = FakeLlama(models=["m"])
+            urls = [await listen(self, u) for u in (a, b, evil)]
+            service, base = await start_crossbar(
+                self, _config(*urls, token=False).replace("    hosts: [gpu-a, gpu-b]\n",
+                                                          "    hosts: [gpu-a, gpu-b]\n    aliases: {fast: tiny-a}\n"))
+            await service.poller.when_first_round_done()
+            http = http_client(self)
+            browser = await self._browser()
+            await browser.get(base + "/_crossbar/")
+            await browser.wait(_visible("#board"), 5, "the board")
+            # An unknown model (no host lists it: the metrics count it as "other"), an
+            # alias, and a hostile name: each row shows what the client sent, as text.
+            for model in ("gpt-4o", "fast", EVIL):
+                self.assertEqual(await _chat(http, base, model=model), 200)
+            rows = await browser.wait(lambda d: (lambda r: r if len(r) == 3 else None)(
+                [r for r in _recent_rows(d) if r[1] == "chat"]), 10, "the three requests")
+            self.assertEqual([r[3] for r in rows], [EVIL, "fast → tiny-a", "gpt-4o"])  # newest first
+            self.assertEqual(await browser.call(lambda d: len(d.find_elements(*_by("#board img")))), 0)
+            # The chart's series are told apart by more than colour: dash and marker differ.
+            dashes = await browser.call(lambda d: [p.get_attribute("stroke-dasharray") for p in d.find_elements(
+                *_by("#chart polyline.series"))])
+            self.assertEqual(len(set(dashes)), len(dashes))
+            ticks = await browser.call(lambda d: [t.text for t in d.find_elements(*_by("#chart text.tick"))])
+            self.assertGreaterEqual(len(ticks), 3)
+            label = await browser.call(lambda d: d.find_element(*_by('article.host[data-host="gpu-a"] dt:nth-of-type(2)')).text)
+            self.assertIn("1 min", label)
+            await browser.screenshot("named-models")
+            self.assertEqual(await browser.console_errors(), [])
+
+        return ensureDeferred(go())
+
     def test_open_without_token_restart_and_phone(self) -> object:
         async def go() -> None:
             a, b, evil = FakeLlama(models=["tiny-a"]), FakeLlama(models=["tiny-b"]), FakeLlama(models=[EVIL])
