@@ -1083,6 +1083,42 @@ class RelayTests(SynchronousTestCase):
         self.assertEqual(formatEvent(seen[0]), "it broke\nTraceback (most recent call last):\nValueError: x")
 
 
+    def test_a_legacy_line_keeps_its_system(self) -> None:
+        """A worker's line from Twisted's legacy ``log.msg`` (namespace ``log_legacy``)
+        is shown as twistd shows it, with its system, not ``[log_legacy#info]`` (issue
+        29, item 13): the worker's JSON line made by the worker's own observer."""
+        from twisted.logger import LogLevel, formatEventAsClassicLogText, globalLogPublisher
+        from twisted.python import log as legacy
+
+        from crossbar.ops.jsonlog import event_as_line
+
+        made: list[str] = []
+
+        def worker_side(event: dict[str, Any]) -> None:
+            if event.get("log_namespace") == "log_legacy":
+                made.append(event_as_line(event))
+
+        globalLogPublisher.addObserver(worker_side)
+        legacy.callWithContext({"system": "HTTPChannel,0,127.0.0.1"}, legacy.msg, "a legacy line")
+        legacy.msg("no system")
+        legacy.err(ValueError("boom"), "it failed")
+        globalLogPublisher.removeObserver(worker_side)
+        self.flushLoggedErrors(ValueError)
+        self.assertEqual(len(made), 3)
+        seen: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(seen.append)
+        self.addCleanup(globalLogPublisher.removeObserver, seen.append)
+        for line in made:
+            relay_log_line(line.encode(), 2)
+        self.assertEqual([e["log_namespace"] for e in seen], ["crossbar.worker"] * 3)
+        texts = [formatEventAsClassicLogText(e, lambda _: "T") for e in seen]
+        self.assertEqual(texts[0], "T [HTTPChannel,0,127.0.0.1 worker=2] a legacy line\n")
+        self.assertEqual(texts[1], "T [- worker=2] no system\n")
+        self.assertTrue(texts[2].startswith("T [- worker=2] it failed\n\tTraceback"), texts[2])
+        self.assertIn("ValueError: boom", texts[2])
+        self.assertEqual(seen[2]["log_level"], LogLevel.critical)
+
+
 def held_by_worker(proc: Twistd, socks: list[socket.socket]) -> Counter[int]:
     """worker index -> how many of the client connections ``socks`` it holds the
     server end of (read from ``/proc``: which worker accepted each)."""
