@@ -320,6 +320,25 @@ class ServingTests(TestCase):
         self.assertRegex(line, r"\[crossbar\.proxy#info worker=[01]\] POST /r/v1/chat/completions -> a 200 ")
         self.assertFalse(line.lstrip().startswith("{"))
 
+    async def test_a_killed_supervisors_directory_is_removed_by_the_next(self) -> None:
+        """twistd with workers killed with SIGKILL leaves its workers' directory; the
+        next one started removes it and says so (issue 29, item 15)."""
+        runtime = os.path.abspath(self.mktemp())
+        os.makedirs(runtime)
+        url = await listen(self, FakeLlama())
+        first = await start_workers(self, host_yaml(url), env={"RUNTIME_DIRECTORY": runtime})
+        [left] = os.listdir(runtime)
+        first.signal("KILL")
+        await first.ended
+        kill_workers(first)
+        self.assertEqual(os.listdir(runtime), [left])  # nothing could remove it
+        second = await start_workers(self, host_yaml(url), env={"RUNTIME_DIRECTORY": runtime})
+        [own] = os.listdir(runtime)
+        self.assertNotEqual(own, left)
+        removed = [e for e in events(second) if e.get("namespace") == "crossbar.supervisor"
+                   and e.get("directory") == os.path.join(runtime, left)]
+        self.assertEqual(len(removed), 1, second.text())
+
     async def test_workers_auto(self) -> None:
         upstream = FakeLlama()
         proc = await start_workers(self, host_yaml(await listen(self, upstream)), workers="auto")
@@ -972,6 +991,34 @@ class SupervisorRuleTests(SynchronousTestCase):
         worker.processEnded(Failure(ProcessTerminated(signal=9)))
         self.assertFalse(worker.ready)  # a dead worker is not counted as ready
 
+
+    def test_a_starting_supervisor_removes_dead_supervisors_directories(self) -> None:
+        """A supervisor killed with SIGKILL left its ``crossbar-workers-*`` directory: the
+        next one removes it when it starts (and says so), never a live one's; its own is
+        claimed while it lives and gone when it stops (issue 29, item 15)."""
+        from twisted.logger import formatEvent
+
+        from crossbar.process.leftovers import PREFIX, claim, owner_gone
+        from tests.logs import LogCapture
+        from tests.test_leftovers import claimed_by_a_killed_process
+
+        runtime = os.path.abspath(self.mktemp())
+        os.makedirs(runtime)
+        dead, dead_pid = claimed_by_a_killed_process(runtime)
+        live = tempfile.mkdtemp(prefix=PREFIX, dir=runtime)
+        self.addCleanup(os.close, claim(live))
+        log = LogCapture(self)
+        supervisor = Supervisor(self.config(), _SpawnReactor(failures=0), environ={"RUNTIME_DIRECTORY": runtime},
+                                handle_signals=False)
+        supervisor.startService()
+        self.addCleanup(shutil.rmtree, supervisor.directory, True)
+        self.assertEqual(sorted(os.listdir(runtime)), sorted([os.path.basename(live),
+                                                              os.path.basename(supervisor.directory)]))
+        self.assertIsNone(owner_gone(supervisor.directory))  # held: not a leftover while it lives
+        [said] = [formatEvent(e) for e in log.events if e.get("directory") == dead]
+        self.assertEqual(said, f"removed {dead}, left by a supervisor that is gone (pid {dead_pid})")
+        supervisor._clean_up(None)  # as its stop ends
+        self.assertEqual(os.listdir(runtime), [os.path.basename(live)])
 
     def test_a_silent_worker_is_killed(self) -> None:
         """A worker whose reactor is wedged (or a SIGSTOPped process) sends no ``alive``

@@ -62,6 +62,7 @@ from crossbar.state.box_limits import BoxLimits, check_limit_room, limit_slots_f
 from crossbar.state.shared import SharedCounts
 from crossbar.ops.systemd import Notifier, SystemdNotifier, watchdog_interval
 from crossbar.waiting import Condition
+from crossbar.process.leftovers import PREFIX as LEFTOVER_PREFIX, claim, remove_leftovers
 from crossbar.process.listen import WorkerListeners
 from crossbar.upstream.twisted_private import emit_flattened
 from crossbar.process.worker import HEARTBEAT
@@ -266,6 +267,7 @@ class Supervisor(MultiService):
         # The shared counts and metrics live in a directory made once the listener is
         # open (startService): a start-up that fails leaves nothing behind.
         self.directory = ""
+        self._owner: int | None = None  # the descriptor holding the directory's owner lock
         self._shared_path = ""
         self._limits_path = ""
         self._snapshot_path = ""
@@ -298,8 +300,11 @@ class Supervisor(MultiService):
         super().startService()
         # systemd's RuntimeDirectory= (contrib/systemd): never aged out by tmp cleaners
         runtime = self._environ.get("RUNTIME_DIRECTORY", "").split(":")[0] or None
-        self.directory = tempfile.mkdtemp(prefix="crossbar-workers-", dir=runtime)
+        for path, pid in remove_leftovers(runtime or tempfile.gettempdir()):
+            _log.info("removed {directory}, left by a supervisor that is gone (pid {pid})", directory=path, pid=pid)
+        self.directory = tempfile.mkdtemp(prefix=LEFTOVER_PREFIX, dir=runtime)
         try:
+            self._owner = claim(self.directory)  # held while this process lives: not a leftover
             self._shared_path = os.path.join(self.directory, "counts")
             SharedCounts.create(self._shared_path, self.count + 1)
             self.counts = WorkerCounts(SharedCounts(self._shared_path, self.count + 1, self.count), self.config)
@@ -311,6 +316,9 @@ class Supervisor(MultiService):
             self._write_snapshot(self.config)
         except OSError as e:
             shutil.rmtree(self.directory, ignore_errors=True)
+            if self._owner is not None:
+                os.close(self._owner)
+                self._owner = None
             raise ConfigError(self.config.source, "workers",
                               f"cannot make the workers' shared files in {self.directory}: {e.strerror or e}") from None
         for index in range(self.count):
@@ -481,6 +489,9 @@ class Supervisor(MultiService):
             self.systemd.notifier.close()
         if self.directory:
             shutil.rmtree(self.directory, ignore_errors=True)
+        if self._owner is not None:
+            os.close(self._owner)
+            self._owner = None
         return result
 
     def hurry(self) -> None:
