@@ -116,13 +116,18 @@ def token_figures(record: RequestRecord) -> dict[str, float | None] | None:
 
 def entry(at: float, record: RequestRecord) -> dict[str, Any]:
     """One recent request as the dashboard shows it: no body, no query string, no
-    secret (the key's name only); texts cut to 200 characters."""
+    secret (the key's name only); texts cut to 200 characters. ``model`` is the model
+    as the client named it (not the metrics' ``other``), ``resolved`` the id an alias
+    (or the route's ``default_model``) made of it when that differs, else ""."""
+    named = _text(getattr(record, "named", ""))
+    resolved = _text(getattr(record, "resolved", ""))
     return {
         "t": round(at, 3),
         "route": _text(record.route),
         "host": _text(record.host),
         "key": _text(record.key),
-        "model": _text(_attr(record, "model")),
+        "model": named,
+        "resolved": "" if resolved == named else resolved,
         "method": _text(record.method),
         "path": _text(record.path),
         "status": record.status,

@@ -76,6 +76,11 @@ class RequestRecord(NamedTuple):
         applies; counted as :data:`OTHER_MODEL`).
     :ivar ttft: streamed answers: seconds from the request sent to the host to the
         first body byte, else None.
+    :ivar named: the model as the client named it (the body's top-level ``"model"``,
+        or a GET or HEAD's ``model`` query parameter), "" for none: the request's own
+        text, for the dashboard only, never a label value.
+    :ivar resolved: the model id the request was chosen for (an alias's target, or the
+        route's ``default_model`` when it named none), "" where none applies.
     """
 
     route: str
@@ -94,6 +99,8 @@ class RequestRecord(NamedTuple):
     figures: Figures | None = None
     model: str = ""
     ttft: float | None = None
+    named: str = ""
+    resolved: str = ""
 
 
 class RequestLog:
