@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-from types import SimpleNamespace
 from html.parser import HTMLParser
 from typing import Any
 
@@ -368,24 +367,28 @@ class PageTests(TestCase):
         return ensureDeferred(go())
 
 
-def _record(host: str = "a", route: str = "r", **more: Any) -> RequestRecord:
-    """A record; with ``more``, a record-like object that also has those fields (a
-    ``tokens`` field the accessor reads if present)."""
-    record = RequestRecord(route=route, host=host, method="POST", path="/v1/chat/completions",
-                           target=f"/{route}/v1/chat/completions", status=200, bytes=10, duration=0.5, ttfb=0.1,
-                           why="loaded least-busy")
-    if more:
-        return SimpleNamespace(**{**record._asdict(), "ended": "", **more})  # type: ignore[return-value]
-    return record
+def _record(host: str = "a", route: str = "r", tokens: dict[str, int] | None = None) -> RequestRecord:
+    """A record; with ``tokens`` (``prompt``, ``cached``, ``generated``), the figures of a
+    complete answer that said so."""
+    from crossbar.ops.figures import Figures
+
+    figures = None if tokens is None else Figures(tokens.get("prompt", 0), tokens.get("cached", 0),
+                                                  tokens.get("generated", 0), None, None)
+    return RequestRecord(route=route, host=host, method="POST", path="/v1/chat/completions",
+                         target=f"/{route}/v1/chat/completions", status=200, bytes=10, duration=0.5, ttfb=0.1,
+                         why="loaded least-busy", figures=figures)
 
 
 class RecentTests(SynchronousTestCase):
     def test_token_figures_read_what_the_record_has(self) -> None:
+        from crossbar.ops.figures import Figures
+
         self.assertIsNone(token_figures(_record()))
-        figures = token_figures(_record(tokens={"prompt": 10, "cached": 30, "generated": 5, "generation_tps": 42.5}))
+        figures = token_figures(_record()._replace(figures=Figures(10, 30, 5, 800.0, 42.5)))
         self.assertEqual(figures, {"prompt": 10.0, "cached": 30.0, "generated": 5.0, "tps": 42.5})
-        e = entry(100.0, _record(named="m<1>", model="other", ended="complete", tokens={"generated": 3}))
-        self.assertEqual((e["model"], e["ended"], e["tokens"]["generated"]), ("m<1>", "complete", 3.0))
+        e = entry(100.0, _record()._replace(named="m<1>", model="other", ended="cut", figures=Figures(0, 0, 3, None, None)))
+        self.assertEqual((e["model"], e["ended"], e["tokens"]), ("m<1>", "cut", {"prompt": 0.0, "cached": 0.0,
+                                                                              "generated": 3.0, "tps": None}))
         self.assertEqual(entry(1.0, _record())["model"], "")
 
     def test_entry_shows_the_model_as_named_and_what_an_alias_made_of_it(self) -> None:
