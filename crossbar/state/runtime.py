@@ -27,6 +27,7 @@ from crossbar.state.inflight import Inflight
 from crossbar.state.queue import RouteQueues
 from crossbar.state.tokens import TokenLedger
 from crossbar.waiting import Condition
+from crossbar.state.cells import key_cell
 
 __all__ = ["Runtime"]
 
@@ -144,7 +145,7 @@ class Runtime:
 
     def _publish_key(self, route: str, key: str) -> None:
         if self.cluster is not None:
-            self.cluster.set(f"k\0{route}\0{key}", self.key_inflight[(route, key)])
+            self.cluster.set(key_cell(route, key), self.key_inflight[(route, key)])
         if self.fleet is not None:
             self.fleet.publish_key(route, key, self.key_inflight[(route, key)])
 
@@ -246,7 +247,7 @@ class Runtime:
             return True
         cluster = self.cluster
         if cluster is not None and cluster.joined:  # every instance's (§Several crossbars)
-            return self.key_inflight[(route.name, key)] + cluster.others(f"k\0{route.name}\0{key}") < limit
+            return self.key_inflight[(route.name, key)] + cluster.others(key_cell(route.name, key)) < limit
         if self.fleet is not None:  # every worker's requests of this key (§Workers)
             return self.fleet.key(route.name, key) < limit
         return self.key_inflight[(route.name, key)] < limit
