@@ -12,7 +12,7 @@ from typing import Callable, Iterable
 
 from twisted.logger import Logger
 
-from crossbar.config import one_line
+from crossbar.config import Config, one_line
 from crossbar.hosts.models import ModelList
 
 __all__ = ["HealthTable", "HostStatus", "LifeSign", "models_text"]
@@ -203,6 +203,14 @@ class HealthTable:
             old, healthy=False, has_failed=True, consecutive=0, last_err="marked down: " + reason
         )
         self._set(name, old, new)
+
+    def reconfigure(self, config: Config, fresh: Iterable[str] = ()) -> None:
+        """A reload (docs/design.md §Operations): ``health.recovery_polls`` and
+        ``failure_threshold`` from ``config``, and its hosts (:meth:`set_hosts`; those in
+        ``fresh`` start over)."""
+        self.recovery_polls = config.health.recovery_polls
+        self.failure_threshold = config.health.failure_threshold
+        self.set_hosts(config.hosts, reset=fresh)
 
     def set_hosts(self, names: Iterable[str], reset: Iterable[str] = ()) -> None:
         """Track exactly ``names``, in that order (a config reload, docs/design.md §Operations).

@@ -110,6 +110,17 @@ class Runtime:
         if len(self.queues):
             self.queues.wake()
 
+    def reconfigure(self, config: Config) -> None:
+        """A reload (docs/design.md §Operations): ``config`` is the one every request
+        from now on is served under (in-flight ones keep theirs); drains of hosts it no
+        longer names are forgotten; the token ledger and the fleet's names follow it."""
+        self.config = config
+        self.forget_removed_drains()
+        self.tokens.configure(tuple(config.hosts), tuple(config.routes))
+        if self.fleet is not None:
+            self.fleet.configure(config)
+            self.republish()
+
     def republish(self) -> None:
         """Write every count of this process to the fleet again (after the fleet's
         names changed with a reload)."""
