@@ -29,6 +29,7 @@ from crossbar.proxy.modellist import models_body
 from crossbar.proxy.phase import LIVE, Phase, Phased, acts_in
 from crossbar.proxy.place import QueuePlace
 from crossbar.proxy.policy import Action, Decision, decide
+from crossbar.proxy.ratelimit import key_limit_headers
 from crossbar.proxy.relay import Relay, RelayEnd
 from crossbar.proxy.tally import Tally
 from crossbar.state.limits import retry_after_header
@@ -263,6 +264,8 @@ class Exchange(Phased):
         """Answer ``code`` with the JSON ``body`` and end; ``retry_after``: ``Retry-After: 1``
         (busy) or that many seconds; every 503 has one (rule 10: retries back off)."""
         self.tally.answered(code)
+        for name, value in key_limit_headers(self.runtime.limits, self.route, self.key):  # §Access
+            self.request.setHeader(name, value)
         self.tally.bytes = write_json(self.request, code, body, retry_after or code == 503, self.runtime.draining)
         self.end()
 

@@ -18,6 +18,7 @@ from crossbar.hosts.balance import Chosen
 from crossbar.proxy.attempt import Answer, Attempt
 from crossbar.proxy.client import forwarded_headers, write_head
 from crossbar.proxy.head import upstream_body
+from crossbar.proxy.ratelimit import key_limit_headers
 from crossbar.proxy.headers import content_type, is_event_stream
 from crossbar.proxy.relay import Relay
 from crossbar.upstream.hosturl import host_url
@@ -68,7 +69,8 @@ class Leg:
         table, timeouts, tally = ex.runtime.table, ex.config.timeouts, ex.tally
         table.seen[host] = ex.clock.seconds()
         tally.answered(answer.response.code, answer.sent_at)
-        write_head(ex.request, answer.response, host, ex.runtime.draining)
+        write_head(ex.request, answer.response, host, ex.runtime.draining,
+                   key_limit_headers(ex.runtime.limits, ex.route, ex.key))
         answer_type = content_type(ex.request.responseHeaders)
         tally.streamed = is_event_stream(answer_type)
         relay = self.relay = Relay(ex.request, ex.clock, timeouts.idle, timeouts.client_stall, host, table.seen,
