@@ -91,6 +91,9 @@ def key_limit_headers(limiter: KeyLimiter, route: Route | None, key: str) -> lis
     if not key or route is None:
         return []
     settings = route.keys.get(key)
-    if settings is None or not settings.limits:
+    if settings is None:
         return []
-    return rate_limit_headers(settings.limits, limiter, route.name, key)
+    limits = settings.limits  # read without KeyLimits.__bool__'s generator: this runs on every keyed answer
+    if limits.requests_per_minute is None and limits.tokens_per_minute is None and limits.tokens_per_day is None:
+        return []
+    return rate_limit_headers(limits, limiter, route.name, key)
