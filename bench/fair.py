@@ -291,7 +291,8 @@ def report_phase(phase: Phase) -> None:
     parts = []
     for key in sorted(phase.load.done):
         waits = phase.waits.get(key, [])
-        parts.append(f"{key}: {phase.load.done[key]} done, wait p50 {pct(waits, 0.5):.1f} / p95 {p95(waits):.1f} ms")
+        wait = f", wait p50 {pct(waits, 0.5):.1f} / p95 {p95(waits):.1f} ms" if waits else ""
+        parts.append(f"{key}: {phase.load.done[key]} done{wait}")
     print(f"{phase.name:8s} ({phase.seconds:.0f} s)  " + "; ".join(parts), flush=True)
 
 

@@ -5,7 +5,7 @@ and :class:`crossbar.state.queue.RouteQueues` trying its waiters in that order."
 from __future__ import annotations
 
 from collections import Counter
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,6 +14,9 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from crossbar.state.fair import NO_KEY, Waiting, fair_order
 from crossbar.state.queue import RouteQueues
+
+if TYPE_CHECKING:
+    from crossbar.state.runtime import Runtime
 
 KEYS = ("a", "b", "c", "d")
 
@@ -245,3 +248,32 @@ class FairQueueTests(SynchronousTestCase):
         self.assertEqual(list(self.queues.status("r")), ["b"])
         self.assertTrue(self.queues.remove(b))
         self.assertEqual((self.queues.status("r"), len(self.queues)), ({}, 0))
+
+
+class RuntimeStandingTests(SynchronousTestCase):
+    """:class:`crossbar.state.standing.RuntimeStanding`: what the runtime's queues read."""
+
+    def runtime(self, keys: str) -> "Runtime":
+        from crossbar.config import parse_config
+        from crossbar.state.runtime import Runtime
+
+        text = ('listen: "tcp:0"\nhosts: {a: "http://127.0.0.1:9"}\n'
+                f"routes:\n  r:\n    hosts: [a]\n    keys:\n{keys}")
+        return Runtime(parse_config(text, "x.yaml"), Clock().seconds)
+
+    def test_settings_counts_and_tokens(self) -> None:
+        from crossbar.config import parse_config
+
+        runtime = self.runtime("      ci: {secret: c-1, priority: -1, share: 2}\n      alice: a-1\n")
+        standing = runtime.queues.standing
+        assert standing is not None
+        self.assertEqual((standing.settings("r", "ci"), standing.settings("r", "alice")), ((-1, 2.0), (0, 1.0)))
+        self.assertEqual(standing.settings("r", NO_KEY), (0, 1.0))
+        runtime.key_inflight[("r", "ci")] = 3
+        self.assertEqual((standing.requests("r", "ci"), standing.requests("r", NO_KEY)), (3, 0))
+        runtime.spend("r", "alice", 120)
+        self.assertEqual(standing.spent("r"), {"alice": 120})
+        # a reload that removes ci: its waiting requests are ordered as a key of priority 0, share 1
+        runtime.config = parse_config('listen: "tcp:0"\nhosts: {a: "http://127.0.0.1:9"}\n'
+                                      "routes:\n  r:\n    hosts: [a]\n    keys: {alice: a-1}\n", "x.yaml")
+        self.assertEqual((standing.settings("r", "ci"), standing.requests("r", "ci")), ((0, 1.0), 3))
