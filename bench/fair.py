@@ -27,7 +27,8 @@ too); completions are 200 answers counted per key over the phase.
   b-alone  ``light`` alone on the whole fleet (for reference: it never waits);
   b-share  ``light`` alone on half the slots: the room fair shares promise it;
   b-both   ``light`` and ``heavy`` (10x light's outstanding) on the whole fleet, both
-           keeping the queue full.
+           keeping the queue full;
+  b-fifo   the same load, every request sent under one key: what arrival order would give.
   Targets: light's p95 wait in b-both <= 1.5x b-share; completions per key in b-both
   within 10%.
 
@@ -276,15 +277,19 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         ("b-share", half, {"light": (s, 0, "light")}),
         ("b-both", s, {"light": (s, 0, "light"), "heavy": (10 * s, 0, "heavy")}),
     ]
+    if not args.no_fifo:  # the same load sent under one key: arrival order (completions by client)
+        plan.append(("b-fifo", s, {"light": (s, 0, "heavy"), "heavy": (10 * s, 0, "heavy")}))
     phases: dict[str, Phase] = {}
     for name, slots, clients in plan:
+        if args.only and name not in args.only:
+            continue
         phases[name] = await run_phase(name, slots, clients, host_port, args, directory)
         report_phase(phases[name])
-        if name == "a-flood" and not args.no_fifo:
+        if name == "a-flood" and not args.no_fifo and (not args.only or "a-fifo" in args.only):
             phases["a-fifo"] = await fifo_phase(host_port, args, directory)
             report_phase(phases["a-fifo"])
     server.close()
-    return report(phases, args)
+    return {} if args.only else report(phases, args)
 
 
 def report_phase(phase: Phase) -> None:
@@ -327,7 +332,8 @@ def main() -> None:
     parser.add_argument("--slots", type=int, default=4, help="the host's max_inflight")
     parser.add_argument("--service-ms", type=float, default=100.0, help="how long the host holds each request")
     parser.add_argument("--seconds", type=float, default=15.0, help="length of each phase")
-    parser.add_argument("--no-fifo", action="store_true", help="skip the arrival-order contrast (a-fifo)")
+    parser.add_argument("--no-fifo", action="store_true", help="skip the arrival-order contrasts (a-fifo, b-fifo)")
+    parser.add_argument("--only", nargs="*", help="run these phases only (e.g. b-both b-fifo); no summary")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args()
     out = asyncio.run(main_async(args))
