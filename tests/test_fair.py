@@ -277,3 +277,26 @@ class RuntimeStandingTests(SynchronousTestCase):
         runtime.config = parse_config('listen: "tcp:0"\nhosts: {a: "http://127.0.0.1:9"}\n'
                                       "routes:\n  r:\n    hosts: [a]\n    keys: {alice: a-1}\n", "x.yaml")
         self.assertEqual((standing.settings("r", "ci"), standing.requests("r", "ci")), ((0, 1.0), 3))
+
+    def test_fleet_wide_counts(self) -> None:
+        """With workers the key's count is every worker's; with a joined cluster, this
+        instance's plus the others' (docs/design.md §Workers, §Several crossbars)."""
+        runtime = self.runtime("      ci: c-1\n")
+        standing = runtime.queues.standing
+        assert standing is not None
+        runtime.key_inflight[("r", "ci")] = 2
+
+        class Fleet:
+            def key(self, route: str, key: str) -> int:
+                return 7
+
+        class Cluster:
+            joined = True
+
+            def others(self, name: str) -> int:
+                return 5 if name == "k\0r\0ci" else 0
+
+        runtime.fleet = Fleet()  # type: ignore[assignment]
+        self.assertEqual(standing.requests("r", "ci"), 7)
+        runtime.cluster = Cluster()  # type: ignore[assignment]
+        self.assertEqual(standing.requests("r", "ci"), 2 + 5)
