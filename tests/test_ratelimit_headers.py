@@ -18,7 +18,8 @@ from twisted.web.server import Request
 from crossbar.config import KeyLimits
 from crossbar.proxy.ratelimit import duration, rate_limit_headers
 from crossbar.state.limits import KeyLimiter
-from tests.harness import FakeLlama, http_client, listen, start_crossbar
+from tests.harness import FakeLlama, http_client, listen, port_of, start_crossbar
+from tests.raw import parse_responses, raw_exchange, request_bytes
 from tests.test_limits import NOON, Clock
 
 
@@ -166,3 +167,11 @@ class ThroughCrossbar(TestCase):
         self.assertEqual((await call("alice-secret-1"))[:2], (200, {}))  # a key without limits
         self.assertEqual((await call("nobody", "/open/v1/chat/completions"))[:2], (200, {}))
         self.assertEqual((await call("wrong"))[:2], (401, {}))
+        # an early refusal on the head (a body over 16 MiB: 413, never read) carries them too
+        received, _ = await raw_exchange(port_of(base), request_bytes(
+            b"POST", b"/r/v1/chat/completions",
+            [(b"Authorization", b"Bearer ci-secret-1"), (b"Content-Length", b"%d" % (17 * 1024 * 1024))]))
+        [refused] = parse_responses(received)
+        headers = {n.decode()[len("x-ratelimit-"):]: v.decode() for n, v in refused.headers
+                   if n.startswith(b"x-ratelimit-")}
+        self.assertEqual((refused.status, headers), (413, model.headers(clock.now)))
