@@ -175,3 +175,36 @@ class ThroughCrossbar(TestCase):
         headers = {n.decode()[len("x-ratelimit-"):]: v.decode() for n, v in refused.headers
                    if n.startswith(b"x-ratelimit-")}
         self.assertEqual((refused.status, headers), (413, model.headers(clock.now)))
+
+
+class SpentReadsOneKey(SynchronousTestCase):
+    """``ILimitCounts.spent`` (what the headers and the fair order read per answer) equals
+    the key's entry of ``spending`` (status), in one process and over two workers' rows."""
+
+    def test_process_and_box(self) -> None:
+        from crossbar.config import parse_config
+        from crossbar.state.box_limits import BoxLimits, limited_keys
+        from crossbar.state.limits import Spending
+        from tests.test_limits import keys_yaml
+
+        config = parse_config(keys_yaml(3, "{requests_per_minute: 50, tokens_per_minute: 9000}", 0), "c.yaml", {})
+        path = self.mktemp() + "-limits"
+        BoxLimits.create(path, 3, 256)
+        clock = Clock()
+        boxes = [BoxLimits(path, 3, row, config) for row in (0, 1)]
+        limiters = [KeyLimiter(clock), KeyLimiter(clock), KeyLimiter(clock)]
+        limiters[0].counts, limiters[1].counts = boxes
+        keys = sorted(key for (_, key) in limited_keys(config))
+        for step in range(150):
+            limiter = limiters[step % 3]
+            key = keys[step % len(keys)]
+            if step % 2:
+                limiter.admitted("r", key)
+            else:
+                limiter.spend("r", key, 10 + step)
+            clock.now += 0.7
+            for reader in limiters:
+                spending = reader.counts.spending(clock.now)
+                for k in keys + ["never"]:
+                    self.assertEqual(reader.counts.spent("r", k, clock.now),
+                                     spending.get(("r", k), Spending(0, 0, 0)), (step, k))

@@ -61,18 +61,18 @@ def rate_limit_headers(limits: KeyLimits, limiter: KeyLimiter, route: str, key: 
     if not limits:
         return []
     counts, now = limiter.counts, limiter.now()
-    spent = counts.spending(now).get((route, key))
+    spent = counts.spent(route, key, now)
     out: list[tuple[bytes, bytes]] = []
     rpm = limits.requests_per_minute
     if rpm is not None:
-        used = spent.requests_minute if spent else 0
+        used = spent.requests_minute
         out += _three(b"requests", rpm, used, counts.wait(route, key, _ONE_REQUEST, now) if used else 0.0)
     tpm, tpd = limits.tokens_per_minute, limits.tokens_per_day
     if tpm is not None:
-        used = spent.tokens_minute if spent else 0
+        used = spent.tokens_minute
         out += _three(b"tokens", tpm, used, counts.wait(route, key, _ONE_TOKEN_MINUTE, now) if used else 0.0)
     elif tpd is not None:
-        used = spent.tokens_day if spent else 0
+        used = spent.tokens_day
         out += _three(b"tokens", tpd, used, counts.wait(route, key, _ONE_TOKEN_DAY, now) if used else 0.0)
     return out
 

@@ -18,7 +18,7 @@ A pass costs nothing more than before while at most one key waits on a route.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Callable, Mapping, Protocol
+from typing import Any, Callable, Protocol
 
 from crossbar.state.fair import NO_KEY, Waiting, fair_order
 
@@ -56,8 +56,8 @@ class Standing(Protocol):
         """The key's requests in flight or waiting, fleet-wide (every worker's and,
         with ``cluster.redis``, every instance's); 0 for :data:`~crossbar.state.fair.NO_KEY`."""
 
-    def spent(self, route: str) -> Mapping[str, int]:
-        """Key name -> tokens spent in the last minute (absent: none)."""
+    def spent(self, route: str, key: str) -> int:
+        """The tokens ``key`` spent in the last minute (0 for none)."""
 
 
 class RouteQueues:
@@ -151,7 +151,7 @@ class RouteQueues:
         settings = {key: standing.settings(route, key) for key in keys}
         entries = [Waiting(w, w.key, *settings[w.key]) for w in waiters]
         inflight = {key: self.inflight(route, key) for key in keys}
-        return fair_order(entries, inflight, standing.spent(route))
+        return fair_order(entries, inflight, {key: standing.spent(route, key) for key in keys})
 
     def status(self, route: str) -> dict[str, dict[str, Any]]:
         """What waits on ``route`` here, per key (docs/design.md §Access): ``priority``,

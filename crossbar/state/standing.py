@@ -10,7 +10,7 @@ each key spent in the last minute as its limits count them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from crossbar.state.runtime import Runtime
@@ -41,7 +41,8 @@ class RuntimeStanding:
             return runtime.key_inflight[(route, key)] if key else 0
         return runtime.key_requests(route, key)
 
-    def spent(self, route: str) -> Mapping[str, int]:
-        """Key -> tokens spent in the last minute on ``route`` (this process's, or
+    def spent(self, route: str, key: str) -> int:
+        """The tokens ``key`` spent in the last minute on ``route`` (this process's, or
         with workers the box's)."""
-        return {key: s.tokens_minute for (r, key), s in self.runtime.limits.spending().items() if r == route}
+        limits = self.runtime.limits
+        return limits.counts.spent(route, key, limits.now()).tokens_minute if key else 0
