@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from crossbar.state.fair import NO_KEY, Waiting, fair_order
+from crossbar.state.fair import NO_KEY, Waiting, fair_order, fair_turns
 from crossbar.state.queue import RouteQueues
 
 if TYPE_CHECKING:
@@ -112,6 +112,51 @@ class FairOrderProperties(SynchronousTestCase):
             served["big" if item < n_big else "small"] += 1
             if served["big"] < n_big and served["small"] < n_small:
                 self.assertLessEqual(abs(served["big"] / share - served["small"]), 1.0)
+
+
+class FairTurnsProperties(SynchronousTestCase):
+    @settings(max_examples=300, deadline=None)
+    @given(situations(), st.lists(st.booleans(), min_size=40, max_size=40))
+    def test_turns_with_requests_that_stay(
+            self, case: tuple[list[Waiting[int]], dict[str, int], dict[str, int]], placed: list[bool]) -> None:
+        """Whatever goes or stays: every request once, never behind a lower priority,
+        arrival order within a key; only placed requests count for their key's turn."""
+        waiting, inflight, spent = case
+        by_item = {w.item: w for w in waiting}
+        turns = fair_turns(waiting, inflight, spent)
+        order: list[int] = []
+        left = [w.item for w in waiting]
+        counted: Counter[str] = Counter()
+        try:
+            item = next(turns)
+            while True:
+                heads: dict[str, int] = {}
+                for i in left:
+                    heads.setdefault(by_item[i].key, i)
+
+                def rank(key: str) -> tuple[int, float, int, int]:
+                    w = by_item[heads[key]]
+                    return (-w.priority, (inflight.get(key, 0) + counted[key]) / w.share, spent.get(key, 0), heads[key])
+
+                self.assertEqual(rank(by_item[item].key), rank(min(heads, key=rank)))
+                order.append(item)
+                left.remove(item)
+                went = placed[len(order) - 1]
+                counted[by_item[item].key] += went
+                item = turns.send(went)
+        except StopIteration:
+            pass
+        self.assertEqual(sorted(order), [w.item for w in waiting])
+        priorities = [by_item[i].priority for i in order]
+        self.assertEqual(priorities, sorted(priorities, reverse=True))
+
+    def test_a_request_that_stays_does_not_count(self) -> None:
+        """a0 cannot go (its model's hosts are full): a's turn stands, so a1 (another
+        model) goes before b0; placed, a0 would have made it b0's turn."""
+        waiting = [Waiting("a0", "a"), Waiting("a1", "a"), Waiting("b0", "b"), Waiting("b1", "b")]
+        turns = fair_turns(waiting, {}, {})
+        self.assertEqual([next(turns), turns.send(False), turns.send(True), turns.send(True)], ["a0", "a1", "b0", "b1"])
+        self.assertEqual(fair_order(waiting, {}, {}), ["a0", "b0", "a1", "b1"])
 
 
 class FairOrderExamples(SynchronousTestCase):

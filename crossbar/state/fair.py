@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from typing import Generic, Mapping, NamedTuple, Sequence, TypeVar
+from typing import Generator, Generic, Mapping, NamedTuple, Sequence, TypeVar
 
-__all__ = ["NO_KEY", "Waiting", "fair_order"]
+__all__ = ["NO_KEY", "Waiting", "fair_order", "fair_turns"]
 
 T = TypeVar("T")
 
@@ -49,7 +49,8 @@ class Waiting(NamedTuple, Generic[T]):
 
 def fair_order(waiting: Sequence[Waiting[T]], inflight_by_key: Mapping[str, int],
                spent_by_key: Mapping[str, int]) -> list[T]:
-    """The fair order of ``waiting`` (see the module docstring).
+    """The fair order of ``waiting`` (see the module docstring), every request taken as
+    placed: :func:`fair_turns` with each one sent back True.
 
     :param waiting: one route's waiting requests, in arrival order. A key's priority and
         share are taken from its first request.
@@ -63,9 +64,29 @@ def fair_order(waiting: Sequence[Waiting[T]], inflight_by_key: Mapping[str, int]
     """
     if not waiting:
         return []
+    turns = fair_turns(waiting, inflight_by_key, spent_by_key)
+    order = [next(turns)]
+    for _ in range(len(waiting) - 1):
+        order.append(turns.send(True))
+    return order
+
+
+def fair_turns(waiting: Sequence[Waiting[T]], inflight_by_key: Mapping[str, int],
+               spent_by_key: Mapping[str, int]) -> Generator[T, bool, None]:
+    """The requests of ``waiting`` one at a time in fair order, as they are tried: the
+    first from ``next()``, each next one from ``send(placed)``, ``placed`` saying whether
+    the previous one went to a host (it then counts as in flight for its key's next
+    turn) or stays waiting (its model's hosts are full: its key's rank is unchanged, and
+    a later request of any key may pass it). Parameters as :func:`fair_order`; every
+    item is yielded exactly once.
+    """
+    if not waiting:
+        return
     first_key = waiting[0].key
     if all(w.key == first_key for w in waiting):
-        return [w.item for w in waiting]
+        for w in waiting:
+            yield w.item
+        return
     queues: dict[str, deque[tuple[int, T]]] = {}
     settings: dict[str, tuple[int, float]] = {}
     for arrival, w in enumerate(waiting):
@@ -80,12 +101,11 @@ def fair_order(waiting: Sequence[Waiting[T]], inflight_by_key: Mapping[str, int]
         priority, share = settings[key]
         heap.append((-priority, inflight[key] / share, spent_by_key.get(key, 0), queue[0][0], key))
     heapq.heapify(heap)
-    order: list[T] = []
     while heap:
         neg_priority, _, spent, _, key = heapq.heappop(heap)
         queue = queues[key]
-        order.append(queue.popleft()[1])
+        placed = yield queue.popleft()[1]
         if queue:
-            inflight[key] += 1
+            if placed:
+                inflight[key] += 1
             heapq.heappush(heap, (neg_priority, inflight[key] / settings[key][1], spent, queue[0][0], key))
-    return order

@@ -18,9 +18,9 @@ A pass costs nothing more than before while at most one key waits on a route.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Generator, Protocol
 
-from crossbar.state.fair import NO_KEY, Waiting, fair_order
+from crossbar.state.fair import NO_KEY, Waiting, fair_turns
 
 __all__ = ["RouteQueues", "Standing", "Waiter"]
 
@@ -138,20 +138,26 @@ class RouteQueues:
         return max(0, self.standing.requests(route, key) - (waiting[key] if waiting else 0))
 
     def fair(self, route: str) -> list[Waiter]:
-        """``route``'s waiting requests in the order :meth:`wake` tries them
-        (:func:`~crossbar.state.fair.fair_order`)."""
-        queue = self._queues.get(route)
-        if not queue:
+        """``route``'s waiting requests in fair order, as :meth:`wake` would try them
+        were each placed (:func:`~crossbar.state.fair.fair_order`)."""
+        n = self.queued(route)
+        if not n:
             return []
-        waiters = list(queue.values())
-        keys = self._keys[route]
+        turns = self._turns(route)
+        return [next(turns)] + [turns.send(True) for _ in range(n - 1)]
+
+    def _turns(self, route: str) -> Generator[Waiter, bool, None]:
+        """:func:`~crossbar.state.fair.fair_turns` over ``route``'s waiting requests,
+        reading the standing only when two keys or more wait."""
+        waiters = list(self._queues.get(route, {}).values())
+        keys = self._keys.get(route, Counter())
         standing = self.standing
         if standing is None or len(keys) < 2:
-            return waiters
+            return fair_turns([Waiting(w) for w in waiters], {}, {})
         settings = {key: standing.settings(route, key) for key in keys}
         entries = [Waiting(w, w.key, *settings[w.key]) for w in waiters]
         inflight = {key: self.inflight(route, key) for key in keys}
-        return fair_order(entries, inflight, {key: standing.spent(route, key) for key in keys})
+        return fair_turns(entries, inflight, {key: standing.spent(route, key) for key in keys})
 
     def status(self, route: str) -> dict[str, dict[str, Any]]:
         """What waits on ``route`` here, per key (docs/design.md §Access): ``priority``,
@@ -180,11 +186,23 @@ class RouteQueues:
             self._again = True
             while self._again:
                 self._again = False
-                for waiter in [w for route in list(self._queues) for w in self.fair(route)]:
-                    if self._is_queued(waiter) and waiter.retry():
-                        self.remove(waiter)
+                for route in list(self._queues):
+                    self._pass(route)
         finally:
             self._waking = False
+
+    def _pass(self, route: str) -> None:
+        """Retry ``route``'s waiters in fair order, telling the order which ones went."""
+        turns = self._turns(route)
+        try:
+            waiter = next(turns)
+            while True:
+                went = self._is_queued(waiter) and waiter.retry()
+                if went:
+                    self.remove(waiter)
+                waiter = turns.send(went)
+        except StopIteration:
+            pass
 
     def _is_queued(self, waiter: Waiter) -> bool:
         return id(waiter) in self._queues.get(waiter.route_name, {})
