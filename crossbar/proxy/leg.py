@@ -18,8 +18,8 @@ from crossbar.hosts.balance import Chosen
 from crossbar.proxy.attempt import Answer, Attempt
 from crossbar.proxy.client import forwarded_headers, write_head
 from crossbar.proxy.head import upstream_body
-from crossbar.proxy.ratelimit import key_limit_headers
 from crossbar.proxy.headers import content_type, is_event_stream
+from crossbar.proxy.ratelimit import key_limit_headers
 from crossbar.proxy.relay import Relay
 from crossbar.upstream.hosturl import host_url
 
