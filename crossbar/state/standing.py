@@ -10,18 +10,39 @@ each key spent in the last minute as its limits count them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections import Counter
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from crossbar.state.runtime import Runtime
+from crossbar.config import Config
+from crossbar.state.limits import KeyLimiter
 
-__all__ = ["RuntimeStanding"]
+__all__ = ["KeyCounts", "RuntimeStanding"]
+
+
+class KeyCounts(Protocol):
+    """What the standing reads of the running state (a
+    :class:`~crossbar.state.runtime.Runtime` is one)."""
+
+    @property
+    def config(self) -> Config:
+        """The current config."""
+
+    @property
+    def key_inflight(self) -> Counter[tuple[str, str]]:
+        """This process's requests in flight or waiting per (route, key)."""
+
+    @property
+    def limits(self) -> KeyLimiter:
+        """The keys' limits (what each key spent)."""
+
+    def key_requests(self, route: str, key: str) -> int:
+        """``key``'s requests in flight or waiting, fleet-wide."""
 
 
 class RuntimeStanding:
     """:class:`~crossbar.state.queue.Standing` read from ``runtime``."""
 
-    def __init__(self, runtime: Runtime) -> None:
+    def __init__(self, runtime: KeyCounts) -> None:
         self.runtime = runtime
 
     def settings(self, route: str, key: str) -> tuple[int, float]:
