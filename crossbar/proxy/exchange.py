@@ -342,13 +342,15 @@ class Exchange(Phased):
     def end(self) -> None:
         """Once: write the record (rule 8), stop counting it (the drain, its key), then free
         the host's slot (which may dispatch another)."""
-        if self._enter(Phase.ENDED):
-            if self.relay is not None:
-                self.tally.first_byte_at = self.relay.first_byte_at
-            self.tally.spend(self.runtime.spend)
-            self.tally.write(self.runtime.table.get)
-            self.runtime.end(self)  # its key stops counting before the freed slot is offered (fair order)
-            self.release_host()
+        if self.phase is Phase.ENDED:
+            return
+        self._enter(Phase.ENDED)
+        if self.relay is not None:
+            self.tally.first_byte_at = self.relay.first_byte_at
+        self.tally.spend(self.runtime.spend)
+        self.tally.write(self.runtime.table.get)
+        self.runtime.end(self)  # its key stops counting before the freed slot is offered (fair order)
+        self.release_host()
 
     def release_host(self) -> None:
         """Stop counting this request as in flight to its host (idempotent)."""
