@@ -18,12 +18,13 @@ checks both paths against the exposition.
 
 from __future__ import annotations
 
-import re
 from bisect import bisect_left
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Callable
 
 from prometheus_client import values
+
+from crossbar.compat import start_up_check, within
 
 __all__ = ["CHECKED", "FALLBACK", "adder", "moved", "observer", "version_checked"]
 
@@ -33,7 +34,7 @@ CHECKED = ((0, 20), (0, 26))
 
 def version_checked(major: int, minor: int) -> bool:
     """Whether prometheus_client ``major.minor`` is within :data:`CHECKED` (as numbers)."""
-    return CHECKED[0] <= (major, minor) <= CHECKED[1]
+    return within(CHECKED, major, minor)
 
 
 def moved() -> list[str]:
@@ -66,15 +67,7 @@ def _fallback() -> str | None:
         installed = version("prometheus_client")
     except PackageNotFoundError:
         return "prometheus_client's version is unknown"
-    found = re.match(r"(\d+)\.(\d+)", installed)
-    if found is None or not version_checked(int(found[1]), int(found[2])):
-        return (f"prometheus_client {installed} is outside the range crossbar's touchpoints were checked against"
-                f" ({CHECKED[0][0]}.{CHECKED[0][1]} to {CHECKED[1][0]}.{CHECKED[1][1]})")
-    try:
-        gone = moved()
-    except Exception as e:
-        gone = [f"probing failed: {e!r}"]
-    return f"prometheus_client {installed} moved what crossbar relies on: {'; '.join(gone)}" if gone else None
+    return start_up_check("prometheus_client", installed, CHECKED, moved)
 
 
 def adder(child: Any) -> Callable[[float], None]:

@@ -78,6 +78,8 @@ import time
 from typing import Any, Callable, cast
 
 from twisted.internet.tcp import Connection
+
+from crossbar.compat import start_up_check, within
 from twisted.logger import Logger, LogLevel
 from twisted.web.http import HTTPChannel
 from twisted.web.server import Request
@@ -94,7 +96,7 @@ both included; ``pyproject.toml``'s bound on Twisted says the same."""
 def version_checked(major: int, minor: int) -> bool:
     """Whether Twisted ``major.minor`` is within :data:`CHECKED` (compared as numbers:
     26.1 is older than 26.10)."""
-    return CHECKED[0] <= (major, minor) <= CHECKED[1]
+    return within(CHECKED, major, minor)
 
 
 def moved() -> list[str]:
@@ -141,21 +143,9 @@ def moved() -> list[str]:
 
 def _fallback() -> str | None:
     """Why the touchpoints must do what Twisted does (:data:`FALLBACK`), or None."""
-    import re
-
     import twisted
 
-    found = re.match(r"(\d+)\.(\d+)", twisted.__version__)
-    if found is None or not version_checked(int(found[1]), int(found[2])):
-        return (f"Twisted {twisted.__version__} is outside the range crossbar's touchpoints were checked against"
-                f" ({CHECKED[0][0]}.{CHECKED[0][1]} to {CHECKED[1][0]}.{CHECKED[1][1]})")
-    try:
-        gone = moved()
-    except Exception as e:  # an internal so changed that probing it fails
-        gone = [f"probing failed: {e!r}"]
-    if gone:
-        return f"Twisted {twisted.__version__} moved what crossbar relies on: {'; '.join(gone)}"
-    return None
+    return start_up_check("Twisted", twisted.__version__, CHECKED, moved)
 
 
 def log_fallback(log: Logger) -> bool:
