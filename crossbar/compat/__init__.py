@@ -10,9 +10,10 @@ package: the wings import it; it imports none of them.
 from __future__ import annotations
 
 import re
+from importlib.metadata import PackageNotFoundError, version
 from typing import Callable
 
-__all__ = ["Range", "start_up_check", "within"]
+__all__ = ["Range", "distribution_check", "start_up_check", "within"]
 
 Range = tuple[tuple[int, int], tuple[int, int]]
 """The oldest and the newest (major, minor) of a library a fence was checked against."""
@@ -38,3 +39,13 @@ def start_up_check(library: str, installed: str, checked: Range, moved: Callable
     except Exception as e:  # an internal so changed that probing it fails
         gone = [f"probing failed: {e!r}"]
     return f"{library} {installed} moved what crossbar relies on: {'; '.join(gone)}" if gone else None
+
+
+def distribution_check(distribution: str, checked: Range, moved: Callable[[], list[str]]) -> str | None:
+    """:func:`start_up_check` for the installed ``distribution`` (its version read from
+    its metadata; an unknown version fails the check)."""
+    try:
+        installed = version(distribution)
+    except PackageNotFoundError:
+        return f"{distribution}'s version is unknown"
+    return start_up_check(distribution, installed, checked, moved)

@@ -19,12 +19,11 @@ checks both paths against the exposition.
 from __future__ import annotations
 
 from bisect import bisect_left
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Callable
 
 from prometheus_client import values
 
-from crossbar.compat import start_up_check, within
+from crossbar.compat import distribution_check, within
 
 __all__ = ["CHECKED", "FALLBACK", "adder", "moved", "observer", "version_checked"]
 
@@ -61,13 +60,6 @@ def moved() -> list[str]:
         found.append("Histogram child's _sum (no inc)")
     return found
 
-
-def _fallback() -> str | None:
-    try:
-        installed = version("prometheus_client")
-    except PackageNotFoundError:
-        return "prometheus_client's version is unknown"
-    return start_up_check("prometheus_client", installed, CHECKED, moved)
 
 
 def adder(child: Any) -> Callable[[float], None]:
@@ -131,6 +123,6 @@ def observer(child: Any) -> Callable[[float], None]:
     return observe
 
 
-FALLBACK: str | None = _fallback()
+FALLBACK: str | None = distribution_check("prometheus_client", CHECKED, moved)
 """None when :func:`adder` and :func:`observer` may reach into prometheus_client; else
 why they hand back its public ``inc``/``observe`` (the start-up check, run at import)."""

@@ -23,13 +23,12 @@ its 2 s cap when Redis is not there). ``tests/test_compat_txredis.py`` names wha
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Callable
 
 import txredisapi
 from twisted.python.failure import Failure
 
-from crossbar.compat import start_up_check, within
+from crossbar.compat import distribution_check, within
 from crossbar.compat.twisted import QuietClientService
 
 try:  # txredisapi parses replies with hiredis (C) when it is installed, as it is by default
@@ -68,15 +67,8 @@ def moved() -> list[str]:
     return found
 
 
-def _fallback() -> str | None:
-    try:
-        installed = version("txredisapi")
-    except PackageNotFoundError:
-        return "txredisapi's version is unknown"
-    return start_up_check("txredisapi", installed, CHECKED, moved)
 
-
-FALLBACK: str | None = _fallback()
+FALLBACK: str | None = distribution_check("txredisapi", CHECKED, moved)
 """None when :class:`Protocol` and :func:`connect` may reach into txredisapi; else why
 they are txredisapi's own (the start-up check, run at import)."""
 
