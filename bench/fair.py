@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Fair shares (issue 32): queue waits and completions per key when a host of few slots
+"""Fair shares: queue waits and completions per key when a host of few slots
 is shared by keys that send very different amounts.
 
     .venv/bin/python bench/fair.py [--slots 4] [--service-ms 100] [--seconds 15] [--json out.json]

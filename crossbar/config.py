@@ -971,7 +971,7 @@ def _tls(c: _Checker, key: str, raw: Any) -> HostTLSSettings:
 
 def _check_certificates(c: _Checker, key: str, pem: bytes) -> list[Any]:
     """The PEM certificates in ``pem`` (at least one). cryptography is imported only
-    when a config has ``tls`` files (it is heavy, docs/design.md §Workers memory)."""
+    when a config has ``tls`` files (it is heavy: every worker's RSS counts, docs/operations.md "Workers")."""
     from cryptography import x509
 
     try:

@@ -2,7 +2,7 @@
 
 A request's token counters and generation-speed histogram are updated once per request;
 prometheus_client's public ``inc``/``observe`` check their argument, take a lock and
-loop over the buckets each time (issue 19's cost). :func:`adder` and :func:`observer`
+loop over the buckets each time (CPU per request). :func:`adder` and :func:`observer`
 do the same update through the children's private parts: ``_value`` (a
 ``prometheus_client.values.MutexValue`` in one process, the multiprocess file's value
 with workers), ``_upper_bounds``, ``_buckets``, ``_sum`` and ``_is_observable``.
