@@ -202,7 +202,7 @@ class Drains(SynchronousTestCase):
         drains = [args[3:] for args in conn.sent if args[1] == hashlib.sha1(cluster_module._DRAIN.encode()).hexdigest()]
         self.assertEqual(drains, [("crossbar:drained", "crossbar:0:drains", "h", "1")])
         self.assertEqual(told, [])  # that read did not know of it yet
-        c._read(json.dumps({"#drained": ["h"]}), c._drain_writes)
+        c._read(json.dumps({"#drained": ["h"]}), c.drains.writes)
         self.assertEqual(told, [({"h": True}, True)])
 
     def test_a_read_older_than_a_drain_is_not_applied(self) -> None:
@@ -211,11 +211,11 @@ class Drains(SynchronousTestCase):
         c.joined = True
         told: list[tuple[dict[str, bool], bool]] = []
         c.on_drains = lambda drains, whole: told.append((drains, whole))
-        sent_at = c._drain_writes
+        sent_at = c.drains.writes
         c.drain("h", True)
         c._read(json.dumps({"#drained": {}}), sent_at)
         self.assertEqual(told, [])
-        c.drain_message(json.dumps(["h", "0"]))
+        c.drains.message(json.dumps(["h", "0"]))
         self.assertEqual(told, [({"h": False}, False)])
 
 

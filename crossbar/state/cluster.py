@@ -208,6 +208,145 @@ class ClusterView(Protocol):
     ``whole`` -- the full set (hosts absent are not draining), else one change."""
 
 
+class OtherInstances:
+    """What this instance knows of the other live instances' counts, as news of them
+    arrives (their messages, the replies to its writes, its reads), each field kept at
+    the newest sequence number seen.
+
+    :ivar views: other instance -> field -> (the instance's seq when it had it, value).
+    :ivar totals: field -> the sum over the other instances.
+    """
+
+    def __init__(self) -> None:
+        self.views: dict[str, dict[str, tuple[int, int]]] = {}
+        self.totals: dict[str, int] = {}
+
+    def apply(self, instance: str, seq: int, fields: dict[str, int]) -> None:
+        """``instance`` had ``fields`` at its ``seq``: keep each unless newer is known."""
+        view = self.views.setdefault(instance, {})
+        totals = self.totals
+        for name, value in fields.items():
+            known = view.get(name)
+            if known is None or known[0] < seq:
+                view[name] = (seq, value)
+                totals[name] = totals.get(name, 0) + value - (known[1] if known is not None else 0)
+
+    def drop(self, instance: str) -> None:
+        """``instance`` stopped: its counts count no more."""
+        if self.views.pop(instance, None) is not None:
+            self._recount()
+
+    def replace(self, views: dict[str, dict[str, tuple[int, int]]]) -> None:
+        """Every other live instance's counts are ``views`` (none while this one is alone)."""
+        self.views = views
+        self._recount()
+
+    def read(self, doc: dict[str, Any]) -> None:
+        """A read brought every other live instance's hash (instance -> its fields and
+        values flat, its seq among them); a field newer news (a message, a write's
+        reply) brought meanwhile is kept."""
+        views: dict[str, dict[str, tuple[int, int]]] = {}
+        for instance, flat in doc.items():
+            if not isinstance(flat, list):
+                continue
+            fields = {str(flat[j]): int(flat[j + 1]) for j in range(0, len(flat) - 1, 2)}
+            seq = fields.pop(_SEQ, 0)
+            view = {name: (seq, value) for name, value in fields.items()}
+            for name, (at, value) in self.views.get(instance, {}).items():
+                if at > seq:
+                    view[name] = (at, value)
+            views[instance] = view
+        self.replace(views)
+
+    def _recount(self) -> None:
+        totals: dict[str, int] = {}
+        for fields in self.views.values():
+            for name, (_, value) in fields.items():
+                if value:
+                    totals[name] = totals.get(name, 0) + value
+        self.totals = totals
+
+
+class ClusterDrains:
+    """Host drains shared by every instance (docs/design.md §Operations, §Several
+    crossbars): kept in the hash ``key`` (host -> 1) and published on ``channel``.
+
+    :param command: the cluster's bounded Redis command.
+    :ivar on_drains: told ``(changes, whole)``: host -> draining, and whether that is
+        the whole set (a read) or news (a message).
+    :ivar writes: drain writes sent so far: a read sent before the latest does not know it.
+    """
+
+    def __init__(self, key: str, channel: str, command: Callable[..., Deferred[Any]]) -> None:
+        self.key, self.channel = key, channel
+        self._command = command
+        self.on_drains: Callable[[dict[str, bool], bool], None] | None = None
+        self.writes = 0
+        self._pending: dict[str, bool] = {}
+        """drains done through this instance not yet written to Redis"""
+
+    def note(self, host: str, draining: bool, joined: bool) -> None:
+        """``host`` drained (or undrained) through this instance: written (and published)
+        at once while ``joined``, else when the instance rejoins (:meth:`read`)."""
+        self._pending[host] = draining
+        if joined:
+            self._write()
+
+    def _write(self) -> None:
+        drains, self._pending = self._pending, {}
+        self.writes += 1
+        args: list[str] = []
+        for host, draining in drains.items():
+            args += [host, "1" if draining else "0"]
+        d = self._command("eval", _DRAIN, [self.key, self.channel], args, bound=max(BOUND, 1.0))
+
+        def again(failure: Failure) -> None:  # Redis away: written when it rejoins (unless overtaken)
+            self._pending = {**drains, **self._pending}
+
+        d.addErrback(again)
+
+    def read(self, drained: Any, writes_at_read: int) -> None:
+        """A read brought the whole set (``drained``: the hosts): what was drained here
+        while alone is written first (the next read brings it back); else, when no
+        write went out since the read was sent, the set is what every instance follows."""
+        if self._pending:
+            self._write()
+        elif writes_at_read == self.writes and self.on_drains is not None:
+            self.on_drains({str(h): True for h in (drained if isinstance(drained, list) else [])}, True)
+
+    def message(self, data: str | bytes) -> None:
+        """One message on the drains channel (the subscriber's call)."""
+        try:
+            flat = json.loads(data)
+            changes = {str(flat[i]): flat[i + 1] == "1" for i in range(0, len(flat) - 1, 2)}
+        except (ValueError, TypeError, KeyError, IndexError):
+            return
+        if changes and self.on_drains is not None:
+            self.on_drains(changes, False)
+
+
+class SlowChecks:
+    """The single checks (a take, a key's limits) Redis did not answer within the bound,
+    so that this instance decided alone (docs/design.md §Several crossbars): counted,
+    and logged at most every :data:`SLOW_LOG` seconds."""
+
+    def __init__(self, url: RedisURL, reactor: Any) -> None:
+        self.url, self.reactor = url, reactor
+        self.count = 0
+        self._said = float("-inf")
+
+    def note(self, what: str, failure: Failure) -> None:
+        """A single check (``what``) got ``failure`` instead of an answer in time."""
+        self.count += 1
+        now = self.reactor.seconds()
+        if now - self._said >= SLOW_LOG:
+            self._said = now
+            _log.warn("cluster: Redis at {url} did not answer a {what} within {bound} ms ({error}); this "
+                      "instance decided it alone ({slow} such checks so far; said at most once a minute)",
+                      url=self.url.display(), what=what, bound=int(BOUND * 1000),
+                      error=failure.getErrorMessage() or repr(failure.value), slow=self.count)
+
+
 class RedisCluster:
     """This instance's share of the counts of several crossbars (see the module doc).
 
@@ -228,44 +367,31 @@ class RedisCluster:
 
     def __init__(self, url: RedisURL, reactor: Any, on_change: Callable[[], None] | None = None,
                  instance: str | None = None, tls: HostTLSSettings | None = None) -> None:
-        self.url = url
-        self.tls = tls
-        self.reactor = reactor
-        self.on_change = on_change
+        self.url, self.reactor, self.on_change = url, reactor, on_change
         self.instance = instance or uuid.uuid4().hex
         prefix = "crossbar:"
         self._hash_prefix = prefix + "inst:"
         self._hash = self._hash_prefix + self.instance
         self._live = prefix + "live"
         self._channel = f"{prefix}{url.db}:changes"
-        self._drained = prefix + "drained"
-        self._drain_channel = f"{prefix}{url.db}:drains"
-        self.on_drains: Callable[[dict[str, bool], bool], None] | None = None
+        self.drains = ClusterDrains(prefix + "drained", f"{prefix}{url.db}:drains", self.command)
         self.on_join: list[Callable[[], None]] = []
         """called (no arguments) each time the instance joins or rejoins, after its own
         counts were written (key limits write what they counted alone)"""
-        self._drains: dict[str, bool] = {}
-        """drains done through this instance not yet written to Redis"""
-        self._drain_writes = 0
-        """drain writes sent so far: a read sent before the latest does not know it"""
-        self.joined = False
-        self.settled = False
+        self.joined = self.settled = False
         self.lost = 0
-        self.slow = 0
-        self._slow_said = float("-inf")
+        self._slow = SlowChecks(url, reactor)
         self._mine: dict[str, int] = {}
         self._dirty: set[str] = set()
         self._flush_call: Any = None
         self._sent_at = float("-inf")
         """when this instance's last write went out (reactor seconds)"""
         self._seq = 0
-        self._views: dict[str, dict[str, tuple[int, int]]] = {}
-        """other instance -> field -> (the instance's seq when it had it, value)"""
-        self._totals: dict[str, int] = {}
+        self._others = OtherInstances()
         self.link = RedisLink(url, reactor, tls)
         self._resync = LoopingCall(self.resync)
         self._resync.clock = reactor
-        self._heartbeat = LoopingCall(self._renew)
+        self._heartbeat = LoopingCall(lambda: self._write({}) if self.joined else None)  # renew the hash
         self._heartbeat.clock = reactor
         self._reading = False
         self._said_alone = False
@@ -277,11 +403,11 @@ class RedisCluster:
 
     def others(self, name: str) -> int:
         """See :class:`ClusterView`."""
-        return self._totals.get(name, 0) if self.joined else 0
+        return self._others.totals.get(name, 0) if self.joined else 0
 
     def instances(self) -> int:
         """Live instances known, this one included (1 when alone)."""
-        return len(self._views) + 1 if self.joined else 1
+        return len(self._others.views) + 1 if self.joined else 1
 
     def set(self, name: str, value: int) -> None:
         """See :class:`ClusterView`: written to Redis within :data:`FLUSH` seconds."""
@@ -334,7 +460,7 @@ class RedisCluster:
         if self.joined:
             for instance, values in others.items():
                 if isinstance(values, list) and len(values) == 2 and values[0]:
-                    self._apply(instance, int(values[0]), {name: int(values[1] or 0)})
+                    self._others.apply(instance, int(values[0]), {name: int(values[1] or 0)})
         return taken
 
     def _take_failed(self, failure: Failure, name: str) -> bool:
@@ -347,50 +473,30 @@ class RedisCluster:
                 self._schedule(False)
         return True
 
+    @property
+    def slow(self) -> int:
+        """Single checks Redis did not answer within the bound (:class:`SlowChecks`)."""
+        return self._slow.count
+
     def note_slow(self, what: str, failure: Failure) -> None:
-        """A single check (``what``) got no answer within the bound and this instance
-        decided alone: counted in :attr:`slow`, logged at most every :data:`SLOW_LOG`
-        seconds (docs/design.md §Several crossbars)."""
-        self.slow += 1
-        now = self.reactor.seconds()
-        if now - self._slow_said >= SLOW_LOG:
-            self._slow_said = now
-            _log.warn("cluster: Redis at {url} did not answer a {what} within {bound} ms ({error}); this "
-                      "instance decided it alone ({slow} such checks so far; said at most once a minute)",
-                      url=self.url.display(), what=what, bound=int(BOUND * 1000),
-                      error=failure.getErrorMessage() or repr(failure.value), slow=self.slow)
+        """See :meth:`SlowChecks.note`."""
+        self._slow.note(what, failure)
 
     # -- host drains (docs/design.md §Operations) ----------------------------------------
 
     def drain(self, host: str, draining: bool) -> None:
         """See :class:`ClusterView`: written (and published) at once while joined, else
-        when the instance rejoins."""
-        self._drains[host] = draining
-        if self.joined:
-            self._write_drains()
+        when the instance rejoins (:class:`ClusterDrains`)."""
+        self.drains.note(host, draining, self.joined)
 
-    def _write_drains(self) -> None:
-        drains, self._drains = self._drains, {}
-        self._drain_writes += 1
-        args: list[str] = []
-        for host, draining in drains.items():
-            args += [host, "1" if draining else "0"]
-        d = self.command("eval", _DRAIN, [self._drained, self._drain_channel], args, bound=max(BOUND, 1.0))
+    @property
+    def on_drains(self) -> Callable[[dict[str, bool], bool], None] | None:
+        """See :class:`ClusterView`."""
+        return self.drains.on_drains
 
-        def again(failure: Failure) -> None:  # Redis away: written when it rejoins (unless overtaken)
-            self._drains = {**drains, **self._drains}
-
-        d.addErrback(again)
-
-    def drain_message(self, data: str | bytes) -> None:
-        """One message on the drains channel (the subscriber's call)."""
-        try:
-            flat = json.loads(data)
-            changes = {str(flat[i]): flat[i + 1] == "1" for i in range(0, len(flat) - 1, 2)}
-        except (ValueError, TypeError, KeyError, IndexError):
-            return
-        if changes and self.on_drains is not None:
-            self.on_drains(changes, False)
+    @on_drains.setter
+    def on_drains(self, tell: Callable[[dict[str, bool], bool], None] | None) -> None:
+        self.drains.on_drains = tell
 
     # -- connecting -----------------------------------------------------------------
 
@@ -434,9 +540,8 @@ class RedisCluster:
     # -- Redis commands -------------------------------------------------------------
 
     def command(self, name: str, *args: Any, bound: float | None = None) -> Deferred[Any]:
-        """One command on the link (:meth:`RedisLink.command <crossbar.state.redislink.RedisLink.command>`),
-        its reply bounded by ``bound`` seconds (default :data:`BOUND`, read at each call
-        so a test can set it)."""
+        """:meth:`RedisLink.command <crossbar.state.redislink.RedisLink.command>`, bounded by
+        ``bound`` seconds (default :data:`BOUND`, read at each call so a test can set it)."""
         return self.link.command(name, *args, bound=BOUND if bound is None else bound)
 
     def _flush(self) -> None:
@@ -466,67 +571,35 @@ class RedisCluster:
             if not isinstance(values, list) or not values or not values[0]:
                 continue  # expired meanwhile
             # An instance that has counted nothing yet still counts in instances().
-            self._apply(instance, int(values[0]), {n: int(v) for n, v in zip(names, values[1:]) if v})
+            self._others.apply(instance, int(values[0]), {n: int(v) for n, v in zip(names, values[1:]) if v})
         self._changed()  # another instance's count may have fallen meanwhile
-
-    def _apply(self, instance: str, seq: int, fields: dict[str, int]) -> None:
-        """``instance`` had ``fields`` at its ``seq``: keep each unless newer is known."""
-        view = self._views.setdefault(instance, {})
-        totals = self._totals
-        for name, value in fields.items():
-            known = view.get(name)
-            if known is None or known[0] < seq:
-                view[name] = (seq, value)
-                totals[name] = totals.get(name, 0) + value - (known[1] if known is not None else 0)
-
-    def _renew(self) -> None:
-        if self.joined:
-            self._write({})
 
     def resync(self) -> None:
         """Read every live instance's counts (and find out whether Redis answers)."""
         if self._reading:
             return
         self._reading = True
-        d = self.command("eval", _READ, [self._live, self._drained], [self._hash_prefix])
-        d.addCallbacks(self._read, self._failed, callbackArgs=(self._drain_writes,), errbackArgs=("read",))
-        d.addBoth(self._read_done)
-
-    def _read_done(self, result: object) -> None:
-        self._reading = False
+        d = self.command("eval", _READ, [self._live, self.drains.key], [self._hash_prefix])
+        d.addCallbacks(self._read, self._failed, callbackArgs=(self.drains.writes,), errbackArgs=("read",))
+        d.addBoth(lambda _: setattr(self, "_reading", False))  # the next resync may read
 
     def _read(self, reply: str | bytes, drain_writes: int = 0) -> None:
-        views: dict[str, dict[str, tuple[int, int]]] = {}
         doc = _object(reply)
         drained = doc.pop(_DRAINED_FIELD, [])
-        for instance, flat in doc.items():
-            if instance == self.instance or not isinstance(flat, list):
-                continue
-            fields = {str(flat[j]): int(flat[j + 1]) for j in range(0, len(flat) - 1, 2)}
-            seq = fields.pop(_SEQ, 0)
-            known = self._views.get(instance, {})
-            view = {name: (seq, value) for name, value in fields.items()}
-            for name, (at, value) in known.items():  # newer news by message or write reply
-                if at > seq:
-                    view[name] = (at, value)
-            views[instance] = view
-        self._views = views
-        self._recount()
+        doc.pop(self.instance, None)
+        self._others.read(doc)
         self._settle()
         if not self.joined:
             self.joined = True
             self._said_alone = False
             _log.info("cluster: sharing counts through Redis at {url} ({n} other instances)",
-                      url=self.url.display(), n=len(views))
+                      url=self.url.display(), n=len(self._others.views))
             self._dirty.update(self._mine)
             self._write(dict(self._mine))
             self._dirty.clear()
             for joined in self.on_join:
                 joined()
-        if self._drains:
-            self._write_drains()  # done here while alone: the next read brings the whole set
-        elif drain_writes == self._drain_writes and self.on_drains is not None:
-            self.on_drains({str(h): True for h in (drained if isinstance(drained, list) else [])}, True)
+        self.drains.read(drained, drain_writes)
         self._changed()
 
     def _lost(self, reason: Failure) -> None:
@@ -549,8 +622,7 @@ class RedisCluster:
         if self.joined:
             self.lost += 1
             self.joined = False
-            self._views = {}
-            self._totals = {}
+            self._others.replace({})
             self._changed()
 
     # -- messages from other instances ----------------------------------------------
@@ -566,19 +638,10 @@ class RedisCluster:
         if instance == self.instance:
             return
         if fields is None:  # an instance that stopped
-            if self._views.pop(instance, None) is not None:
-                self._recount()
+            self._others.drop(str(instance))
         else:
-            self._apply(str(instance), int(seq), {str(k): int(v) for k, v in fields.items()})
+            self._others.apply(str(instance), int(seq), {str(k): int(v) for k, v in fields.items()})
         self._changed()
-
-    def _recount(self) -> None:
-        totals: dict[str, int] = {}
-        for fields in self._views.values():
-            for name, (_, value) in fields.items():
-                if value:
-                    totals[name] = totals.get(name, 0) + value
-        self._totals = totals
 
     def _changed(self) -> None:
         if self.on_change is not None:
@@ -606,15 +669,15 @@ class _SubscriberFactory(txredisapi.SubscriberFactory):  # type: ignore[misc]
         cluster = self.cluster
 
         def received(pattern: Any, channel: Any, message: Any) -> None:
-            if channel in (cluster._drain_channel, cluster._drain_channel.encode()):
-                cluster.drain_message(message)
+            if channel in (cluster.drains.channel, cluster.drains.channel.encode()):
+                cluster.drains.message(message)
             else:
                 cluster.message(message)
 
         protocol.messageReceived = received
 
         def subscribe(p: Any) -> Any:
-            d = p.subscribe([cluster._channel, cluster._drain_channel])
+            d = p.subscribe([cluster._channel, cluster.drains.channel])
             d.addErrback(lambda _: None)
             # Whatever was published while the subscriber was away is mended by a read.
             cluster.reactor.callLater(0, cluster.resync)
