@@ -34,6 +34,7 @@ class Inflight:
     def __init__(self, on_release: Callable[[], None] | None = None) -> None:
         self._by_host: Counter[str] = Counter()
         self._by_route_host: Counter[tuple[str, str]] = Counter()
+        self._by_host_model: Counter[tuple[str, str]] = Counter()
         self.on_release = on_release
         self.fleet: WorkerCounts | None = None
         self.cluster: ClusterView | None = None
@@ -77,17 +78,29 @@ class Inflight:
             return {(r, h): self.fleet.route_host(r, h) for r, h in pairs}
         return dict(self._by_route_host)
 
-    def enter(self, route: str, host: str) -> Lease:
-        """Count one request of ``route`` against ``host``; returns its lease."""
+    def host_model(self, host: str, model: str) -> int:
+        """Requests for ``model`` (the id the host lists it under) in flight to ``host``
+        from this process (docs/design.md §Where models live: a model in use)."""
+        return self._by_host_model.get((host, model), 0)
+
+    def enter(self, route: str, host: str, model: str | None = None) -> Lease:
+        """Count one request of ``route`` (for ``model``, when it names one: the id the
+        host lists it under) against ``host``; returns its lease."""
+        if model is not None:
+            self._by_host_model[(host, model)] += 1
         self._by_host[host] += 1
         self._by_route_host[(route, host)] += 1
         if self.fleet is not None:
             self.fleet.publish_inflight(route, host, self._by_route_host[(route, host)], self._by_host[host])
         if self.cluster is not None:
             self.cluster.set(f"h\0{host}", self._by_host[host])
-        return Lease(self, route, host)
+        return Lease(self, route, host, model)
 
-    def _leave(self, route: str, host: str) -> None:
+    def _leave(self, route: str, host: str, model: str | None = None) -> None:
+        if model is not None and self._by_host_model.get((host, model), 0) > 0:
+            self._by_host_model[(host, model)] -= 1
+            if not self._by_host_model[(host, model)]:
+                del self._by_host_model[(host, model)]
         if self._by_host.get(host, 0) > 0:
             self._by_host[host] -= 1
             if not self._by_host[host]:
@@ -105,13 +118,14 @@ class Inflight:
 class Lease:
     """One request's claim on a host; :meth:`release` is idempotent."""
 
-    def __init__(self, inflight: Inflight, route: str, host: str) -> None:
+    def __init__(self, inflight: Inflight, route: str, host: str, model: str | None = None) -> None:
         self._inflight = inflight
         self.route = route
         self.host: str | None = host
+        self.model = model
 
     def release(self) -> None:
         """Stop counting this request (its answer ended, or it failed)."""
         host, self.host = self.host, None
         if host is not None:
-            self._inflight._leave(self.route, host)
+            self._inflight._leave(self.route, host, self.model)
