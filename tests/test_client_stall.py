@@ -28,6 +28,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH
 from twisted.web.server import Request, Site
 
+from crossbar.hosts.health import LifeSign
 from crossbar.proxy.channel import HeadDeadlineChannel
 from crossbar.proxy.relay import Relay, RelayEnd, RelayState
 from tests.harness import FakeLlama, http_client, listen, start_crossbar, wait_for
@@ -108,7 +109,7 @@ class _RelayCase(SynchronousTestCase):
         [self.request] = self.resource.requests
         self.client.take()  # nothing waits yet
         self.ends: list[RelayEnd] = []
-        self.seen: dict[str, float] = {}
+        self.life = LifeSign()
 
     def tearDown(self) -> None:
         self.channel.connectionLost(Failure(ConnectionDone()))
@@ -116,7 +117,7 @@ class _RelayCase(SynchronousTestCase):
 
 class ClientStallTests(_RelayCase):
     def relay(self) -> tuple[Relay, FakeResponse]:
-        relay = Relay(self.request, self.clock, IDLE, STALL, "h", self.seen)
+        relay = Relay(self.request, self.clock, IDLE, STALL, self.life)
         relay.ended.addCallback(self.ends.append)
         response = FakeResponse()
         relay.start(response)  # type: ignore[arg-type]
@@ -209,7 +210,7 @@ class ClientStallTests(_RelayCase):
         _, response = self.relay()
         self.clock.advance(3)
         response.protocol.dataReceived(b"data: x\n\n")
-        self.assertEqual(self.seen, {"h": 3.0})
+        self.assertEqual(self.life.at, 3.0)
 
 
 def _config(host_url: str, stall: float) -> str:

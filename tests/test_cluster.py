@@ -165,6 +165,34 @@ class TwoInstances(TestCase):
             await r.content()
         self.assertLessEqual(held.most, 3)
 
+    async def test_burst_takes_room_atomically(self) -> None:
+        """A burst reaching both instances at once: the host never has more than its
+        max_inflight (each place is taken in Redis before the request goes), status
+        never shows more than the host has, and all are served in turn."""
+        redis, held, instances = await self.start()
+        http = [http_client(self) for _ in instances]
+        for _ in range(3):  # a few bursts: each instance's view is fresh each time
+            answers = [http[i % 2].post(instances[i % 2][1] + "/r/v1/chat/completions",
+                                        json={"model": "m", "stream": True}) for i in range(8)]
+            await wait_for(lambda: len(held.open) >= 2, what="the first requests")
+            await deferLater(reactor, 0.3)
+            self.assertEqual([s.cluster.slow for s, _ in instances if s.cluster is not None], [0, 0])
+            self.assertEqual(held.most, 2)
+            for service, _ in instances:
+                self.assertEqual(service.runtime.inflight.host("h"), 2)
+            while held.open:
+                held.end(1)
+                await deferLater(reactor, 0.02)
+                self.assertLessEqual(len(held.open), 2)
+                for service, _ in instances:
+                    self.assertLessEqual(service.runtime.inflight.host("h"), 2)
+            results = await DeferredList(answers, consumeErrors=True)
+            self.assertEqual([r.code for ok, r in results if ok], [200] * 8)
+            for _, r in results:
+                await r.content()
+            self.assertEqual(held.most, 2)
+            held.most = 0
+
     async def test_freed_slot_wakes_the_other_instance(self) -> None:
         """A slot freed on B dispatches the request waiting on A within 20 ms."""
         redis, held, (a, b) = await self.start()
@@ -178,7 +206,8 @@ class TwoInstances(TestCase):
         b_release = b[0].runtime.inflight.on_release
         b[0].runtime.inflight.on_release = lambda: (released.append(reactor.seconds()), b_release and b_release())
         a_enter = a[0].runtime.inflight.enter
-        a[0].runtime.inflight.enter = lambda r, h: (dispatched.append(reactor.seconds()), a_enter(r, h))[1]
+        a[0].runtime.inflight.enter = lambda r, h, limit=None: (  # type: ignore[method-assign]
+            dispatched.append(reactor.seconds()), a_enter(r, h, limit))[1]
         held.end(1)
         await wait_for(lambda: dispatched, what="A dispatches")
         self.assertLess(dispatched[0] - released[0], 0.02)
@@ -424,3 +453,96 @@ class BehindHAProxy(TestCase):
             proc.signal("TERM")
             await proc.ended
         await deferLater(reactor, 0.2)
+
+
+def _keyed(host_url: str, redis_url: str, rpm: int) -> str:
+    return (
+        f"cluster:\n  redis: {redis_url}\nhealth: {{interval: 60, timeout: 5}}\nhosts:\n  h: {host_url}\n"
+        "routes:\n  r:\n    hosts: [h]\n    keys:\n      ci:\n        secret: ci-secret-1\n"
+        f"        limits: {{requests_per_minute: {rpm}}}\n"
+    )
+
+
+class Readiness(TestCase):
+    """An instance with ``cluster.redis`` is ready only once its first connection to
+    Redis has succeeded or failed (docs/design.md §Several crossbars)."""
+
+    timeout = 60
+
+    async def test_ready_only_once_joined(self) -> None:
+        """Two fresh instances, a key with 6 requests a minute, 8 requests sent the
+        moment each is ready: 6 are admitted fleet-wide (counting alone, 8 were)."""
+        redis = start_redis(self)
+        url = await listen(self, FakeLlama(["m"]))
+        instances = [await start_crossbar(self, _keyed(url, redis.url, 6)) for _ in range(2)]
+        for service, _ in instances:
+            await wait_for(lambda: service.runtime.ready, step=0.001, what="ready")
+            assert service.cluster is not None
+            self.assertTrue(service.cluster.joined, "ready before joining Redis")
+        http = http_client(self)
+        answers = [http.post(instances[i % 2][1] + "/r/v1/chat/completions", json={"model": "m"},
+                             headers={"Authorization": "Bearer ci-secret-1"}) for i in range(8)]
+        codes = []
+        for d in answers:
+            response = await d
+            codes.append(response.code)
+            await response.content()
+        self.assertEqual(sorted(codes), [200] * 6 + [429] * 2)
+
+    async def test_ready_when_redis_refuses(self) -> None:
+        """Nothing listens where Redis should be: ready at the first refused
+        connection, well before the 2 s cap, counting alone."""
+        from tests.redis_server import _free_port
+
+        url = await listen(self, FakeLlama(["m"]))
+        started = reactor.seconds()
+        service, _ = await start_crossbar(self, config(url, f"redis://127.0.0.1:{_free_port()}/0"))
+        await wait_for(lambda: service.runtime.ready, what="ready", step=0.01)
+        self.assertLess(reactor.seconds() - started, cluster_module.SETTLE)
+        assert service.cluster is not None
+        self.assertFalse(service.cluster.joined)
+
+
+class Drains(TestCase):
+    """A host drained through one instance is drained on every instance within a
+    second, and an instance that joins later learns it from Redis (docs/design.md
+    §Several crossbars, §Operations)."""
+
+    timeout = 60
+
+    async def test_drain_through_one_reaches_all(self) -> None:
+        redis = start_redis(self)
+        fake = FakeLlama(["m"])
+        held = Held()
+        fake.handlers[b"/v1/chat/completions"] = held
+        url = await listen(self, fake)
+        text = "ops: {token: ops-token-1}\n" + config(url, redis.url, queue_timeout=0.3)
+        a, b = [await start_crossbar(self, text) for _ in range(2)]
+        for service, _ in (a, b):
+            await wait_for(lambda: service.runtime.ready, what="ready")
+        http = http_client(self)
+        auth = {"Authorization": "Bearer ops-token-1"}
+        response = await http.post(a[1] + "/_crossbar/hosts/h/drain", headers=auth)
+        self.assertEqual(response.code, 200)
+        await response.content()
+        await wait_for(lambda: b[0].runtime.drained == {"h"}, timeout=1.0, what="B drains h", step=0.01)
+        # B sends the host nothing new: its request waits, then 503.
+        response = await http.post(b[1] + "/r/v1/chat/completions", json={"model": "m", "stream": True})
+        self.assertEqual(response.code, 503)
+        await response.content()
+        self.assertEqual(held.arrived, [])
+        # An instance started now learns the drain from Redis.
+        c = await start_crossbar(self, text)
+        await wait_for(lambda: c[0].runtime.ready, what="C ready")
+        self.assertEqual(c[0].runtime.drained, {"h"})
+        # Undrained through B: every instance takes requests for h again.
+        response = await http.post(b[1] + "/_crossbar/hosts/h/undrain", headers=auth)
+        self.assertEqual(response.code, 200)
+        await response.content()
+        await wait_for(lambda: not a[0].runtime.drained and not c[0].runtime.drained, timeout=1.0,
+                       what="A and C undrain h", step=0.01)
+        answer = http.post(c[1] + "/r/v1/chat/completions", json={"model": "m", "stream": True})
+        await wait_for(lambda: len(held.arrived) == 1, what="C's request at the host")
+        held.end(1)
+        await (await answer).content()
+        self.assertEqual(redis.command("HKEYS", "crossbar:drained"), [])

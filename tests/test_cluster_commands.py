@@ -11,12 +11,14 @@ from typing import Any
 
 from twisted.internet.defer import Deferred, TimeoutError, succeed
 from twisted.internet.task import Clock
+from twisted.internet.testing import MemoryReactorClock
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
 import txredisapi
 
 from crossbar.config import RedisURL
+from crossbar.state import cluster as cluster_module
 from crossbar.state.cluster import BOUND, FLUSH, GAP, RedisCluster
 
 
@@ -184,3 +186,71 @@ class Writes(SynchronousTestCase):
         self.c.set("h\0a", 0)
         self.clock.advance(1)
         self.assertEqual(self.conn.sent, [])
+
+
+class Drains(SynchronousTestCase):
+    """Host drains through Redis (docs/design.md §Several crossbars, §Operations)."""
+
+    def test_drain_while_alone_is_written_on_rejoining(self) -> None:
+        conn = FakeConnection()
+        c, clock = cluster(conn)
+        told: list[tuple[dict[str, bool], bool]] = []
+        c.on_drains = lambda drains, whole: told.append((drains, whole))
+        c.drain("h", True)
+        self.assertEqual(conn.sent, [])
+        c._read(json.dumps({"#drained": {}}))  # Redis answers again: joined
+        drains = [args[3:] for args in conn.sent if args[1] == hashlib.sha1(cluster_module._DRAIN.encode()).hexdigest()]
+        self.assertEqual(drains, [("crossbar:drained", "crossbar:0:drains", "h", "1")])
+        self.assertEqual(told, [])  # that read did not know of it yet
+        c._read(json.dumps({"#drained": ["h"]}), c._drain_writes)
+        self.assertEqual(told, [({"h": True}, True)])
+
+    def test_a_read_older_than_a_drain_is_not_applied(self) -> None:
+        conn = FakeConnection()
+        c, clock = cluster(conn)
+        c.joined = True
+        told: list[tuple[dict[str, bool], bool]] = []
+        c.on_drains = lambda drains, whole: told.append((drains, whole))
+        sent_at = c._drain_writes
+        c.drain("h", True)
+        c._read(json.dumps({"#drained": {}}), sent_at)
+        self.assertEqual(told, [])
+        c.drain_message(json.dumps(["h", "0"]))
+        self.assertEqual(told, [({"h": False}, False)])
+
+
+class Settling(SynchronousTestCase):
+    """Readiness waits until the first connection to Redis succeeded or failed, at most
+    SETTLE seconds (docs/design.md §Several crossbars)."""
+
+    def start(self) -> tuple[RedisCluster, MemoryReactorClock]:
+        reactor = MemoryReactorClock()
+        c = RedisCluster(RedisURL(tls=False, host="127.0.0.1", port=6379), reactor, instance="me")
+        c.start()
+        self.addCleanup(c.stop)
+        return c, reactor
+
+    def test_at_most_settle_seconds(self) -> None:
+        """A connection that neither succeeds nor fails (a black-holed address)."""
+        c, reactor = self.start()
+        reactor.advance(cluster_module.SETTLE - 0.01)
+        self.assertFalse(c.settled)
+        reactor.advance(0.01)
+        self.assertTrue(c.settled)
+        self.assertFalse(c.joined)
+
+    def test_at_the_first_refused_connection(self) -> None:
+        c, reactor = self.start()
+        host, port, factory, _, _ = reactor.tcpClients[0]
+        self.assertEqual((host, port), ("127.0.0.1", 6379))
+        factory.clientConnectionFailed(None, Failure(ConnectionRefusedError()))
+        reactor.advance(0.5)  # HostnameEndpoint gives up on its addresses after 0.3 s
+        self.assertTrue(c.settled)
+        self.assertFalse(c.joined)
+
+    def test_when_joined(self) -> None:
+        c, reactor = self.start()
+        factory, c._factory = c._factory, FakeFactory(FakeConnection())  # connected: Redis answers
+        c._read(json.dumps({"#drained": {}}))
+        self.assertTrue(c.settled and c.joined)
+        c._factory = factory

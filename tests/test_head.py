@@ -3,6 +3,8 @@ the checks on the head and on the whole request in their order, the body and mod
 
 from __future__ import annotations
 
+import dataclasses
+from types import MappingProxyType
 
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -103,8 +105,12 @@ class HeadTests(SynchronousTestCase):
 
     def test_copies_keep_every_other_field(self) -> None:
         head = self.head(b"/keyed/v1/x?q=1").with_body([b"{}"], Peeked("m", "k:1")).with_key("alice")
-        for copy, changed in ((head.with_key("bob"), "key"), (head.with_body([b"x"], NOTHING), "peeked chunks")):
+        other = dataclasses.replace(head.config, routes=MappingProxyType({}))
+        for copy, changed in ((head.with_key("bob"), "key"), (head.with_body([b"x"], NOTHING), "peeked chunks"),
+                              (head.under(other), "config route")):
             for name in head._fields:
                 if name not in changed.split():
                     self.assertEqual(getattr(copy, name), getattr(head, name), name)
         self.assertEqual((head.key, head.peeked, head.chunks), ("alice", Peeked("m", "k:1"), [b"{}"]))
+        self.assertEqual((head.under(other).config, head.under(other).route), (other, None))
+        self.assertIs(head.under(head.config).route, head.route)

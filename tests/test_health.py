@@ -302,15 +302,20 @@ class SignOfLifeTests(TestCase):
         clock.advance(10)
         self.assertFalse(table.alive_since("a", 5.0))  # the poll was before
         self.assertTrue(table.alive_since("a", 0.0))
-        table.seen["b"] = 12.0
+        table.life_sign("b").at = 12.0
         self.assertTrue(table.alive_since("b", 11.0))
         self.assertFalse(table.alive_since("b", 12.5))
         clock.advance(5)
         table.record_success("a", ["m"])
         self.assertTrue(table.alive_since("a", 14.0))
         self.assertFalse(table.alive_since("unknown", 0.0))
-        seen = table.seen
-        table.seen["a"] = 16.0
+        table.life_sign("unknown").at = 20.0  # a host the table does not track: noted nowhere
+        self.assertFalse(table.alive_since("unknown", 0.0))
+        a_life, b_life = table.life_sign("a"), table.life_sign("b")
+        self.assertIs(table.life_sign("a"), a_life)  # one sign per host: relays in flight note into it
+        a_life.at = 16.0
         table.set_hosts(["a", "b"], reset=["b"])  # b's URL changed: its signs of life were another host's
-        self.assertIs(table.seen, seen)
-        self.assertEqual(table.seen, {"a": 16.0})
+        self.assertTrue(table.alive_since("a", 16.0))
+        b_life.at = 30.0  # a relay of the old host's answer, still in flight
+        self.assertFalse(table.alive_since("b", 0.0))
+        self.assertIsNot(table.life_sign("b"), b_life)

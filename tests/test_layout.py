@@ -63,6 +63,29 @@ class LayoutTests(SynchronousTestCase):
                     upward.append(f"{rel} imports {name}")
         self.assertEqual(upward, [], "imports that run upwards")
 
+    def test_no_import_circle(self) -> None:
+        """No module reaches back, even behind ``TYPE_CHECKING`` or inside a function
+        (issue 30: ``exchange <-> leg <-> resource`` and ``service -> supervisor -> worker
+        -> service`` were opened): every import, wherever it stands, counts."""
+        graph: dict[str, set[str]] = {}
+        for path in ROOT.rglob("*.py"):
+            own = ".".join(("crossbar",) + path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+            graph[own] = {name for name in _imports(path) if name != own}
+        circles = []
+        done: set[str] = set()
+
+        def walk(module: str, trail: list[str]) -> None:
+            for name in sorted(graph.get(module, ())):
+                if name in trail:
+                    circles.append(" -> ".join(trail[trail.index(name):] + [name]))
+                elif name in graph and name not in done:
+                    walk(name, trail + [name])
+            done.add(module)
+
+        for module in sorted(graph):
+            walk(module, [module])
+        self.assertEqual(circles, [])
+
     def test_the_fences_import_no_crossbar_module(self) -> None:
         """``crossbar/compat`` is the bottom floor: the wings import it, it imports none
         of them (nor the core modules)."""

@@ -148,6 +148,14 @@ class ThroughCrossbar(TestCase):
         retry = response.headers.getRawHeaders("retry-after")
         return response.code, retry[0] if retry else None
 
+    async def code(self, base: str) -> tuple[int, str | None]:
+        """A request of key ``ci``: its status and ``Retry-After`` (the body's shape aside)."""
+        response = await http_client(self).post(base + "/r/v1/chat/completions", json={"model": "m"},
+                                                headers={"Authorization": "Bearer ci-secret-1"})
+        await response.content()
+        retry = response.headers.getRawHeaders("retry-after")
+        return response.code, retry[0] if retry else None
+
     async def test_alone(self) -> None:
         clock = Clock()
         [(service, base)] = await self.instances(1, None, clock)
@@ -211,6 +219,43 @@ class ThroughCrossbar(TestCase):
         await wait_for(lambda: not a.cluster.joined and not b.cluster.joined, what="alone")  # type: ignore[union-attr]
         codes: list[Any] = [(await self.call(base_b))[0] for _ in range(4)]
         self.assertEqual(codes, [200, 200, 200, 429])
+
+    async def test_counted_alone_reaches_redis_on_rejoining(self) -> None:
+        """What an instance admitted and spent while Redis was away is written to Redis
+        when it rejoins: the other instance then refuses what the key's minute no longer
+        allows (before, it admitted as if nothing had happened)."""
+        redis = start_redis(self)
+        clock = Clock()
+        (a, base_a), (b, base_b) = await self.instances(2, redis.url, clock)
+        assert a.cluster is not None and b.cluster is not None
+
+        async def outage() -> None:
+            redis.stop()
+            await wait_for(lambda: not a.cluster.joined and not b.cluster.joined, what="alone")  # type: ignore[union-attr]
+
+        async def back() -> None:
+            redis.start()
+            await wait_for(lambda: a.cluster.joined and b.cluster.joined, timeout=10, what="rejoined")  # type: ignore[union-attr]
+
+        # Requests per minute: A admits all 3 alone.
+        await outage()
+        self.assertEqual([(await self.code(base_a))[0] for _ in range(3)], [200, 200, 200])
+        await back()
+        requests = "crossbar:limit:r\0ci:requests"
+        await wait_for(lambda: redis.command("ZCARD", requests) == 3, what="A's requests in Redis")
+        code, retry = await self.code(base_b)
+        self.assertEqual(code, 429)
+        self.assertEqual(retry, "60")
+        clock.now += 61
+        # Tokens per minute and per day: A spends the minute's 1000 alone.
+        await outage()
+        a.runtime.spend("r", "ci", 1000)
+        await back()
+        day_key = "crossbar:limit:r\0ci:day:2026-12-01"
+        await wait_for(lambda: redis.command("GET", day_key) == "1000", what="A's tokens in Redis")
+        self.assertEqual((await self.code(base_b))[0], 429)
+        clock.now += 62
+        self.assertEqual((await self.code(base_b))[0], 200)
 
     async def test_redis_slow_waits_at_most_the_bound(self) -> None:
         """Redis stopped (SIGSTOP: the connection stays, nothing answers): a limited
@@ -509,3 +554,53 @@ class BoxBucketsAgainstAModel(SynchronousTestCase):
                 spent = view.spending(later)[("r", "k0")]
                 self.assertEqual((spent.requests_minute, spent.tokens_minute, spent.tokens_day), expected, later)
             events = [e for e in events if e[0] > now - 86400 * 2]
+
+
+class SlowSingleCheck(SynchronousTestCase):
+    """A key's check that Redis does not answer within the bound: the local counts
+    decide, and it is counted in the metrics and logged at most once a minute, like an
+    outage (docs/design.md §Several crossbars); the admission is kept for Redis."""
+
+    def test_counted_and_logged_once_a_minute(self) -> None:
+        from twisted.internet.task import Clock as ReactorClock
+
+        from crossbar.config import RedisURL
+        from crossbar.state.cluster import BOUND, ClusterCollector, RedisCluster
+        from crossbar.state.limits import RedisLimits
+        from tests.logs import LogCapture
+        from tests.test_cluster_commands import FakeConnection, FakeFactory
+
+        reactor = ReactorClock()
+        reactor.advance(NOON)
+        cluster = RedisCluster(RedisURL(tls=False, host="127.0.0.1", port=6379), reactor, instance="me")
+        conn = FakeConnection(answer=None)
+        cluster._factory = FakeFactory(conn)
+        cluster.joined = True
+        limiter = KeyLimiter(reactor.seconds)
+        limiter.fleet = RedisLimits(cluster)
+        logs = LogCapture(self)
+        limits = KeyLimits(requests_per_minute=5)
+
+        def slow_check() -> float:
+            d = limiter.check("r", "k", limits)
+            reactor.advance(BOUND)
+            return float(self.successResultOf(d))
+
+        self.assertEqual([slow_check() for _ in range(3)], [0.0, 0.0, 0.0])
+        said = [e for e in logs.events if e.get("log_namespace") == "crossbar.cluster"]
+        self.assertEqual(len(said), 1)
+        self.assertEqual(cluster.slow, 3)
+        self.assertEqual(cluster.joined, True)  # a single check does not send the instance alone
+        [_, _, _, slow] = ClusterCollector(cluster).collect()
+        self.assertEqual(slow.samples[0].value, 3)
+        reactor.advance(60)
+        slow_check()
+        said = [e for e in logs.events if e.get("log_namespace") == "crossbar.cluster"]
+        self.assertEqual(len(said), 2)
+        # The local counts decided: 5 a minute, the 3 of the first minute have left it.
+        self.assertEqual(limiter.spending()[("r", "k")].requests_minute, 1)
+        # Kept for Redis under the ids their checks had (counted once if they ran late).
+        members = [m for _, m in limiter.fleet._backlog[("r", "k")].admitted]  # type: ignore[union-attr]
+        self.assertEqual(members, ["me:3"])
+        sent = [args for args in conn.sent if args[0] == "EVALSHA"]
+        self.assertEqual([args[10] for args in sent], ["me:0", "me:1", "me:2", "me:3"])

@@ -15,7 +15,8 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.utils import floatToGoString
 from twisted.trial.unittest import SynchronousTestCase
 
-from crossbar.ops.metrics import Metrics, adder, observer
+from crossbar.compat.prometheus import adder, observer
+from crossbar.ops.metrics import Metrics
 
 AMOUNTS = [0, 1, 7, 2**31 - 1, 3, 0.5]
 SPEEDS = [0.0, 0.5, 1.0, 1.0000001, 2.0, 34.99, 35.0, 122.38, 9999.0, 10000.0, 10000.5, 1e8, 5.0, 5]

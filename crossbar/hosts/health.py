@@ -15,7 +15,7 @@ from twisted.logger import Logger
 from crossbar.config import one_line
 from crossbar.hosts.models import ModelList
 
-__all__ = ["HealthTable", "HostStatus"]
+__all__ = ["HealthTable", "HostStatus", "LifeSign"]
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,19 @@ class HostStatus(ModelList):
     slots: int | None = None
 
 
+class LifeSign:
+    """When a host last sent a byte of an answer, in clock seconds (``-inf``: never).
+
+    The relay of an answer from the host sets :attr:`at` on each body chunk (one
+    attribute store per event); the health table reads it (:meth:`HealthTable.alive_since`).
+    """
+
+    __slots__ = ("at",)
+
+    def __init__(self) -> None:
+        self.at = float("-inf")
+
+
 class HealthTable:
     """Per-host health, updated by poll results and by the proxy's mark-downs.
 
@@ -71,10 +84,18 @@ class HealthTable:
         self.recovery_polls = recovery_polls
         self.failure_threshold = failure_threshold
         self._now = now
-        self.seen: dict[str, float] = {}
-        """Per host, the clock seconds a byte of an answer from it last arrived (a
-        sign of life, docs/design.md §The proxy rule 7): written by the proxy on every
-        answer head and body chunk, read by :meth:`alive_since`."""
+        self._life: dict[str, LifeSign] = {}
+
+    def life_sign(self, name: str) -> LifeSign:
+        """Where the proxy notes each byte of an answer from ``name`` (a sign of life,
+        docs/design.md §The proxy rule 7), read by :meth:`alive_since`. A host the
+        table does not track, or one that starts over, gets one that is read nowhere."""
+        life = self._life.get(name)
+        if life is None:
+            life = LifeSign()
+            if name in self._hosts:
+                self._life[name] = life
+        return life
 
     def alive_since(self, name: str, since: float) -> bool:
         """Whether ``name`` showed a sign of life at or after clock second ``since``: a
@@ -83,7 +104,8 @@ class HealthTable:
         status = self._hosts.get(name)
         if status is not None and status.last_ok is not None and status.last_ok >= since:
             return True
-        return self.seen.get(name, float("-inf")) >= since
+        life = self._life.get(name)
+        return life is not None and life.at >= since
 
     def get(self, name: str) -> HostStatus | None:
         """The status of ``name``, or None for a host the table does not track."""
@@ -181,8 +203,8 @@ class HealthTable:
         self._hosts = {
             name: old[name] if name in old and name not in fresh else HostStatus() for name in names
         }
-        for name in [n for n in self.seen if n not in self._hosts or n in fresh]:
-            del self.seen[name]  # in place: relays in flight hold this dict
+        for name in [n for n in self._life if n not in self._hosts or n in fresh]:
+            del self._life[name]  # relays in flight of the old host note into a detached sign
 
     def _set(self, name: str, old: HostStatus, new: HostStatus) -> None:
         self._hosts[name] = new

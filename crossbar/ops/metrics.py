@@ -11,7 +11,6 @@ gauge is ever set by hand and none can drift.
 from __future__ import annotations
 
 import os
-from bisect import bisect_left
 from typing import Any, Callable, Collection, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -19,8 +18,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
-from prometheus_client.values import MutexValue
 
+from crossbar.compat.prometheus import adder, observer
 from crossbar.hosts.health import HostStatus
 
 __all__ = ["CONTENT_TYPE_LATEST", "FleetCounters", "LiveCollector", "Metrics", "adder", "observer"]
@@ -28,62 +27,6 @@ __all__ = ["CONTENT_TYPE_LATEST", "FleetCounters", "LiveCollector", "Metrics", "
 _SPEED_BUCKETS = (1, 2, 5, 10, 20, 35, 50, 75, 100, 150, 200, 300, 500, 1000, 2000, 5000, 10000)
 """Tokens/s."""
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600)
-
-
-def adder(child: Any) -> Callable[[float], None]:
-    """``child.inc`` of a labelled counter child, without prometheus_client's per-call
-    checks, for amounts crossbar already knows are >= 0 (a request, its tokens): once
-    per request, in place of four calls per ``inc``.
-
-    In one process the amount is added to the child's value directly, without its lock:
-    crossbar touches its metrics on the reactor thread only (updates and scrapes alike),
-    so the lock (~2k instructions per use) guards nothing. With workers the value's own
-    ``inc`` writes the shared file (prometheus_client's multiprocess mode). The one place
-    crossbar reaches into prometheus_client's children (``_value``, as every version
-    since 0.4 has it); a child without it gets its public ``inc``.
-    tests/test_metric_adders.py checks both against the exposition."""
-    value = getattr(child, "_value", None)
-    inc = getattr(value, "inc", None)
-    if not callable(inc) or not child._is_observable():
-        return child.inc
-    if type(value) is not MutexValue:
-        return inc
-
-    def add(amount: float) -> None:
-        value._value += amount
-
-    return add
-
-
-def observer(child: Any) -> Callable[[float], None]:
-    """``child.observe`` of a labelled histogram child for finite amounts, without
-    prometheus_client's per-call checks and bucket loop: the bucket is found by
-    ``bisect`` (the first upper bound >= the amount, as ``observe`` picks it), and the
-    sum and that bucket are added to as :func:`adder` adds (in one process, without the
-    lock). A child without the expected parts gets its public ``observe``."""
-    bounds = getattr(child, "_upper_bounds", None)
-    buckets = getattr(child, "_buckets", None)
-    total_value = getattr(child, "_sum", None)
-    total = getattr(total_value, "inc", None)
-    if (not isinstance(bounds, list) or not isinstance(buckets, list) or len(bounds) != len(buckets)
-            or not bounds or bounds[-1] != float("inf") or not callable(total) or not child._is_observable()):
-        return child.observe
-    bounds = list(bounds)
-    if type(total_value) is MutexValue and all(type(bucket) is MutexValue for bucket in buckets):
-        values = list(buckets)
-
-        def observe_here(amount: float) -> None:
-            total_value._value += amount
-            values[bisect_left(bounds, amount)]._value += 1
-
-        return observe_here
-    incs = [bucket.inc for bucket in buckets]
-
-    def observe(amount: float) -> None:
-        total(amount)
-        incs[bisect_left(bounds, amount)](1)
-
-    return observe
 
 
 class LiveCollector(Collector):

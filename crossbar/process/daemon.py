@@ -15,6 +15,7 @@ from typing import Any, Mapping
 from twisted.application.service import MultiService
 from twisted.logger import Logger
 
+from crossbar.compat import prometheus
 from crossbar.compat.twisted import cache_log_timestamps, lean_dispatch, log_fallback
 from crossbar.config import Config
 from crossbar.process.service import make_service
@@ -44,7 +45,10 @@ def make_daemon(config: Config, twistd: Mapping[str, Any] | None = None, stall: 
 
     :raises ConfigError: as :func:`~crossbar.process.service.make_service` and :class:`~crossbar.process.supervisor.Supervisor`.
     """
-    log_fallback(Logger(namespace="crossbar"))  # an unchecked Twisted: its own behaviour, said once
+    log = Logger(namespace="crossbar")
+    log_fallback(log)  # an unchecked Twisted: its own behaviour, said once
+    if prometheus.FALLBACK is not None:
+        log.warn("{why}: using its public inc and observe (slower, same figures)", why=prometheus.FALLBACK)
     cache_log_timestamps()  # twistd's text log: its time stamp formatted once per second
     from twisted.internet import reactor
 

@@ -21,7 +21,7 @@ from twisted.internet.task import LoopingCall, deferLater
 from twisted.logger import Logger
 
 from crossbar.config import Config
-from crossbar.state.worker_counts import AFFINITY_OUTCOMES, CLUSTER_LOST, WorkerCounts
+from crossbar.state.worker_counts import AFFINITY_OUTCOMES, CLUSTER_LOST, CLUSTER_SLOW, WorkerCounts
 from crossbar.hosts.health import HealthTable
 from crossbar.ops.metrics import FleetCounters, LiveCollector, Metrics
 from crossbar.ops.app import OpsApp
@@ -101,11 +101,15 @@ class CrossbarService(MultiService):
             self.cluster = cluster = RedisCluster(config.cluster.redis, reactor, on_change=self._cluster_changed,
                                                   tls=config.cluster.tls)
             runtime.own_counters[CLUSTER_LOST] = lambda: cluster.lost
+            runtime.own_counters[CLUSTER_SLOW] = lambda: cluster.slow
             runtime.join(cluster)
             runtime.limits.fleet = RedisLimits(cluster)
-            # The gauges are the answering worker's link; its losses are summed over workers.
-            self.metrics.watch(FleetCounters(ClusterCollector(cluster),
-                                             {"crossbar_cluster_lost": lambda: runtime.counter(CLUSTER_LOST)}))
+            # The gauges are the answering worker's link; its losses and slow checks are
+            # summed over workers.
+            self.metrics.watch(FleetCounters(ClusterCollector(cluster), {
+                "crossbar_cluster_lost": lambda: runtime.counter(CLUSTER_LOST),
+                "crossbar_cluster_slow": lambda: runtime.counter(CLUSTER_SLOW),
+            }))
         self.metrics.watch(LimitsCollector(runtime.limits))  # with workers: the box's spending
         self.requests = RequestLog(self.metrics, runtime.tokens)
         # The dashboard's recent requests: one append per request; with workers, every

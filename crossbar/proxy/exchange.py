@@ -10,19 +10,18 @@ host's slot is freed) and :mod:`~crossbar.proxy.modellist` (10). It never reads 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from twisted.internet.defer import CancelledError
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.server import Request
 
 from crossbar.config import Config, Route
-from crossbar.hosts.balance import Chosen, Verdict, awaits_first_poll, choose
+from crossbar.hosts.balance import Chosen, Verdict, awaits_first_poll
 from crossbar.ops.record import NO_ROUTE
 from crossbar.paths import PathKind
 from crossbar.proxy.attempt import Answer, UpstreamFailed
 from crossbar.proxy.client import abort_connection, error_body, write_json
+from crossbar.proxy.context import ProxyContext
 from crossbar.proxy.head import Refusal, RequestHead, check_path, wanted_model
 from crossbar.proxy.leg import Leg
 from crossbar.proxy.modellist import models_body
@@ -33,9 +32,6 @@ from crossbar.proxy.relay import Relay, RelayEnd
 from crossbar.proxy.tally import Tally
 from crossbar.state.limits import retry_after_header
 
-if TYPE_CHECKING:
-    from crossbar.proxy.resource import ProxyResource
-
 __all__ = ["Exchange"]
 
 _log = Logger(namespace="crossbar.proxy")
@@ -44,19 +40,22 @@ _log = Logger(namespace="crossbar.proxy")
 class Exchange(Phased):
     """One proxied request, from ``render`` to its record (docs/design.md §The proxy).
 
+    :param ctx: the proxy's shared parts.
     :param head: the request's head, checked under the config current when it was complete;
-        the request is served under it (one waiting in a queue adopts a reloaded config).
+        the request is served under it (one waiting in a queue adopts a reloaded config:
+        :attr:`head` is then the same head under that config). The head alone says the
+        config, the route and the key.
+    :ivar model: the model the request is chosen for (rule 4, after aliases), once known.
+    :ivar upstream_query: the query string sent upstream (an alias in ``?model=`` rewritten).
     """
 
-    def __init__(self, proxy: ProxyResource, request: Request, head: RequestHead) -> None:
+    def __init__(self, ctx: ProxyContext, request: Request, head: RequestHead) -> None:
         super().__init__()
-        self.proxy, self.request, self.head, self.key = proxy, request, head, head.key
-        self.runtime, self.clock = proxy.runtime, proxy.clock
-        self.config: Config = head.config
-        self.route: Route | None = head.route
+        self.ctx, self.request, self.head = ctx, request, head
+        self.runtime, self.clock = ctx.runtime, ctx.clock
         self.model: str | None = None
-        self.query = head.query
-        self.tally = Tally(head, proxy.requests, self.clock.seconds)
+        self.upstream_query = head.query
+        self.tally = Tally(head, ctx.requests, self.clock.seconds)
         self.tried: list[str] = []
         self.leg: Leg | None = None
         self.relay: Relay | None = None  # the answer's body, once its head went to the client
@@ -64,9 +63,29 @@ class Exchange(Phased):
         self.listing = False  # the route model list (rule 10), answered from the health table
 
     @property
+    def config(self) -> Config:
+        """The config the request is served under (its head's)."""
+        return self.head.config
+
+    @property
+    def route(self) -> Route | None:
+        """The configured route the request names, under :attr:`config`, or None."""
+        return self.head.route
+
+    @property
+    def key(self) -> str:
+        """The client key's name ("" for none; the runtime's per-key counts)."""
+        return self.head.key
+
+    @property
     def route_name(self) -> str:
         """The route's name (for the runtime's per-key counts)."""
-        return NO_ROUTE if self.route is None else self.route.name
+        return NO_ROUTE if self.head.route is None else self.head.route.name
+
+    @property
+    def host(self) -> str:
+        """The host of the current try ("" before the first)."""
+        return "" if self.leg is None else self.leg.host
 
     def start(self) -> None:
         """Rules 1-3 (:func:`~crossbar.proxy.head.check_path`), rule 10, a key's
@@ -88,7 +107,7 @@ class Exchange(Phased):
                 self.enqueue()
                 return
             return self.answer_models()
-        self.model, self.query = wanted_model(head, self.route)
+        self.model, self.upstream_query = wanted_model(head, self.route)
         self.tally.model = self.model
         if head.key and not self.runtime.key_admits(self.route, head.key):
             return self.answer_error(429, "too many requests", retry_after=True)
@@ -119,9 +138,8 @@ class Exchange(Phased):
         runtime = self.runtime
         if self.listing:
             return self.list_models_when_polled()
-        verdict = choose(self.route, self.config.hosts, runtime.table.all(), runtime.inflight.host, self.model,
-                         self.head.peeked.affinity_key, runtime.rotation, exclude=self.tried,
-                         draining=runtime.drained)
+        verdict = runtime.choose(self.route, self.model, self.head.peeked.affinity_key, self.tried,
+                                 self.tally.queued_at)  # §Where models live: placement, loads counted
         if verdict is Verdict.BUSY:
             if not waiting:
                 self.enqueue()
@@ -150,13 +168,34 @@ class Exchange(Phased):
         return self.answer_error(503, "no healthy host") if body is None else self.answer(200, body)
 
     def dispatch(self, chosen: Chosen) -> None:
-        """Send the request to ``chosen.host`` on a new :class:`~crossbar.proxy.leg.Leg` (rules 6-7)."""
-        assert self.route is not None
+        """Send the request to ``chosen.host`` on a new :class:`~crossbar.proxy.leg.Leg` (rules 6-7),
+        once its slot is taken (with ``cluster.redis``, in Redis: §Several crossbars)."""
         self._enter(Phase.FORWARDING)
+        leg = self.leg = Leg(self.ctx, self.request, self.head, self.model, self.upstream_query, chosen, self.tally)
+        taken = leg.lease.taken
+        if taken is None:
+            return self.send_leg(chosen)
+        taken.addCallback(self.on_taken, leg, chosen)
+        taken.addErrback(self.on_bug)
+
+    @acts_in(Phase.FORWARDING)
+    def on_taken(self, taken: bool, leg: Leg, chosen: Chosen) -> None:
+        """Redis answered for the host's slot: send, or (the fleet has the host full; the
+        view now knows it) choose again, which may wait in the queue."""
+        if leg is not self.leg:
+            return
+        if taken:
+            return self.send_leg(chosen)
+        leg.release()
+        self.leg = None
+        self.forward()
+
+    def send_leg(self, chosen: Chosen) -> None:
+        """The slot at ``chosen.host`` is this request's: send it there."""
+        assert self.route is not None and self.leg is not None
         if not self.tried:
             self.runtime.count_affinity(self.route.name, chosen.affinity)
         self.tally.chose(chosen, failover=bool(self.tried))
-        self.leg = Leg(self, chosen)
         sent = self.leg.send()
         sent.addCallbacks(self.on_answer, self.on_attempt_failed)
         sent.addErrback(self.on_bug)
@@ -179,7 +218,7 @@ class Exchange(Phased):
             return True
         current = self.runtime.config
         if current is not self.config and self.route_name in current.routes:
-            self.config, self.route = current, current.routes[self.route_name]
+            self.head = self.head.under(current)
         return self.forward(waiting=True)
 
     @acts_in(Phase.QUEUED)
@@ -198,20 +237,18 @@ class Exchange(Phased):
     @acts_in(Phase.FORWARDING)
     def on_attempt_failed(self, failure: Failure) -> None:
         """Rule 7 before the head; a cancel is ours (the client left, a drain), not the host's."""
-        assert self.leg is not None
-        self.leg.attempt = None
         if not failure.check(CancelledError):
             failure.trap(UpstreamFailed)
             failed = failure.value
             assert isinstance(failed, UpstreamFailed)
-            host = self.tally.host
+            host = self.host
             alive = failed.sent_at is not None and self.runtime.table.alive_since(host, failed.sent_at)
             self.carry_out(decide(failed.kind, host, self.tried, alive), failed.kind.value, failed.reason)
 
     def carry_out(self, decision: Decision, kind: str = "", reason: str = "") -> None:
         """Do what rule 7 decided about a failure of ``kind`` (``reason`` says what)."""
-        host = self.tally.host
-        if decision.mark_down and self.proxy.mark_down(host, reason, self.config):
+        host = self.host
+        if decision.mark_down and self.ctx.mark_down(host, reason, self.config):
             self.tally.marked_down(host, kind)
         if decision.action is Action.FAIL_OVER:
             self.release_host()
@@ -245,7 +282,7 @@ class Exchange(Phased):
         if relaying:
             if how is RelayEnd.CLIENT_STALL:  # the client's doing (rule 8): like one that left
                 self.tally.client_left()
-            self.carry_out(decide(how, self.tally.host, self.tried), how.value, self.relay.reason)
+            self.carry_out(decide(how, self.host, self.tried), how.value, self.relay.reason)
 
     @acts_in(*LIVE)
     def on_client_gone(self, reason: Failure | None) -> None:

@@ -135,13 +135,20 @@ class RequestHead(NamedTuple):
             return None
         return self.chunks
 
-    # The two copies below name every field (cheaper than ``_replace``); tests/test_head.py
+    # The copies below name every field (cheaper than ``_replace``); tests/test_head.py
     # checks that they keep all others.
 
     def with_key(self, key: str) -> RequestHead:
         """This head with the client key ``key`` found on it."""
         return RequestHead(self.method, self.path, self.query, self.route_name, self.rest, self.route,
                            self.config, key, self.peeked, self.chunks)
+
+    def under(self, config: Config) -> RequestHead:
+        """This head served under ``config`` (a reload while it waits): the route of the
+        same name there, everything else kept."""
+        route = None if self.route_name is None else config.routes.get(self.route_name)
+        return RequestHead(self.method, self.path, self.query, self.route_name, self.rest, route,
+                           config, self.key, self.peeked, self.chunks)
 
     def with_body(self, chunks: Sequence[bytes], peeked: Peeked) -> RequestHead:
         """This head with its body in: ``chunks`` and what the peek found in them."""

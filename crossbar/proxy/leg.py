@@ -4,43 +4,49 @@
 A :class:`Leg` is what an :class:`~crossbar.proxy.exchange.Exchange` holds while a host
 has its request: the host's in-flight slot (a :class:`~crossbar.state.inflight.Lease`),
 the :class:`~crossbar.proxy.attempt.Attempt` until the answer's head, then the
-:class:`~crossbar.proxy.relay.Relay` of its body. It does the mechanics; what each
-outcome means (rule 7) is the exchange's. A failover makes a new leg for the next host.
+:class:`~crossbar.proxy.relay.Relay` of its body. It is made with what it serves (the
+head, the model, the query) and the :class:`~crossbar.proxy.context.ProxyContext`, and
+reports through the Deferred of :meth:`Leg.send`; what each outcome means (rule 7) is
+the exchange's. A failover makes a new leg for the next host.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from twisted.internet.defer import Deferred
+from twisted.web.server import Request
 
-from crossbar.hosts.balance import Chosen
+from crossbar.hosts.balance import Chosen, limit_in_force
 from crossbar.proxy.attempt import Answer, Attempt
 from crossbar.proxy.client import forwarded_headers, write_head
-from crossbar.proxy.head import upstream_body
+from crossbar.proxy.context import ProxyContext
+from crossbar.proxy.head import RequestHead, upstream_body
 from crossbar.proxy.headers import content_type, is_event_stream
 from crossbar.proxy.relay import Relay
-
-if TYPE_CHECKING:
-    from crossbar.proxy.exchange import Exchange
+from crossbar.proxy.tally import Tally
 
 __all__ = ["Leg"]
 
 
 class Leg:
-    """``exchange``'s try at ``chosen.host``; it holds the host's slot from now until
-    :meth:`release` (idempotent).
+    """A try at ``chosen.host`` of the request ``request`` (whose head is ``head``,
+    wanting ``model``, with the upstream ``query``); it holds the host's slot from now
+    until :meth:`release` (idempotent), and counts in ``tally``. With ``cluster.redis``
+    the slot may still be being taken in Redis: ``lease.taken``
+    (:class:`~crossbar.state.inflight.Lease`).
 
     :ivar host: the host's name.
     :ivar attempt: the request under way until the answer's head (or a failure), else None.
     :ivar relay: the answer's body relay once its head went to the client, else None.
     """
 
-    def __init__(self, exchange: Exchange, chosen: Chosen) -> None:
-        self.exchange = exchange
+    def __init__(self, ctx: ProxyContext, request: Request, head: RequestHead, model: str | None, query: bytes,
+                 chosen: Chosen, tally: Tally) -> None:
+        assert head.route is not None
+        self.ctx, self.request, self.head, self.model, self.query, self.tally = ctx, request, head, model, query, tally
         self.host = chosen.host
-        assert exchange.route is not None
-        self.lease = exchange.runtime.inflight.enter(exchange.route.name, chosen.host)
+        runtime = ctx.runtime
+        limit = limit_in_force(head.config.hosts[chosen.host], runtime.table.get(chosen.host))[0]
+        self.lease = runtime.inflight.enter(head.route.name, chosen.host, limit, chosen.model)
         self.attempt: Deferred[Answer] | None = None
         self.relay: Relay | None = None
 
@@ -48,30 +54,34 @@ class Leg:
         """Send the request (rule 6: the forwarded headers, the body as
         :func:`~crossbar.proxy.head.upstream_body` gives it for this host); fires with the
         answer's head or fails with :class:`~crossbar.proxy.attempt.UpstreamFailed`
-        (rule 7, ``timeouts.first_byte``)."""
-        ex, name = self.exchange, self.host
-        assert ex.route is not None
-        host, head, runtime = ex.config.hosts[name], ex.head, ex.runtime
-        headers = forwarded_headers(ex.request, bool(ex.route.keys), host.api_key, ex.key)
-        body = upstream_body(head, ex.model, lambda: runtime.table.is_router(name))
-        target = host.url.target(head.rest + ex.query)
-        self.attempt = Attempt(ex.proxy.pools, ex.clock, head.method, target, headers, body,
-                               ex.config.timeouts.first_byte).start()
-        return self.attempt
+        (rule 7, ``timeouts.first_byte``); either way :attr:`attempt` is None by then."""
+        head, name, runtime = self.head, self.host, self.ctx.runtime
+        assert head.route is not None
+        host = head.config.hosts[name]
+        headers = forwarded_headers(self.request, bool(head.route.keys), host.api_key, head.key)
+        body = upstream_body(head, self.model, lambda: runtime.table.is_router(name))
+        target = host.url.target(head.rest + self.query)
+        attempt = self.attempt = Attempt(self.ctx.pools, self.ctx.clock, head.method, target, headers, body,
+                                         head.config.timeouts.first_byte).start()
+        attempt.addBoth(self._settled)
+        return attempt
+
+    def _settled(self, result: object) -> object:
+        self.attempt = None
+        return result
 
     def relay_answer(self, answer: Answer) -> Relay:
         """The answer's head goes to the client at once, its body follows through the
         returned relay (rule 6); the host counts as alive (rule 7)."""
-        ex, host = self.exchange, self.host
-        self.attempt = None
-        table, timeouts, tally = ex.runtime.table, ex.config.timeouts, ex.tally
-        table.seen[host] = ex.clock.seconds()
+        ctx, host, tally = self.ctx, self.host, self.tally
+        life = ctx.runtime.table.life_sign(host)
+        life.at = ctx.clock.seconds()
         tally.answered(answer.response.code, answer.sent_at)
-        write_head(ex.request, answer.response, host, ex.runtime.draining)
-        answer_type = content_type(ex.request.responseHeaders)
+        write_head(self.request, answer.response, host, ctx.runtime.draining)
+        answer_type = content_type(self.request.responseHeaders)
         tally.streamed = is_event_stream(answer_type)
-        relay = self.relay = Relay(ex.request, ex.clock, timeouts.idle, timeouts.client_stall, host, table.seen,
-                                   answer_type)
+        timeouts = self.head.config.timeouts
+        relay = self.relay = Relay(self.request, ctx.clock, timeouts.idle, timeouts.client_stall, life, answer_type)
         return relay
 
     def stop(self) -> None:
@@ -81,7 +91,7 @@ class Leg:
             attempt.cancel()
         if self.relay is not None:
             self.relay.stop()
-            self.exchange.tally.relayed(self.relay, complete=False)
+            self.tally.relayed(self.relay, complete=False)
 
     def release(self) -> None:
         """Free the host's slot (:meth:`~crossbar.state.inflight.Lease.release` is idempotent)."""

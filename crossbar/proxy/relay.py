@@ -41,6 +41,7 @@ from twisted.web.iweb import IResponse
 from twisted.web.server import Request
 from zope.interface import implementer
 
+from crossbar.hosts.health import LifeSign
 from crossbar.ops.figures import TAIL_BYTES, Figures, read_figures
 from crossbar.upstream.failures import describe_failure
 from crossbar.compat.twisted import body_writer, client_is_paused, pending_write_bytes
@@ -83,9 +84,8 @@ class Relay(Protocol):
     :param clock: the reactor (the idle timeout runs on it).
     :param idle_timeout: seconds without a body byte before giving up on the host.
     :param client_stall: seconds the client may take no byte crossbar holds for it.
-    :param host: the host's name, for ``seen``.
-    :param seen: per host, the clock seconds it last sent a byte of an answer (a sign
-        of life, rule 7): each body chunk stores its time there; None: not kept.
+    :param life: where each body chunk notes its time: the host's sign of life
+        (:meth:`crossbar.hosts.health.HealthTable.life_sign`, rule 7); None: not kept.
     :param content_type: the answer's ``Content-Type`` value (None: none), which says
         how :meth:`figures` reads the answer's tail.
     :ivar bytes: body bytes written to the client so far.
@@ -101,15 +101,14 @@ class Relay(Protocol):
     """
 
     def __init__(self, request: Request, clock: IReactorTime, idle_timeout: float, client_stall: float = 60.0,
-                 host: str = "", seen: dict[str, float] | None = None, content_type: bytes | None = None) -> None:
+                 life: LifeSign | None = None, content_type: bytes | None = None) -> None:
         self.request = request
         self._write = request.write  # body_writer's once the head is out (start)
         self.content_type = content_type
         self._clock = clock
         self.idle_timeout = idle_timeout
         self.client_stall = client_stall
-        self._host = host
-        self._seen = seen
+        self._life = life
         self._stall_timer: IDelayedCall | None = None
         self._held = False  # at the last stall check (or pause) crossbar held bytes for the client
         self._taken: int | None = None  # bytes the client had taken then (None: unknown)
@@ -180,8 +179,8 @@ class Relay(Protocol):
             self.first_byte_at = now
         size = len(data)
         self.bytes += size
-        if self._seen is not None:
-            self._seen[self._host] = now  # a sign of life (rule 7)
+        if self._life is not None:
+            self._life.at = now  # a sign of life (rule 7)
         tail = self._tail
         tail.append(data)
         kept = self._tail_bytes = self._tail_bytes + size

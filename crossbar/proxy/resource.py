@@ -18,6 +18,7 @@ from twisted.web.server import NOT_DONE_YET, Request
 from crossbar.config import Config
 from crossbar.errors import error_headers, json_error_bytes
 from crossbar.ops.record import RequestLog
+from crossbar.proxy.context import ProxyContext
 from crossbar.proxy.exchange import Exchange
 from crossbar.proxy.phase import Phase
 from crossbar.proxy.web import CrossbarRequest
@@ -47,6 +48,7 @@ class ProxyResource(Resource):
         self.pools = pools
         self.clock = clock
         self.requests = requests
+        self.context = ProxyContext(runtime, pools, clock, requests, self.mark_down)
 
     def render(self, request: Request) -> Any:
         """Start the request's :class:`Exchange` on its head; it answers asynchronously."""
@@ -57,7 +59,7 @@ class ProxyResource(Resource):
             for name, value in error_headers(500):
                 request.setHeader(name, value)
             return json_error_bytes(500, "internal error")
-        exchange = Exchange(self, request, head)
+        exchange = Exchange(self.context, request, head)
         try:
             exchange.start()
         except Exception:

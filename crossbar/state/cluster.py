@@ -11,10 +11,21 @@ rule 4). Every :data:`RESYNC` seconds an instance reads every live hash back (on
 script): this drops an instance that died (its hash expired) and mends anything a
 lost message missed.
 
-Nothing on the request path waits for Redis: :meth:`RedisCluster.set` only notes the
-new value (the changes of :data:`FLUSH` seconds go in one write), :meth:`RedisCluster.others`
-reads the cached view. A reply that takes longer than :data:`BOUND` seconds, or a
-connection that is gone, turns the instance *alone*: it logs it once, drops the other
+A host drained or undrained through one instance (§Operations) is noted in the hash
+``crossbar:drained`` (host -> 1) and PUBLISHed on a channel of its own: every instance
+follows within milliseconds, and each read (every :data:`RESYNC` seconds, and when an
+instance joins) brings the whole set, so one that joins later learns it.
+
+Nothing on the request path waits for Redis longer than :data:`BOUND`:
+:meth:`RedisCluster.set` only notes the new value (the changes of :data:`FLUSH` seconds
+go in one write), :meth:`RedisCluster.others` reads the cached view, and
+:meth:`RedisCluster.take` -- a request taking its place at a host with a
+``max_inflight`` -- is one script call that raises this instance's count only while
+every instance's together stay within the limit (§Several crossbars: room is taken, not
+guessed), answered within the bound or decided by this instance's own view (logged at
+most once a minute, counted in :attr:`RedisCluster.slow`). A reply to the cluster's own
+reads and writes that takes longer than :data:`BOUND` seconds, or a connection that is
+gone, turns the instance *alone*: it logs it once, drops the other
 instances' counts (room and limits then count this instance alone, as without
 ``cluster``), stays ready, and rejoins -- writing its whole state again -- once a read
 succeeds.
@@ -46,7 +57,10 @@ try:  # txredisapi parses replies with hiredis (C) when it is installed, as it i
 except ImportError:  # pragma: no cover - the pure-Python parser and command builder of txredisapi
     hiredis = None  # type: ignore[assignment]
 
-__all__ = ["BOUND", "FLUSH", "GAP", "HEARTBEAT", "RESYNC", "TTL", "ClusterCollector", "ClusterView", "RedisCluster"]
+__all__ = [
+    "BOUND", "FLUSH", "GAP", "HEARTBEAT", "RESYNC", "SETTLE", "SLOW_LOG", "TTL", "ClusterCollector", "ClusterView",
+    "RedisCluster",
+]
 
 _log = Logger(namespace="crossbar.cluster")
 
@@ -68,6 +82,13 @@ GAP = 0.005
 under load one write carries many requests' changes, whatever the rate (a write costs
 both instances far more CPU than a request's own count does). A freed slot still
 reaches the other instances well within the 20 ms of §Several crossbars."""
+
+SETTLE = 2.0
+"""Seconds after start at the latest at which the instance is :attr:`~RedisCluster.settled`
+(readiness waits for it: §Several crossbars), when Redis has neither answered nor refused."""
+
+SLOW_LOG = 60.0
+"""Seconds at least between two log lines about single checks over the bound."""
 
 _SEQ = "#seq"
 _CONNECTING = 2.5
@@ -97,6 +118,33 @@ writes, of two instances raising a count at once the second learns of the first.
 Every reply is one string: txredisapi parses each element of an array reply in a
 reactor turn of its own, which under load would stretch a reply past the bound."""
 
+_TAKE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local field, value = ARGV[6], tonumber(ARGV[7])
+local out = {}
+local sum = 0
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], now, '+inf')) do
+  if id ~= ARGV[2] then
+    local v = redis.call('HMGET', ARGV[5] .. id, '#seq', field)
+    out[id] = v
+    if v[2] then sum = sum + tonumber(v[2]) end
+  end
+end
+if sum + value > tonumber(ARGV[8]) then return cjson.encode({0, out}) end
+redis.call('HSET', KEYS[1], '#seq', ARGV[3], field, value)
+redis.call('PEXPIRE', KEYS[1], ARGV[1])
+redis.call('ZADD', KEYS[2], now + tonumber(ARGV[1]), ARGV[2])
+redis.call('PUBLISH', KEYS[3], ARGV[4])
+return cjson.encode({1, out})
+"""
+"""KEYS: own hash, live set, channel; ARGV: ttl ms, instance, seq, message, the hashes'
+prefix, field, this instance's new count, the limit. Writes the count (as
+:data:`_WRITE` does) only while every live instance's counts of ``field`` together
+stay within the limit. Returns JSON ``[1 (taken) or 0 (refused), {id: [seq, value]}]``:
+the other instances' counts as Redis holds them, which the view takes (after a refusal
+it sees the host full)."""
+
 _READ = """
 local t = redis.call('TIME')
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
@@ -104,9 +152,23 @@ local out = {}
 for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
   out[id] = redis.call('HGETALL', ARGV[1] .. id)
 end
+out['#drained'] = redis.call('HKEYS', KEYS[2])
 return cjson.encode(out)
 """
-"""KEYS: live set; ARGV: the hashes' prefix. Returns JSON ``{id: [field, value, ...]}``."""
+"""KEYS: live set, drained hosts; ARGV: the hashes' prefix. Returns JSON
+``{id: [field, value, ...], "#drained": [host, ...]}``."""
+
+_DRAIN = """
+for i = 1, #ARGV, 2 do
+  if ARGV[i + 1] == '1' then redis.call('HSET', KEYS[1], ARGV[i], '1') else redis.call('HDEL', KEYS[1], ARGV[i]) end
+end
+redis.call('PUBLISH', KEYS[2], cjson.encode(ARGV))
+return 1
+"""
+"""KEYS: drained hosts (hash), the drains channel; ARGV: host, '1' (drained) or '0', ...
+The message is the JSON list of ARGV."""
+
+_DRAINED_FIELD = "#drained"
 
 _LEAVE = """
 redis.call('DEL', KEYS[1])
@@ -124,18 +186,34 @@ class ClusterView(Protocol):
     def joined(self) -> bool:
         """True while the other instances' counts are known (Redis answers)."""
 
+    @property
+    def settled(self) -> bool:
+        """The first connection to Redis has succeeded (the instance joined) or failed,
+        or :data:`SETTLE` seconds have passed since start: readiness waits for it."""
+
     def others(self, name: str) -> int:
         """The sum of count ``name`` over every other live instance (0 when alone)."""
 
     def set(self, name: str, value: int) -> None:
         """This instance's count ``name`` is now ``value`` (never waits)."""
 
-    def unsettled(self, name: str) -> bool:
-        """This instance raised count ``name`` and Redis has not acknowledged it yet
-        (the other instances may not have seen it, nor this one theirs)."""
+    def take(self, name: str, value: int, limit: int) -> Deferred[bool]:
+        """This instance's count ``name`` rises to ``value`` (one request more) if every
+        instance's together stay within ``limit``: fires True (taken; also when Redis
+        does not answer within the bound or this instance is alone: its own view
+        decided), or False (refused: the count stays as it was for the other
+        instances, and the view now holds theirs). Never fails."""
 
     def instances(self) -> int:
         """Live instances known, this one included (1 when alone)."""
+
+    def drain(self, host: str, draining: bool) -> None:
+        """``host`` was drained (``draining``) or undrained through this instance: tell
+        every instance, and Redis for those that join later (never waits)."""
+
+    on_drains: Callable[[dict[str, bool], bool], None] | None
+    """Called with (host -> draining, whole) when the drains are known from Redis:
+    ``whole`` -- the full set (hosts absent are not draining), else one change."""
 
 
 class RedisCluster:
@@ -150,7 +228,10 @@ class RedisCluster:
         None: the system trust store. An untrusted certificate never connects: the
         instance counts alone (logged once, like a Redis that does not answer).
     :ivar joined: see :class:`ClusterView`.
+    :ivar settled: see :class:`ClusterView`.
     :ivar lost: how many times this instance went on alone (for the metrics).
+    :ivar slow: how many single checks (a take, a key's limits) Redis did not answer
+        within the bound, so this instance decided alone (for the metrics).
     """
 
     def __init__(self, url: RedisURL, reactor: Any, on_change: Callable[[], None] | None = None,
@@ -165,12 +246,23 @@ class RedisCluster:
         self._hash = self._hash_prefix + self.instance
         self._live = prefix + "live"
         self._channel = f"{prefix}{url.db}:changes"
+        self._drained = prefix + "drained"
+        self._drain_channel = f"{prefix}{url.db}:drains"
+        self.on_drains: Callable[[dict[str, bool], bool], None] | None = None
+        self.on_join: list[Callable[[], None]] = []
+        """called (no arguments) each time the instance joins or rejoins, after its own
+        counts were written (key limits write what they counted alone)"""
+        self._drains: dict[str, bool] = {}
+        """drains done through this instance not yet written to Redis"""
+        self._drain_writes = 0
+        """drain writes sent so far: a read sent before the latest does not know it"""
         self.joined = False
+        self.settled = False
         self.lost = 0
+        self.slow = 0
+        self._slow_said = float("-inf")
         self._mine: dict[str, int] = {}
         self._dirty: set[str] = set()
-        self._rising: set[str] = set()
-        self._pending: dict[str, int] = {}
         self._flush_call: Any = None
         self._sent_at = float("-inf")
         """when this instance's last write went out (reactor seconds)"""
@@ -191,6 +283,7 @@ class RedisCluster:
         self._said_alone = False
         self._started_at: float | None = None
         self._last_loss: str | None = None
+        self._settle_call: Any = None
 
     # -- the view -------------------------------------------------------------------
 
@@ -202,30 +295,26 @@ class RedisCluster:
         """Live instances known, this one included (1 when alone)."""
         return len(self._views) + 1 if self.joined else 1
 
-    def unsettled(self, name: str) -> bool:
-        """See :class:`ClusterView`. While a host's count is unsettled, the runtime
-        counts one more request for each other instance (one each may have taken a
-        slot this instance cannot see yet): so a burst on every instance at once
-        exceeds ``max_inflight`` by at most the number of instances - 1."""
-        return self.joined and (name in self._rising or name in self._pending)
-
     def set(self, name: str, value: int) -> None:
         """See :class:`ClusterView`: written to Redis within :data:`FLUSH` seconds."""
         old = self._mine.get(name, 0)
         if old == value and name not in self._dirty:
             return
-        if value > old and self.joined:
-            self._rising.add(name)
         self._mine[name] = value
         self._dirty.add(name)
-        if not self.joined:
-            return
+        if self.joined:
+            self._schedule(value < old)
+
+    def _schedule(self, falling: bool) -> None:
+        """A write of the changed counts is due: at the end of this turn (``falling``)
+        or within :data:`FLUSH`, and at least :data:`GAP` after the previous one."""
         # A freed slot goes out at the end of this reactor turn (requests wait for it on
-        # other instances, §Choosing a host rule 4); rises gather for FLUSH (they count as
-        # unsettled meanwhile); and a write follows the previous one by GAP at least, so
-        # under load one write carries many requests' changes.
+        # other instances, §Choosing a host rule 4); rises gather for FLUSH (a host's
+        # slot under a max_inflight is taken at once instead: take()); and a write
+        # follows the previous one by GAP at least, so under load one write carries many
+        # requests' changes.
         call = self._flush_call
-        if value < old:
+        if falling:
             now = self.reactor.seconds()
             when = max(now, self._sent_at + GAP)
             if call is not None:
@@ -236,6 +325,84 @@ class RedisCluster:
         elif call is None:
             now = self.reactor.seconds()
             self._flush_call = self.reactor.callLater(max(now + FLUSH, self._sent_at + GAP) - now, self._flush)
+
+    def take(self, name: str, value: int, limit: int) -> Deferred[bool]:
+        """See :class:`ClusterView`: one :data:`_TAKE` script call, bounded by
+        :data:`BOUND` (docs/design.md §Several crossbars: room is taken atomically)."""
+        self._mine[name] = value
+        if not self.joined:
+            self._dirty.add(name)  # written when the instance rejoins
+            return succeed(True)
+        self._dirty.discard(name)  # this call writes it
+        self._seq += 1
+        message = json.dumps([self.instance, self._seq, {name: value}])
+        d = self.command("eval", _TAKE, [self._hash, self._live, self._channel],
+                         [int(TTL * 1000), self.instance, self._seq, message, self._hash_prefix, name, value, limit])
+        return d.addCallbacks(self._taken, self._take_failed, callbackArgs=(name,), errbackArgs=(name,))
+
+    def _taken(self, reply: str | bytes, name: str) -> bool:
+        doc = json.loads(reply)
+        taken, others = bool(doc[0]), doc[1] if isinstance(doc[1], dict) else {}
+        if self.joined:
+            for instance, values in others.items():
+                if isinstance(values, list) and len(values) == 2 and values[0]:
+                    self._apply(instance, int(values[0]), {name: int(values[1] or 0)})
+        return taken
+
+    def _take_failed(self, failure: Failure, name: str) -> bool:
+        """No answer within the bound (or no connection): this instance's view decided;
+        its count goes out with the next write."""
+        self.note_slow("take of a host's slot", failure)
+        if name not in self._dirty:
+            self._dirty.add(name)
+            if self.joined:
+                self._schedule(False)
+        return True
+
+    def note_slow(self, what: str, failure: Failure) -> None:
+        """A single check (``what``) got no answer within the bound and this instance
+        decided alone: counted in :attr:`slow`, logged at most every :data:`SLOW_LOG`
+        seconds (docs/design.md §Several crossbars)."""
+        self.slow += 1
+        now = self.reactor.seconds()
+        if now - self._slow_said >= SLOW_LOG:
+            self._slow_said = now
+            _log.warn("cluster: Redis at {url} did not answer a {what} within {bound} ms ({error}); this "
+                      "instance decided it alone ({slow} such checks so far; said at most once a minute)",
+                      url=self.url.display(), what=what, bound=int(BOUND * 1000),
+                      error=failure.getErrorMessage() or repr(failure.value), slow=self.slow)
+
+    # -- host drains (docs/design.md §Operations) ----------------------------------------
+
+    def drain(self, host: str, draining: bool) -> None:
+        """See :class:`ClusterView`: written (and published) at once while joined, else
+        when the instance rejoins."""
+        self._drains[host] = draining
+        if self.joined:
+            self._write_drains()
+
+    def _write_drains(self) -> None:
+        drains, self._drains = self._drains, {}
+        self._drain_writes += 1
+        args: list[str] = []
+        for host, draining in drains.items():
+            args += [host, "1" if draining else "0"]
+        d = self.command("eval", _DRAIN, [self._drained, self._drain_channel], args, bound=max(BOUND, 1.0))
+
+        def again(failure: Failure) -> None:  # Redis away: written when it rejoins (unless overtaken)
+            self._drains = {**drains, **self._drains}
+
+        d.addErrback(again)
+
+    def drain_message(self, data: str | bytes) -> None:
+        """One message on the drains channel (the subscriber's call)."""
+        try:
+            flat = json.loads(data)
+            changes = {str(flat[i]): flat[i + 1] == "1" for i in range(0, len(flat) - 1, 2)}
+        except (ValueError, TypeError, KeyError, IndexError):
+            return
+        if changes and self.on_drains is not None:
+            self.on_drains(changes, False)
 
     # -- connecting -----------------------------------------------------------------
 
@@ -250,7 +417,9 @@ class RedisCluster:
         factory.protocol = _Protocol
         factory.maxDelay = 1.0  # rejoin within about a second of Redis answering again
         factory.initialDelay = 0.1
-        _connect_quietly(factory, endpoint, self._lost)
+        for slot in _connect_quietly(factory, endpoint, self._lost):
+            # the first attempt refused (no Redis there, TLS refused): no need to wait longer
+            slot.service.whenConnected(failAfterFailures=1).addErrback(self._settle)
         self._factory = factory
         subscriber = _SubscriberFactory(self)
         subscriber.password = url.password
@@ -260,6 +429,7 @@ class RedisCluster:
         _connect_quietly(subscriber, self._endpoint())
         self._subscriber = subscriber
         self._started_at = self.reactor.seconds()
+        self._settle_call = self.reactor.callLater(SETTLE, self._settle)
         self._resync.start(RESYNC, now=False)
         self._heartbeat.start(HEARTBEAT, now=False)
         self.reactor.callLater(0, self.resync)
@@ -271,8 +441,16 @@ class RedisCluster:
             endpoint = wrapClientTLS(client_creator(url.host, self.tls), endpoint)
         return endpoint
 
+    def _settle(self, _: object = None) -> None:
+        """Redis answered, refused, or :data:`SETTLE` passed: readiness no longer waits."""
+        self.settled = True
+        call, self._settle_call = self._settle_call, None
+        if call is not None and call.active():
+            call.cancel()
+
     def stop(self) -> Deferred[Any]:
         """Remove this instance's counts from Redis (best effort) and disconnect."""
+        self._settle()
         for loop in (self._resync, self._heartbeat):
             if loop.running:
                 loop.stop()
@@ -386,19 +564,15 @@ class RedisCluster:
     def _write(self, fields: dict[str, int]) -> None:
         self._sent_at = self.reactor.seconds()
         self._seq += 1
-        seq = self._seq
-        for name in self._rising:
-            self._pending[name] = seq
-        self._rising.clear()
         message = json.dumps([self.instance, self._seq, fields]) if fields else ""
         args: list[Any] = [int(TTL * 1000), self.instance, self._seq, message, self._hash_prefix]
         names = list(fields)
         for name in names:
             args += [name, fields[name]]
         d = self.command("eval", _WRITE, [self._hash, self._live, self._channel], args)
-        d.addCallbacks(self._written, self._failed, callbackArgs=(seq, names), errbackArgs=("write",))
+        d.addCallbacks(self._written, self._failed, callbackArgs=(names,), errbackArgs=("write",))
 
-    def _written(self, reply: str | bytes, seq: int, names: list[str]) -> None:
+    def _written(self, reply: str | bytes, names: list[str]) -> None:
         if not self.joined:
             return
         others = _object(reply)
@@ -407,10 +581,7 @@ class RedisCluster:
                 continue  # expired meanwhile
             # An instance that has counted nothing yet still counts in instances().
             self._apply(instance, int(values[0]), {n: int(v) for n, v in zip(names, values[1:]) if v})
-        settled = [name for name, at in self._pending.items() if at <= seq]
-        for name in settled:
-            del self._pending[name]
-        self._changed()  # room held back for the acknowledgement is free again
+        self._changed()  # another instance's count may have fallen meanwhile
 
     def _apply(self, instance: str, seq: int, fields: dict[str, int]) -> None:
         """``instance`` had ``fields`` at its ``seq``: keep each unless newer is known."""
@@ -431,16 +602,18 @@ class RedisCluster:
         if self._reading:
             return
         self._reading = True
-        d = self.command("eval", _READ, [self._live], [self._hash_prefix])
-        d.addCallbacks(self._read, self._failed, errbackArgs=("read",))
+        d = self.command("eval", _READ, [self._live, self._drained], [self._hash_prefix])
+        d.addCallbacks(self._read, self._failed, callbackArgs=(self._drain_writes,), errbackArgs=("read",))
         d.addBoth(self._read_done)
 
     def _read_done(self, result: object) -> None:
         self._reading = False
 
-    def _read(self, reply: str | bytes) -> None:
+    def _read(self, reply: str | bytes, drain_writes: int = 0) -> None:
         views: dict[str, dict[str, tuple[int, int]]] = {}
-        for instance, flat in _object(reply).items():
+        doc = _object(reply)
+        drained = doc.pop(_DRAINED_FIELD, [])
+        for instance, flat in doc.items():
             if instance == self.instance or not isinstance(flat, list):
                 continue
             fields = {str(flat[j]): int(flat[j + 1]) for j in range(0, len(flat) - 1, 2)}
@@ -453,6 +626,7 @@ class RedisCluster:
             views[instance] = view
         self._views = views
         self._recount()
+        self._settle()
         if not self.joined:
             self.joined = True
             self._said_alone = False
@@ -461,6 +635,12 @@ class RedisCluster:
             self._dirty.update(self._mine)
             self._write(dict(self._mine))
             self._dirty.clear()
+            for joined in self.on_join:
+                joined()
+        if self._drains:
+            self._write_drains()  # done here while alone: the next read brings the whole set
+        elif drain_writes == self._drain_writes and self.on_drains is not None:
+            self.on_drains({str(h): True for h in (drained if isinstance(drained, list) else [])}, True)
         self._changed()
 
     def _lost(self, reason: Failure) -> None:
@@ -471,6 +651,7 @@ class RedisCluster:
         starting = self._started_at is not None and self.reactor.seconds() - self._started_at < _CONNECTING
         if starting and not self.joined and failure.check(txredisapi.ConnectionError):
             return  # the first connection is still being made
+        self._settle()  # connected, but Redis did not answer in time (or refused the command)
         if self.joined or not self._said_alone:
             self._said_alone = True
             error = failure.getErrorMessage() or repr(failure.value)
@@ -484,8 +665,6 @@ class RedisCluster:
             self.joined = False
             self._views = {}
             self._totals = {}
-            self._pending.clear()
-            self._rising.clear()
             self._changed()
 
     # -- messages from other instances ----------------------------------------------
@@ -541,10 +720,12 @@ class _QuietClientService(ClientService):
     _log = Logger(observer=LogPublisher())  # no observers: every event dropped
 
 
-def _connect_quietly(factory: Any, endpoint: Any, on_lost: Callable[[Failure], None] | None = None) -> None:
+def _connect_quietly(factory: Any, endpoint: Any, on_lost: Callable[[Failure], None] | None = None) -> list[Any]:
     """What ``RedisFactory.startConnecting`` does (txredisapi 1.6), each connection
     kept by a :class:`_QuietClientService`; ``on_lost`` is told why each connection
-    ended (a TLS handshake refused, say)."""
+    ended (a TLS handshake refused, say). Returns the pool's slots (``slot.service``:
+    the :class:`~twisted.application.internet.ClientService`)."""
+    slots = []
     for _ in range(factory.poolsize):
         slot = txredisapi._PoolSlot(factory, endpoint, factory.reconnect)
 
@@ -566,6 +747,8 @@ def _connect_quietly(factory: Any, endpoint: Any, on_lost: Callable[[Failure], N
         )
         factory.slots.append(slot)
         slot.start()
+        slots.append(slot)
+    return slots
 
 
 def _no_delay(protocol: Any) -> None:
@@ -600,10 +783,17 @@ class _SubscriberFactory(txredisapi.SubscriberFactory):  # type: ignore[misc]
     def buildProtocol(self, addr: Any) -> Any:
         protocol = super().buildProtocol(addr)
         cluster = self.cluster
-        protocol.messageReceived = lambda pattern, channel, message: cluster.message(message)
+
+        def received(pattern: Any, channel: Any, message: Any) -> None:
+            if channel in (cluster._drain_channel, cluster._drain_channel.encode()):
+                cluster.drain_message(message)
+            else:
+                cluster.message(message)
+
+        protocol.messageReceived = received
 
         def subscribe(p: Any) -> Any:
-            d = p.subscribe(cluster._channel)
+            d = p.subscribe([cluster._channel, cluster._drain_channel])
             d.addErrback(lambda _: None)
             # Whatever was published while the subscriber was away is mended by a read.
             cluster.reactor.callLater(0, cluster.resync)
@@ -617,8 +807,9 @@ class _SubscriberFactory(txredisapi.SubscriberFactory):  # type: ignore[misc]
 class ClusterCollector(Collector):
     """The cluster's gauges, read at scrape time: ``crossbar_cluster_up`` (1 while
     this instance shares counts through Redis, 0 while it goes on alone),
-    ``crossbar_cluster_instances`` (live instances seen, this one included) and
-    ``crossbar_cluster_lost_total`` (times it went on alone)."""
+    ``crossbar_cluster_instances`` (live instances seen, this one included),
+    ``crossbar_cluster_lost_total`` (times it went on alone) and
+    ``crossbar_cluster_slow_total`` (single checks over the bound, decided alone)."""
 
     def __init__(self, cluster: RedisCluster) -> None:
         self._cluster = cluster
@@ -631,7 +822,10 @@ class ClusterCollector(Collector):
         instances.add_metric((), c.instances())
         lost = CounterMetricFamily("crossbar_cluster_lost", "Times this instance lost Redis and went on alone.")
         lost.add_metric((), c.lost)
-        return [up, instances, lost]
+        slow = CounterMetricFamily("crossbar_cluster_slow", "Single checks (a host's slot, a key's limits) Redis "
+                                   "did not answer within the bound: this instance decided alone.")
+        slow.add_metric((), c.slow)
+        return [up, instances, lost, slow]
 
     def describe(self) -> Iterable[Metric]:
         return self.collect()

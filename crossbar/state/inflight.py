@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING, Callable
 
+from twisted.internet.defer import Deferred
+
 if TYPE_CHECKING:
     from crossbar.state.worker_counts import WorkerCounts
     from crossbar.state.cluster import ClusterView
@@ -45,11 +47,9 @@ class Inflight:
         that answers (each worker is an instance of its own there)."""
         cluster = self.cluster
         if cluster is not None and cluster.joined:
-            name = f"h\0{host}"
-            n = self._by_host.get(host, 0) + cluster.others(name)
-            # Until Redis has this instance's latest rise, each other instance may have
-            # taken a slot unseen (docs/design.md: max_inflight exceeded by at most instances - 1).
-            return n + cluster.instances() - 1 if cluster.unsettled(name) else n
+            # A count, not a guess (status shows it): room under a max_inflight is
+            # taken in Redis when a request goes (enter's ``limit``).
+            return self._by_host.get(host, 0) + cluster.others(f"h\0{host}")
         if self.fleet is not None:
             return self.fleet.host(host)
         return self._by_host.get(host, 0)
@@ -83,18 +83,27 @@ class Inflight:
         from this process (docs/design.md §Where models live: a model in use)."""
         return self._by_host_model.get((host, model), 0)
 
-    def enter(self, route: str, host: str, model: str | None = None) -> Lease:
+    def enter(self, route: str, host: str, limit: int | None = None, model: str | None = None) -> Lease:
         """Count one request of ``route`` (for ``model``, when it names one: the id the
-        host lists it under) against ``host``; returns its lease."""
+        host lists it under) against ``host``; returns its lease. With a
+        :attr:`cluster` and the host's ``max_inflight`` in force (``limit``), the place
+        is taken in Redis (docs/design.md §Several crossbars): the lease's
+        :attr:`Lease.taken` says whether it may go (False: the fleet has the host full;
+        release the lease and choose again)."""
         if model is not None:
             self._by_host_model[(host, model)] += 1
         self._by_host[host] += 1
         self._by_route_host[(route, host)] += 1
         if self.fleet is not None:
             self.fleet.publish_inflight(route, host, self._by_route_host[(route, host)], self._by_host[host])
-        if self.cluster is not None:
-            self.cluster.set(f"h\0{host}", self._by_host[host])
-        return Lease(self, route, host, model)
+        lease = Lease(self, route, host, model)
+        cluster = self.cluster
+        if cluster is not None:
+            if limit is not None and cluster.joined:
+                lease.taken = cluster.take(f"h\0{host}", self._by_host[host], limit)
+            else:
+                cluster.set(f"h\0{host}", self._by_host[host])
+        return lease
 
     def _leave(self, route: str, host: str, model: str | None = None) -> None:
         if model is not None and self._by_host_model.get((host, model), 0) > 0:
@@ -116,13 +125,18 @@ class Inflight:
 
 
 class Lease:
-    """One request's claim on a host; :meth:`release` is idempotent."""
+    """One request's claim on a host; :meth:`release` is idempotent.
+
+    :ivar taken: None, or while the place is being taken in Redis, a Deferred that
+        fires True (the request may go) or False (refused); never fails.
+    """
 
     def __init__(self, inflight: Inflight, route: str, host: str, model: str | None = None) -> None:
         self._inflight = inflight
         self.route = route
         self.host: str | None = host
         self.model = model
+        self.taken: Deferred[bool] | None = None
 
     def release(self) -> None:
         """Stop counting this request (its answer ended, or it failed)."""

@@ -20,7 +20,11 @@ script over counters every instance shares (a sorted set of admitted requests, p
 second buckets of tokens, a counter per UTC day), so the limits hold fleet-wide. The
 check waits for Redis at most :data:`~crossbar.state.cluster.BOUND`; a Redis that is
 down or slow leaves the decision to the local counts (this process's, or the box's,
-which are always kept, for that).
+which are always kept, for that). A single check over the bound is counted and logged
+(:meth:`~crossbar.state.cluster.RedisCluster.note_slow`). What was admitted and spent
+while Redis did not hear of it is kept (:class:`RedisLimits`' backlog) and written to
+Redis when the instance rejoins, so the fleet's windows count it: an outage does not
+make a key's limits forget.
 
 Tokens are reported by :meth:`KeyLimiter.spend` when an answer ends (the token figures
 of §"What the answers say").
@@ -28,16 +32,19 @@ of §"What the answers say").
 
 from __future__ import annotations
 
+import calendar
 import itertools
 import math
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+import txredisapi
 from twisted.internet.defer import Deferred, succeed
+from twisted.python.failure import Failure
 from zope.interface import Interface, implementer
 
 from crossbar.config import KeyLimits
@@ -186,7 +193,18 @@ class KeyLimiter:
     def __init__(self, now: Callable[[], float]) -> None:
         self.now = now
         self.counts: ILimitCounts = ProcessCounts()
-        self.fleet: RedisLimits | None = None
+        self._fleet: RedisLimits | None = None
+
+    @property
+    def fleet(self) -> RedisLimits | None:
+        """See the class doc."""
+        return self._fleet
+
+    @fleet.setter
+    def fleet(self, fleet: RedisLimits | None) -> None:
+        self._fleet = fleet
+        if fleet is not None:  # what was counted alone goes to Redis on (re)joining
+            fleet.cluster.on_join.append(lambda: fleet.catch_up(self.now()))
 
     def wait(self, route: str, key: str, limits: KeyLimits) -> float:
         """Seconds until the local counts (this process's, or the box's) allow a
@@ -206,22 +224,33 @@ class KeyLimiter:
         if not limits:
             return succeed(0.0)
         fleet = self.fleet
-        if fleet is None or not fleet.cluster.joined:
+        if fleet is None:
             return succeed(self._local(route, key, limits))
-        d = fleet.check(route, key, limits, self.now())
+        member = fleet.member()
+        if not fleet.cluster.joined:
+            return succeed(self._local(route, key, limits, member))
+        d = fleet.check(route, key, limits, self.now(), member)
 
         def answered(wait: float) -> float:
             if not wait:
                 self.admitted(route, key)
             return wait
 
-        return d.addCallbacks(answered, lambda _: self._local(route, key, limits))
+        def unanswered(failure: Failure) -> float:
+            fleet.cluster.note_slow("check of a key's limits", failure)
+            return self._local(route, key, limits, member)
 
-    def _local(self, route: str, key: str, limits: KeyLimits) -> float:
+        return d.addCallbacks(answered, unanswered)
+
+    def _local(self, route: str, key: str, limits: KeyLimits, member: str | None = None) -> float:
+        """The local counts decide; an admission Redis did not count (``member``: its
+        id in Redis's window) is kept for when the instance rejoins."""
         now = self.now()
         wait = self.counts.wait(route, key, limits, now)
         if not wait:
             self.counts.admit(route, key, now)
+            if member is not None and self.fleet is not None:
+                self.fleet.admitted_alone(route, key, now, member)
         return wait
 
     def spend(self, route: str, key: str, tokens: int) -> None:
@@ -232,7 +261,7 @@ class KeyLimiter:
             return
         now = self.now()
         self.counts.spend(route, key, tokens, now)
-        if self.fleet is not None and self.fleet.cluster.joined:
+        if self.fleet is not None:
             self.fleet.spend(route, key, tokens, now)
 
     def spending(self) -> dict[tuple[str, str], Spending]:
@@ -295,6 +324,55 @@ redis.call('EXPIRE', KEYS[2], ARGV[3])
 return 1
 """
 
+_CATCH_UP = """
+local n = tonumber(ARGV[1])
+local i = 2
+for _ = 1, n do
+  redis.call('ZADD', KEYS[1], ARGV[i], ARGV[i + 1])
+  i = i + 2
+end
+if n > 0 then redis.call('PEXPIRE', KEYS[1], 61000) end
+local m = tonumber(ARGV[i])
+i = i + 1
+for _ = 1, m do
+  redis.call('HINCRBY', KEYS[2], ARGV[i], ARGV[i + 1])
+  i = i + 2
+end
+if m > 0 then redis.call('PEXPIRE', KEYS[2], 62000) end
+for d = 3, #KEYS do
+  redis.call('INCRBY', KEYS[d], ARGV[i])
+  redis.call('EXPIRE', KEYS[d], ARGV[i + 1])
+  i = i + 2
+end
+return 1
+"""
+"""KEYS: requests (sorted set), tokens per second (hash), then one tokens-of-a-day key per
+day; ARGV: n, then n (ms, member) admissions; m, then m (second, tokens) buckets; then
+per day key (tokens, seconds to expire). One key's backlog in one call: requests are
+added under the member their failed check had (a check that ran late counts once)."""
+
+
+class _Backlog:
+    """What one (route, key) was admitted and spent that Redis has not counted."""
+
+    __slots__ = ("admitted", "seconds", "days")
+
+    def __init__(self) -> None:
+        self.admitted: deque[tuple[int, str]] = deque()
+        """(ms, member) of requests admitted alone in the last minute"""
+        self.seconds: dict[int, int] = {}
+        """POSIX second -> tokens spent alone in it (the last minute's)"""
+        self.days: dict[str, int] = {}
+        """UTC day (``YYYY-MM-DD``) -> tokens spent alone that day"""
+
+    def trim(self, now: float) -> None:
+        """Drop what has left the sliding minute (a day's tokens stay)."""
+        edge = int(now * 1000) - int(MINUTE * 1000)
+        while self.admitted and self.admitted[0][0] <= edge:
+            self.admitted.popleft()
+        if self.seconds and min(self.seconds) + MINUTE + 1 <= now:
+            self.seconds = {sec: n for sec, n in self.seconds.items() if sec + MINUTE + 1 > now}
+
 
 class RedisLimits:
     """The fleet-wide check and spending of :class:`KeyLimiter` (``cluster.redis``).
@@ -305,28 +383,95 @@ class RedisLimits:
     def __init__(self, cluster: RedisCluster) -> None:
         self.cluster = cluster
         self._ids = itertools.count()
+        self._backlog: dict[tuple[str, str], _Backlog] = {}
+
+    @staticmethod
+    def _base(route: str, key: str) -> str:
+        return f"crossbar:limit:{route}\0{key}:"
+
+    @staticmethod
+    def _day(now: float) -> str:
+        return time.strftime("%Y-%m-%d", time.gmtime(now))
 
     def _keys(self, route: str, key: str, now: float) -> list[str]:
-        base = f"crossbar:limit:{route}\0{key}:"
-        day = time.strftime("%Y-%m-%d", time.gmtime(now))
-        return [base + "requests", base + "tokens", base + "day:" + day]
+        base = self._base(route, key)
+        return [base + "requests", base + "tokens", base + "day:" + self._day(now)]
 
-    def check(self, route: str, key: str, limits: KeyLimits, now: float) -> Deferred[float]:
-        """Fires with the seconds to wait (0: admitted and counted fleet-wide); fails
-        when Redis does not answer within the bound."""
+    def member(self) -> str:
+        """A fresh id for one request in a key's window (unique over the fleet)."""
+        return f"{self.cluster.instance}:{next(self._ids)}"
+
+    def check(self, route: str, key: str, limits: KeyLimits, now: float, member: str) -> Deferred[float]:
+        """Fires with the seconds to wait (0: admitted and counted fleet-wide, as
+        ``member``); fails when Redis does not answer within the bound."""
         ms = int(now * 1000)
-        member = f"{self.cluster.instance}:{next(self._ids)}"
         args = [ms, limits.requests_per_minute or 0, limits.tokens_per_minute or 0, limits.tokens_per_day or 0,
                 member, int(to_midnight(now) * 1000)]
         d = self.cluster.command("eval", _CHECK, self._keys(route, key, now), args)
         return d.addCallback(lambda wait: int(wait) / 1000)
 
     def spend(self, route: str, key: str, tokens: int, now: float) -> None:
-        """Add ``tokens`` to the fleet's counters (not waited for)."""
+        """Add ``tokens`` to the fleet's counters (not waited for); alone, or with no
+        connection to send it on, kept for when the instance rejoins."""
+        if not self.cluster.joined:
+            return self._spent_alone(route, key, tokens, now)
         keys = self._keys(route, key, now)[1:]
         expire = int(to_midnight(now)) + _DAY
         d = self.cluster.command("eval", _SPEND, keys, [int(now), tokens, expire])
-        d.addErrback(lambda _: None)
+
+        def unsent(failure: Failure) -> None:
+            if failure.check(txredisapi.ConnectionError):  # never sent (a late reply was sent: it counts)
+                self._spent_alone(route, key, tokens, now)
+
+        d.addErrback(unsent)
+
+    def admitted_alone(self, route: str, key: str, now: float, member: str) -> None:
+        """A request of ``key`` was admitted at ``now`` by the local counts (Redis did
+        not answer): written to Redis's window, as ``member``, when the instance rejoins."""
+        backlog = self._backlog.setdefault((route, key), _Backlog())
+        backlog.trim(now)
+        backlog.admitted.append((int(now * 1000), member))
+
+    def _spent_alone(self, route: str, key: str, tokens: int, now: float) -> None:
+        backlog = self._backlog.setdefault((route, key), _Backlog())
+        backlog.trim(now)
+        backlog.seconds[int(now)] = backlog.seconds.get(int(now), 0) + tokens
+        day = self._day(now)
+        backlog.days[day] = backlog.days.get(day, 0) + tokens
+
+    def catch_up(self, now: float) -> None:
+        """The instance (re)joined at POSIX time ``now``: write what was admitted and
+        spent alone to Redis, one script call per key (what does not get through is
+        kept for the next time; requests are written under their ids, so twice counts
+        once)."""
+        backlog, self._backlog = self._backlog, {}
+        for (route, key), b in backlog.items():
+            base = self._base(route, key)
+            keys = [base + "requests", base + "tokens"] + [base + "day:" + day for day in b.days]
+            args: list[Any] = [len(b.admitted)]
+            for ms, member in b.admitted:
+                args += [ms, member]
+            args.append(len(b.seconds))
+            for sec, tokens in b.seconds.items():
+                args += [sec, tokens]
+            for day, tokens in b.days.items():  # kept until the day after it ends, as _SPEND does
+                args += [tokens, max(1, int(calendar.timegm(time.strptime(day, "%Y-%m-%d")) + 2 * _DAY - now))]
+            if len(args) == 2 and not b.days:
+                continue
+            # (not on a request's path: a second's bound rather than 50 ms)
+            d = self.cluster.command("eval", _CATCH_UP, keys, args, bound=1.0)
+            d.addErrback(self._not_caught_up, route, key, b)
+
+    def _not_caught_up(self, failure: Failure, route: str, key: str, b: _Backlog) -> None:
+        """Keep the requests (written under their ids: counted once whatever happened);
+        the tokens too unless the call was sent (then it most likely ran)."""
+        kept = self._backlog.setdefault((route, key), _Backlog())
+        kept.admitted = deque(sorted([*b.admitted, *kept.admitted]))
+        if failure.check(txredisapi.ConnectionError):
+            for sec, n in b.seconds.items():
+                kept.seconds[sec] = kept.seconds.get(sec, 0) + n
+            for day, n in b.days.items():
+                kept.days[day] = kept.days.get(day, 0) + n
 
 
 class LimitsCollector(Collector):

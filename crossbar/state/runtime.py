@@ -135,6 +135,7 @@ class Runtime:
         other instances of ``cluster`` and count theirs (docs/design.md §Several crossbars)."""
         self.cluster = cluster
         self.inflight.cluster = cluster
+        cluster.on_drains = self.apply_drains
         self.inflight.publish()
         for route, key in self.key_inflight:
             self._publish_key(route, key)
@@ -230,7 +231,19 @@ class Runtime:
             self.queues.wake()
         if tell and self.on_drain_change is not None:
             self.on_drain_change(host, draining)
+        if tell and self.cluster is not None:  # every instance (§Several crossbars)
+            self.cluster.drain(host, draining)
         return True
+
+    def apply_drains(self, drains: dict[str, bool], whole: bool) -> None:
+        """Drains done through other instances, as Redis tells them: host -> draining,
+        and with ``whole`` the full set (a configured host absent is not draining).
+        Hosts the config does not name are ignored."""
+        if whole:
+            drains = {host: host in drains for host in self.config.hosts}
+        for host, draining in drains.items():
+            if host in self.config.hosts and draining != (host in self.drained):
+                self.drain_host(host, draining, tell=False)
 
     def forget_removed_drains(self) -> None:
         """After a reload: a host no longer configured is no longer draining (it is
@@ -250,8 +263,11 @@ class Runtime:
     @property
     def ready(self) -> bool:
         """Readiness (docs/design.md §Operations): every host's first poll is done, some
-        host is healthy, and crossbar is not draining."""
-        if self.draining:
+        host is healthy, and crossbar is not draining; with ``cluster.redis``, the first
+        connection to Redis has also succeeded or failed (at most 2 s after start,
+        §Several crossbars: an instance never serves its first requests counting alone
+        while Redis is there)."""
+        if self.draining or (self.cluster is not None and not self.cluster.settled):
             return False
         statuses = self.table.all().values()
         return all(s.polled for s in statuses) and any(s.healthy for s in statuses)

@@ -22,7 +22,7 @@ from crossbar.config import Config, ConfigError
 from crossbar.state.box_limits import BoxLimits
 from crossbar.state.shared import CELLS, SharedCounts, cell_map
 
-__all__ = ["AFFINITY_OUTCOMES", "CLUSTER_LOST", "RESTARTS", "WorkerCounts", "check_capacity", "token_cell"]
+__all__ = ["AFFINITY_OUTCOMES", "CLUSTER_LOST", "CLUSTER_SLOW", "RESTARTS", "WorkerCounts", "check_capacity", "token_cell"]
 
 AFFINITY_OUTCOMES = ("home", "spill", "none")
 RESTARTS = "restarts"
@@ -30,6 +30,9 @@ RESTARTS = "restarts"
 CLUSTER_LOST = "cluster_lost"
 """The cell of the times a worker's link to Redis was lost (``cluster.redis``; each
 worker is an instance of its own): ``crossbar_cluster_lost_total`` is the sum."""
+CLUSTER_SLOW = "cluster_slow"
+"""The cell of a worker's single checks Redis did not answer within the bound:
+``crossbar_cluster_slow_total`` is the sum."""
 
 
 def token_cell(scope: str, name: str, kind: str) -> str:
@@ -39,7 +42,7 @@ def token_cell(scope: str, name: str, kind: str) -> str:
 
 
 def _names(config: Config) -> list[str]:
-    names = [RESTARTS, CLUSTER_LOST]
+    names = [RESTARTS, CLUSTER_LOST, CLUSTER_SLOW]
     names += [f"h\0{h}" for h in config.hosts]
     names += [token_cell("h", h, k) for h in config.hosts for k in ("prompt", "cached", "generated")]
     names += [token_cell("r", r, k) for r in config.routes for k in ("prompt", "cached")]
@@ -54,7 +57,7 @@ def _names(config: Config) -> list[str]:
 def _is_counter(name: str) -> bool:
     """Whether cell ``name`` is a counter (it only grows over a process's life: affinity
     outcomes, token totals, Redis losses) rather than a count of the moment."""
-    return name == CLUSTER_LOST or name.startswith(("a\0", "th\0", "tr\0"))
+    return name in (CLUSTER_LOST, CLUSTER_SLOW) or name.startswith(("a\0", "th\0", "tr\0"))
 
 
 def check_capacity(config: Config) -> None:
