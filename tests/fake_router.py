@@ -15,6 +15,7 @@ bound and LRU eviction modelled.
   is not listed.
 
 :ivar loads: every load the host started, in order (model ids); :ivar evictions: likewise.
+:ivar load_wait: seconds requests spent at the host waiting for their model to load (summed).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class FakeRouter(Resource):
         self.commands: list[tuple[str, str]] = []
         self.completions: list[str] = []
         self.inflight = 0
+        self.load_wait = 0.0
         self.up = True
 
     # -- the router's own behaviour ----------------------------------------------------------
@@ -137,7 +139,13 @@ class FakeRouter(Resource):
             else:
                 d: Deferred[None] = Deferred()
                 self.waiting.setdefault(model, []).append(d)
-                d.addCallback(lambda _: self._answer(request, model, doc))
+                arrived = self.clock.seconds()
+
+                def loaded(_: object) -> None:
+                    self.load_wait += self.clock.seconds() - arrived
+                    self._answer(request, model, doc)
+
+                d.addCallback(loaded)
             return NOT_DONE_YET
         request.setResponseCode(404)
         return b'{"error":{"code":404,"message":"File Not Found","type":"not_found_error"}}'

@@ -12,7 +12,7 @@ from crossbar.config import Host, PlacementSettings, Route, parse_config
 from crossbar.hosts.balance import Chosen, Fit, Rotation, Verdict, choose
 from crossbar.hosts.health import HostStatus
 from crossbar.hosts.placement import (
-    Placing, has_free_place, idle_models, keep_targets, least_recent, load_tier, model_id, with_loading,
+    Placing, evicted, has_free_place, idle_models, keep_targets, least_recent, load_tier, model_id, with_loading,
 )
 from crossbar.state.runtime import Runtime
 from tests.test_fit_router import router
@@ -57,6 +57,23 @@ class DecisionTests(SynchronousTestCase):
         self.assertEqual(load_tier("abc", HOSTS, statuses, in_use, last), ["c"])
         self.assertEqual(load_tier("ab", HOSTS, statuses, in_use, last), ["b"])
         self.assertEqual(load_tier("a", HOSTS, statuses, in_use, last), [])
+
+    def test_a_model_with_requests_waiting_is_not_evicted(self) -> None:
+        statuses = {"a": router(m1="loaded", m2="loaded", x="unloaded")}
+        uses = {("a", "m1"): 1.0, ("a", "m2"): 2.0}
+        last = lambda h, m: uses.get((h, m))  # noqa: E731
+        self.assertEqual(load_tier("a", HOSTS, statuses, none_in_use, last), ["a"])
+        self.assertEqual(load_tier("a", HOSTS, statuses, none_in_use, last, waiting=lambda m: m == "m1"), [])
+        self.assertEqual(load_tier("a", HOSTS, statuses, none_in_use, last, kept=("m1",)), [])
+
+    def test_evicted_is_the_lru_of_a_full_host(self) -> None:
+        full = router(m1="loaded", m2="loaded", x="unloaded")
+        self.assertEqual(evicted("a", HOSTS["a"], full, lambda h, m: {"m1": 5.0, "m2": 1.0}[m]), "m2")
+        self.assertIsNone(evicted("a", HOSTS["a"], router(m1="loaded", x="unloaded"), never))
+
+    def test_with_loading_counts_the_eviction_as_unloaded(self) -> None:
+        status = with_loading(router(m1="loaded", m2="loaded", x="unloaded"), ["x"], ["m2"])
+        self.assertEqual((status.loaded, status.loading, status.available), (("m1",), ("x",), ("m2",)))
 
     def test_with_loading_moves_available_to_loading(self) -> None:
         status = with_loading(router(m1="loaded", m2="unloaded"), ["m2", "m9"])
@@ -128,6 +145,12 @@ class ChooseTests(SynchronousTestCase):
         chosen = pick(statuses, "x", Placing(none_in_use, never, spread=True), lambda h: inflight[h], limited)
         assert isinstance(chosen, Chosen)
         self.assertEqual((chosen.host, chosen.fit, chosen.load), ("b", Fit.AVAILABLE, "spread"))
+        # a copy already under way takes the spread before another host loads one
+        three = dict(limited, c=Host(name="c", url="http://127.0.0.1:9100", max_inflight=1, models_max=2))
+        loading = {"a": router(x="loaded"), "b": router(x="unloaded"), "c": router(x="loading")}
+        chosen = pick(loading, "x", Placing(none_in_use, never, spread=True), lambda h: {"a": 1}.get(h, 0), three)
+        assert isinstance(chosen, Chosen)
+        self.assertEqual((chosen.host, chosen.fit, chosen.load), ("c", Fit.LOADING, ""))
         inflight["a"] = 0  # room at the loaded host: no spread
         chosen = pick(statuses, "x", Placing(none_in_use, never, spread=True), lambda h: inflight[h], limited)
         assert isinstance(chosen, Chosen)
@@ -157,6 +180,16 @@ class RuntimeTests(SynchronousTestCase):
         for h in "abc":
             self.runtime.table.record_success(h, _listed(x="unloaded", y="unloaded"))
         self.route = self.runtime.config.routes["r"]
+
+    def test_a_load_on_a_full_host_counts_its_lru_as_unloaded_at_once(self) -> None:
+        for h in "abc":
+            self.runtime.table.record_success(h, _listed(x="loaded", y="loaded", z="unloaded"))
+        self.runtime.config.hosts  # models_max 2: every host is full; x was used, y never
+        self.runtime.placement.used("a", "x")
+        first = self.runtime.choose(self.route, "z", None, [])
+        assert isinstance(first, Chosen)
+        seen = self.runtime.placement.overlay(self.runtime.table.all())[first.host]
+        self.assertEqual((seen.loaded, seen.loading), (("x",), ("z",)))
 
     def test_a_burst_for_a_model_loaded_nowhere_goes_to_one_host(self) -> None:
         chosen = [self.runtime.choose(self.route, "x", None, []) for _ in range(20)]
@@ -203,3 +236,24 @@ def _listed(**states: str) -> Any:
     from crossbar.hosts.models import ModelList
     return ModelList(loaded=s.loaded, loading=s.loading, available=s.available, entries=s.entries,
                      router=s.router, aliases=s.aliases)
+
+
+class _Waiter:
+    def __init__(self, model: str | None) -> None:
+        self.route_name, self.queued_at, self.model = "r", 0.0, model
+
+    def retry(self) -> bool:
+        return False
+
+
+class WaitingForTests(SynchronousTestCase):
+    def test_the_queues_count_the_models_waited_for(self) -> None:
+        from crossbar.state.queue import RouteQueues
+        queues = RouteQueues(lambda: 0.0)
+        waiters = [_Waiter("m1"), _Waiter("m1"), _Waiter(None)]
+        for w in waiters:
+            queues.add(w)
+        self.assertEqual((queues.waiting_for("m1"), queues.waiting_for("m2")), (2, 0))
+        queues.remove(waiters[0])
+        queues.remove(waiters[0])  # not in it any more: counts nothing
+        self.assertEqual(queues.waiting_for("m1"), 1)

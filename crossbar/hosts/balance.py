@@ -202,15 +202,23 @@ def choose(
         return Verdict.NO_HOST if skip else Verdict.NO_MODEL
     placed = ""
     if placement is not None and model is not None and fit is Fit.AVAILABLE:
-        tier = load_tier(tier, hosts, statuses, placement.in_use, placement.last_use, placement.kept)
+        tier = load_tier(tier, hosts, statuses, placement.in_use, placement.last_use, placement.kept,
+                          placement.waiting)
         if not tier:
             return Verdict.BUSY  # rule 2: no model in use is evicted; wait for a place
         placed = "load"
     load = {h: inflight(h) for h in tier}
     roomy = [h for h in tier if has_room(hosts[h], load[h], statuses[h])]
+    if not roomy and placement is not None and placement.spread and model is not None and fit is Fit.LOADED:
+        # Rule 3, a copy already under way first: a hot model gains one copy at a time.
+        copies = [h for h in candidates if lists(statuses[h], model, "loading")]
+        load = {h: inflight(h) for h in copies}
+        roomy = [h for h in copies if has_room(hosts[h], load[h], statuses[h])]
+        fit, tier = Fit.LOADING, copies
     if not roomy and placement is not None and placement.spread and model is not None and fit is not Fit.FALLBACK:
         spare = load_tier([h for h in candidates if lists(statuses[h], model, "available")], hosts, statuses,
-                          placement.in_use, placement.last_use, placement.kept)
+                          placement.in_use, placement.last_use, placement.kept,
+                          placement.waiting)
         load = {h: inflight(h) for h in spare}
         roomy = [h for h in spare if has_room(hosts[h], load[h], statuses[h])]
         fit, tier, placed = Fit.AVAILABLE, spare, "spread"

@@ -20,7 +20,7 @@ from crossbar.config import Host, Route
 from crossbar.hosts.health import HostStatus
 
 __all__ = [
-    "InUse", "LastUse", "Placing", "has_free_place", "idle_models", "keep_targets", "least_recent", "load_tier",
+    "InUse", "LastUse", "Placing", "evicted", "has_free_place", "idle_models", "keep_targets", "least_recent", "load_tier",
     "model_id", "with_loading",
 ]
 
@@ -39,12 +39,15 @@ class Placing(NamedTuple):
     :ivar spread: the request has waited ``spread_after`` for its loaded or loading
         tier: it may go to a host of the available tier (rule 3).
     :ivar kept: the route's ``keep_loaded`` models: never the eviction a load causes.
+    :ivar waiting: model -> requests waiting in crossbar's queues for it: such a model
+        is wanted, not idle, and never the eviction a load causes.
     """
 
     in_use: InUse
     last_use: LastUse
     spread: bool = False
     kept: Collection[str] = ()
+    waiting: Callable[[str], int] | None = None
 
 
 def model_id(status: HostStatus, model: str) -> str:
@@ -55,17 +58,27 @@ def model_id(status: HostStatus, model: str) -> str:
     return status.aliases.get(model, model)
 
 
-def with_loading(status: HostStatus, models: Collection[str]) -> HostStatus:
+def with_loading(status: HostStatus, models: Collection[str], evicting: Collection[str] = ()) -> HostStatus:
     """Rule 1: ``status`` with each of ``models`` (ids crossbar made the host load) that
-    it lists as available counted as loading instead (a copy; ``status`` is frozen)."""
+    it lists as available counted as loading instead, and each of ``evicting`` (the
+    models those loads make the host unload) that it lists as loaded counted as
+    available (a copy; ``status`` is frozen)."""
     moved = [m for m in models if m in status.available]
-    if not moved:
+    gone = [m for m in evicting if m in status.loaded]
+    if not moved and not gone:
         return status
     return replace(
         status,
+        loaded=tuple(m for m in status.loaded if m not in gone),
         loading=tuple(sorted((*status.loading, *moved))),
-        available=tuple(m for m in status.available if m not in moved),
+        available=tuple(sorted((*(m for m in status.available if m not in moved), *gone))),
     )
+
+
+def evicted(name: str, host: Host, status: HostStatus, last_use: LastUse) -> str | None:
+    """The model host ``name`` unloads to load another: none with a free place, else its
+    least recently used loaded model (llama-server's own choice: the last request)."""
+    return None if has_free_place(host, status) else least_recent(name, status, last_use)
 
 
 def has_free_place(host: Host, status: HostStatus) -> bool:
@@ -88,12 +101,13 @@ def _seconds(value: float | None) -> float:
 
 def load_tier(
     names: Iterable[str], hosts: Mapping[str, Host], statuses: Mapping[str, HostStatus], in_use: InUse,
-    last_use: LastUse, kept: Collection[str] = (),
+    last_use: LastUse, kept: Collection[str] = (), waiting: Callable[[str], int] | None = None,
 ) -> list[str]:
     """Rule 2: of ``names`` (hosts that would load the model), those with a free place;
-    else those whose least recently used model has no request in flight and is not
-    ``kept`` (a ``keep_loaded`` model, rule 5: evicting it would only load it again);
-    else none (the request waits: no model in use is evicted). Order kept."""
+    else those whose least recently used model has no request in flight, none
+    ``waiting`` for it (when given) and is not ``kept`` (a ``keep_loaded`` model, rule 5:
+    evicting it would only load it again); else none (the request waits: no model in
+    use is evicted). Order kept."""
     names = list(names)
     free = [h for h in names if has_free_place(hosts[h], statuses[h])]
     if free:
@@ -101,7 +115,7 @@ def load_tier(
     out = []
     for h in names:
         lru = least_recent(h, statuses[h], last_use)
-        if lru is not None and lru not in kept and in_use(h, lru) == 0:
+        if lru is not None and lru not in kept and in_use(h, lru) == 0 and not (waiting and waiting(lru)):
             out.append(h)
     return out
 

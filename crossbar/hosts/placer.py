@@ -22,7 +22,7 @@ from twisted.python.failure import Failure
 
 from crossbar.config import one_line
 from crossbar.hosts.commands import CommandFailed, ModelCommands
-from crossbar.hosts.placement import idle_models, keep_targets
+from crossbar.hosts.placement import evicted, idle_models, keep_targets
 from crossbar.state.runtime import Runtime
 from crossbar.upstream.failures import describe_failure
 
@@ -99,7 +99,9 @@ class Placer:
         if host is None or name in self.busy:
             return
         if action == "load":
-            runtime.placement.started(name, model, reason)
+            status = runtime.placement.overlay(runtime.table.all()).get(name)
+            evicts = None if status is None else evicted(name, host, status, runtime.placement.last_use)
+            runtime.placement.started(name, model, reason, evicts)
         self._log.info("host {host}: {action} {model} ({reason})", host=name, action=action, model=one_line(model),
                        reason=reason)
         try:

@@ -26,10 +26,13 @@ class Load:
 
     :ivar since: clock seconds it started (the request or the command was sent).
     :ivar reason: ``request``, ``spread`` or ``keep``.
+    :ivar evicts: the model the host unloads for it (no free place: its least recently
+        used), counted as unloaded at once like the load counts as loading; or None.
     """
 
     since: float
     reason: str
+    evicts: str | None = None
 
 
 @dataclass(frozen=True)
@@ -82,25 +85,29 @@ class PlacementState:
         counted as loading (the same mapping when there is none)."""
         if not self.loading:
             return statuses
-        by_host: dict[str, list[str]] = {}
-        for host, model in self.loading:
-            by_host.setdefault(host, []).append(model)
+        by_host: dict[str, tuple[list[str], list[str]]] = {}
+        for (host, model), load in self.loading.items():
+            loading, evicting = by_host.setdefault(host, ([], []))
+            loading.append(model)
+            if load.evicts is not None:
+                evicting.append(load.evicts)
         out = dict(statuses)
-        for host, models in by_host.items():
+        for host, (loading, evicting) in by_host.items():
             if host in out:
-                out[host] = with_loading(out[host], models)
+                out[host] = with_loading(out[host], loading, evicting)
         return out
 
     def used(self, host: str, model: str) -> None:
         """A request for ``model`` was sent to ``host`` now."""
         self._used[(host, model)] = self.now()
 
-    def started(self, host: str, model: str, reason: str) -> None:
+    def started(self, host: str, model: str, reason: str, evicts: str | None = None) -> None:
         """``host`` was made to load ``model`` now (a request sent it, or a command):
-        it counts as loading at once (rule 1); counted for the metrics."""
+        it counts as loading at once (rule 1), and ``evicts`` (the model it unloads for
+        it, if any) as unloaded; counted for the metrics."""
         now = self.now()
         if (host, model) not in self.loading:
-            self.loading[(host, model)] = Load(now, reason)
+            self.loading[(host, model)] = Load(now, reason, evicts)
         self.last_load[host] = Move(model, reason, now)
         if self.on_move is not None:
             self.on_move(host, model, "load", reason)

@@ -10,6 +10,7 @@ a waiter through :meth:`RouteQueues.remove`.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Callable, Protocol
 
 __all__ = ["RouteQueues", "Waiter"]
@@ -42,6 +43,7 @@ class RouteQueues:
         self._now = now
         self.on_change: Callable[[str], None] | None = None
         self._queues: dict[str, dict[int, Waiter]] = {}
+        self._models: Counter[str] = Counter()
         self._waking = False
         self._again = False
 
@@ -65,9 +67,17 @@ class RouteQueues:
         since = next(iter(queue.values())).queued_at
         return None if since is None else self._now() - since
 
+    def waiting_for(self, model: str) -> int:
+        """Requests waiting (on any route) that want ``model`` (a waiter's ``model``
+        attribute, when it has one): docs/design.md §Where models live, a model wanted."""
+        return self._models.get(model, 0)
+
     def add(self, waiter: Waiter) -> None:
         """Put ``waiter`` at the end of its route's queue (the caller checked
         ``queue.max``)."""
+        model = getattr(waiter, "model", None)
+        if isinstance(model, str):
+            self._models[model] += 1
         self._queues.setdefault(waiter.route_name, {})[id(waiter)] = waiter
         if self.on_change is not None:
             self.on_change(waiter.route_name)
@@ -77,6 +87,11 @@ class RouteQueues:
         queue = self._queues.get(waiter.route_name)
         if queue is None or queue.pop(id(waiter), None) is None:
             return False
+        model = getattr(waiter, "model", None)
+        if isinstance(model, str) and self._models.get(model, 0) > 0:
+            self._models[model] -= 1
+            if not self._models[model]:
+                del self._models[model]
         if not queue:
             del self._queues[waiter.route_name]
         if self.on_change is not None:

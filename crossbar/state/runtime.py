@@ -18,7 +18,7 @@ from typing import Any, Callable
 from twisted.internet.defer import Deferred, succeed
 
 from crossbar.hosts.balance import Chosen, Rotation, Verdict, choose
-from crossbar.hosts.placement import Placing, model_id
+from crossbar.hosts.placement import Placing, evicted, model_id
 from crossbar.config import Config, Route
 from crossbar.state.worker_counts import WorkerCounts
 from crossbar.state.cluster import ClusterView
@@ -105,7 +105,8 @@ class Runtime:
         if settings is not None:
             spread = (queued_at is not None and settings.spread_after is not None
                       and self.now() - queued_at >= settings.spread_after)
-            placing = Placing(self.inflight.host_model, placement.last_use, spread, settings.keep_loaded)
+            placing = Placing(self.inflight.host_model, placement.last_use, spread, settings.keep_loaded,
+                              self.queues.waiting_for)
         verdict = choose(route, self.config.hosts, statuses, self.inflight.host, model, key, self.rotation,
                          exclude=exclude, draining=self.drained, placement=placing)
         if isinstance(verdict, Chosen) and model is not None:
@@ -114,7 +115,8 @@ class Runtime:
                 mid = model_id(status, model)
                 placement.used(verdict.host, mid)
                 if verdict.load:
-                    placement.started(verdict.host, mid, "spread" if verdict.load == "spread" else "request")
+                    evicts = evicted(verdict.host, self.config.hosts[verdict.host], status, placement.last_use)
+                    placement.started(verdict.host, mid, "spread" if verdict.load == "spread" else "request", evicts)
                 verdict = verdict._replace(model=mid)
         return verdict
 
