@@ -53,6 +53,7 @@ class FakeRouter(Resource):
         self.commands: list[tuple[str, str]] = []
         self.completions: list[str] = []
         self.inflight = 0
+        self.calls: list[Any] = []
         self.load_wait = 0.0
         self.up = True
 
@@ -71,7 +72,7 @@ class FakeRouter(Resource):
                 self.evictions.append(victim)
         self.state[model] = "loading"
         self.loads.append(model)
-        self.clock.callLater(self.load_time, self._loaded, model)
+        self.calls = [c for c in self.calls if c.active()] + [self.clock.callLater(self.load_time, self._loaded, model)]
 
     def _loaded(self, model: str) -> None:
         if self.state.get(model) != "loading":
@@ -80,6 +81,13 @@ class FakeRouter(Resource):
         self.used.setdefault(model, self.clock.seconds())
         for d in self.waiting.pop(model, []):
             d.callback(None)
+
+    def stop(self) -> None:
+        """Cancel the loads under way (the end of a test)."""
+        for call in self.calls:
+            if call.active():
+                call.cancel()
+        self.calls = []
 
     def restart(self) -> None:
         """The host restarted: nothing is loaded."""
