@@ -69,7 +69,8 @@ class Placer:
         if not routes:
             return
         placement = runtime.placement
-        statuses = placement.overlay(runtime.table.all())
+        statuses = placement.overlay(runtime.table.all(), {m for r in routes if r.placement is not None
+                                                           for m in r.placement.keep_loaded})
         now = self.clock.seconds()
         for route in routes:
             targets = keep_targets(route, config.hosts, statuses, set(self.busy) | self._cooling,
@@ -122,7 +123,7 @@ class Placer:
                 self._log.warn("host {host}: {action} {model} failed: {reason} (again after its next poll)",
                                host=name, action=action, model=one_line(model), reason=one_line(reason_text))
                 if action == "load":
-                    runtime.placement.loading.pop((name, model), None)
+                    runtime.placement.drop(name, model)
                 self._cooling.add(name)
                 runtime.queues.wake()
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Callable
 from twisted.internet.defer import Deferred
 
 if TYPE_CHECKING:
+    from crossbar.state.placement_share import PlacementShare
     from crossbar.state.worker_counts import WorkerCounts
     from crossbar.state.cluster import ClusterView
 
@@ -31,6 +32,8 @@ class Inflight:
         fleet's are read (docs/design.md §Workers); None for one process.
     :ivar cluster: with ``cluster.redis``, the other instances' counts and where this
         one's go (docs/design.md §Several crossbars); None without.
+    :ivar models_share: with workers or ``cluster.redis``, where the counts per (host,
+        model) go and the others' come from (docs/design.md §Where models live, rule 7).
     """
 
     def __init__(self, on_release: Callable[[], None] | None = None) -> None:
@@ -40,6 +43,7 @@ class Inflight:
         self.on_release = on_release
         self.fleet: WorkerCounts | None = None
         self.cluster: ClusterView | None = None
+        self.models_share: PlacementShare | None = None
 
     def host(self, host: str) -> int:
         """Requests in flight to ``host`` over every route (0 for an unknown host),
@@ -56,7 +60,10 @@ class Inflight:
 
     def publish(self) -> None:
         """Write every count of this process to :attr:`fleet` (after a reload) and to
-        :attr:`cluster`."""
+        :attr:`cluster` (and :attr:`models_share`)."""
+        if self.models_share is not None:
+            for (host, model), n in self._by_host_model.items():
+                self.models_share.publish_inflight(host, model, n)
         if self.cluster is not None:
             for host, n in self._by_host.items():
                 self.cluster.set(f"h\0{host}", n)
@@ -80,23 +87,33 @@ class Inflight:
 
     def host_model(self, host: str, model: str) -> int:
         """Requests for ``model`` (the id the host lists it under) in flight to ``host``
-        from this process (docs/design.md §Where models live: a model in use)."""
-        return self._by_host_model.get((host, model), 0)
+        from every process (docs/design.md §Where models live: a model in use)."""
+        share = self.models_share
+        own = self._by_host_model.get((host, model), 0)
+        return own if share is None else own + share.inflight(host, model)
 
-    def enter(self, route: str, host: str, limit: int | None = None, model: str | None = None) -> Lease:
-        """Count one request of ``route`` (for ``model``, when it names one: the id the
-        host lists it under) against ``host``; returns its lease. With a
+    def use_model(self, lease: Lease, model: str) -> None:
+        """Count ``lease``'s request as one for ``model`` (the id its router-mode host
+        lists it under) until it is released (docs/design.md §Where models live)."""
+        if lease.host is None or lease.model is not None:
+            return
+        lease.model = model
+        key = (lease.host, model)
+        self._by_host_model[key] += 1
+        if self.models_share is not None:
+            self.models_share.publish_inflight(lease.host, model, self._by_host_model[key])
+
+    def enter(self, route: str, host: str, limit: int | None = None) -> Lease:
+        """Count one request of ``route`` against ``host``; returns its lease. With a
         :attr:`cluster` and the host's ``max_inflight`` in force (``limit``), the place
         is taken in Redis (docs/design.md §Several crossbars): the lease's
         :attr:`Lease.taken` says whether it may go (False: the fleet has the host full;
         release the lease and choose again)."""
-        if model is not None:
-            self._by_host_model[(host, model)] += 1
         self._by_host[host] += 1
         self._by_route_host[(route, host)] += 1
         if self.fleet is not None:
             self.fleet.publish_inflight(route, host, self._by_route_host[(route, host)], self._by_host[host])
-        lease = Lease(self, route, host, model)
+        lease = Lease(self, route, host)
         cluster = self.cluster
         if cluster is not None:
             if limit is not None and cluster.joined:
@@ -108,6 +125,8 @@ class Inflight:
     def _leave(self, route: str, host: str, model: str | None = None) -> None:
         if model is not None and self._by_host_model.get((host, model), 0) > 0:
             self._by_host_model[(host, model)] -= 1
+            if self.models_share is not None:
+                self.models_share.publish_inflight(host, model, self._by_host_model[(host, model)])
             if not self._by_host_model[(host, model)]:
                 del self._by_host_model[(host, model)]
         if self._by_host.get(host, 0) > 0:
@@ -136,6 +155,7 @@ class Lease:
         self.route = route
         self.host: str | None = host
         self.model = model
+        """the model it counts for (:meth:`Inflight.use_model`), or None"""
         self.taken: Deferred[bool] | None = None
 
     def release(self) -> None:

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 from crossbar.hosts.health import HostStatus
-from crossbar.hosts.placement import with_loading
+from crossbar.hosts.placement import model_id, with_loading
+from crossbar.state.placement_share import PlacementShare
 
 __all__ = ["Load", "Move", "PlacementState", "REASONS"]
 
@@ -58,6 +59,8 @@ class PlacementState:
         load and unload crossbar causes (the metrics).
     :ivar on_loaded: called with (host, model, seconds) when a poll shows a load
         crossbar caused finished (the load-time histogram).
+    :ivar share: with workers or ``cluster.redis``, where this process's loads and uses
+        go and the other processes' come from (rule 7), else None.
     """
 
     def __init__(self, now: Callable[[], float]) -> None:
@@ -69,23 +72,39 @@ class PlacementState:
         self.last_unload: dict[str, Move] = {}
         self.on_move: Callable[[str, str, str, str], None] | None = None
         self.on_loaded: Callable[[str, str, float], None] | None = None
+        self.share: PlacementShare | None = None
 
     def last_use(self, host: str, model: str) -> float | None:
-        """Clock seconds of the last request crossbar sent ``model`` on ``host``, or None."""
-        return self._used.get((host, model))
+        """Clock seconds of the last request crossbar (any process sharing, rule 7) sent
+        ``model`` on ``host``, or None."""
+        own = self._used.get((host, model))
+        if self.share is None:
+            return own
+        theirs = self.share.last_use(host, model)
+        return theirs if own is None else own if theirs is None else max(own, theirs)
 
     def idle_since(self, host: str, model: str) -> float | None:
         """Since when ``model`` on ``host`` is unused by crossbar: its last request, else
         the first poll that showed it loaded; None when neither is known (rule 4)."""
-        used = self._used.get((host, model))
+        used = self.last_use(host, model)
         return used if used is not None else self._seen.get((host, model))
 
-    def overlay(self, statuses: Mapping[str, HostStatus]) -> Mapping[str, HostStatus]:
+    def overlay(self, statuses: Mapping[str, HostStatus], wanted: Iterable[str] = ()) -> Mapping[str, HostStatus]:
         """Rule 1: ``statuses`` with every load crossbar caused and no poll settled yet
-        counted as loading (the same mapping when there is none)."""
-        if not self.loading:
+        counted as loading (the same mapping when there is none); with a :attr:`share`,
+        the other processes' loads of the ``wanted`` models too."""
+        shared: list[tuple[str, str]] = []
+        if self.share is not None:
+            for model in wanted:
+                for host, status in statuses.items():
+                    mid = model_id(status, model)
+                    if status.router and mid in status.available and self.share.loading(host, mid):
+                        shared.append((host, mid))
+        if not self.loading and not shared:
             return statuses
         by_host: dict[str, tuple[list[str], list[str]]] = {}
+        for host, model in shared:
+            by_host.setdefault(host, ([], []))[0].append(model)
         for (host, model), load in self.loading.items():
             loading, evicting = by_host.setdefault(host, ([], []))
             loading.append(model)
@@ -99,7 +118,22 @@ class PlacementState:
 
     def used(self, host: str, model: str) -> None:
         """A request for ``model`` was sent to ``host`` now."""
-        self._used[(host, model)] = self.now()
+        now = self._used[(host, model)] = self.now()
+        if self.share is not None:
+            self.share.publish_use(host, model, now)
+
+    def drop(self, host: str, model: str) -> None:
+        """The load of ``model`` on ``host`` is settled (or failed): no longer counted."""
+        if self.loading.pop((host, model), None) is not None and self.share is not None:
+            self.share.publish_loading(host, model, False)
+
+    def republish(self) -> None:
+        """Write this process's loads and last uses to :attr:`share` again (after a reload)."""
+        if self.share is not None:
+            for host, model in self.loading:
+                self.share.publish_loading(host, model, True)
+            for (host, model), seconds in self._used.items():
+                self.share.publish_use(host, model, seconds)
 
     def started(self, host: str, model: str, reason: str, evicts: str | None = None) -> None:
         """``host`` was made to load ``model`` now (a request sent it, or a command):
@@ -108,13 +142,15 @@ class PlacementState:
         now = self.now()
         if (host, model) not in self.loading:
             self.loading[(host, model)] = Load(now, reason, evicts)
+            if self.share is not None:
+                self.share.publish_loading(host, model, True)
         self.last_load[host] = Move(model, reason, now)
         if self.on_move is not None:
             self.on_move(host, model, "load", reason)
 
     def unloaded(self, host: str, model: str, reason: str) -> None:
         """crossbar told ``host`` to unload ``model`` now (rule 4)."""
-        self.loading.pop((host, model), None)
+        self.drop(host, model)
         self._seen.pop((host, model), None)
         self.last_unload[host] = Move(model, reason, self.now())
         if self.on_move is not None:
@@ -133,11 +169,11 @@ class PlacementState:
             if h != host:
                 continue
             if model in status.loaded:
-                del self.loading[(h, model)]
+                self.drop(h, model)
                 if self.on_loaded is not None:
                     self.on_loaded(host, model, max(0.0, now - load.since))
             elif model not in status.loading and started >= load.since:
-                del self.loading[(h, model)]
+                self.drop(h, model)
         for key in [k for k in self._seen if k[0] == host and k[1] not in status.loaded]:
             del self._seen[key]
 
@@ -147,13 +183,15 @@ class PlacementState:
         now = self.now()
         gone = [k for k, load in self.loading.items() if now - load.since >= bound]
         for key in gone:
-            del self.loading[key]
+            self.drop(*key)
         return gone
 
     def forget(self, hosts: Iterable[str]) -> None:
         """Keep only what concerns ``hosts`` (a reload removed or reset the others)."""
         keep = set(hosts)
-        for table in (self.loading, self._used, self._seen):
+        for key in [k for k in self.loading if k[0] not in keep]:
+            self.drop(*key)
+        for table in (self._used, self._seen):
             for key in [k for k in table if k[0] not in keep]:
                 del table[key]
         for moves in (self.last_load, self.last_unload):

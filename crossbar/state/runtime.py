@@ -26,6 +26,7 @@ from crossbar.state.limits import KeyLimiter
 from crossbar.hosts.health import HealthTable
 from crossbar.state.inflight import Inflight
 from crossbar.state.placement import PlacementState
+from crossbar.state.placement_share import ClusterShare, WorkerShare
 from crossbar.state.queue import RouteQueues
 from crossbar.state.tokens import TokenLedger
 from crossbar.waiting import Condition
@@ -99,7 +100,7 @@ class Runtime:
         host counts as a use of its model there from now; one that makes it load the
         model (``load``/``spread``) makes it count as loading it at once."""
         placement = self.placement
-        statuses = placement.overlay(self.table.all())
+        statuses = placement.overlay(self.table.all(), () if model is None or route.placement is None else (model,))
         placing = None
         settings = route.placement
         if settings is not None:
@@ -126,6 +127,7 @@ class Runtime:
         """Publish this process's counts to ``fleet`` and read the fleet's from now on."""
         self.fleet = fleet
         self.inflight.fleet = fleet
+        self.placement.share = self.inflight.models_share = WorkerShare(fleet)  # §Where models live
         self.queues.on_change = self._publish_queue
         self.tokens.fleet = fleet
         if fleet.limits is not None:  # key limits per box (docs/design.md §Access)
@@ -137,6 +139,7 @@ class Runtime:
         other instances of ``cluster`` and count theirs (docs/design.md §Several crossbars)."""
         self.cluster = cluster
         self.inflight.cluster = cluster
+        self.placement.share = self.inflight.models_share = ClusterShare(cluster)  # §Where models live
         cluster.on_drains = self.apply_drains
         self.inflight.publish()
         for route, key in self.key_inflight:
@@ -153,6 +156,7 @@ class Runtime:
         if self.fleet is None:
             return
         self.inflight.publish()
+        self.placement.republish()
         self.tokens.republish()
         for route in self.config.routes:
             self._publish_queue(route)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from crossbar.config import Config, ConfigError
 from crossbar.state.box_limits import BoxLimits
+from crossbar.state.placement_share import share_names
 from crossbar.state.shared import CELLS, SharedCounts, cell_map
 
 __all__ = ["AFFINITY_OUTCOMES", "CLUSTER_LOST", "CLUSTER_SLOW", "RESTARTS", "WorkerCounts", "check_capacity", "token_cell"]
@@ -51,6 +52,8 @@ def _names(config: Config) -> list[str]:
         names += [f"rh\0{route.name}\0{h}" for h in route.hosts]
         names += [f"a\0{route.name}\0{o}" for o in AFFINITY_OUTCOMES]
         names += [f"k\0{route.name}\0{key}" for key in route.keys]
+    placed = {h: None for r in config.routes.values() if r.placement is not None for h in r.hosts}
+    names += share_names(list(placed))  # docs/design.md §Where models live, rule 7
     return names
 
 
@@ -100,6 +103,10 @@ class WorkerCounts:
         self.shared.clear_row()
         if self.limits is not None:
             self.limits.configure(config)  # their counts stay: they are counts of the past minute and day
+
+    def cell(self, name: str) -> int | None:
+        """The shared cell of ``name`` (a name :func:`_names` derives from the config), or None."""
+        return self._cells.get(name)
 
     def _set(self, name: str, value: int) -> None:
         cell = self._cells.get(name)
