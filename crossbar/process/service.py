@@ -28,7 +28,7 @@ from crossbar.ops.app import OpsApp
 from crossbar.ops.fleet_recent import FleetRecent
 from crossbar.ops.recent import TICK, RecentRequests
 from crossbar.hosts.commands import HTTPModelCommands
-from crossbar.hosts.placer import TICK as PLACER_TICK, Placer
+from crossbar.state.placer import TICK as PLACER_TICK, Placer
 from crossbar.hosts.poller import HealthPoller, HTTPProbe
 from crossbar.proxy.resource import ProxyResource
 from crossbar.ops.record import RequestLog

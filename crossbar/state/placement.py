@@ -3,7 +3,7 @@ and 7): the hosts it made load a model (counted as loading at once, until a poll
 otherwise or ``timeouts.first_byte`` passes), the last request it sent each model on
 each host, when it first saw a model loaded, and the last load and unload per host
 with their reason. Bookkeeping only: no I/O (the commands are
-:class:`crossbar.hosts.placer.Placer`'s), the clock is injected.
+:class:`crossbar.state.placer.Placer`'s), the clock is injected.
 """
 
 from __future__ import annotations

@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from crossbar.state.cluster import ClusterView
-    from crossbar.state.worker_counts import WorkerCounts
+    from crossbar.state.shared import SharedCounts
 
-__all__ = ["SLOTS", "ClusterShare", "PlacementShare", "WorkerShare", "fingerprint", "share_names"]
+__all__ = ["SLOTS", "Cells", "ClusterShare", "PlacementShare", "WorkerShare", "fingerprint", "share_names"]
 
 SLOTS = 16
 """Cells per host and fact for the workers' share (model ids hash to them)."""
@@ -50,6 +50,16 @@ def _slot(model: str) -> int:
 def share_names(hosts: list[str]) -> list[str]:
     """The workers' cell names for ``hosts`` (the router-mode hosts of ``placement`` routes)."""
     return [f"{kind}\0{h}\0{i}" for h in hosts for kind in ("pm", "pl", "pu") for i in range(SLOTS)]
+
+
+class Cells(Protocol):
+    """What :class:`WorkerShare` needs of the workers' counts
+    (:class:`~crossbar.state.worker_counts.WorkerCounts`)."""
+
+    shared: SharedCounts
+
+    def cell(self, name: str) -> int | None:
+        """The shared cell of ``name``, or None."""
 
 
 class PlacementShare(Protocol):
@@ -80,7 +90,7 @@ class WorkerShare:
     :param fleet: this worker's :class:`~crossbar.state.worker_counts.WorkerCounts`.
     """
 
-    def __init__(self, fleet: WorkerCounts) -> None:
+    def __init__(self, fleet: Cells) -> None:
         self.fleet = fleet
         self._inflight: dict[tuple[str, int], dict[str, int]] = {}
 
