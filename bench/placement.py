@@ -31,6 +31,7 @@ are seconds of loading and waiting, not CPU).
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import random
 import statistics
@@ -44,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from twisted.internet import defer, reactor, task  # noqa: E402
 from twisted.internet.endpoints import TCP4ServerEndpoint  # noqa: E402
-from twisted.web.client import Agent, HTTPConnectionPool, readBody  # noqa: E402
+from twisted.web.client import Agent, FileBodyProducer, HTTPConnectionPool, readBody  # noqa: E402
 from twisted.web.http_headers import Headers  # noqa: E402
 from twisted.web.server import Site  # noqa: E402
 
@@ -53,6 +54,8 @@ from crossbar.process.service import make_service  # noqa: E402
 from tests.fake_router import FakeRouter  # noqa: E402
 
 MODELS = [f"m{i}" for i in range(8)]
+BURST = "burst"
+"""A model every host lists that the workload never asks for: the final burst's."""
 WEIGHTS = [50, 15, 10, 8, 6, 5, 4, 2]
 
 
@@ -104,7 +107,7 @@ class Run:
                 urls.append(server.url)
         else:
             for _ in range(args.hosts):
-                router = FakeRouter(self.models, models_max=2, load_time=args.load_time)
+                router = FakeRouter(self.models + [BURST], models_max=2, load_time=args.load_time)
                 self.routers.append(router)
                 port = await TCP4ServerEndpoint(reactor, 0, interface="127.0.0.1").listen(Quiet(router))
                 self.servers.append(port)
@@ -137,10 +140,11 @@ class Run:
                 server.stop()
 
     async def one(self, model: str, stream: bool = True) -> None:
-        body = json.dumps({"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": stream,
-                           "n": 10, "delay": 0.05, "max_tokens": 10}).encode()
-        from twisted.web.client import FileBodyProducer
-        import io
+        doc: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": stream,
+                               "max_tokens": 10}
+        if not self.args.real:  # the fake host's pace: 10 events 50 ms apart
+            doc.update(n=10, delay=0.05)
+        body = json.dumps(doc).encode()
         sent = time.monotonic()
         response = await self.agent.request(b"POST", (self.base + "/r/v1/chat/completions").encode(),
                                             Headers({b"content-type": [b"application/json"]}),
@@ -176,28 +180,34 @@ class Run:
             pending.append(defer.ensureDeferred(self.one(model)))
         await defer.DeferredList(pending)
 
-    def loads(self) -> int:
+    def loads(self, model: str | None = None) -> int:
+        """Loads the hosts started (of ``model``, or of any): a fake host's list, a real
+        one's log (a line per model process it spawns)."""
         if self.routers:
-            return sum(len(r.loads) for r in self.routers)
-        return self.loads_from_metrics()
+            return sum(len([m for m in r.loads if model is None or m == model]) for r in self.routers)
+        return sum(self.spawned(server, model) for server in self.servers)
 
-    def loads_from_metrics(self) -> int:
-        text = self.service.metrics.render().decode()
-        return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                       if line.startswith("crossbar_model_loads_total{")))
+    @staticmethod
+    def spawned(server: Any, model: str | None = None) -> int:
+        marker = "spawning server instance with name=" + (model or "")
+        return sum(1 for line in server.log_path.read_text(errors="replace").splitlines() if marker in line)
 
     def load_wait(self) -> float:
         return sum(r.load_wait for r in self.routers) if self.routers else 0.0
 
     async def final_burst(self) -> int:
         """20 requests at once for a model loaded nowhere: how many hosts load it."""
-        if self.args.real:
-            return -1
-        held = {m for r in self.routers for m, s in r.state.items() if s != "unloaded"}
-        free = [m for m in self.models if m not in held]
-        if not free:
-            return -1
-        model = free[-1]
+        if self.args.real:  # tiny-b, unloaded everywhere first
+            model = "tiny-b"
+            for server in self.servers:
+                await self.agent.request(b"POST", (server.url + "/models/unload").encode(),
+                                         Headers({b"content-type": [b"application/json"]}),
+                                         FileBodyProducer(io.BytesIO(json.dumps({"model": model}).encode())))
+            await task.deferLater(reactor, 2.0)  # unloaded, and polled so
+            before = [self.spawned(s, model) for s in self.servers]
+            await defer.DeferredList([defer.ensureDeferred(self.one(model, stream=False)) for _ in range(20)])
+            return sum(1 for s, b in zip(self.servers, before) if self.spawned(s, model) > b)
+        model = BURST
         before = [r.loads.count(model) for r in self.routers]
         await defer.DeferredList([defer.ensureDeferred(self.one(model, stream=False)) for _ in range(20)])
         return sum(1 for r, b in zip(self.routers, before) if r.loads.count(model) > b)
