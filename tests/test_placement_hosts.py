@@ -17,6 +17,31 @@ from tests.harness import FakeLlama, http_client, listen, start_crossbar, wait_f
 MODELS = ["m1", "m2", "m3", "m4"]
 
 
+class CommandTests(TestCase):
+    """The load and unload commands as llama-server's router mode answers them."""
+
+    def test_answers(self) -> Deferred[None]:
+        async def go() -> None:
+            from crossbar.config import Host
+            from crossbar.hosts.commands import CommandFailed, HTTPModelCommands
+            from crossbar.upstream.pools import UpstreamPools
+            from twisted.internet import reactor
+            router = FakeRouter(MODELS, models_max=2, load_time=0.05)
+            self.addCleanup(router.stop)
+            host = Host(name="a", url=await listen(self, router))
+            pools = UpstreamPools(reactor, 5)
+            self.addCleanup(pools.close)
+            commands = HTTPModelCommands(pools)
+            await commands.send(host, "load", "m1")
+            await commands.send(host, "load", "m1")  # 400 "model is already running": done
+            failed = await self.assertFailure(commands.send(host, "load", "nope"), CommandFailed)
+            self.assertEqual(failed.reason, "HTTP 404")
+            await commands.send(host, "unload", "m1")
+            self.assertEqual(router.commands, [("load", "m1"), ("load", "m1"), ("load", "nope"), ("unload", "m1")])
+            self.assertEqual(router.state["m1"], "unloaded")
+        return ensureDeferred(go())
+
+
 class PlacementHostsTests(TestCase):
     timeout = 30
 
@@ -52,6 +77,9 @@ class PlacementHostsTests(TestCase):
             metrics = (await treq.content(await http_client(self).get(base + "/_crossbar/metrics"))).decode()
             self.assertIn('crossbar_model_loads_total{host=', metrics)
             self.assertIn('reason="request"} 1.0', metrics)
+            doc: Any = await treq.json_content(await http_client(self).get(base + "/_crossbar/dashboard.json"))
+            whys = sorted(e["why"].split(" affinity=")[0] for e in doc["recent"])
+            self.assertEqual([w for w in whys if w.startswith("available")], ["available load"], whys)  # the why
         return ensureDeferred(go())
 
     def test_a_load_goes_to_a_free_place_first_then_an_idle_lru_never_a_model_in_use(self) -> Deferred[None]:
