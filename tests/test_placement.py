@@ -151,6 +151,14 @@ class ChooseTests(SynchronousTestCase):
         chosen = pick(loading, "x", Placing(none_in_use, never, spread=True), lambda h: {"a": 1}.get(h, 0), three)
         assert isinstance(chosen, Chosen)
         self.assertEqual((chosen.host, chosen.fit, chosen.load), ("c", Fit.LOADING, ""))
+        # a copy under way without room: wait for it, no third copy (one load at a time)
+        full = {"a": 1, "c": 1}
+        self.assertIs(pick(loading, "x", Placing(none_in_use, never, spread=True), lambda h: full.get(h, 0), three),
+                      Verdict.BUSY)
+        # a request waiting for a model loading nowhere else but one host: no spread either
+        only = {"b": router(x="unloaded"), "c": router(x="loading")}
+        self.assertIs(pick(only, "x", Placing(none_in_use, never, spread=True), lambda h: full.get(h, 0), three),
+                      Verdict.BUSY)
         inflight["a"] = 0  # room at the loaded host: no spread
         chosen = pick(statuses, "x", Placing(none_in_use, never, spread=True), lambda h: inflight[h], limited)
         assert isinstance(chosen, Chosen)

@@ -177,8 +177,9 @@ def choose(
         hosts are draining waits (:data:`Verdict.BUSY`) for another host.
     :param placement: for a route with ``placement`` (§Where models live): the available
         tier keeps only the hosts rule 2 lets load the model (none: wait), and a request
-        that waited ``spread_after`` may go to such a host when its loaded or loading
-        tier has no room (rule 3).
+        that waited ``spread_after`` while its loaded tier has no room goes to a copy
+        under way with room, or, when none is under way, to such a host (rule 3; one
+        load of a model at a time, rule 1).
     """
     skip = set(exclude)
     candidates = [
@@ -209,13 +210,17 @@ def choose(
         placed = "load"
     load = {h: inflight(h) for h in tier}
     roomy = [h for h in tier if has_room(hosts[h], load[h], statuses[h])]
+    copies: list[str] = []
     if not roomy and placement is not None and placement.spread and model is not None and fit is Fit.LOADED:
-        # Rule 3, a copy already under way first: a hot model gains one copy at a time.
+        # Rule 3 under rule 1: a copy already under way takes the spread (when it has
+        # room) and, while one is under way, no other host starts another.
         copies = [h for h in candidates if lists(statuses[h], model, "loading")]
-        load = {h: inflight(h) for h in copies}
-        roomy = [h for h in copies if has_room(hosts[h], load[h], statuses[h])]
-        fit, tier = Fit.LOADING, copies
-    if not roomy and placement is not None and placement.spread and model is not None and fit is not Fit.FALLBACK:
+        if copies:
+            load = {h: inflight(h) for h in copies}
+            roomy = [h for h in copies if has_room(hosts[h], load[h], statuses[h])]
+            fit, tier = Fit.LOADING, copies
+    if (not roomy and not copies and placement is not None and placement.spread and model is not None
+            and fit is Fit.LOADED):
         spare = load_tier([h for h in candidates if lists(statuses[h], model, "available")], hosts, statuses,
                           placement.in_use, placement.last_use, placement.kept,
                           placement.waiting)
