@@ -7,7 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 import treq
+from twisted.internet import reactor
 from twisted.internet.defer import Deferred, DeferredList, ensureDeferred
+from twisted.internet.task import deferLater
 from twisted.trial.unittest import TestCase
 
 from crossbar.state import cluster as cluster_module
@@ -50,7 +52,7 @@ class FleetBurstTests(TestCase):
     def test_workers(self) -> Deferred[None]:
         async def go() -> None:
             routers, urls = await self.routers()
-            proc = await start_twistd(self, fleet_config(urls, "workers: 2\n"))
+            proc = await start_twistd(self, fleet_config(urls, "workers: 2\ndrain: {delay: 0.001, grace: 0.001}\n"))
             http = http_client(self)
 
             async def both_workers_polled() -> bool:  # each worker answers status alike
@@ -61,6 +63,9 @@ class FleetBurstTests(TestCase):
             codes = await burst(self, [proc.base], "m2")
             self.assertEqual(codes, [200] * 20)
             self.assertEqual(sorted(len(r.loads) for r in routers), [0, 0, 1])
+            proc.signal("TERM")  # its connections to the hosts close before the test ends
+            await proc.ended
+            await deferLater(reactor, 0.2)
         return ensureDeferred(go())
 
     def test_instances_sharing_redis(self) -> Deferred[None]:
