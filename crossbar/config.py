@@ -286,6 +286,10 @@ class ClientKey:
         ``repr()``.
     :ivar max_inflight: this key's requests in flight or waiting at once, or None.
     :ivar limits: requests and tokens per minute, tokens per day (all off by default).
+    :ivar priority: an integer; when requests wait, a key's go before those of keys of
+        lower priority (default 0; §Access, "Fair shares").
+    :ivar share: a positive number: the key's weight among keys of one priority
+        (default 1).
     :ivar digest: SHA-256 of the UTF-8 secret (what :func:`crossbar.proxy.access.authorize`
         compares, so the comparison's time does not depend on the secret's length).
     """
@@ -294,6 +298,8 @@ class ClientKey:
     secret: str = field(repr=False)
     max_inflight: int | None = None
     limits: KeyLimits = field(default_factory=KeyLimits)
+    priority: int = 0
+    share: float = 1.0
     digest: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -607,6 +613,16 @@ class _Checker:
             raise self.fail(key, f"must be a number of at least {minimum:g}, not {shown}")
         return number
 
+    def integer(self, key: str, value: Any) -> int:
+        """A whole number, negative ones included (a key's ``priority``)."""
+        if isinstance(value, str):
+            value, shown = self._parsed(key, value, int, "a whole number", str)
+        else:
+            shown = repr(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(key, f"must be a whole number, not {shown if isinstance(value, float) else _kind(value)}")
+        return value
+
     def count(self, key: str, value: Any, minimum: int = 1) -> int:
         """A whole number of at least ``minimum``."""
         if isinstance(value, str):
@@ -658,6 +674,7 @@ class _Checker:
 
 _MIN_WEIGHT = 0.001
 _MAX_WEIGHT = 1_000_000.0
+_MAX_PRIORITY = 1_000_000  # a key's priority: any order an operator means fits
 
 _MAX_PEM = 1024 * 1024
 """The most bytes read from one CA, certificate or key file."""
@@ -981,7 +998,7 @@ def _tls(c: _Checker, key: str, raw: Any) -> HostTLSSettings:
 
 def _check_certificates(c: _Checker, key: str, pem: bytes) -> list[Any]:
     """The PEM certificates in ``pem`` (at least one). cryptography is imported only
-    when a config has ``tls`` files (it is heavy, docs/design.md §Workers memory)."""
+    when a config has ``tls`` files (it is heavy: every worker's RSS counts, docs/operations.md "Workers")."""
     from cryptography import x509
 
     try:
@@ -1185,21 +1202,33 @@ def _keys(
             raise c.fail(kkey, "a key name must be non-empty, without spaces or control characters")
         max_inflight: int | None = None
         limits = KeyLimits()
+        priority, share = 0, 1.0
         if isinstance(value, dict):
             entry = c.mapping(kkey, value)
-            c.known_keys(kkey, entry, ("secret", "max_inflight", "limits"))
+            c.known_keys(kkey, entry, ("secret", "max_inflight", "limits", "priority", "share"))
             if entry.get("secret") is None:
                 raise c.fail(f"{kkey}.secret", "is required")
             secret = c.header_secret(f"{kkey}.secret", entry["secret"])
             if entry.get("max_inflight") is not None:
                 max_inflight = c.count(f"{kkey}.max_inflight", entry["max_inflight"])
             limits = _limits(c, f"{kkey}.limits", entry.get("limits"))
+            if entry.get("priority") is not None:
+                priority = c.integer(f"{kkey}.priority", entry["priority"])
+                if not -_MAX_PRIORITY <= priority <= _MAX_PRIORITY:
+                    raise c.fail(f"{kkey}.priority", f"must be between {-_MAX_PRIORITY:,} and {_MAX_PRIORITY:,}, "
+                                                     f"not {priority!r}")
+            if entry.get("share") is not None:
+                share = c.at_least(f"{kkey}.share", entry["share"], 0)
+                if not _MIN_WEIGHT <= share <= _MAX_WEIGHT:  # like a host's weight: the shares stay finite
+                    raise c.fail(f"{kkey}.share", f"must be between {_MIN_WEIGHT:g} and {_MAX_WEIGHT:,.0f}, "
+                                                  f"not {share!r}")
         elif isinstance(value, str):
             secret = c.header_secret(kkey, value)
         else:
             raise c.fail(kkey, f"must be a secret (a string) or a mapping with secret, max_inflight and limits, "
                                f"not {_kind(value)}")
-        client_key = ClientKey(name=name, secret=secret, max_inflight=max_inflight, limits=limits)
+        client_key = ClientKey(name=name, secret=secret, max_inflight=max_inflight, limits=limits,
+                               priority=priority, share=share)
         earlier = secrets.setdefault(client_key.digest, (kkey, name))
         if earlier[1] != name:
             raise c.fail(kkey, f"has the same secret as {earlier[0]} (a secret names one key in the whole config)")

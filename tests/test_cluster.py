@@ -226,8 +226,8 @@ class TwoInstances(TestCase):
         for loop in (cluster._resync, cluster._heartbeat):
             loop.stop()
         cluster.joined = False  # like a process gone: nothing more is written or removed
-        cluster._factory.disconnect()
-        cluster._subscriber.disconnect()
+        cluster.link.factory.disconnect()
+        cluster.link.subscriber.disconnect()
         started = reactor.seconds()
         await wait_for(lambda: a[0].runtime.inflight.host("h") == 0, timeout=10, what="B's counts expire", step=0.1)
         self.assertLess(reactor.seconds() - started, TTL + RESYNC + 0.5)

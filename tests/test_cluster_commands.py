@@ -57,7 +57,7 @@ class FakeFactory:
 def cluster(connection: FakeConnection) -> tuple[RedisCluster, Clock]:
     clock = Clock()
     c = RedisCluster(RedisURL(tls=False, host="127.0.0.1", port=6379), clock, instance="me")
-    c._factory = FakeFactory(connection)
+    c.link.factory = FakeFactory(connection)
     return c, clock
 
 
@@ -250,7 +250,7 @@ class Settling(SynchronousTestCase):
 
     def test_when_joined(self) -> None:
         c, reactor = self.start()
-        factory, c._factory = c._factory, FakeFactory(FakeConnection())  # connected: Redis answers
+        factory, c.link.factory = c.link.factory, FakeFactory(FakeConnection())  # connected: Redis answers
         c._read(json.dumps({"#drained": {}}))
         self.assertTrue(c.settled and c.joined)
-        c._factory = factory
+        c.link.factory = factory

@@ -262,19 +262,19 @@ class HostURLTests(_Case):
 
     def test_ftp_scheme(self) -> None:
         self.rejected_url(
-            "ftp://h:21", "must be an absolute http:// or https:// URL without query, not 'ftp://h:21'"
+            "ftp://h:21", "must be an absolute http:// or https:// URL without query, fragment or spaces, not 'ftp://h:21'"
         )
 
     def test_relative_url(self) -> None:
         self.rejected_url(
-            "127.0.0.1:8080", "must be an absolute http:// or https:// URL without query, not '127.0.0.1:8080'"
+            "127.0.0.1:8080", "must be an absolute http:// or https:// URL without query, fragment or spaces, not '127.0.0.1:8080'"
         )
 
     def test_path_only(self) -> None:
-        self.rejected_url("/v1", "must be an absolute http:// or https:// URL without query, not '/v1'")
+        self.rejected_url("/v1", "must be an absolute http:// or https:// URL without query, fragment or spaces, not '/v1'")
 
     def test_no_host(self) -> None:
-        self.rejected_url("http://", "must be an absolute http:// or https:// URL without query, not 'http://'")
+        self.rejected_url("http://", "must be an absolute http:// or https:// URL without query, fragment or spaces, not 'http://'")
 
     def test_non_ascii_path(self) -> None:
         """Twisted's client sends only printable ASCII request targets: a URL it would
@@ -309,12 +309,12 @@ class HostURLTests(_Case):
 
     def test_with_query(self) -> None:
         self.rejected_url(
-            "http://h:8080/?key=1", "must be an absolute http:// or https:// URL without query, not 'http://h:8080/?key=1'"
+            "http://h:8080/?key=1", "must be an absolute http:// or https:// URL without query, fragment or spaces, not 'http://h:8080/?key=1'"
         )
 
     def test_with_fragment(self) -> None:
         self.rejected_url(
-            "http://h:8080/#x", "must be an absolute http:// or https:// URL without query, not 'http://h:8080/#x'"
+            "http://h:8080/#x", "must be an absolute http:// or https:// URL without query, fragment or spaces, not 'http://h:8080/#x'"
         )
 
     def test_with_credentials(self) -> None:
@@ -322,7 +322,7 @@ class HostURLTests(_Case):
 
     def test_space_in_host(self) -> None:
         self.rejected_url(
-            "http://h h:8080", "must be an absolute http:// or https:// URL without query, not 'http://h h:8080'"
+            "http://h h:8080", "must be an absolute http:// or https:// URL without query, fragment or spaces, not 'http://h h:8080'"
         )
 
     def test_not_a_string(self) -> None:
@@ -334,7 +334,7 @@ class HostURLTests(_Case):
     def test_url_in_mapping_form_is_checked_under_url_key(self) -> None:
         self.assertRejected(
             doc(hosts={"a": {"url": "ftp://h"}}),
-            "x.yaml: hosts.a.url: must be an absolute http:// or https:// URL without query, not 'ftp://h'",
+            "x.yaml: hosts.a.url: must be an absolute http:// or https:// URL without query, fragment or spaces, not 'ftp://h'",
         )
 
     def test_mapping_form_without_url(self) -> None:
@@ -670,7 +670,7 @@ class EnvironmentTests(_Case):
     def test_expanded_url_is_validated(self) -> None:
         self.assertRejected(
             doc(hosts={"a": "${URL}"}),
-            "x.yaml: hosts.a: must be an absolute http:// or https:// URL without query, not '${URL}'",
+            "x.yaml: hosts.a: must be an absolute http:// or https:// URL without query, fragment or spaces, not '${URL}'",
             {"URL": "ftp://h"},
         )
 
@@ -1135,6 +1135,28 @@ class ClientKeyTests(_Case):
         self.assertEqual((keys["alice"].secret, keys["alice"].max_inflight), ("alice-1", None))
         self.assertEqual((keys["ci"].secret, keys["ci"].max_inflight), ("ci-1", 8))
 
+    def test_priority_and_share(self) -> None:
+        """docs/design.md §Access, "Fair shares": an integer priority (default 0), a
+        positive share (default 1, may be 1.5)."""
+        keys = self.keys({"alice": "a-1", "ci": {"secret": "ci-1", "priority": -1, "share": 2},
+                          "eval": {"secret": "e-1", "priority": "${P}", "share": 1.5}}, {"P": "3"})
+        self.assertEqual((keys["alice"].priority, keys["alice"].share), (0, 1.0))
+        self.assertEqual((keys["ci"].priority, keys["ci"].share), (-1, 2.0))
+        self.assertEqual((keys["eval"].priority, keys["eval"].share), (3, 1.5))
+
+    def test_priority_and_share_refused(self) -> None:
+        self.rejected({"ci": {"secret": "s", "priority": 1.5}}, ".ci.priority", "must be a whole number, not 1.5")
+        self.rejected({"ci": {"secret": "s", "priority": "high"}}, ".ci.priority", "must be a whole number, not 'high'")
+        self.rejected({"ci": {"secret": "s", "priority": True}}, ".ci.priority", "must be a whole number, not a boolean")
+        self.rejected({"ci": {"secret": "s", "share": 0}}, ".ci.share", "must be a positive number, not 0")
+        self.rejected({"ci": {"secret": "s", "share": -2}}, ".ci.share", "must be a positive number, not -2")
+        self.rejected({"ci": {"secret": "s", "share": "lots"}}, ".ci.share", "must be a number, not 'lots'")
+        self.rejected({"ci": {"secret": "s", "share": [1]}}, ".ci.share", "must be a number, not a list")
+        self.rejected({"ci": {"secret": "s", "share": 0.0000001}}, ".ci.share",
+                      "must be between 0.001 and 1,000,000, not 1e-07")
+        self.rejected({"ci": {"secret": "s", "priority": 10**20}}, ".ci.priority",
+                      "must be between -1,000,000 and 1,000,000, not 100000000000000000000")
+
     def test_empty_keys_refused(self) -> None:
         self.rejected({}, "", "must name at least one key (leave keys out for a route open to every client)")
 
@@ -1157,7 +1179,7 @@ class ClientKeyTests(_Case):
         self.rejected({"alice": 1234}, ".alice", "must be a secret (a string) or a mapping with secret, max_inflight and limits, not a number")
         self.rejected({"alice": {"secret": 1234}}, ".alice.secret", "must be a string, not a number")
         self.rejected({"alice": {"secret": "s", "max_inflight": 0}}, ".alice.max_inflight", "must be at least 1, not 0")
-        self.rejected({"alice": {"secret": "s", "limit": 1}}, ".alice.limit", "unknown key (expected one of: secret, max_inflight, limits)")
+        self.rejected({"alice": {"secret": "s", "limit": 1}}, ".alice.limit", "unknown key (expected one of: secret, max_inflight, limits, priority, share)")
         self.rejected(["alice"], "", "must be a mapping, not a list")
 
     def test_same_secret_under_two_names(self) -> None:

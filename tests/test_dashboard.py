@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-from types import SimpleNamespace
 from html.parser import HTMLParser
 from typing import Any
 
@@ -285,6 +284,44 @@ class PageTests(TestCase):
 
         return ensureDeferred(go())
 
+    def test_recent_requests_show_the_model_as_the_client_named_it(self) -> object:
+        async def go() -> None:
+            a = FakeLlama(models=["tiny-a"])
+            url = await listen(self, a)
+            config = _config({"a": url}, {"r": ["a"]}) + "    aliases: {fast: tiny-a}\n"
+            service, base = await start_crossbar(self, config)
+            await service.poller.when_first_round_done()
+            http = http_client(self)
+            asked = {
+                "unknown": ("/r/v1/chat/completions", "gpt-4o"),
+                "alias": ("/r/v1/chat/completions", "fast"),
+                "forbidden": ("/r/slots", "gpt-4o"),
+                "no route": ("/nowhere/v1/chat/completions", "gpt-4o"),
+                "long": ("/r/v1/chat/completions", "<b>" + "m" * 300),
+            }
+            for path, model in asked.values():
+                response = await http.post(base + path, json={"model": model, "messages": []})
+                await treq.content(response)
+            response = await http.get(base + "/r/props?model=fast&secret=zz")
+            await treq.content(response)
+            data = await treq.json_content(await http.get(base + "/_crossbar/dashboard.json", headers=AUTH))
+            rows = [(e["path"], e["status"], e["model"], e["resolved"]) for e in reversed(data["recent"])]
+            self.assertNotIn("secret", json.dumps(data["recent"]))
+            self.assertEqual(rows, [
+                ("/v1/chat/completions", 200, "gpt-4o", ""),
+                ("/v1/chat/completions", 200, "fast", "tiny-a"),
+                ("/slots", 403, "gpt-4o", ""),
+                ("/v1/chat/completions", 404, "gpt-4o", ""),
+                ("/v1/chat/completions", 200, "<b>" + "m" * 197, ""),
+                ("/props", 404, "fast", "tiny-a"),  # FakeLlama has no /props
+            ])
+            # The metrics' label values still come from the config only.
+            metrics = (await treq.content(await http.get(base + "/_crossbar/metrics", headers=AUTH))).decode()
+            self.assertNotIn("gpt-4o", metrics)
+            self.assertNotIn('"fast"', metrics)
+
+        return ensureDeferred(go())
+
     def test_events_come_every_second_and_end_with_a_drain(self) -> object:
         async def go() -> None:
             url = await listen(self, FakeLlama())
@@ -330,25 +367,41 @@ class PageTests(TestCase):
         return ensureDeferred(go())
 
 
-def _record(host: str = "a", route: str = "r", **more: Any) -> RequestRecord:
-    """A record; with ``more``, a record-like object that also has those fields (a
-    ``tokens`` field the accessor reads if present)."""
-    record = RequestRecord(route=route, host=host, method="POST", path="/v1/chat/completions",
-                           target=f"/{route}/v1/chat/completions", status=200, bytes=10, duration=0.5, ttfb=0.1,
-                           why="loaded least-busy")
-    if more:
-        return SimpleNamespace(**{**record._asdict(), "ended": "", **more})  # type: ignore[return-value]
-    return record
+def _record(host: str = "a", route: str = "r", tokens: dict[str, int] | None = None) -> RequestRecord:
+    """A record; with ``tokens`` (``prompt``, ``cached``, ``generated``), the figures of a
+    complete answer that said so."""
+    from crossbar.ops.figures import Figures
+
+    figures = None if tokens is None else Figures(tokens.get("prompt", 0), tokens.get("cached", 0),
+                                                  tokens.get("generated", 0), None, None)
+    return RequestRecord(route=route, host=host, method="POST", path="/v1/chat/completions",
+                         target=f"/{route}/v1/chat/completions", status=200, bytes=10, duration=0.5, ttfb=0.1,
+                         why="loaded least-busy", figures=figures)
 
 
 class RecentTests(SynchronousTestCase):
     def test_token_figures_read_what_the_record_has(self) -> None:
+        from crossbar.ops.figures import Figures
+
         self.assertIsNone(token_figures(_record()))
-        figures = token_figures(_record(tokens={"prompt": 10, "cached": 30, "generated": 5, "generation_tps": 42.5}))
+        figures = token_figures(_record()._replace(figures=Figures(10, 30, 5, 800.0, 42.5)))
         self.assertEqual(figures, {"prompt": 10.0, "cached": 30.0, "generated": 5.0, "tps": 42.5})
-        e = entry(100.0, _record(model="m<1>", ended="complete", tokens={"generated": 3}))
-        self.assertEqual((e["model"], e["ended"], e["tokens"]["generated"]), ("m<1>", "complete", 3.0))
+        e = entry(100.0, _record()._replace(named="m<1>", model="other", ended="cut", figures=Figures(0, 0, 3, None, None)))
+        self.assertEqual((e["model"], e["ended"], e["tokens"]), ("m<1>", "cut", {"prompt": 0.0, "cached": 0.0,
+                                                                              "generated": 3.0, "tps": None}))
         self.assertEqual(entry(1.0, _record())["model"], "")
+
+    def test_entry_shows_the_model_as_named_and_what_an_alias_made_of_it(self) -> None:
+        # The metrics' label is "other" for a model no host lists; the page shows what
+        # the client sent, cut to 200 characters, and the alias's target beside it.
+        e = entry(1.0, _record()._replace(model="other", named="gpt-4o", resolved="gpt-4o"))
+        self.assertEqual((e["model"], e["resolved"]), ("gpt-4o", ""))
+        e = entry(1.0, _record()._replace(model="tiny-a", named="fast", resolved="tiny-a"))
+        self.assertEqual((e["model"], e["resolved"]), ("fast", "tiny-a"))
+        e = entry(1.0, _record()._replace(model="other", named="x" * 500 + "<b>", resolved="y" * 300))
+        self.assertEqual((e["model"], e["resolved"]), ("x" * 200, "y" * 200))
+        e = entry(1.0, _record()._replace(model="tiny-a", resolved="tiny-a"))  # a default_model
+        self.assertEqual((e["model"], e["resolved"]), ("", "tiny-a"))
 
     def test_one_append_per_request_then_folded_on_the_tick(self) -> None:
         clock = Clock()

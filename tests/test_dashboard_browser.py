@@ -25,7 +25,7 @@ from crossbar.process.service import CrossbarService, make_service
 from crossbar.ops.recent import token_figures
 from tests.browser import Browser, require_chromium
 from tests.harness import FakeLlama, http_client, listen, require_llama_server, start_crossbar
-from tools.llama_server import LlamaServer
+from tools.llama_server import LlamaServer, model_path
 
 TOKEN = "dash-token-5f1c"
 EVIL = "<img src=x onerror=alert(1)>"
@@ -191,6 +191,40 @@ class DashboardBrowserTests(TestCase):
 
         return ensureDeferred(go())
 
+    def test_recent_rows_show_the_model_as_named_and_its_alias_target(self) -> object:
+        async def go() -> None:
+            a, b = FakeLlama(models=["tiny-a"]), FakeLlama(models=["tiny-b"])
+            evil = FakeLlama(models=["m"])
+            urls = [await listen(self, u) for u in (a, b, evil)]
+            service, base = await start_crossbar(
+                self, _config(*urls, token=False).replace("    hosts: [gpu-a, gpu-b]\n",
+                                                          "    hosts: [gpu-a, gpu-b]\n    aliases: {fast: tiny-a}\n"))
+            await service.poller.when_first_round_done()
+            http = http_client(self)
+            browser = await self._browser()
+            await browser.get(base + "/_crossbar/")
+            await browser.wait(_visible("#board"), 5, "the board")
+            # An unknown model (no host lists it: the metrics count it as "other"), an
+            # alias, and a hostile name: each row shows what the client sent, as text.
+            for model in ("gpt-4o", "fast", EVIL):
+                self.assertEqual(await _chat(http, base, model=model), 200)
+            rows = await browser.wait(lambda d: (lambda r: r if len(r) == 3 else None)(
+                [r for r in _recent_rows(d) if r[1] == "chat"]), 10, "the three requests")
+            self.assertEqual([r[3] for r in rows], [EVIL, "fast → tiny-a", "gpt-4o"])  # newest first
+            self.assertEqual(await browser.call(lambda d: len(d.find_elements(*_by("#board img")))), 0)
+            # The chart's series are told apart by more than colour: dash and marker differ.
+            dashes = await browser.call(lambda d: [p.get_attribute("stroke-dasharray") for p in d.find_elements(
+                *_by("#chart polyline.series"))])
+            self.assertEqual(len(set(dashes)), len(dashes))
+            ticks = await browser.call(lambda d: [t.text for t in d.find_elements(*_by("#chart text.tick"))])
+            self.assertGreaterEqual(len(ticks), 3)
+            label = await browser.call(lambda d: d.find_element(*_by('article.host[data-host="gpu-a"] dt:nth-of-type(2)')).text)
+            self.assertIn("1 min", label)
+            await browser.screenshot("named-models")
+            self.assertEqual(await browser.console_errors(), [])
+
+        return ensureDeferred(go())
+
     def test_open_without_token_restart_and_phone(self) -> object:
         async def go() -> None:
             a, b, evil = FakeLlama(models=["tiny-a"]), FakeLlama(models=["tiny-b"]), FakeLlama(models=[EVIL])
@@ -247,44 +281,29 @@ class DashboardBrowserTests(TestCase):
         return ensureDeferred(go())
 
 
-def _answers_with_timings(model: str, speed: float) -> Any:
-    """A chat handler answering as llama-server does, its figures in ``timings``: each
-    answer generates a different number of tokens (so the chart is not flat)."""
-    count = [0]
-
-    def answer(request: Any, body: bytes) -> bytes:
-        count[0] += 1
-        n = 40 + (count[0] * 97) % 260
-        request.setHeader(b"content-type", b"application/json")
-        return json.dumps({
-            "object": "chat.completion", "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": "hi"}}],
-            "timings": {"cache_n": 180 + 40 * (count[0] % 3), "prompt_n": 12 + count[0] % 7,
-                        "predicted_n": n, "predicted_per_second": round(speed + (count[0] % 5) * 1.7, 1)},
-        }).encode()
-
-    return answer
-
-
 class ReadmePictureTests(TestCase):
-    """docs/dashboard.png: two hosts answering with token figures over half a minute
-    (three of the chart's buckets), one of them draining, requests under two keys."""
+    """docs/dashboard.png: two real llama-servers (tools/llama_server.py) answering real
+    requests for a good 25 seconds (three of the chart's buckets), one of them draining
+    at the end, requests under two keys naming a model, an alias and an unknown model.
+    Every figure on the picture is one a real host reported."""
 
-    timeout = 120
+    timeout = 240
 
     def setUp(self) -> None:
         require_chromium(self)
+        require_llama_server(self)
+        self.servers = [LlamaServer("single"), LlamaServer("single", model=str(model_path("tiny-b")))]
+        for server in self.servers:
+            self.addCleanup(server.stop)
+            server.start(timeout=90)  # blocking, before any reactor work of the test
 
     def test_overview_with_tokens(self) -> object:
         async def go() -> None:
-            a, b = FakeLlama(models=["qwen3-coder-30b"]), FakeLlama(models=["gpt-oss-20b"])
-            a.handlers[b"/v1/chat/completions"] = _answers_with_timings("qwen3-coder-30b", 58.0)
-            b.handlers[b"/v1/chat/completions"] = _answers_with_timings("gpt-oss-20b", 91.0)
-            urls = [await listen(self, u) for u in (a, b)]
+            a, b = (server.url for server in self.servers)
             service, base = await start_crossbar(self, (
-                f"health: {{interval: 0.5, timeout: 1}}\nops: {{token: {TOKEN}}}\n"
-                f"hosts:\n  gpu-a: {{url: {urls[0]}, max_inflight: 4}}\n  gpu-b: {{url: {urls[1]}, max_inflight: 2}}\n"
-                "routes:\n  opencode:\n    hosts: [gpu-a, gpu-b]\n"
+                f"health: {{interval: 0.5, timeout: 5}}\nops: {{token: {TOKEN}}}\n"
+                f"hosts:\n  gpu-a: {{url: {a}, max_inflight: 4}}\n  gpu-b: {{url: {b}, max_inflight: 2}}\n"
+                "routes:\n  opencode:\n    hosts: [gpu-a, gpu-b]\n    aliases: {fast: tiny-a}\n"
                 "    keys:\n      alice: {secret: s-alice}\n      ci: {secret: s-ci}\n"))
             await service.poller.when_first_round_done()
             http = http_client(self)
@@ -295,32 +314,39 @@ class ReadmePictureTests(TestCase):
             await browser.call(lambda d: d.find_element(*_by("#token")).send_keys(TOKEN))
             await browser.call(lambda d: d.find_element(*_by("#login-form button")).click())
             await browser.wait(lambda d: "up" in _host_class("gpu-b")(d).split(), 5, "gpu-b up")
-            sent = 0
-            for round_ in range(12):
-                for model, secret in (("qwen3-coder-30b", "s-alice"), ("gpt-oss-20b", "s-ci"))[: 1 + round_ % 2]:
-                    response = await http.post(
-                        base + "/opencode/v1/chat/completions",
-                        data=json.dumps({"model": model, "messages": [{"role": "user", "content": "x"}]}).encode(),
-                        headers={"Content-Type": "application/json", "Authorization": f"Bearer {secret}"})
+            sent: list[str] = []
+            asks = [("tiny-a", "s-alice"), ("tiny-b", "s-ci"), ("fast", "s-alice")]
+            for round_ in range(13):
+                for model, secret in asks[: 1 + round_ % len(asks)]:
+                    if round_ == 7 and model == "tiny-b":
+                        model = "gpt-4o"  # no host lists it: still shown as the client named it
+                    response = await http.post(base + "/opencode/v1/chat/completions", json={
+                        "model": model, "max_tokens": 24 + (round_ * 37) % 100,
+                        "messages": [{"role": "user", "content": f"Write a short poem, number {round_}."}],
+                    }, headers={"Authorization": f"Bearer {secret}"})
                     self.assertEqual(response.code, 200)
                     await treq.content(response)
-                    sent += 1
+                    sent.append(model)
                 await deferLater(reactor, 2.0)
             await treq.content(await http.post(base + "/_crossbar/hosts/gpu-a/drain",
                                                headers={"Authorization": f"Bearer {TOKEN}"}))
             await browser.wait(lambda d: "draining" in _host_class("gpu-a")(d).split(), 10, "gpu-a draining")
             script = ("return Array.from(document.querySelectorAll('#recent tbody tr'))"
                       ".map(function (tr) { return Array.from(tr.cells).map(function (td) { return td.textContent; }); });")
-            rows = await browser.wait(lambda d: (lambda r: r if len(r) == sent else None)(
+            rows = await browser.wait(lambda d: (lambda r: r if len(r) == len(sent) else None)(
                 [row for row in d.execute_script(script) if row[1] == "opencode"]), 10, "every request listed")
-            # Each row's tokens (processed+cached/generated) and tok/s, as the hosts said.
+            # Each row's model as sent (an alias with its target), tokens
+            # (processed+cached/generated) and tok/s, as the real hosts said.
+            self.assertEqual([row[3] for row in rows], [
+                "fast → tiny-a" if m == "fast" else m for m in reversed(sent)])
             for row in rows:
                 self.assertRegex(row[9], r"^\d+\+\d+/\d+$")
                 self.assertRegex(row[10], r"^\d+(\.\d)?$")
-            # The chart's lines rise above zero.
+            # The cards' one-minute averages are above zero.
             tps = await browser.call(lambda d: [dd.text for dd in d.find_elements(
                 *_by("article.host dd.tps"))])
             self.assertTrue(any(t not in ("0.0", "0") for t in tps), tps)
+            await deferLater(reactor, 1.5)  # one more event: the last bucket drawn
             await browser.screenshot("readme")
             self.assertEqual(await browser.console_errors(), [])
 

@@ -87,7 +87,7 @@ class HeaderTests(TestCase):
             for value in h.getRawHeaders(b"connection", []):
                 self.assertNotIn(b"hop", value.lower())
             self.assertEqual(h.getRawHeaders(b"x-foo"), [b"1", b"2"])
-            self.assertEqual(h.getRawHeaders(b"host"), [hosts.service.config.hosts["a"].url[len("http://"):].encode()])
+            self.assertEqual(h.getRawHeaders(b"host"), [hosts.service.config.hosts["a"].url.url[len("http://"):].encode()])
             self.assertEqual(h.getRawHeaders(b"x-forwarded-for"), [b"127.0.0.1"])
             self.assertEqual(h.getRawHeaders(b"x-forwarded-host"), [b"crossbar.test"])
             self.assertEqual(h.getRawHeaders(b"x-forwarded-proto"), [b"http"])

@@ -291,6 +291,26 @@ class HostTextInTheLogTests(TestCase):
         line.encode("utf-8")  # no lone surrogate left
 
 
+    def test_a_router_mode_host_says_how_many_models_it_can_load(self) -> None:
+        """A router-mode host with nothing loaded is not "models: none": the line says
+        how many it lists as loading and available (issue 29, item 13)."""
+        from twisted.logger import formatEvent
+
+        from crossbar.hosts.models import ModelList
+
+        log = LogCapture(self)
+        t, _ = table(recovery_polls=1, hosts=("r", "s", "e"))
+        t.record_success("r", ModelList(available=("tiny-a", "tiny-b", "x"), router=True))
+        t.record_success("s", ModelList(loaded=("tiny-a",), loading=("tiny-b",), available=("x",), router=True))
+        t.record_success("e", [])
+        lines = [formatEvent(e) for e in log.events if "is healthy" in formatEvent(e)]
+        self.assertEqual(lines, [
+            "host r is healthy: 1 good poll(s) in a row (models: none loaded; 3 available)",
+            "host s is healthy: 1 good poll(s) in a row (models: tiny-a; 1 loading, 1 available)",
+            "host e is healthy: 1 good poll(s) in a row (models: none)",
+        ])
+
+
 class SignOfLifeTests(TestCase):
     """A host slow on one request is busy, not dead, when it showed another sign of
     life since (docs/design.md §The proxy rule 7; issue 20 item 5)."""

@@ -19,12 +19,14 @@ import socket
 import tempfile
 from typing import Any
 
+from cryptography import x509
+from cryptography.hazmat.primitives.serialization import load_pem_private_key
 from twisted.internet import reactor
 from twisted.internet.defer import ensureDeferred
 from twisted.internet.endpoints import SSL4ServerEndpoint, TCP4ServerEndpoint, TCP6ServerEndpoint
 from twisted.internet.error import CannotListenError
 from twisted.internet.interfaces import IListeningPort
-from twisted.internet.ssl import PrivateCertificate
+from twisted.internet.ssl import CertificateOptions
 from twisted.trial.unittest import SkipTest, SynchronousTestCase, TestCase
 from twisted.web.server import Request
 
@@ -139,7 +141,10 @@ def _tls_options(case: TestCase, interface: str) -> tuple[Any, str]:
     os.close(fd)
     case.addCleanup(os.remove, path)
     ca.cert_pem.write_to_path(path)
-    return PrivateCertificate.loadPEM(cert.private_key_and_cert_chain_pem.bytes()).options(), path
+    # cryptography objects: pyOpenSSL's own (PrivateCertificate.options()) are deprecated
+    options = CertificateOptions(privateKey=load_pem_private_key(cert.private_key_pem.bytes(), None),
+                                 certificate=x509.load_pem_x509_certificate(cert.cert_chain_pems[0].bytes()))
+    return options, path
 
 
 def _default_port_interface() -> str:

@@ -20,7 +20,6 @@ from twisted.internet import reactor
 from twisted.internet.defer import Deferred, ensureDeferred
 from twisted.internet.task import deferLater
 from twisted.trial.unittest import TestCase
-from twisted.web.client import readBody
 from twisted.web.http_headers import Headers
 
 from crossbar.upstream.h1client import PEEK_AFTER, H1Agent, H1Pool, keep_alive_timeout, retire_after
@@ -97,7 +96,7 @@ class PeerClosedTests(TestCase):
             host_side.settimeout(5)
             host_side.sendall(_ANSWER)
             response = await d
-            self.assertEqual(await readBody(response), b"ok")
+            self.assertEqual(await treq.content(response), b"ok")
             await deferLater(reactor, 0.05)  # the connection is back in the pool
             key = (b"http", b"127.0.0.1", port)
             self.assertEqual(len(pool._idle.get(key, [])), 1)

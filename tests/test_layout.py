@@ -88,9 +88,10 @@ class LayoutTests(SynchronousTestCase):
 
     def test_the_fences_import_no_crossbar_module(self) -> None:
         """``crossbar/compat`` is the bottom floor: the wings import it, it imports none
-        of them (nor the core modules)."""
+        of them (nor the core modules); one fence may use another (txredisapi's
+        connections are Twisted services)."""
         found = [f"{path.relative_to(ROOT)} imports {name}" for path in (ROOT / FLOOR).rglob("*.py")
-                 for name in _imports(path)]
+                 for name in _imports(path) if not name.startswith(f"crossbar.{FLOOR}")]
         self.assertEqual(found, [])
 
     def test_every_package_is_installed(self) -> None:

@@ -574,7 +574,7 @@ class SlowSingleCheck(SynchronousTestCase):
         reactor.advance(NOON)
         cluster = RedisCluster(RedisURL(tls=False, host="127.0.0.1", port=6379), reactor, instance="me")
         conn = FakeConnection(answer=None)
-        cluster._factory = FakeFactory(conn)
+        cluster.link.factory = FakeFactory(conn)
         cluster.joined = True
         limiter = KeyLimiter(reactor.seconds)
         limiter.fleet = RedisLimits(cluster)

@@ -248,7 +248,7 @@ def _listed(**states: str) -> Any:
 
 class _Waiter:
     def __init__(self, model: str | None) -> None:
-        self.route_name, self.queued_at, self.model = "r", 0.0, model
+        self.route_name, self.queued_at, self.model, self.key = "r", 0.0, model, ""
 
     def retry(self) -> bool:
         return False

@@ -74,6 +74,22 @@ class _Shared:
         assert isinstance(third, Chosen)
         tc.assertEqual(third.load, "load")
 
+    def test_a_settled_load_lingers_for_the_others_until_their_polls(self) -> None:
+        tc: Any = self
+        first = self.a.choose(self.a.config.routes["r"], "x", None, [])
+        assert isinstance(first, Chosen)
+        self.a.placement.drop(first.host, "x", linger=2.0)  # a's poll saw it loaded
+        tc.assertEqual(self.a.placement.loading, {})
+        share = self.b.placement.share
+        assert share is not None
+        tc.assertTrue(share.loading(first.host, "x"))
+        self.clock.advance(1)
+        self.a.placement.expire(300)
+        tc.assertTrue(share.loading(first.host, "x"))
+        self.clock.advance(1)
+        self.a.placement.expire(300)
+        tc.assertFalse(share.loading(first.host, "x"))
+
     def test_in_flight_and_last_use_are_everyones(self) -> None:
         tc: Any = self
         lease = self.a.inflight.enter("r", "a")

@@ -43,9 +43,9 @@ class FirstRunTests(SynchronousTestCase):
             args = build_parser().parse_args(argv[argv.index("tools/llama_server.py") + 1:])
             started[args.port] = args.mode
         for name, host in config.hosts.items():
-            url = urlsplit(host.url)
+            url = urlsplit(host.url.url)
             self.assertEqual(url.hostname, "127.0.0.1", name)
-            self.assertIn(url.port, started, f"README starts no host for {name} ({host.url})")
+            self.assertIn(url.port, started, f"README starts no host for {name} ({host.url.url})")
         single = [p for p, mode in started.items() if mode == "single"]
         self.assertTrue(single)
         for route in config.routes.values():

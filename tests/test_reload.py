@@ -96,6 +96,30 @@ class TableAndPollerTests(TestCase):
         self.assertFalse(b.polled)
         self.assertIsNone(table.get("c"))
 
+    def test_each_part_takes_what_it_keeps_from_the_new_config(self) -> None:
+        """Issue 30 item 5: a reload hands the new config to each part, which takes the
+        fields it keeps: the table its thresholds and hosts, the poller its probe, timing
+        and hosts, the pools their TLS policy and connect timeout."""
+        from crossbar.upstream.pools import UpstreamPools
+
+        new = parse_config(
+            "listen: tcp:1\nhealth: {interval: 7, timeout: 3, recovery_polls: 4, failure_threshold: 2}\n"
+            "timeouts: {connect: 9}\nhosts: {a: http://h:1, d: http://h:4}\nroutes: {r: {hosts: [a, d]}}\n",
+            "x.yaml", environ={})
+        table = HealthTable(["a", "b"], 2, 1, lambda: 100.0)
+        table.reconfigure(new, fresh=["a"])
+        self.assertEqual((table.recovery_polls, table.failure_threshold, tuple(table.all())), (4, 2, ("a", "d")))
+        clock = Clock()
+        poller = HealthPoller(table, {"a": "http://h:1"}, FakeProbe(), 60, 5, clock)
+        probe = FakeProbe()
+        poller.reconfigure(new, probe)
+        self.assertEqual((poller.probe, poller.interval, poller.timeout), (probe, 7, 3))
+        self.assertEqual({name: str(url.url) for name, url in poller.hosts.items()}, {"a": "http://h:1", "d": "http://h:4"})
+        pools = UpstreamPools(clock, connect_timeout=5.0)
+        tls = object()
+        pools.reconfigure(new, tls)  # type: ignore[arg-type]
+        self.assertEqual((pools.tls, pools.connect_timeout), (tls, 9))
+
     def test_poller_polls_new_hosts_at_once_and_cancels_stale_polls(self) -> None:
         clock = Clock()
         probe = FakeProbe()

@@ -191,6 +191,10 @@ class RealSlotsTests(TestCase):
                 await treq_sleep(0.02)
             host = status["hosts"]["a"]
             self.assertEqual((host["max_inflight"], host["max_inflight_source"]), (3, "slots"))
+            # Issue 30 item 3: the dashboard shows the same limit (it showed no limit, "∞").
+            page = await (await http.get(base + "/_crossbar/dashboard.json")).json()
+            [shown] = [h for h in page["hosts"] if h["name"] == "a"]
+            self.assertEqual((shown["max_inflight"], shown["max_inflight_source"]), (3, "slots"))
             # Streams of ~1,000 tokens (seconds each): all five are in crossbar long
             # before the first ends.
             body = json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1000,

@@ -15,6 +15,7 @@ import shutil
 import tempfile
 from typing import Any
 
+import treq
 import trustme
 from OpenSSL import SSL
 from twisted.internet import reactor
@@ -27,7 +28,7 @@ from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web._newclient import RequestTransmissionFailed, ResponseFailed, ResponseNeverReceived
-from twisted.web.client import Agent, HTTPConnectionPool, readBody
+from twisted.web.client import Agent, HTTPConnectionPool
 from twisted.web.resource import Resource
 from twisted.web.server import Request
 
@@ -71,7 +72,7 @@ class TLSHostTests(TestCase):
         tracker = ConnectTracker(UpstreamEndpoints(reactor, 5.0, tls))
         agent = Agent.usingEndpointFactory(reactor, tracker, pool=pool)
         response = await agent.request(b"GET", url.encode("ascii"))
-        return await readBody(response), tracker
+        return await treq.content(response), tracker
 
     async def refused(self, url: str, tls: HostTLS | None) -> tuple[str | None, ConnectTracker]:
         """The request fails; returns the failure's short reason and the tracker."""

@@ -213,7 +213,8 @@ class DashboardReadsTheRecordTests(SynchronousTestCase):
 
         record = RequestRecord(route="r", host="a", method="POST", path="/v1/chat/completions",
                                target="/r/v1/chat/completions", status=200, bytes=10, duration=0.5,
-                               figures=Figures(4, 3, 5, 100.0, 50.0), model="tiny-a", ended="complete")
+                               figures=Figures(4, 3, 5, 100.0, 50.0), model="tiny-a", ended="complete",
+                               named="tiny-a", resolved="tiny-a")
         e = entry(1.0, record)
         self.assertEqual((e["model"], e["ended"]), ("tiny-a", "complete"))
         self.assertEqual(e["tokens"], {"prompt": 4.0, "cached": 3.0, "generated": 5.0, "tps": 50.0})

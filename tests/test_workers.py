@@ -320,6 +320,25 @@ class ServingTests(TestCase):
         self.assertRegex(line, r"\[crossbar\.proxy#info worker=[01]\] POST /r/v1/chat/completions -> a 200 ")
         self.assertFalse(line.lstrip().startswith("{"))
 
+    async def test_a_killed_supervisors_directory_is_removed_by_the_next(self) -> None:
+        """twistd with workers killed with SIGKILL leaves its workers' directory; the
+        next one started removes it and says so (issue 29, item 15)."""
+        runtime = os.path.abspath(self.mktemp())
+        os.makedirs(runtime)
+        url = await listen(self, FakeLlama())
+        first = await start_workers(self, host_yaml(url), env={"RUNTIME_DIRECTORY": runtime})
+        [left] = os.listdir(runtime)
+        first.signal("KILL")
+        await first.ended
+        kill_workers(first)
+        self.assertEqual(os.listdir(runtime), [left])  # nothing could remove it
+        second = await start_workers(self, host_yaml(url), env={"RUNTIME_DIRECTORY": runtime})
+        [own] = os.listdir(runtime)
+        self.assertNotEqual(own, left)
+        removed = [e for e in events(second) if e.get("namespace") == "crossbar.supervisor"
+                   and e.get("directory") == os.path.join(runtime, left)]
+        self.assertEqual(len(removed), 1, second.text())
+
     async def test_workers_auto(self) -> None:
         upstream = FakeLlama()
         proc = await start_workers(self, host_yaml(await listen(self, upstream)), workers="auto")
@@ -674,6 +693,22 @@ class SignalTests(TestCase):
             self.assertEqual(response.code, 200)
             await treq.content(response)
 
+    async def test_a_reloads_warnings_are_said_once(self) -> None:
+        """What needs a restart (a changed listen) is said by the supervisor once, not
+        again by every worker that reloads the snapshot it validated."""
+        upstream = FakeLlama()
+        url = await listen(self, upstream)
+        proc = await start_workers(self, host_yaml(url))
+        with open(proc.config_path) as f:
+            text = f.read()
+        with open(proc.config_path, "w") as f:
+            f.write(text.replace("tcp:0:", "tcp:1:", 1) + "  s:\n    hosts: [a]\n")
+        proc.signal("HUP")
+        await proc.line(lambda line: "reloaded" in line and '"worker": 0' in line)
+        await proc.line(lambda line: "reloaded" in line and '"worker": 1' in line)
+        said = [line for line in proc.out if "listen changed" in line]
+        self.assertEqual(len(said), 1, said)
+
     async def test_a_restarted_worker_runs_what_the_supervisor_validated(self) -> None:
         """The file edited without a SIGHUP (here: broken) is not what a restarted
         worker runs: it loads the supervisor's snapshot, as its sibling does."""
@@ -973,6 +1008,34 @@ class SupervisorRuleTests(SynchronousTestCase):
         self.assertFalse(worker.ready)  # a dead worker is not counted as ready
 
 
+    def test_a_starting_supervisor_removes_dead_supervisors_directories(self) -> None:
+        """A supervisor killed with SIGKILL left its ``crossbar-workers-*`` directory: the
+        next one removes it when it starts (and says so), never a live one's; its own is
+        claimed while it lives and gone when it stops (issue 29, item 15)."""
+        from twisted.logger import formatEvent
+
+        from crossbar.process.leftovers import PREFIX, claim, owner_gone
+        from tests.logs import LogCapture
+        from tests.test_leftovers import claimed_by_a_killed_process
+
+        runtime = os.path.abspath(self.mktemp())
+        os.makedirs(runtime)
+        dead, dead_pid = claimed_by_a_killed_process(runtime)
+        live = tempfile.mkdtemp(prefix=PREFIX, dir=runtime)
+        self.addCleanup(os.close, claim(live))
+        log = LogCapture(self)
+        supervisor = Supervisor(self.config(), _SpawnReactor(failures=0), environ={"RUNTIME_DIRECTORY": runtime},
+                                handle_signals=False)
+        supervisor.startService()
+        self.addCleanup(shutil.rmtree, supervisor.directory, True)
+        self.assertEqual(sorted(os.listdir(runtime)), sorted([os.path.basename(live),
+                                                              os.path.basename(supervisor.directory)]))
+        self.assertIsNone(owner_gone(supervisor.directory))  # held: not a leftover while it lives
+        [said] = [formatEvent(e) for e in log.events if e.get("directory") == dead]
+        self.assertEqual(said, f"removed {dead}, left by a supervisor that is gone (pid {dead_pid})")
+        supervisor._clean_up(None)  # as its stop ends
+        self.assertEqual(os.listdir(runtime), [os.path.basename(live)])
+
     def test_a_silent_worker_is_killed(self) -> None:
         """A worker whose reactor is wedged (or a SIGSTOPped process) sends no ``alive``
         line: after STALL seconds it is killed, and so restarted; one that speaks is
@@ -1081,6 +1144,42 @@ class RelayTests(SynchronousTestCase):
         relay_log_line(json.dumps({"level": "critical", "namespace": "twisted", "message": "it broke",
                                    "failure": "Traceback (most recent call last):\nValueError: x\n"}).encode(), 0)
         self.assertEqual(formatEvent(seen[0]), "it broke\nTraceback (most recent call last):\nValueError: x")
+
+
+    def test_a_legacy_line_keeps_its_system(self) -> None:
+        """A worker's line from Twisted's legacy ``log.msg`` (namespace ``log_legacy``)
+        is shown as twistd shows it, with its system, not ``[log_legacy#info]`` (issue
+        29, item 13): the worker's JSON line made by the worker's own observer."""
+        from twisted.logger import LogLevel, formatEventAsClassicLogText, globalLogPublisher
+        from twisted.python import log as legacy
+
+        from crossbar.ops.jsonlog import event_as_line
+
+        made: list[str] = []
+
+        def worker_side(event: dict[str, Any]) -> None:
+            if event.get("log_namespace") == "log_legacy":
+                made.append(event_as_line(event))
+
+        globalLogPublisher.addObserver(worker_side)
+        legacy.callWithContext({"system": "HTTPChannel,0,127.0.0.1"}, legacy.msg, "a legacy line")
+        legacy.msg("no system")
+        legacy.err(ValueError("boom"), "it failed")
+        globalLogPublisher.removeObserver(worker_side)
+        self.flushLoggedErrors(ValueError)
+        self.assertEqual(len(made), 3)
+        seen: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(seen.append)
+        self.addCleanup(globalLogPublisher.removeObserver, seen.append)
+        for line in made:
+            relay_log_line(line.encode(), 2)
+        self.assertEqual([e["log_namespace"] for e in seen], ["crossbar.worker"] * 3)
+        texts = [formatEventAsClassicLogText(e, lambda _: "T") for e in seen]
+        self.assertEqual(texts[0], "T [HTTPChannel,0,127.0.0.1 worker=2] a legacy line\n")
+        self.assertEqual(texts[1], "T [- worker=2] no system\n")
+        self.assertTrue(texts[2].startswith("T [- worker=2] it failed\n\tTraceback"), texts[2])
+        self.assertIn("ValueError: boom", texts[2])
+        self.assertEqual(seen[2]["log_level"], LogLevel.critical)
 
 
 def held_by_worker(proc: Twistd, socks: list[socket.socket]) -> Counter[int]:

@@ -33,12 +33,12 @@ stamps): crossbar works, only slower. :func:`log_fallback` says so once at start
    attributes) and reads its ``dataBuffer``, ``offset``, ``_tempDataLen`` and
    ``_writeDisconnected``: Twisted buffers every write until the reactor's next turn
    finds the socket writable, which costs each relayed event two ``epoll_ctl`` calls
-   and a reactor dispatch (issue 23: CPU per event) and adds that turn to its latency;
+   and a reactor dispatch (CPU per event) and adds that turn to its latency;
    asyncio sends at once when nothing is waiting, and so does crossbar now.
 6. :func:`cache_log_timestamps` replaces ``twisted.logger._file.formatTime``, the module
    global that twistd's text log observer (``textFileLogObserver``) calls for every
    line: it builds a time zone and a ``datetime`` and runs ``strftime`` each time (~60k
-   instructions, 4% of a proxied request's CPU, issue 23), though its text changes once
+   instructions, 4% of a proxied request's CPU), though its text changes once
    a second. The replacement gives the same text, formatted once per second; twistd
    offers no other way to choose its observer's time format cheaply (``--logger``
    replaces ``--logfile`` and ``--syslog`` handling altogether).
@@ -47,23 +47,27 @@ stamps): crossbar works, only slower. :func:`log_fallback` says so once at start
    ``KeyFlattener``'s convention), and the supervisor relays a worker's line as a format
    without fields whose flattened values are ``{}``; :func:`emit_flattened` hands either to
    the logger's observer as ``Logger.emit`` builds events: Twisted formats a flattened
-   event without ``string.Formatter`` (~11k instructions per request's log line, issue 23).
+   event without ``string.Formatter`` (~11k instructions per request's log line).
 8. :func:`body_writer` reads ``Request.chunked``, ``_disconnected``, ``_encoder`` and
    ``_inFakeHead`` and adds to ``sentLength``: once an answer's head is out, each relayed
    body chunk went through ``server.Request.write``, ``http.Request.write``, ``toChunk``,
    ``HTTPChannel.writeSequence`` and the transport's ``writeSequence`` (a join): six
-   Python calls per streamed event (issue 23: CPU per event). The writer frames the chunk
+   Python calls per streamed event (CPU per event). The writer frames the chunk
    as ``toChunk`` does and hands it to the connection's ``write`` in one call.
 9. :func:`lean_dispatch` replaces an ``EPollReactor``'s ``doIteration`` (an instance
    attribute over the class's ``doPoll``) and reads its ``_poller``, ``_selectables`` and
    ``_doReadOrWrite``, and the reactor thread's ``twisted.python.context`` stack: Twisted
    dispatches every ready descriptor through ``log.callWithLogger``, whose four layers of
    ``*args`` calls and dict copies cost ~16k instructions per read, ~30% of a relayed
-   event (issue 23). The replacement pushes the same log context (the descriptor's
+   event (bench/instructions.sh). The replacement pushes the same log context (the descriptor's
    ``logPrefix()`` as ``system``), logs an escaping error as ``callWithLogger`` does, and
    handles ``epoll_wait`` as ``doPoll`` does, in one loop. That loop also orders a turn:
    upstream connections first, then clients' descriptors within a time budget (the rest
    next turn), so a burst of new requests does not hold running streams' events.
+10. :class:`QuietClientService` replaces ``ClientService._log`` (a class attribute) with a
+   logger that drops every event: the reconnecting service logs each attempt, so while
+   Redis is away (``cluster.redis``) it would write a line a second; the cluster says so
+   once instead. Under the fallback it is ``ClientService`` itself.
 """
 
 from __future__ import annotations
@@ -74,11 +78,13 @@ import time
 from typing import Any, Callable, cast
 
 from twisted.internet.tcp import Connection
+
+from crossbar.compat import start_up_check, within
 from twisted.logger import Logger, LogLevel
 from twisted.web.http import HTTPChannel
 from twisted.web.server import Request
 
-__all__ = ["CHECKED", "FALLBACK", "BadRequestHook", "body_writer", "cache_log_timestamps", "client_is_paused",
+__all__ = ["CHECKED", "FALLBACK", "BadRequestHook", "QuietClientService", "body_writer", "cache_log_timestamps", "client_is_paused",
            "eager_writes", "emit_flattened", "flattened_line", "lean_dispatch", "log_fallback", "moved",
            "pending_write_bytes", "per_second", "version_checked", "wrap_port_logger"]
 
@@ -90,7 +96,7 @@ both included; ``pyproject.toml``'s bound on Twisted says the same."""
 def version_checked(major: int, minor: int) -> bool:
     """Whether Twisted ``major.minor`` is within :data:`CHECKED` (compared as numbers:
     26.1 is older than 26.10)."""
-    return CHECKED[0] <= (major, minor) <= CHECKED[1]
+    return within(CHECKED, major, minor)
 
 
 def moved() -> list[str]:
@@ -125,6 +131,9 @@ def moved() -> list[str]:
         need(hasattr(http.Request, name), 8, f"http.Request.{name}")
     for name in ("_encoder", "_inFakeHead"):
         need(hasattr(server.Request, name), 8, f"server.Request.{name}")
+    from twisted.application.internet import ClientService
+
+    need(isinstance(getattr(ClientService, "_log", None), Logger), 10, "ClientService._log", "not a Logger")
     reactor_class: Any = epollreactor.EPollReactor
     need(callable(getattr(reactor_class, "_doReadOrWrite", None)), 9, "EPollReactor._doReadOrWrite")
     need(getattr(reactor_class, "doIteration", None) is getattr(reactor_class, "doPoll", 0), 9,
@@ -134,21 +143,9 @@ def moved() -> list[str]:
 
 def _fallback() -> str | None:
     """Why the touchpoints must do what Twisted does (:data:`FALLBACK`), or None."""
-    import re
-
     import twisted
 
-    found = re.match(r"(\d+)\.(\d+)", twisted.__version__)
-    if found is None or not version_checked(int(found[1]), int(found[2])):
-        return (f"Twisted {twisted.__version__} is outside the range crossbar's touchpoints were checked against"
-                f" ({CHECKED[0][0]}.{CHECKED[0][1]} to {CHECKED[1][0]}.{CHECKED[1][1]})")
-    try:
-        gone = moved()
-    except Exception as e:  # an internal so changed that probing it fails
-        gone = [f"probing failed: {e!r}"]
-    if gone:
-        return f"Twisted {twisted.__version__} moved what crossbar relies on: {'; '.join(gone)}"
-    return None
+    return start_up_check("Twisted", twisted.__version__, CHECKED, moved)
 
 
 def log_fallback(log: Logger) -> bool:
@@ -298,7 +295,7 @@ def lean_dispatch(reactor: Any, clock: Callable[[], float] = time.monotonic) -> 
     old, at least one of them per turn. Those left are reported again by the next
     ``epoll_wait`` (level-triggered), a moment later: a burst of new requests cannot hold
     the events of streams already running for longer than that (docs/design.md §Quality
-    bar: a chunk reaches the client without waiting; issue 23: the burst's lag p99).
+    bar: a chunk reaches the client without waiting; the lag p99 in a burst).
 
     Once is enough (returns False the second time, and for any other reactor, changing
     nothing)."""
@@ -435,3 +432,22 @@ def emit_flattened(logger: Logger, level: LogLevel, log_format: str, flattened: 
 FALLBACK: str | None = _fallback()
 """None when every touchpoint may reach into Twisted; else why each does what Twisted
 itself does (the start-up check, run once at import)."""
+
+
+def _quiet_client_service() -> type:
+    from twisted.application.internet import ClientService
+    from twisted.logger import LogPublisher
+
+    if FALLBACK is not None:
+        return ClientService
+
+    class QuietClientService(ClientService):
+        """A reconnecting ``ClientService`` that logs nothing per attempt (touchpoint 10)."""
+
+        _log = Logger(observer=LogPublisher())  # no observers: every event dropped
+
+    return QuietClientService
+
+
+QuietClientService: Any = _quiet_client_service()
+"""Twisted's ``ClientService`` without a log line per connection attempt (touchpoint 10)."""

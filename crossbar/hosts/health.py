@@ -12,10 +12,10 @@ from typing import Callable, Iterable
 
 from twisted.logger import Logger
 
-from crossbar.config import one_line
+from crossbar.config import Config, one_line
 from crossbar.hosts.models import ModelList
 
-__all__ = ["HealthTable", "HostStatus", "LifeSign"]
+__all__ = ["HealthTable", "HostStatus", "LifeSign", "models_text"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,19 @@ class LifeSign:
 
     def __init__(self) -> None:
         self.at = float("-inf")
+
+
+def models_text(status: HostStatus) -> str:
+    """The models of the "is healthy" line: the loaded ids (escaped: a host's text), then
+    how many are loading and how many the host can load on demand (a router-mode host
+    lists them all, most unloaded): ``tiny-a; 2 available``, ``none loaded; 3 available``;
+    ``none`` for a host that lists nothing."""
+    loaded = one_line(", ".join(status.loaded))
+    counts = [f"{len(ids)} {what}" for ids, what in ((status.loading, "loading"), (status.available, "available"))
+              if ids]
+    if not counts:
+        return loaded or "none"
+    return f"{loaded or 'none loaded'}; {', '.join(counts)}"
 
 
 class HealthTable:
@@ -191,6 +204,14 @@ class HealthTable:
         )
         self._set(name, old, new)
 
+    def reconfigure(self, config: Config, fresh: Iterable[str] = ()) -> None:
+        """A reload (docs/design.md §Operations): ``health.recovery_polls`` and
+        ``failure_threshold`` from ``config``, and its hosts (:meth:`set_hosts`; those in
+        ``fresh`` start over)."""
+        self.recovery_polls = config.health.recovery_polls
+        self.failure_threshold = config.health.failure_threshold
+        self.set_hosts(config.hosts, reset=fresh)
+
     def set_hosts(self, names: Iterable[str], reset: Iterable[str] = ()) -> None:
         """Track exactly ``names``, in that order (a config reload, docs/design.md §Operations).
 
@@ -220,7 +241,7 @@ class HealthTable:
                 self._log.info(
                     "host {host} is healthy: {reason} (models: {models})",
                     host=name, healthy=True, reason=f"{new.consecutive} good poll(s) in a row",
-                    loaded=[one_line(m) for m in new.loaded], models=one_line(", ".join(new.loaded)) or "none",
+                    loaded=[one_line(m) for m in new.loaded], models=models_text(new),
                 )
             else:
                 self._log.warn(

@@ -37,6 +37,7 @@ from twisted.web.http_headers import Headers
 
 from crossbar.upstream.failures import describe_failure
 from crossbar.hosts.health import HealthTable
+from crossbar.config import Config
 from crossbar.hosturl import HostURL, host_url
 from crossbar.hosts.models import ModelList, ModelsError, parse_models
 from crossbar.waiting import Condition
@@ -359,6 +360,14 @@ class HealthPoller(Service):
                 if name in restart and name not in self._inflight:
                     self._start(name, url)
         self._first_round.check()
+
+    def reconfigure(self, config: Config, probe: IHostProbe, fresh: Iterable[str] = ()) -> None:
+        """A reload (docs/design.md §Operations): polls go through ``probe`` (built from
+        ``config`` beforehand), every ``health.interval`` with ``health.timeout``, to
+        ``config``'s hosts (:meth:`set_hosts`)."""
+        self.probe = probe
+        self.set_timing(config.health.interval, config.health.timeout)
+        self.set_hosts({name: h.url for name, h in config.hosts.items()}, fresh=fresh)
 
     def set_timing(self, interval: float, timeout: float) -> None:
         """Use ``interval`` seconds between rounds (from the next round on) and

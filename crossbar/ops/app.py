@@ -23,12 +23,12 @@ from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource
 
 from crossbar.state.worker_counts import AFFINITY_OUTCOMES
+from crossbar.ops.hostview import host_view, leaving_view
 from crossbar.ops.dashboard import CSP, load_static, snapshot
 from crossbar.ops.metrics import CONTENT_TYPE_LATEST, Metrics
 from crossbar.ops.recent import RecentRequests
 from crossbar.errors import error_headers, json_error_bytes
 from crossbar.config import Host
-from crossbar.hosts.balance import limit_in_force
 from crossbar.hosts.health import HostStatus
 from crossbar.state.placement import Move
 from crossbar.state.runtime import Runtime
@@ -119,19 +119,11 @@ class OpsApp:
             host = config.hosts.get(name)
             hosts[name] = {
                 "url": host.url.url if host is not None else None,
-                "healthy": s.healthy,
-                "loaded": list(s.loaded),
-                "loading": list(s.loading),
-                "available": list(s.available),
+                **host_view(runtime, name, s),
                 "last_ok": rfc3339(s.last_ok),
-                "last_err": s.last_err,
                 "consecutive": s.consecutive,
                 "failures": s.failures,
-                "inflight": runtime.inflight.host(name),
                 "weight": host.weight if host is not None else None,
-                **_limit(host, s),
-                "draining": name in runtime.drained,
-                "leaving": False,
                 "tokens_per_s": round(window.generated_per_second(name), 2),
                 "cached_share": _share(window.cached_share("h", name)),
                 **_placement(runtime, name, host, s),
@@ -139,11 +131,8 @@ class OpsApp:
         for name, n in sorted(runtime.leaving().items()):
             # Removed by a reload, still answering: shown until its last request ends.
             hosts[name] = {
-                "url": None, "healthy": False, "loaded": [], "loading": [], "available": [],
-                "last_ok": None, "last_err": None, "consecutive": 0, "failures": 0, "inflight": n,
-                "weight": None, "max_inflight": None, "max_inflight_source": None, "draining": False,
-                "leaving": True,
-                "tokens_per_s": 0.0, "cached_share": None,
+                "url": None, **leaving_view(n), "last_ok": None, "consecutive": 0, "failures": 0,
+                "weight": None, "tokens_per_s": 0.0, "cached_share": None,
                 "models_max": None, "models": {}, "last_load": None, "last_unload": None,
             }
         routes = {}
@@ -161,6 +150,7 @@ class OpsApp:
                     **{outcome: runtime.affinity(name, outcome) for outcome in AFFINITY_OUTCOMES},
                 },
                 "keys": runtime.key_status(route),
+                "waiting": runtime.queues.status(name),  # per key, this process's queue (§Access)
             }
         doc: dict[str, Any] = {"hosts": hosts, "routes": routes}
         cluster = runtime.cluster
@@ -339,9 +329,3 @@ def _placement(runtime: Runtime, name: str, host: Host | None, status: HostStatu
         "last_unload": _move(placement.last_unload.get(name)),
     }
 
-
-def _limit(host: Host | None, status: HostStatus) -> dict[str, object]:
-    """``max_inflight`` in force and ``max_inflight_source`` (``config``, ``slots`` or
-    None for no limit), docs/design.md §Choosing a host, rules 2 and 5."""
-    limit, source = limit_in_force(host, status) if host is not None else (None, None)
-    return {"max_inflight": limit, "max_inflight_source": source}

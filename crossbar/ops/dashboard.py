@@ -18,6 +18,7 @@ from __future__ import annotations
 from importlib import resources
 from typing import Any
 
+from crossbar.ops.hostview import host_view, leaving_view
 from crossbar.ops.recent import BUCKET, KEEP, RecentRequests
 from crossbar.state.runtime import Runtime
 from crossbar.state.worker_counts import AFFINITY_OUTCOMES
@@ -111,27 +112,13 @@ def snapshot(runtime: Runtime, recent: RecentRequests, limit: int = 200) -> dict
     rates = _rate(host_buckets, now, 60.0)
     hosts = []
     for name, s in runtime.table.all().items():
-        host = config.hosts.get(name)
         hosts.append({
-            "name": name,
-            "healthy": s.healthy,
-            "polled": s.polled,
-            "last_err": s.last_err,
-            "last_ok": s.last_ok,
-            "inflight": runtime.inflight.host(name),
-            "max_inflight": host.max_inflight if host is not None else None,
-            "loaded": list(s.loaded),
-            "loading": list(s.loading),
-            "available": list(s.available),
-            "draining": name in runtime.drained,
-            "leaving": False,
+            "name": name, **host_view(runtime, name, s), "polled": s.polled, "last_ok": s.last_ok,
             "tps": rates.get(name, 0.0),
         })
     for name, n in sorted(runtime.leaving().items()):
         hosts.append({
-            "name": name, "healthy": False, "polled": True, "last_err": None, "last_ok": None,
-            "inflight": n, "max_inflight": None, "loaded": [], "loading": [], "available": [],
-            "draining": False, "leaving": True, "tps": rates.get(name, 0.0),
+            "name": name, **leaving_view(n), "polled": True, "last_ok": None, "tps": rates.get(name, 0.0),
         })
     prompt: dict[str, list[float]] = {}
     for per_route in route_buckets.values():

@@ -28,7 +28,6 @@ from typing import Any, Callable, Iterable
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 
-from crossbar.ops.figures import Figures
 from crossbar.ops.record import RequestRecord
 
 __all__ = ["BUCKET", "KEEP", "RECENT", "TICK", "WATCH_TTL", "RecentRequests", "entry", "token_figures"]
@@ -50,83 +49,40 @@ _TEXT_MAX = 200  # characters of any text field shown (model ids, why, paths)
 _log = Logger(namespace="crossbar.ops")
 
 
-def _attr(source: Any, *names: str) -> Any:
-    """The first of ``names`` that ``source`` (an object or a dict) has, not None."""
-    if isinstance(source, dict):
-        for name in names:
-            value = source.get(name)
-            if value is not None:
-                return value
-        return None
-    for name in names:
-        value = getattr(source, name, None)
-        if value is not None:
-            return value
-    return None
-
-
-def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return float(value)
-
-
 def _text(value: Any) -> str:
     return "" if value is None else str(value)[:_TEXT_MAX]
 
 
-_NAMES = (
-    ("prompt", "prompt_tokens", "prompt_n", "processed"),
-    ("cached", "cached_tokens", "cache_n"),
-    ("generated", "generated_tokens", "predicted_n", "completion_tokens"),
-    ("generation_tps", "tps", "predicted_per_second", "generation_speed"),
-)
-"""Where a record's token figures may be: prompt processed, cached, generated, speed."""
-_HAS_FLAT: dict[type, bool] = {}
-
-
 def token_figures(record: RequestRecord) -> dict[str, float | None] | None:
-    """The token figures of ``record`` where it has them (docs/design.md §What the answers
-    say): ``prompt`` (processed), ``cached``, ``generated`` and ``tps`` (generation
-    speed), read either from a ``tokens`` field (an object or dict) or from flat
-    fields of the record; None when it has none."""
-    source = getattr(record, "figures", None)  # crossbar.ops.figures.Figures
-    if type(source) is Figures:  # every complete answer's: read directly (issue 23)
-        speed = source.generation_speed
-        return {"prompt": float(source.prompt), "cached": float(source.cached),
-                "generated": float(source.generated), "tps": None if speed is None else float(speed)}
-    if source is None:
-        source = getattr(record, "tokens", None)
-    if source is None:
-        kind = type(record)
-        flat = _HAS_FLAT.get(kind)
-        if flat is None:  # looked up once per record class: most have no such field
-            flat = _HAS_FLAT[kind] = any(hasattr(record, n) for names in _NAMES for n in names)
-        if not flat:
-            return None
-        source = record
-    prompt = _number(_attr(source, *_NAMES[0]))
-    cached = _number(_attr(source, *_NAMES[1]))
-    generated = _number(_attr(source, *_NAMES[2]))
-    tps = _number(_attr(source, *_NAMES[3]))
-    if prompt is None and cached is None and generated is None:
+    """The token figures of ``record`` (docs/design.md §What the answers say): ``prompt``
+    (processed), ``cached``, ``generated`` and ``tps`` (generation speed) from its
+    :class:`~crossbar.ops.figures.Figures`; None for an answer without figures (cut
+    short, or the host said none)."""
+    figures = record.figures
+    if figures is None:
         return None
-    return {"prompt": prompt, "cached": cached, "generated": generated, "tps": tps}
+    speed = figures.generation_speed
+    return {"prompt": float(figures.prompt), "cached": float(figures.cached),
+            "generated": float(figures.generated), "tps": None if speed is None else float(speed)}
 
 
 def entry(at: float, record: RequestRecord) -> dict[str, Any]:
     """One recent request as the dashboard shows it: no body, no query string, no
-    secret (the key's name only); texts cut to 200 characters."""
+    secret (the key's name only); texts cut to 200 characters. ``model`` is the model
+    as the client named it (not the metrics' ``other``), ``resolved`` the id an alias
+    (or the route's ``default_model``) made of it when that differs, else ""."""
+    named, resolved = _text(record.named), _text(record.resolved)
     return {
         "t": round(at, 3),
         "route": _text(record.route),
         "host": _text(record.host),
         "key": _text(record.key),
-        "model": _text(_attr(record, "model")),
+        "model": named,
+        "resolved": "" if resolved == named else resolved,
         "method": _text(record.method),
         "path": _text(record.path),
         "status": record.status,
-        "ended": _text(_attr(record, "ended", "end", "outcome")),
+        "ended": record.ended,
         "why": _text(record.why),
         "ttfb": None if record.ttfb is None else round(record.ttfb, 4),
         "queued": round(record.queued, 4),

@@ -323,9 +323,10 @@ class CrossbarService(MultiService):
         if self._handle_signals:
             catch_second_stop_signal(self.reactor, self.hurry)
 
-    def reload(self, text: str | None = None) -> bool:
+    def reload(self, text: str | None = None, said: bool = False) -> bool:
         """Re-read and validate the config file (SIGHUP, docs/design.md §Operations); with
-        ``text``, validate that instead (a worker: the text its supervisor validated).
+        ``text``, validate that instead (a worker: the text its supervisor validated and
+        warned about, ``said``: its warnings are not said again).
 
         An invalid file is logged and the running config kept (returns False). A valid
         one is swapped in with one assignment (returns True). In-flight requests finish
@@ -336,7 +337,7 @@ class CrossbarService(MultiService):
         """
         old = self.runtime.config
         path = old.source
-        new = next_config(old, self.reactor, self._log, text=text)
+        new = next_config(old, self.reactor, self._log, text=text, said=said)
         if new is None:
             return False
         plan = plan_reload(old, new)
@@ -348,29 +349,17 @@ class CrossbarService(MultiService):
         except Exception as e:
             self._log.error(REFUSED, error=f"{type(e).__name__}: {e}")
             return False
-        health = new.health
-        table = self.runtime.table
-        table.recovery_polls = health.recovery_polls
-        table.failure_threshold = health.failure_threshold
-        table.set_hosts(new.hosts, reset=plan.fresh)
-        self.pools.tls = tls
-        if any(new.hosts[name].url.scheme == "https" for name in plan.fresh):
-            self.pools.close()  # no pooled connection made under the old TLS settings
-        self.pools.connect_timeout = new.timeouts.connect
-        self.runtime.config = new
-        self.runtime.forget_removed_drains()  # drains of hosts still configured hold
-        self.runtime.placement.forget(h for h in new.hosts if h not in plan.fresh)
-        self.runtime.tokens.configure(tuple(new.hosts), tuple(new.routes))
-        if self.runtime.fleet is not None:
-            self.runtime.fleet.configure(new)
-            self.runtime.republish()
-        self.poller.probe = probe
+        # Each part takes from the new config what it keeps (its own reconfigure), in the
+        # order requests see them: health, connections, the config itself, polls.
+        self.runtime.table.reconfigure(new, plan.fresh)
+        self.pools.reconfigure(new, tls, plan.fresh)
+        self.runtime.reconfigure(new)
+        self.runtime.placement.forget(h for h in new.hosts if h not in plan.fresh)  # §Where models live
         if plan.fresh:
             # A kept-alive poll connection was opened under the old settings (a CA that no
             # longer holds would go on passing): new and changed hosts are polled anew.
             self._poll_pool.close()
-        self.poller.set_timing(health.interval, health.timeout)
-        self.poller.set_hosts({name: h.url for name, h in new.hosts.items()}, fresh=plan.fresh)
+        self.poller.reconfigure(new, probe, plan.fresh)
         if self.systemd is not None:
             self.systemd.health_changed()
         self.runtime.queues.wake()  # new hosts, weights or limits may make room

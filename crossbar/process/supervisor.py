@@ -56,13 +56,14 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger, LogLevel, InvalidLogLevelError
 from twisted.python.failure import Failure
 
-from crossbar.config import Config, ConfigError
+from crossbar.config import Config, ConfigError, one_line
 from crossbar.state.worker_counts import WorkerCounts, check_capacity
 from crossbar.process.reload import REFUSED, SIGHUPReload, catch_second_stop_signal, next_config
 from crossbar.state.box_limits import BoxLimits, check_limit_room, limit_slots_for
 from crossbar.state.shared import SharedCounts
 from crossbar.ops.systemd import Notifier, SystemdNotifier, watchdog_interval
 from crossbar.waiting import Condition
+from crossbar.process.leftovers import PREFIX as LEFTOVER_PREFIX, claim, remove_leftovers
 from crossbar.process.listen import WorkerListeners
 from crossbar.compat.twisted import emit_flattened
 from crossbar.process.heartbeat import HEARTBEAT, host_line, parse_host_line
@@ -109,7 +110,12 @@ def relay_log_line(line: bytes, worker: int) -> None:
     """Log one line of a worker's JSON log (:mod:`crossbar.ops.jsonlog`) as this process's
     own event: the worker's message, namespace, level and fields, plus ``worker``
     (its index). The text log shows ``[namespace#level worker=N]``; the JSON log has
-    ``"worker": N``. A line that is not a JSON object is logged as the message."""
+    ``"worker": N``. A line that is not a JSON object is logged as the message.
+
+    A line of Twisted's legacy logging (``twisted.python.log.msg``: namespace
+    ``log_legacy``, which names no source) keeps its system as twistd's text log shows
+    it: ``[- worker=N]``, ``[HTTPChannel,0,127.0.0.1 worker=N]``, under the namespace
+    ``crossbar.worker``."""
     text = line.decode("utf-8", "replace").rstrip("\r")
     if not text:
         return
@@ -123,7 +129,8 @@ def relay_log_line(line: bytes, worker: int) -> None:
         level = LogLevel.levelWithName(str(doc.pop("level", "info")))
     except InvalidLogLevelError:
         level = LogLevel.info
-    namespace = str(doc.pop("namespace", "") or "crossbar.worker")
+    namespace = str(doc.pop("namespace", "") or _WORKER)
+    system = doc.pop("system", None)
     message = str(doc.pop("message", ""))
     # The worker's traceback (a string): into the message, so the text log shows it; never
     # as a "failure" field, which legacy observers take for a Failure object.
@@ -131,19 +138,26 @@ def relay_log_line(line: bytes, worker: int) -> None:
     if isinstance(failure, str) and failure and failure not in message:
         message = f"{message}\n{failure.rstrip()}"
     doc.pop("time", None)  # the time it is relayed, within milliseconds
-    doc.pop("system", None)
     event = {k: v for k, v in doc.items() if isinstance(k, str) and not k.startswith("log_") and k != "format"}
     event["worker"] = worker
     logger = _relay_loggers.get(namespace)
     if logger is None:
-        logger = Logger(namespace=namespace)
+        logger = Logger(namespace=_WORKER if namespace == _LEGACY else namespace)
         if len(_relay_loggers) < 256:
             _relay_loggers[namespace] = logger
     # The worker's message is already formatted: escaped, it is a format without fields,
     # whose flattened values are none (``{}``): shown as it is, without string.Formatter.
-    event["log_system"] = f"{namespace}#{level.name} worker={worker}"
+    if namespace == _LEGACY:
+        event["log_system"] = f"{one_line(str(system or '-'))} worker={worker}"
+    else:
+        event["log_system"] = f"{namespace}#{level.name} worker={worker}"
     emit_flattened(logger, level, message.replace("{", "{{").replace("}", "}}"), {}, event)
 
+
+_WORKER = "crossbar.worker"
+"""The namespace of a relayed line that names none of its own."""
+_LEGACY = "log_legacy"
+"""Twisted's namespace for events of its legacy ``log.msg`` (it names no source)."""
 
 _relay_loggers: dict[str, Logger] = {}
 """A Logger per relayed namespace (at most 256 kept)."""
@@ -254,6 +268,7 @@ class Supervisor(MultiService):
         # The shared counts and metrics live in a directory made once the listener is
         # open (startService): a start-up that fails leaves nothing behind.
         self.directory = ""
+        self._owner: int | None = None  # the descriptor holding the directory's owner lock
         self._shared_path = ""
         self._limits_path = ""
         self._snapshot_path = ""
@@ -286,8 +301,11 @@ class Supervisor(MultiService):
         super().startService()
         # systemd's RuntimeDirectory= (contrib/systemd): never aged out by tmp cleaners
         runtime = self._environ.get("RUNTIME_DIRECTORY", "").split(":")[0] or None
-        self.directory = tempfile.mkdtemp(prefix="crossbar-workers-", dir=runtime)
+        for path, pid in remove_leftovers(runtime or tempfile.gettempdir()):
+            _log.info("removed {directory}, left by a supervisor that is gone (pid {pid})", directory=path, pid=pid)
+        self.directory = tempfile.mkdtemp(prefix=LEFTOVER_PREFIX, dir=runtime)
         try:
+            self._owner = claim(self.directory)  # held while this process lives: not a leftover
             self._shared_path = os.path.join(self.directory, "counts")
             SharedCounts.create(self._shared_path, self.count + 1)
             self.counts = WorkerCounts(SharedCounts(self._shared_path, self.count + 1, self.count), self.config)
@@ -299,6 +317,9 @@ class Supervisor(MultiService):
             self._write_snapshot(self.config)
         except OSError as e:
             shutil.rmtree(self.directory, ignore_errors=True)
+            if self._owner is not None:
+                os.close(self._owner)
+                self._owner = None
             raise ConfigError(self.config.source, "workers",
                               f"cannot make the workers' shared files in {self.directory}: {e.strerror or e}") from None
         for index in range(self.count):
@@ -469,6 +490,9 @@ class Supervisor(MultiService):
             self.systemd.notifier.close()
         if self.directory:
             shutil.rmtree(self.directory, ignore_errors=True)
+        if self._owner is not None:
+            os.close(self._owner)
+            self._owner = None
         return result
 
     def hurry(self) -> None:

@@ -18,6 +18,8 @@ from crossbar.hosts.balance import Chosen
 from crossbar.ops.figures import Figures
 from crossbar.ops.record import OTHER_MODEL, RequestLog, RequestRecord
 from crossbar.proxy.head import RequestHead
+from crossbar.proxy.request import NO_BODY_METHODS
+from crossbar.proxy.routing import query_model
 
 if TYPE_CHECKING:
     from crossbar.hosts.health import HostStatus
@@ -153,15 +155,30 @@ class Tally:
             return None
         return self.first_byte_at - self.sent_at
 
+    def named(self) -> tuple[str, str]:
+        """The model as the client named it (rule 4: the body's, else a GET or HEAD's
+        query parameter; "" for none) and the id it is chosen for (an alias resolved, or
+        the route's ``default_model``; "" for none), also for a request refused before a
+        host was chosen (403, 404): what the dashboard shows, never a label."""
+        head = self.head
+        named = head.peeked.model
+        if named is None and head.method in NO_BODY_METHODS and head.query:
+            named = query_model(head.query)
+        resolved = self.model
+        if resolved is None and named and head.route is not None:
+            resolved = head.route.resolve(named)
+        return named or "", resolved or ""
+
     def record(self, model: str = "") -> RequestRecord:
         """The request's record as of now, with the ``model`` label."""
         head = self.head
+        named, resolved = self.named()
         return RequestRecord(
             route=head.route_label, host=self.host, method=head.method.decode("latin-1"),
             path=head.rest.decode("latin-1"),
             target=head.path.decode("latin-1"), status=self.status, bytes=self.bytes,
             duration=self.now() - self.received, ttfb=self.ttfb, queued=self.queued, key=head.key, why=self.why,
-            ended=self.ended, figures=self.figures, model=model, ttft=self.ttft(),
+            ended=self.ended, figures=self.figures, model=model, ttft=self.ttft(), named=named, resolved=resolved,
         )
 
     def write(self, statuses: Callable[[str], HostStatus | None]) -> None:

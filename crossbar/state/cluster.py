@@ -33,29 +33,21 @@ succeeds.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import uuid
-from collections import deque
 from typing import Any, Callable, Iterable, Protocol
 
 import txredisapi
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
-from twisted.application.internet import ClientService
-from twisted.internet.defer import CancelledError, Deferred, DeferredList, TimeoutError, fail, succeed
-from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import LoopingCall
-from twisted.logger import LogPublisher, Logger
+from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from crossbar.config import HostTLSSettings, RedisURL
-from crossbar.upstream.tls import client_creator
+from crossbar.state.redislink import RedisLink
 
-try:  # txredisapi parses replies with hiredis (C) when it is installed, as it is by default
-    import hiredis
-except ImportError:  # pragma: no cover - the pure-Python parser and command builder of txredisapi
-    hiredis = None  # type: ignore[assignment]
 
 __all__ = [
     "BOUND", "FLUSH", "GAP", "HEARTBEAT", "RESYNC", "SETTLE", "SLOW_LOG", "TTL", "ClusterCollector", "ClusterView",
@@ -270,11 +262,7 @@ class RedisCluster:
         self._views: dict[str, dict[str, tuple[int, int]]] = {}
         """other instance -> field -> (the instance's seq when it had it, value)"""
         self._totals: dict[str, int] = {}
-        self._factory: Any = None
-        self._waiting: deque[tuple[float, Deferred[Any]]] = deque()
-        """commands in flight: (when their bound passes, the reply's Deferred), in order sent"""
-        self._watchdog: Any = None
-        self._subscriber: Any = None
+        self.link = RedisLink(url, reactor, tls)
         self._resync = LoopingCall(self.resync)
         self._resync.clock = reactor
         self._heartbeat = LoopingCall(self._renew)
@@ -416,38 +404,14 @@ class RedisCluster:
 
     def start(self) -> None:
         """Connect (in the background) and keep the view fresh."""
-        url = self.url
-        endpoint = self._endpoint()
-        factory = txredisapi.RedisFactory(
-            f"{url.host}:{url.port}", url.db, 1, isLazy=True, charset="utf-8", password=url.password,
-            replyTimeout=None, convertNumbers=False, username=url.username,
-        )
-        factory.protocol = _Protocol
-        factory.maxDelay = 1.0  # rejoin within about a second of Redis answering again
-        factory.initialDelay = 0.1
-        for slot in _connect_quietly(factory, endpoint, self._lost):
-            # the first attempt refused (no Redis there, TLS refused): no need to wait longer
-            slot.service.whenConnected(failAfterFailures=1).addErrback(self._settle)
-        self._factory = factory
-        subscriber = _SubscriberFactory(self)
-        subscriber.password = url.password
-        subscriber.username = url.username
-        subscriber.maxDelay = 1.0
-        subscriber.initialDelay = 0.1
-        _connect_quietly(subscriber, self._endpoint())
-        self._subscriber = subscriber
+        # the first attempt refused (no Redis there, TLS refused): no need to wait longer
+        self.link.connect(_SubscriberFactory(self), on_lost=self._lost, on_first_failure=self._settle,
+                          connect_timeout=max(BOUND * 20, 1.0))
         self._started_at = self.reactor.seconds()
         self._settle_call = self.reactor.callLater(SETTLE, self._settle)
         self._resync.start(RESYNC, now=False)
         self._heartbeat.start(HEARTBEAT, now=False)
         self.reactor.callLater(0, self.resync)
-
-    def _endpoint(self) -> Any:
-        url = self.url
-        endpoint: Any = HostnameEndpoint(self.reactor, url.host, url.port, timeout=max(BOUND * 20, 1.0))
-        if url.tls:
-            endpoint = wrapClientTLS(client_creator(url.host, self.tls), endpoint)
-        return endpoint
 
     def _settle(self, _: object = None) -> None:
         """Redis answered, refused, or :data:`SETTLE` passed: readiness no longer waits."""
@@ -465,101 +429,23 @@ class RedisCluster:
         if self._flush_call is not None and self._flush_call.active():
             self._flush_call.cancel()
         self._flush_call = None
-        # (the watchdog stays until the connections are closed: it bounds the leaving write)
-        def disconnect(_: object) -> Deferred[Any]:
-            ds = [f.disconnect() for f in (self._factory, self._subscriber) if f is not None]
-            return DeferredList(ds, consumeErrors=True).addBoth(unwatch)
-
-        def unwatch(result: object) -> object:
-            # every reply still awaited failed with the connection: nothing left to bound
-            if self._watchdog is not None and self._watchdog.active():
-                self._watchdog.cancel()
-            self._watchdog = None
-            self._waiting.clear()
-            return result
-
-        if self._factory is None:
+        if self.link.factory is None:
             return succeed(None)
         leave: Deferred[Any] = succeed(None)
-        if self.joined and self._factory.size:
+        if self.joined and self.link.factory.size:
             gone = json.dumps([self.instance, -1, None])
             leave = self.command("eval", _LEAVE, [self._hash, self._live, self._channel], [self.instance, gone])
             leave.addErrback(lambda _: None)
         self.joined = False
-        return leave.addCallback(disconnect)
+        return leave.addCallback(lambda _: self.link.disconnect())
 
     # -- Redis commands -------------------------------------------------------------
 
     def command(self, name: str, *args: Any, bound: float | None = None) -> Deferred[Any]:
-        """Run one command with ``bound`` seconds (default :data:`BOUND`, read at each
-        call so a test can set it) on its reply
-        (errback: :class:`~twisted.internet.defer.TimeoutError`); errbacks with
-        ConnectionError at once when no connection is up (nothing queues up). A failure
-        here is the caller's to handle: only the cluster's own reads and writes turn the
-        instance alone. ``eval`` sends EVALSHA with the script's hash (computed once),
-        and the script itself only when Redis does not know it yet."""
-        factory = self._factory
-        connection = factory.pool[0] if factory is not None and factory.pool else None
-        if connection is None or not connection.connected:
-            return fail(txredisapi.ConnectionError("not connected"))
-        # The pool's one connection itself: txredisapi's pool handler adds a generator
-        # and a queue per command, for nothing with one connection.
-        if bound is None:
-            bound = BOUND
-        d: Deferred[Any]
-        if name == "eval":
-            script, keys, argv = args
-            sha = _SHAS.get(script)
-            if sha is None:
-                sha = _SHAS[script] = hashlib.sha1(script.encode()).hexdigest()
-            d = connection.execute_command("EVALSHA", sha, len(keys), *keys, *argv)
-            d.addErrback(self._command_failed, connection, script, keys, argv, bound)
-        else:
-            d = getattr(connection, name)(*args)
-            d.addErrback(self._command_failed, None, None, (), (), bound)
-        # One watchdog for every command in flight rather than a timer each (what a
-        # timer per command cost: docs in bench/README.md, "Several crossbars").
-        deadline = self.reactor.seconds() + bound
-        self._waiting.append((deadline, d))
-        if self._watchdog is None or self._watchdog.getTime() > deadline:
-            self._arm(deadline)
-        return d
-
-    def _command_failed(self, failure: Failure, connection: Any, script: str | None, keys: Any, argv: Any,
-                        bound: float) -> Any:
-        if failure.check(CancelledError):
-            raise TimeoutError(f"no reply from Redis within {int(bound * 1000)} ms")
-        if script is not None and failure.check(txredisapi.ResponseError) and \
-                str(failure.value).startswith("NOSCRIPT"):
-            # Redis restarted or its scripts were flushed: send the script itself (rare).
-            return connection.eval(script, keys, argv).addTimeout(bound, self.reactor)
-        return failure
-
-    def _watch(self) -> None:
-        """Fail every command whose bound has passed without a reply (the watchdog)."""
-        self._watchdog = None
-        now = self.reactor.seconds()
-        pending, self._waiting = self._waiting, deque()
-        expired = []
-        for deadline, d in pending:  # (replies come in order, but bounds may differ)
-            if not d.called:
-                if deadline <= now + 1e-6:  # (a timer's float time may fall a hair short)
-                    expired.append(d)
-                else:
-                    self._waiting.append((deadline, d))
-        for d in expired:
-            d.cancel()  # errback: TimeoutError (_command_failed)
-        if self._waiting:
-            self._arm(min(deadline for deadline, _ in self._waiting))
-
-    def _arm(self, when: float) -> None:
-        """The watchdog runs at ``when`` at the latest."""
-        watchdog = self._watchdog
-        if watchdog is not None:
-            if watchdog.getTime() <= when:
-                return
-            watchdog.cancel()
-        self._watchdog = self.reactor.callLater(max(0.0, when - self.reactor.seconds()), self._watch)
+        """One command on the link (:meth:`RedisLink.command <crossbar.state.redislink.RedisLink.command>`),
+        its reply bounded by ``bound`` seconds (default :data:`BOUND`, read at each call
+        so a test can set it)."""
+        return self.link.command(name, *args, bound=BOUND if bound is None else bound)
 
     def _flush(self) -> None:
         self._flush_call = None
@@ -707,71 +593,6 @@ class RedisCluster:
             self.on_change()
 
 
-_SHAS: dict[str, str] = {}
-"""script text -> its SHA1 (EVALSHA), computed once per script."""
-
-
-class _Protocol(txredisapi.RedisProtocol):  # type: ignore[misc]
-    """txredisapi's protocol (with hiredis: replies parsed in C), each command packed by
-    hiredis too: txredisapi's own builder encodes every argument in Python (about 26
-    calls per command)."""
-
-    if hiredis is not None:
-        def _build_command(self, *args: Any, **kwargs: Any) -> bytes:
-            return bytes(hiredis.pack_command(args))
-
-
-class _QuietClientService(ClientService):
-    """txredisapi's reconnecting service without a log line per attempt: while Redis is
-    away the cluster says so once (:meth:`RedisCluster._failed`), not every second."""
-
-    _log = Logger(observer=LogPublisher())  # no observers: every event dropped
-
-
-def _connect_quietly(factory: Any, endpoint: Any, on_lost: Callable[[Failure], None] | None = None) -> list[Any]:
-    """What ``RedisFactory.startConnecting`` does (txredisapi 1.6), each connection
-    kept by a :class:`_QuietClientService`; ``on_lost`` is told why each connection
-    ended (a TLS handshake refused, say). Returns the pool's slots (``slot.service``:
-    the :class:`~twisted.application.internet.ClientService`)."""
-    slots = []
-    for _ in range(factory.poolsize):
-        slot = txredisapi._PoolSlot(factory, endpoint, factory.reconnect)
-
-        def prepare(protocol: Any, slot: Any = slot) -> Any:
-            _no_delay(protocol)
-            if on_lost is not None:
-                lost = protocol.connectionLost
-
-                def connection_lost(reason: Failure, lost: Any = lost) -> Any:
-                    on_lost(reason)
-                    return lost(reason)
-
-                protocol.connectionLost = connection_lost
-            return slot._prepareConnection(protocol)
-
-        slot.service = _QuietClientService(
-            endpoint, txredisapi._SlotFactory(factory, slot), retryPolicy=slot._retryDelay,
-            prepareConnection=prepare,
-        )
-        factory.slots.append(slot)
-        slot.start()
-        slots.append(slot)
-    return slots
-
-
-def _no_delay(protocol: Any) -> None:
-    """TCP_NODELAY on the connection under ``protocol`` (through a TLS layer): without
-    it Nagle's algorithm holds a command written while the previous one is unacknowledged
-    until Redis's delayed ACK, ~40 ms -- most of the 50 ms bound."""
-    transport = getattr(protocol, "transport", None)
-    for _ in range(4):
-        if transport is None:
-            return
-        set_no_delay = getattr(transport, "setTcpNoDelay", None)
-        if set_no_delay is not None:
-            set_no_delay(True)
-            return
-        transport = getattr(transport, "transport", None)
 
 
 def _object(reply: str | bytes) -> dict[str, Any]:

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Callable
 
 from twisted.internet.defer import Deferred
 
+from crossbar.state.cells import host_cell
+
 if TYPE_CHECKING:
     from crossbar.state.placement_share import PlacementShare
     from crossbar.state.worker_counts import WorkerCounts
@@ -53,7 +55,7 @@ class Inflight:
         if cluster is not None and cluster.joined:
             # A count, not a guess (status shows it): room under a max_inflight is
             # taken in Redis when a request goes (enter's ``limit``).
-            return self._by_host.get(host, 0) + cluster.others(f"h\0{host}")
+            return self._by_host.get(host, 0) + cluster.others(host_cell(host))
         if self.fleet is not None:
             return self.fleet.host(host)
         return self._by_host.get(host, 0)
@@ -66,7 +68,7 @@ class Inflight:
                 self.models_share.publish_inflight(host, model, n)
         if self.cluster is not None:
             for host, n in self._by_host.items():
-                self.cluster.set(f"h\0{host}", n)
+                self.cluster.set(host_cell(host), n)
         if self.fleet is not None:
             for (route, host), n in self._by_route_host.items():
                 self.fleet.publish_inflight(route, host, n, self._by_host.get(host, 0))
@@ -117,9 +119,9 @@ class Inflight:
         cluster = self.cluster
         if cluster is not None:
             if limit is not None and cluster.joined:
-                lease.taken = cluster.take(f"h\0{host}", self._by_host[host], limit)
+                lease.taken = cluster.take(host_cell(host), self._by_host[host], limit)
             else:
-                cluster.set(f"h\0{host}", self._by_host[host])
+                cluster.set(host_cell(host), self._by_host[host])
         return lease
 
     def _leave(self, route: str, host: str, model: str | None = None) -> None:
@@ -138,7 +140,7 @@ class Inflight:
         if self.fleet is not None:
             self.fleet.publish_inflight(route, host, self._by_route_host[(route, host)], self._by_host.get(host, 0))
         if self.cluster is not None:
-            self.cluster.set(f"h\0{host}", self._by_host.get(host, 0))
+            self.cluster.set(host_cell(host), self._by_host.get(host, 0))
         if self.on_release is not None:
             self.on_release()
 

@@ -73,6 +73,7 @@ class PlacementState:
         self.on_move: Callable[[str, str, str, str], None] | None = None
         self.on_loaded: Callable[[str, str, float], None] | None = None
         self.share: PlacementShare | None = None
+        self._lingering: dict[tuple[str, str], float] = {}
 
     def last_use(self, host: str, model: str) -> float | None:
         """Clock seconds of the last request crossbar (any process sharing, rule 7) sent
@@ -122,10 +123,16 @@ class PlacementState:
         if self.share is not None:
             self.share.publish_use(host, model, now)
 
-    def drop(self, host: str, model: str) -> None:
-        """The load of ``model`` on ``host`` is settled (or failed): no longer counted."""
+    def drop(self, host: str, model: str, linger: float = 0.0) -> None:
+        """The load of ``model`` on ``host`` is settled (or failed): no longer counted
+        here; the other processes of :attr:`share` still see it for ``linger`` seconds
+        (until their own polls show what this one's did)."""
         if self.loading.pop((host, model), None) is not None and self.share is not None:
-            self.share.publish_loading(host, model, False)
+            if linger > 0:
+                self._lingering[(host, model)] = self.now() + linger
+            else:
+                self._lingering.pop((host, model), None)
+                self.share.publish_loading(host, model, False)
 
     def republish(self) -> None:
         """Write this process's loads and last uses to :attr:`share` again (after a reload)."""
@@ -142,6 +149,7 @@ class PlacementState:
         now = self.now()
         if (host, model) not in self.loading:
             self.loading[(host, model)] = Load(now, reason, evicts)
+            self._lingering.pop((host, model), None)
             if self.share is not None:
                 self.share.publish_loading(host, model, True)
         self.last_load[host] = Move(model, reason, now)
@@ -156,12 +164,13 @@ class PlacementState:
         if self.on_move is not None:
             self.on_move(host, model, "unload", reason)
 
-    def polled(self, host: str, status: HostStatus, started: float) -> None:
+    def polled(self, host: str, status: HostStatus, started: float, linger: float = 0.0) -> None:
         """A good poll of ``host`` that started at clock second ``started`` listed
-        ``status``: a load it shows loaded is done (its time observed); one it shows
-        neither loaded nor loading (failed, or back to unloaded) ended, if the poll
-        started after the load did (rule 1). Models seen loaded for the first time
-        start their idle time (rule 4)."""
+        ``status``: a load it shows loaded is done (its time observed; the other
+        processes see it loading ``linger`` seconds more, until their polls show it
+        loaded); one it shows neither loaded nor loading (failed, or back to unloaded)
+        ended, if the poll started after the load did (rule 1). Models seen loaded for
+        the first time start their idle time (rule 4)."""
         now = self.now()
         for model in status.loaded:
             self._seen.setdefault((host, model), now)
@@ -169,7 +178,7 @@ class PlacementState:
             if h != host:
                 continue
             if model in status.loaded:
-                self.drop(h, model)
+                self.drop(h, model, linger)
                 if self.on_loaded is not None:
                     self.on_loaded(host, model, max(0.0, now - load.since))
             elif model not in status.loading and started >= load.since:
@@ -178,12 +187,17 @@ class PlacementState:
             del self._seen[key]
 
     def expire(self, bound: float) -> list[tuple[str, str]]:
-        """Drop the loads older than ``bound`` seconds (``timeouts.first_byte``, rule 1);
-        returns them."""
+        """Drop the loads older than ``bound`` seconds (``timeouts.first_byte``, rule 1),
+        and stop showing the other processes the settled loads whose linger is over;
+        returns the loads dropped."""
         now = self.now()
         gone = [k for k, load in self.loading.items() if now - load.since >= bound]
         for key in gone:
             self.drop(*key)
+        for key in [k for k, until in self._lingering.items() if until <= now]:
+            del self._lingering[key]
+            if self.share is not None and key not in self.loading:
+                self.share.publish_loading(*key, False)
         return gone
 
     def forget(self, hosts: Iterable[str]) -> None:

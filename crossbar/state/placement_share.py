@@ -26,6 +26,8 @@ from __future__ import annotations
 import zlib
 from typing import TYPE_CHECKING, Protocol
 
+from crossbar.state.cells import placement_cell, placement_slot_cell
+
 if TYPE_CHECKING:
     from crossbar.state.cluster import ClusterView
     from crossbar.state.shared import SharedCounts
@@ -49,7 +51,7 @@ def _slot(model: str) -> int:
 
 def share_names(hosts: list[str]) -> list[str]:
     """The workers' cell names for ``hosts`` (the router-mode hosts of ``placement`` routes)."""
-    return [f"{kind}\0{h}\0{i}" for h in hosts for kind in ("pm", "pl", "pu") for i in range(SLOTS)]
+    return [placement_slot_cell(kind, h, i) for h in hosts for kind in ("pm", "pl", "pu") for i in range(SLOTS)]
 
 
 class Cells(Protocol):
@@ -95,7 +97,7 @@ class WorkerShare:
         self._inflight: dict[tuple[str, int], dict[str, int]] = {}
 
     def _cell(self, kind: str, host: str, model: str) -> int | None:
-        return self.fleet.cell(f"{kind}\0{host}\0{_slot(model)}")
+        return self.fleet.cell(placement_slot_cell(kind, host, _slot(model)))
 
     def publish_inflight(self, host: str, model: str, count: int) -> None:
         """See :class:`PlacementShare`: the slot holds this worker's sum over its models."""
@@ -159,26 +161,26 @@ class ClusterShare:
 
     def publish_inflight(self, host: str, model: str, count: int) -> None:
         """See :class:`PlacementShare`."""
-        self.cluster.set(f"pm\0{host}\0{model}", count)
+        self.cluster.set(placement_cell("pm", host, model), count)
 
     def publish_loading(self, host: str, model: str, loading: bool) -> None:
         """See :class:`PlacementShare`."""
-        self.cluster.set(f"pl\0{host}\0{model}", 1 if loading else 0)
+        self.cluster.set(placement_cell("pl", host, model), 1 if loading else 0)
 
     def publish_use(self, host: str, model: str, seconds: float) -> None:
         """See :class:`PlacementShare`."""
-        self.cluster.set(f"pu\0{host}\0{model}", int(seconds))
+        self.cluster.set(placement_cell("pu", host, model), int(seconds))
 
     def inflight(self, host: str, model: str) -> int:
         """See :class:`PlacementShare`."""
-        return self.cluster.others(f"pm\0{host}\0{model}")
+        return self.cluster.others(placement_cell("pm", host, model))
 
     def loading(self, host: str, model: str) -> bool:
         """See :class:`PlacementShare`."""
-        return self.cluster.others(f"pl\0{host}\0{model}") > 0
+        return self.cluster.others(placement_cell("pl", host, model)) > 0
 
     def last_use(self, host: str, model: str) -> float | None:
         """See :class:`PlacementShare`."""
         largest = getattr(self.cluster, "largest", None)
-        latest = largest(f"pu\0{host}\0{model}") if largest is not None else 0
+        latest = largest(placement_cell("pu", host, model)) if largest is not None else 0
         return float(latest) if latest > 0 else None

@@ -57,7 +57,8 @@ class Placer:
         self._cooling.discard(host)
         status = runtime.table.get(host)
         if ok and status is not None:
-            runtime.placement.polled(host, status, self.clock.seconds() - took)
+            health = runtime.config.health  # the others' polls show the load within a round
+            runtime.placement.polled(host, status, self.clock.seconds() - took, health.interval + health.timeout)
         self.act(host)
 
     def act(self, polled: str | None = None) -> None:

@@ -28,8 +28,10 @@ from crossbar.state.inflight import Inflight
 from crossbar.state.placement import PlacementState
 from crossbar.state.placement_share import ClusterShare, WorkerShare
 from crossbar.state.queue import RouteQueues
+from crossbar.state.standing import RuntimeStanding
 from crossbar.state.tokens import TokenLedger
 from crossbar.waiting import Condition
+from crossbar.state.cells import key_cell
 
 __all__ = ["Runtime"]
 
@@ -71,7 +73,7 @@ class Runtime:
         self.now = now
         health = config.health
         self.table = HealthTable(config.hosts, health.recovery_polls, health.failure_threshold, now)
-        self.queues = RouteQueues(now)
+        self.queues = RouteQueues(now, RuntimeStanding(self))  # fair order (§Access)
         self.inflight = Inflight(on_release=self.queues.wake)
         self.rotation = Rotation()
         self.affinity_counts: Counter[tuple[str, str]] = Counter()
@@ -150,6 +152,17 @@ class Runtime:
         if len(self.queues):
             self.queues.wake()
 
+    def reconfigure(self, config: Config) -> None:
+        """A reload (docs/design.md §Operations): ``config`` is the one every request
+        from now on is served under (in-flight ones keep theirs); drains of hosts it no
+        longer names are forgotten; the token ledger and the fleet's names follow it."""
+        self.config = config
+        self.forget_removed_drains()
+        self.tokens.configure(tuple(config.hosts), tuple(config.routes))
+        if self.fleet is not None:
+            self.fleet.configure(config)
+            self.republish()
+
     def republish(self) -> None:
         """Write every count of this process to the fleet again (after the fleet's
         names changed with a reload)."""
@@ -186,7 +199,7 @@ class Runtime:
 
     def _publish_key(self, route: str, key: str) -> None:
         if self.cluster is not None:
-            self.cluster.set(f"k\0{route}\0{key}", self.key_inflight[(route, key)])
+            self.cluster.set(key_cell(route, key), self.key_inflight[(route, key)])
         if self.fleet is not None:
             self.fleet.publish_key(route, key, self.key_inflight[(route, key)])
 
@@ -288,10 +301,21 @@ class Runtime:
             return True
         cluster = self.cluster
         if cluster is not None and cluster.joined:  # every instance's (§Several crossbars)
-            return self.key_inflight[(route.name, key)] + cluster.others(f"k\0{route.name}\0{key}") < limit
+            return self.key_inflight[(route.name, key)] + cluster.others(key_cell(route.name, key)) < limit
         if self.fleet is not None:  # every worker's requests of this key (§Workers)
             return self.fleet.key(route.name, key) < limit
         return self.key_inflight[(route.name, key)] < limit
+
+    def key_requests(self, route: str, key: str) -> int:
+        """Requests of configured client key ``key`` of ``route`` in flight or waiting:
+        every instance's with ``cluster.redis``, every worker's with workers (what
+        :meth:`key_admits` compares with ``max_inflight``; the fair order reads it too)."""
+        cluster = self.cluster
+        if cluster is not None and cluster.joined:
+            return self.key_inflight[(route, key)] + cluster.others(f"k\0{route}\0{key}")
+        if self.fleet is not None:
+            return self.fleet.key(route, key)
+        return self.key_inflight[(route, key)]
 
     def check_limits(self, route: Route, key: str) -> Deferred[float]:
         """A key's ``limits`` for a request arriving now (docs/design.md §Access): fires with

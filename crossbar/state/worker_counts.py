@@ -20,47 +20,31 @@ from __future__ import annotations
 
 from crossbar.config import Config, ConfigError
 from crossbar.state.box_limits import BoxLimits
+from crossbar.state.cells import (
+    CLUSTER_LOST, CLUSTER_SLOW, RESTARTS, affinity_cell, host_cell, is_counter, key_cell, queue_cell, queue_oldest_cell,
+    route_host_cell, token_cell,
+)
 from crossbar.state.placement_share import share_names
 from crossbar.state.shared import CELLS, SharedCounts, cell_map
 
 __all__ = ["AFFINITY_OUTCOMES", "CLUSTER_LOST", "CLUSTER_SLOW", "RESTARTS", "WorkerCounts", "check_capacity", "token_cell"]
 
 AFFINITY_OUTCOMES = ("home", "spill", "none")
-RESTARTS = "restarts"
-"""The cell, in the supervisor's row, counting worker restarts."""
-CLUSTER_LOST = "cluster_lost"
-"""The cell of the times a worker's link to Redis was lost (``cluster.redis``; each
-worker is an instance of its own): ``crossbar_cluster_lost_total`` is the sum."""
-CLUSTER_SLOW = "cluster_slow"
-"""The cell of a worker's single checks Redis did not answer within the bound:
-``crossbar_cluster_slow_total`` is the sum."""
-
-
-def token_cell(scope: str, name: str, kind: str) -> str:
-    """The shared cell name of a token total: ``scope`` "h" (a host; kinds prompt,
-    cached, generated) or "r" (a route; prompt, cached)."""
-    return f"t{scope}\0{name}\0{kind}"
 
 
 def _names(config: Config) -> list[str]:
     names = [RESTARTS, CLUSTER_LOST, CLUSTER_SLOW]
-    names += [f"h\0{h}" for h in config.hosts]
+    names += [host_cell(h) for h in config.hosts]
     names += [token_cell("h", h, k) for h in config.hosts for k in ("prompt", "cached", "generated")]
     names += [token_cell("r", r, k) for r in config.routes for k in ("prompt", "cached")]
     for route in config.routes.values():
-        names += [f"q\0{route.name}", f"qt\0{route.name}"]
-        names += [f"rh\0{route.name}\0{h}" for h in route.hosts]
-        names += [f"a\0{route.name}\0{o}" for o in AFFINITY_OUTCOMES]
-        names += [f"k\0{route.name}\0{key}" for key in route.keys]
+        names += [queue_cell(route.name), queue_oldest_cell(route.name)]
+        names += [route_host_cell(route.name, h) for h in route.hosts]
+        names += [affinity_cell(route.name, o) for o in AFFINITY_OUTCOMES]
+        names += [key_cell(route.name, key) for key in route.keys]
     placed = {h: None for r in config.routes.values() if r.placement is not None for h in r.hosts}
     names += share_names(list(placed))  # docs/design.md §Where models live, rule 7
     return names
-
-
-def _is_counter(name: str) -> bool:
-    """Whether cell ``name`` is a counter (it only grows over a process's life: affinity
-    outcomes, token totals, Redis losses) rather than a count of the moment."""
-    return name in (CLUSTER_LOST, CLUSTER_SLOW) or name.startswith(("a\0", "th\0", "tr\0"))
 
 
 def check_capacity(config: Config) -> None:
@@ -120,56 +104,56 @@ class WorkerCounts:
     def publish_inflight(self, route: str, host: str, pair: int, host_total: int) -> None:
         """This worker has ``pair`` requests of ``route`` and ``host_total`` in all in
         flight to ``host``."""
-        self._set(f"rh\0{route}\0{host}", pair)
-        self._set(f"h\0{host}", host_total)
+        self._set(route_host_cell(route, host), pair)
+        self._set(host_cell(host), host_total)
 
     def host(self, host: str) -> int:
         """Requests in flight to ``host`` from every worker."""
-        return self._total(f"h\0{host}")
+        return self._total(host_cell(host))
 
     def route_host(self, route: str, host: str) -> int:
         """Requests of ``route`` in flight to ``host`` from every worker."""
-        return self._total(f"rh\0{route}\0{host}")
+        return self._total(route_host_cell(route, host))
 
     def publish_queue(self, route: str, queued: int, oldest_ms: int) -> None:
         """This worker has ``queued`` requests waiting on ``route``, the oldest since
         ``oldest_ms`` (POSIX milliseconds, 0 for none)."""
-        self._set(f"q\0{route}", queued)
-        self._set(f"qt\0{route}", oldest_ms)
+        self._set(queue_cell(route), queued)
+        self._set(queue_oldest_cell(route), oldest_ms)
 
     def queued(self, route: str) -> int:
         """Requests waiting on ``route`` in every worker."""
-        return self._total(f"q\0{route}")
+        return self._total(queue_cell(route))
 
     def oldest_queued_ms(self, route: str) -> int | None:
         """POSIX milliseconds since which the oldest waiting request (of any worker) of
         ``route`` waits, or None."""
-        cell = self._cells.get(f"qt\0{route}")
+        cell = self._cells.get(queue_oldest_cell(route))
         return self.shared.smallest(cell) if cell is not None else None
 
     def publish_affinity(self, route: str, outcome: str, count: int) -> None:
         """This worker dispatched ``count`` requests of ``route`` with ``outcome``."""
-        self._set(f"a\0{route}\0{outcome}", count)
+        self._set(affinity_cell(route, outcome), count)
 
     def affinity(self, route: str, outcome: str) -> int:
         """Requests of ``route`` dispatched with ``outcome`` by every worker."""
-        return self._total(f"a\0{route}\0{outcome}")
+        return self._total(affinity_cell(route, outcome))
 
     def affinity_of_row(self, route: str, outcome: str, row: int) -> int:
         """What the process of ``row`` published for ``route`` and ``outcome`` (the
         supervisor keeps a dead worker's share of this counter)."""
-        cell = self._cells.get(f"a\0{route}\0{outcome}")
+        cell = self._cells.get(affinity_cell(route, outcome))
         return self.shared.get(cell, row) if cell is not None else 0
 
     def publish_key(self, route: str, key: str, count: int) -> None:
         """This worker has ``count`` requests of client key ``key`` on ``route`` in
         flight or waiting (docs/design.md §Access: a key's ``max_inflight``)."""
-        self._set(f"k\0{route}\0{key}", count)
+        self._set(key_cell(route, key), count)
 
     def key(self, route: str, key: str) -> int:
         """Requests of client key ``key`` on ``route`` in flight or waiting in every
         worker."""
-        return self._total(f"k\0{route}\0{key}")
+        return self._total(key_cell(route, key))
 
     def publish_tokens(self, name: str, total: int) -> None:
         """This worker's token total of cell ``name`` (:func:`token_cell`) is ``total``."""
@@ -183,7 +167,7 @@ class WorkerCounts:
         """The names of the cells that are counters (:func:`_is_counter`): when a worker
         dies the supervisor keeps its share of each (:meth:`of_row`, :meth:`publish_counter`),
         so no counter goes down with it."""
-        return [name for name in self._cells if _is_counter(name)]
+        return [name for name in self._cells if is_counter(name)]
 
     def of_row(self, name: str, row: int) -> int:
         """What the process of ``row`` published in cell ``name`` (0 for a name not counted)."""

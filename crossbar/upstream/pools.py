@@ -6,14 +6,14 @@ connection turned out dead (retry once on a fresh connection, mark nothing down)
 An agent does not say; :class:`ConnectTracker` learns it from the public
 ``IAgentEndpointFactory`` seam: ``connect()`` is only called for a new connection.
 Requests and polls go through one HTTP/1.1 client, crossbar's own
-(:mod:`crossbar.upstream.h1client`, issues 14 and 17): the same head limits, ``101``
+(:mod:`crossbar.upstream.h1client`): the same head limits, ``101``
 refusal, framing rules and TLS for both (docs/design.md §Configuration: every host URL works
 for polls and requests alike). :class:`PollAgent` is the poller's.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 from twisted.internet.defer import Deferred, fail
 from twisted.web.client import RequestNotSent, RequestTransmissionFailed, ResponseNeverReceived  # type: ignore[attr-defined]  # re-exported by twisted.web.client
@@ -26,6 +26,7 @@ from twisted.web.client import URI
 from twisted.web.iweb import IAgent, IAgentEndpointFactory, IBodyProducer, IPolicyForHTTPS, IResponse
 from zope.interface import implementer
 
+from crossbar.config import Config
 from crossbar.upstream.h1client import MAX_RESPONSE_HEAD, H1Agent, H1Pool, ResponseHeadTooLarge
 from crossbar.upstream.tls import HandshakeFirstEndpoint, HostTLS
 
@@ -150,7 +151,7 @@ class UpstreamPools:
         self._reactor = reactor
         self.connect_timeout = connect_timeout
         self.tls: IPolicyForHTTPS = tls if tls is not None else HostTLS({})
-        # crossbar's own HTTP/1.1 client (crossbar/upstream/h1client.py, issue 14); a stale
+        # crossbar's own HTTP/1.1 client (crossbar/upstream/h1client.py); a stale
         # pooled connection is retried by the proxy itself (any method), once.
         self.pool = H1Pool(reactor, max_per_host, idle_seconds)
 
@@ -167,6 +168,16 @@ class UpstreamPools:
     def close(self) -> Deferred[Any]:
         """Close every idle pooled connection; fires once they are closed."""
         return self.pool.close()
+
+    def reconfigure(self, config: Config, tls: IPolicyForHTTPS, fresh: Iterable[str] = ()) -> None:
+        """A reload (docs/design.md §Operations): the new ``tls`` policy (built from
+        ``config`` beforehand: building it may fail, applying it may not) and
+        ``timeouts.connect``; when an ``https://`` host in ``fresh`` changed its
+        connection settings, no idle connection made under the old ones is reused."""
+        self.tls = tls
+        if any(config.hosts[name].url.scheme == "https" for name in fresh if name in config.hosts):
+            self.close()
+        self.connect_timeout = config.timeouts.connect
 
 
 def poll_pool(reactor: IReactorTime) -> H1Pool:

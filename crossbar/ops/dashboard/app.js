@@ -205,7 +205,7 @@
       facts.append(parts[key]);
     }
     fact("in flight", "inflight");
-    fact("tokens/s", "tps");
+    fact("tokens/s, 1 min avg", "tps");
     fact("loaded", "loaded");
     fact("loading", "loading");
     fact("available", "available");
@@ -315,6 +315,16 @@
     return n(t.prompt) + "+" + n(t.cached) + "/" + n(t.generated);
   }
 
+  // The model as the client named it and, beside it, the id an alias (or the route's
+  // default) made of it: both texts of the client's or the config's, inserted as text.
+  function model(e) {
+    var td = el("td", "model");
+    td.append(el("span", "named", e.model || "—"));
+    if (e.resolved) { td.append(" ", el("span", "resolved", "→ " + e.resolved)); }
+    td.title = e.resolved ? (e.model || "(none)") + " → " + e.resolved : (e.model || "");
+    return td;
+  }
+
   function renderRecent(doc) {
     var routes = doc.routes.map(function (r) { return r.name; });
     var hosts = doc.hosts.map(function (h) { return h.name; });
@@ -337,9 +347,9 @@
     var rows = shown.map(function (e) {
       var tr = el("tr", e.status >= 500 ? "bad" : e.status >= 400 ? "warn" : null);
       var tps = e.tokens && e.tokens.tps !== null && e.tokens.tps !== undefined ? num(e.tokens.tps, 1) : "—";
-      [new Date(e.t * 1000).toLocaleTimeString(), e.route, e.key || "—", e.model || "—", e.host || "—", e.status,
+      [new Date(e.t * 1000).toLocaleTimeString(), e.route, e.key || "—", model(e), e.host || "—", e.status,
         e.ended || "—", e.why || "—", ms(e.ttfb), tokens(e.tokens), tps, ms(e.duration)]
-        .forEach(function (value) { tr.append(el("td", null, value)); });
+        .forEach(function (value) { tr.append(value instanceof Node ? value : el("td", null, value)); });
       return tr;
     });
     var body = $("recent").tBodies[0];
@@ -356,17 +366,48 @@
     return e;
   }
 
+  // A "nice" step for at most ``count`` intervals from 0 to ``top``: 1, 2 or 5 times a power of ten.
+  function niceStep(top, count) {
+    var raw = top / count, power = Math.pow(10, Math.floor(Math.log10(raw)));
+    var step = [1, 2, 5, 10].map(function (m) { return m * power; }).find(function (s) { return s >= raw; });
+    return step || 10 * power;
+  }
+
+  // Series drawn over one another (two hosts with the same figures) stay apart: each has
+  // its own colour, dash pattern and marker shape, and is nudged by a pixel.
+  var DASHES = ["", "6 3", "2 3", "8 3 2 3"];
+  var MARKS = ["circle", "square", "triangle", "diamond"];
+
+  function marker(shape, x, y, cls) {
+    var r = 3.2;
+    if (shape === "circle") { return svg("circle", { cx: x, cy: y, r: r, "class": cls }); }
+    if (shape === "square") { return svg("rect", { x: x - r, y: y - r, width: 2 * r, height: 2 * r, "class": cls }); }
+    var pts = shape === "triangle"
+      ? [[x, y - r - 0.8], [x + r + 0.8, y + r], [x - r - 0.8, y + r]]
+      : [[x, y - r - 1], [x + r + 1, y], [x, y + r + 1], [x - r - 1, y]];
+    return svg("polygon", { points: pts.map(function (p) { return p[0].toFixed(1) + "," + p[1].toFixed(1); }).join(" "),
+      "class": cls });
+  }
+
   function renderChart(doc) {
     // Drawn at the box's own width: the labels keep their size on a phone and a laptop.
-    var W = Math.max(280, Math.round($("chart").clientWidth - 8)), H = 180, L = 40, B = 20;
+    var W = Math.max(280, Math.round($("chart").clientWidth - 8)), H = 200, L = 44, B = 20, T = 8;
     var names = Object.keys(doc.chart.hosts).sort();
-    var top = 1;
-    names.forEach(function (n) { doc.chart.hosts[n].forEach(function (v) { if (v > top) { top = v; } }); });
+    var peak = 0;
+    names.forEach(function (n) { doc.chart.hosts[n].forEach(function (v) { if (v > peak) { peak = v; } }); });
+    var step = niceStep(Math.max(peak, 1), 5);  // an empty chart: 0 to 1
+    var top = Math.ceil(Math.max(peak, 1) / step) * step;
+    var digits = step < 1 ? Math.min(3, Math.ceil(-Math.log10(step))) : 0;
+    function y(v) { return H - B - (H - B - T) * v / top; }
     var picture = svg("svg", { viewBox: "0 0 " + W + " " + H, role: "img", "aria-label": "tokens per second per host" });
+    for (var tick = 0; tick <= top + step / 2; tick += step) {
+      var ty = y(tick).toFixed(1);
+      if (tick > 0) { picture.append(svg("line", { x1: L, y1: ty, x2: W, y2: ty, "class": "grid" })); }
+      picture.append(svg("text", { x: L - 4, y: (Number(ty) + 4).toFixed(1), "class": "label end tick" },
+        tick.toFixed(digits)));
+    }
     picture.append(svg("line", { x1: L, y1: H - B, x2: W, y2: H - B, "class": "axis" }));
-    picture.append(svg("line", { x1: L, y1: 0, x2: L, y2: H - B, "class": "axis" }));
-    picture.append(svg("text", { x: L - 4, y: 12, "class": "label end" }, num(top, 0)));
-    picture.append(svg("text", { x: L - 4, y: H - B, "class": "label end" }, "0"));
+    picture.append(svg("line", { x1: L, y1: T, x2: L, y2: H - B, "class": "axis" }));
     picture.append(svg("text", { x: L, y: H - 4, "class": "label" }, "−15 min"));
     picture.append(svg("text", { x: W, y: H - 4, "class": "label end" }, "now"));
     var legend = $("legend");
@@ -374,12 +415,26 @@
     names.forEach(function (name, i) {
       var values = doc.chart.hosts[name];
       var span = Math.max(1, values.length - 1);
-      var points = values.map(function (v, j) {
-        return (L + (W - L) * j / span).toFixed(1) + "," + (H - B - (H - B - 4) * v / top).toFixed(1);
-      }).join(" ");
-      picture.append(svg("polyline", { points: points, "class": "series s" + (i % 8) }));
+      var nudge = names.length > 1 ? (i - (names.length - 1) / 2) * 1.5 : 0;
+      var cls = "series s" + (i % 8);
+      var dash = DASHES[i % DASHES.length], shape = MARKS[i % MARKS.length];
+      var xy = values.map(function (v, j) { return [L + (W - L) * j / span, Math.min(H - B, y(v) + nudge)]; });
+      var line = svg("polyline", { points: xy.map(function (p) { return p[0].toFixed(1) + "," + p[1].toFixed(1); })
+        .join(" "), "class": cls });
+      if (dash) { line.setAttribute("stroke-dasharray", dash); }
+      line.dataset.host = name;
+      picture.append(line);
+      // A marker on every point above zero, offset along the line so equal ones stay visible.
+      var every = Math.max(1, Math.round(values.length / 30));
+      xy.forEach(function (p, j) {
+        if (values[j] > 0 && (j + i) % every === 0) { picture.append(marker(shape, p[0], p[1], "mark " + cls)); }
+      });
       var item = el("li");
-      item.append(el("span", "swatch s" + (i % 8)), el("span", null, name));
+      var key = svg("svg", { width: 34, height: 12, viewBox: "0 0 34 12", "class": "key" });
+      var sample = svg("line", { x1: 1, y1: 6, x2: 33, y2: 6, "class": cls });
+      if (dash) { sample.setAttribute("stroke-dasharray", dash); }
+      key.append(sample, marker(shape, 17, 6, "mark " + cls));
+      item.append(key, el("span", null, name));
       items.push(item);
     });
     $("chart").replaceChildren(picture);
