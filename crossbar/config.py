@@ -33,6 +33,7 @@ __all__ = [
     "Host",
     "HostTLSSettings",
     "OpsSettings",
+    "PlacementSettings",
     "QueueSettings",
     "RedisURL",
     "Route",
@@ -152,6 +153,9 @@ class Host:
     :ivar max_inflight_slots: ``max_inflight: slots``: the limit is the number of slots
         the host reports (``GET /props`` → ``total_slots``, docs/design.md §Choosing a host,
         rule 2), read by the poller.
+    :ivar models_max: for a router-mode host, the models it holds at once (its
+        ``--models-max``; default 4, llama-server's own; 0: no limit), read by a route's
+        ``placement`` (docs/design.md §Where models live, rule 2).
     """
 
     name: str
@@ -161,6 +165,7 @@ class Host:
     api_key: str | None = field(default=None, repr=False)
     tls: HostTLSSettings | None = None
     max_inflight_slots: bool = False
+    models_max: int = 4
 
     def __post_init__(self) -> None:
         if isinstance(self.url, str):
@@ -197,6 +202,23 @@ class AffinitySettings:
 
     key: Literal["prefix", "none"] = "prefix"
     balance: float = 1.25
+
+
+@dataclass(frozen=True)
+class PlacementSettings:
+    """``routes.<r>.placement:`` (docs/design.md §Where models live): crossbar decides where
+    the route's router-mode hosts load and unload models.
+
+    :ivar spread_after: seconds a request waits for a host holding its model before
+        another host loads a copy (rule 3), or None for never.
+    :ivar idle_unload: seconds unused before crossbar unloads a model (rule 4), or None
+        for never.
+    :ivar keep_loaded: model ids kept loaded on some healthy host of the route (rule 5).
+    """
+
+    spread_after: float | None = 5.0
+    idle_unload: float | None = None
+    keep_loaded: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -298,6 +320,8 @@ class Route:
         names); see :meth:`resolve`.
     :ivar paths: more upstream paths the route forwards: exact, or prefixes ending in
         ``/`` (§The proxy, rule 3).
+    :ivar placement: where models live on its router-mode hosts (§Where models live),
+        or None: crossbar follows the fleet and shapes nothing.
     """
 
     name: str
@@ -309,6 +333,7 @@ class Route:
     keys: Mapping[str, ClientKey] = field(default_factory=lambda: _NO_KEYS)
     aliases: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     paths: tuple[str, ...] = ()
+    placement: PlacementSettings | None = None
     _globs: tuple[tuple[re.Pattern[str], str], ...] = field(default=(), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -669,9 +694,9 @@ def _join(key: str, sub: str) -> str:
 _ROUTE_CHARS = "letters, digits and -._~!$&'()*+,;=:@ only"
 _ROUTE_NAME = re.compile(r"[A-Za-z0-9\-._~!$&'()*+,;=:@]+\Z")  # RFC 3986 pchar, no %-escapes
 _TOP_KEYS = ("listen", "health", "timeouts", "drain", "ops", "workers", "cluster", "hosts", "routes")
-_HOST_KEYS = ("url", "weight", "max_inflight", "api_key", "tls")
+_HOST_KEYS = ("url", "weight", "max_inflight", "api_key", "tls", "models_max")
 _TLS_KEYS = ("ca", "verify", "client_cert", "client_key")
-_ROUTE_KEYS = ("hosts", "default_model", "primary", "queue", "affinity", "keys", "aliases", "paths")
+_ROUTE_KEYS = ("hosts", "default_model", "primary", "queue", "affinity", "keys", "aliases", "paths", "placement")
 _PRINTABLE_ASCII = re.compile(r"[\x21-\x7e]+\Z")  # what an HTTP request target may hold
 
 def load_config(path: str, environ: Mapping[str, str] | None = None, text: str | None = None) -> Config:
@@ -937,9 +962,10 @@ def _hosts(c: _Checker, raw: Any) -> dict[str, Host]:
                     f"{key}.tls",
                     f"differs from host {earlier[0]!r} at the same address (one TLS setting per host and port)",
                 )
+        models_max = 4 if body.get("models_max") is None else c.count(f"{key}.models_max", body["models_max"], 0)
         hosts[name] = Host(
             name=name, url=url, weight=weight, max_inflight=max_inflight, api_key=api_key, tls=tls,
-            max_inflight_slots=slots,
+            max_inflight_slots=slots, models_max=models_max,
         )
     return hosts
 
@@ -1072,8 +1098,34 @@ def _routes(c: _Checker, raw: Any, hosts: Mapping[str, Host]) -> dict[str, Route
             name=name, hosts=tuple(seen), default_model=model, primary=primary, queue=queue, affinity=affinity,
             keys=keys, aliases=_aliases(c, f"{key}.aliases", body.get("aliases")),
             paths=_paths(c, f"{key}.paths", body.get("paths")),
+            placement=_placement(c, f"{key}.placement", body),
         )
     return routes
+
+
+def _placement(c: _Checker, key: str, route: dict[str, Any]) -> PlacementSettings | None:
+    """``placement`` (docs/design.md §Where models live): absent is off; ``{}`` or null
+    values take the defaults (``spread_after: null`` is never)."""
+    if "placement" not in route:
+        return None
+    body = c.section("placement", route, key.rsplit(".", 1)[0])
+    c.known_keys(key, body, ("spread_after", "idle_unload", "keep_loaded"))
+    d = PlacementSettings()
+    spread: float | None = d.spread_after
+    if "spread_after" in body:
+        spread = None if body["spread_after"] is None else c.positive(f"{key}.spread_after", body["spread_after"])
+    idle = None if body.get("idle_unload") is None else c.positive(f"{key}.idle_unload", body["idle_unload"])
+    kept: list[str] = []
+    raw = body.get("keep_loaded")
+    if raw is not None:
+        if not isinstance(raw, list):
+            raise c.fail(f"{key}.keep_loaded", f"must be a list of model ids, not {_kind(raw)}")
+        for i, value in enumerate(raw):
+            model = c.string(f"{key}.keep_loaded[{i}]", value)
+            if model in kept:
+                raise c.fail(f"{key}.keep_loaded[{i}]", f"model {c.show(value, model)} is listed twice")
+            kept.append(model)
+    return PlacementSettings(spread_after=spread, idle_unload=idle, keep_loaded=tuple(kept))
 
 
 def _aliases(c: _Checker, key: str, raw: Any) -> Mapping[str, str]:

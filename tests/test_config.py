@@ -212,14 +212,14 @@ class StructureTests(_Case):
     def test_unknown_key_in_host(self) -> None:
         self.assertRejected(
             doc(hosts={"a": {"url": "http://h", "wieght": 2}}),
-            "x.yaml: hosts.a.wieght: unknown key (expected one of: url, weight, max_inflight, api_key, tls)",
+            "x.yaml: hosts.a.wieght: unknown key (expected one of: url, weight, max_inflight, api_key, tls, models_max)",
         )
 
     def test_unknown_key_in_route(self) -> None:
         self.assertRejected(
             doc(routes={"r": {"hosts": ["a"], "model": "m"}}),
             "x.yaml: routes.r.model: unknown key "
-            "(expected one of: hosts, default_model, primary, queue, affinity, keys, aliases, paths)",
+            "(expected one of: hosts, default_model, primary, queue, affinity, keys, aliases, paths, placement)",
         )
 
     def test_missing_listen(self) -> None:

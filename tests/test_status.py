@@ -18,7 +18,7 @@ from tests.harness import FakeLlama, http_client, listen, start_crossbar
 
 FIELDS = {"url", "healthy", "loaded", "loading", "available", "last_ok", "last_err", "consecutive", "failures",
           "inflight", "weight", "max_inflight", "max_inflight_source", "draining", "leaving", "tokens_per_s",
-          "cached_share"}
+          "cached_share", "models_max", "models", "last_load", "last_unload"}
 
 
 def free_port() -> int:

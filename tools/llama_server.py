@@ -26,6 +26,7 @@ CLI (run from the repository root)::
 
     python tools/llama_server.py provision            # idempotent; last line: binary path
     python tools/llama_server.py start PORT [--mode single|router] [--model PATH] [--metrics] [-np N]
+                                      [--models-max N]
     python tools/llama_server.py stop PORT
     python tools/llama_server.py status               # skip reason, or OK and the binary path
     python tools/llama_server.py write-model OUT NAME SEED   # one tiny GGUF (needs gguf)
@@ -839,6 +840,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", metavar="PATH", help="serve this GGUF file (single mode) instead of tiny-a")
     p.add_argument("--metrics", action="store_true", help="pass --metrics (GET /metrics: llamacpp:* counters)")
     p.add_argument("-np", "--parallel", type=int, metavar="N", help="slots (llama-server -np; default 2)")
+    p.add_argument("--models-max", type=int, metavar="N",
+                   help="router mode: models loaded at once (llama-server --models-max; its default 4)")
     p = sub.add_parser("stop", help="stop the llama-server started on PORT")
     p.add_argument("port", type=int)
     sub.add_parser("status", help="print the skip reason, or OK and the binary path")
@@ -871,7 +874,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             if a.model is not None and not os.path.isfile(a.model):
                 _log(f"--model {a.model}: no such file")
                 return 2
+            if a.models_max is not None and a.mode != "router":
+                _log("--models-max is for --mode router")
+                return 2
             extra = (["--metrics"] if a.metrics else []) + (["-np", str(a.parallel)] if a.parallel else [])
+            extra += ["--models-max", str(a.models_max)] if a.models_max is not None else []
             model = os.path.abspath(a.model) if a.model is not None else None
             return _cmd_start(a.port, a.mode, a.timeout, model, extra)
         except RuntimeError as e:

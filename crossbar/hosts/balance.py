@@ -16,6 +16,7 @@ from typing import Callable, Collection, Iterable, Mapping, NamedTuple
 from crossbar.hosts import affinity
 from crossbar.config import Host, Route
 from crossbar.hosts.health import HostStatus
+from crossbar.hosts.placement import Placing, load_tier
 
 __all__ = ["Chosen", "Fit", "Rotation", "Verdict", "awaits_first_poll", "choose", "fit_tier", "has_room", "limit_in_force", "lists"]
 
@@ -53,18 +54,25 @@ class Chosen(NamedTuple):
     :ivar fit: the tier it was chosen from.
     :ivar pick: ``primary`` or ``least-busy``; "" when the affinity ranking chose.
     :ivar affinity: ``home``, ``spill`` or ``none`` (§Cache affinity).
+    :ivar load: on a route with ``placement``: ``load`` when the request makes the host
+        load its model, ``spread`` when it does so after waiting ``spread_after``
+        (§Where models live, rules 3 and 7); else "".
+    :ivar model: the id the chosen router-mode host lists the request's model under
+        (its requests in flight per model, §Where models live), else None.
     """
 
     host: str
     fit: Fit
     pick: str
     affinity: str = "none"
+    load: str = ""
+    model: str | None = None
 
     @property
     def why(self) -> str:
-        """The reason for the log line, e.g. ``loaded least-busy affinity=none`` or
-        ``loaded affinity=home``."""
-        return " ".join(p for p in (self.fit.value, self.pick, f"affinity={self.affinity}") if p)
+        """The reason for the log line, e.g. ``loaded least-busy affinity=none``,
+        ``loaded affinity=home`` or ``available load least-busy affinity=none``."""
+        return " ".join(p for p in (self.fit.value, self.load, self.pick, f"affinity={self.affinity}") if p)
 
 
 class Rotation:
@@ -153,6 +161,7 @@ def choose(
     rotation: Rotation,
     exclude: Iterable[str] = (),
     draining: Collection[str] = (),
+    placement: Placing | None = None,
 ) -> Chosen | Verdict:
     """Choose a host of ``route`` for a request wanting ``model`` with affinity ``key``
     (docs/design.md §Choosing a host, rules 1-3, and §Cache affinity).
@@ -166,6 +175,11 @@ def choose(
     :param draining: hosts being drained (docs/design.md §Operations): they take no new
         request, as if they had no room, and pin no tier; a request whose only healthy
         hosts are draining waits (:data:`Verdict.BUSY`) for another host.
+    :param placement: for a route with ``placement`` (§Where models live): the available
+        tier keeps only the hosts rule 2 lets load the model (none: wait), and a request
+        that waited ``spread_after`` while its loaded tier has no room goes to a copy
+        under way with room, or, when none is under way, to such a host (rule 3; one
+        load of a model at a time, rule 1).
     """
     skip = set(exclude)
     candidates = [
@@ -187,12 +201,36 @@ def choose(
         if awaits_first_poll(route, hosts, statuses, skip):
             return Verdict.BUSY
         return Verdict.NO_HOST if skip else Verdict.NO_MODEL
+    placed = ""
+    if placement is not None and model is not None and fit is Fit.AVAILABLE:
+        tier = load_tier(tier, hosts, statuses, placement.in_use, placement.last_use, placement.kept,
+                          placement.waiting)
+        if not tier:
+            return Verdict.BUSY  # rule 2: no model in use is evicted; wait for a place
+        placed = "load"
     load = {h: inflight(h) for h in tier}
     roomy = [h for h in tier if has_room(hosts[h], load[h], statuses[h])]
+    copies: list[str] = []
+    if not roomy and placement is not None and placement.spread and model is not None and fit is Fit.LOADED:
+        # Rule 3 under rule 1: a copy already under way takes the spread (when it has
+        # room) and, while one is under way, no other host starts another.
+        copies = [h for h in candidates if lists(statuses[h], model, "loading")]
+        if copies:
+            load = {h: inflight(h) for h in copies}
+            roomy = [h for h in copies if has_room(hosts[h], load[h], statuses[h])]
+            fit, tier = Fit.LOADING, copies
+    if (not roomy and not copies and placement is not None and placement.spread and model is not None
+            and fit is Fit.LOADED):
+        spare = load_tier([h for h in candidates if lists(statuses[h], model, "available")], hosts, statuses,
+                          placement.in_use, placement.last_use, placement.kept,
+                          placement.waiting)
+        load = {h: inflight(h) for h in spare}
+        roomy = [h for h in spare if has_room(hosts[h], load[h], statuses[h])]
+        fit, tier, placed = Fit.AVAILABLE, spare, "spread"
     if not roomy:
         return Verdict.BUSY
     if route.primary is not None and route.primary in roomy:
-        return Chosen(route.primary, fit, "primary")
+        return Chosen(route.primary, fit, "primary", load=placed)
     if key is not None and route.affinity.key != "none":
         pick = affinity.pick(
             key,
@@ -200,10 +238,10 @@ def choose(
             route.affinity.balance,
         )
         if pick is not None:
-            return Chosen(pick.host, fit, "", pick.outcome)
+            return Chosen(pick.host, fit, "", pick.outcome, placed)
         # Every host with room is at its bound: the least busy of them takes it.
-        return Chosen(_least_busy(route, roomy, hosts, load, rotation), fit, "least-busy", "spill")
-    return Chosen(_least_busy(route, roomy, hosts, load, rotation), fit, "least-busy")
+        return Chosen(_least_busy(route, roomy, hosts, load, rotation), fit, "least-busy", "spill", placed)
+    return Chosen(_least_busy(route, roomy, hosts, load, rotation), fit, "least-busy", load=placed)
 
 
 def _least_busy(

@@ -28,6 +28,9 @@ from crossbar.ops.dashboard import CSP, load_static, snapshot
 from crossbar.ops.metrics import CONTENT_TYPE_LATEST, Metrics
 from crossbar.ops.recent import RecentRequests
 from crossbar.errors import error_headers, json_error_bytes
+from crossbar.config import Host
+from crossbar.hosts.health import HostStatus
+from crossbar.state.placement import Move
 from crossbar.state.runtime import Runtime
 
 __all__ = ["EVENT_INTERVAL", "OpsApp", "rfc3339"]
@@ -123,12 +126,14 @@ class OpsApp:
                 "weight": host.weight if host is not None else None,
                 "tokens_per_s": round(window.generated_per_second(name), 2),
                 "cached_share": _share(window.cached_share("h", name)),
+                **_placement(runtime, name, host, s),
             }
         for name, n in sorted(runtime.leaving().items()):
             # Removed by a reload, still answering: shown until its last request ends.
             hosts[name] = {
                 "url": None, **leaving_view(n), "last_ok": None, "consecutive": 0, "failures": 0,
                 "weight": None, "tokens_per_s": 0.0, "cached_share": None,
+                "models_max": None, "models": {}, "last_load": None, "last_unload": None,
             }
         routes = {}
         for name, route in config.routes.items():
@@ -304,4 +309,23 @@ class OpsApp:
         if failure.check(MethodNotAllowed):
             return self._error(request, 405, "method not allowed")
         return self._error(request, 500, "internal error")
+
+
+def _move(move: Move | None) -> dict[str, object] | None:
+    return None if move is None else {"model": move.model, "reason": move.reason, "at": rfc3339(move.at)}
+
+
+def _placement(runtime: Runtime, name: str, host: Host | None, status: HostStatus) -> dict[str, object]:
+    """Where models live (docs/design.md §Where models live, rule 7): a router-mode host's
+    ``models_max``, per loaded model its requests in flight and last use (the last
+    request crossbar sent it there), and the last load and unload crossbar caused there
+    with their reason."""
+    placement = runtime.placement
+    return {
+        "models_max": host.models_max if host is not None and status.router else None,
+        "models": {m: {"inflight": runtime.inflight.host_model(name, m),
+                       "last_use": rfc3339(placement.last_use(name, m))} for m in status.loaded} if status.router else {},
+        "last_load": _move(placement.last_load.get(name)),
+        "last_unload": _move(placement.last_unload.get(name)),
+    }
 

@@ -23,7 +23,10 @@ from crossbar.ops.recent import BUCKET, KEEP, RecentRequests
 from crossbar.state.runtime import Runtime
 from crossbar.state.worker_counts import AFFINITY_OUTCOMES
 
-__all__ = ["CSP", "STATIC", "load_static", "snapshot"]
+__all__ = ["CSP", "MAX_MODEL_COLUMNS", "STATIC", "load_static", "models_view", "snapshot"]
+
+MAX_MODEL_COLUMNS = 60
+"""Models shown at most in the hosts x models view (those held somewhere first)."""
 
 CSP = (
     "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self'; "
@@ -57,6 +60,46 @@ def _rate(buckets: dict[int, dict[str, float]], now: float, seconds: float) -> d
             for host, n in per_host.items():
                 sums[host] = sums.get(host, 0.0) + n
     return {h: round(n / seconds, 2) for h, n in sums.items()}
+
+
+def _move(move: Any) -> dict[str, Any] | None:
+    return None if move is None else {"model": move.model, "reason": move.reason, "at": move.at}
+
+
+def models_view(runtime: Runtime) -> dict[str, Any]:
+    """Where models live (docs/design.md §Where models live): the hosts x models view.
+
+    ``models``: the model ids the hosts list (those loaded or loading somewhere first,
+    then by name; at most :data:`MAX_MODEL_COLUMNS`); per host (``hosts``, in table
+    order): ``router``, ``models_max`` (router-mode hosts), ``cells`` (model -> ``state``
+    ``loaded``/``loading``/``available`` as crossbar counts it, the loads it caused
+    included, and ``inflight``: its requests in flight there), ``last_load`` and
+    ``last_unload`` (``model``, ``reason``, ``at``: clock seconds) or None."""
+    placement = runtime.placement
+    statuses = placement.overlay(runtime.table.all())
+    held: set[str] = set()
+    listed: set[str] = set()
+    for s in statuses.values():
+        held.update(s.loaded, s.loading)
+        listed.update(s.loaded, s.loading, s.available)
+    models = sorted(listed, key=lambda m: (m not in held, m))[:MAX_MODEL_COLUMNS]
+    shown = set(models)
+    hosts = []
+    for name, s in statuses.items():
+        host = runtime.config.hosts.get(name)
+        cells: dict[str, dict[str, Any]] = {}
+        for state, ids in (("loaded", s.loaded), ("loading", s.loading), ("available", s.available)):
+            for m in ids:
+                if m in shown:
+                    cells[m] = {"state": state, "inflight": runtime.inflight.host_model(name, m)}
+        hosts.append({
+            "name": name, "router": s.router,
+            "models_max": host.models_max if host is not None and s.router else None,
+            "cells": cells,
+            "last_load": _move(placement.last_load.get(name)),
+            "last_unload": _move(placement.last_unload.get(name)),
+        })
+    return {"models": models, "hosts": hosts}
 
 
 def snapshot(runtime: Runtime, recent: RecentRequests, limit: int = 200) -> dict[str, Any]:
@@ -110,6 +153,7 @@ def snapshot(runtime: Runtime, recent: RecentRequests, limit: int = 200) -> dict
         "actions": config.ops.token is not None,
         "hosts": hosts,
         "routes": routes,
+        "models": models_view(runtime),
         "recent": entries[:limit],
         "view": recent.scope(),
         "chart": {"start": first, "step": BUCKET, "hosts": series},

@@ -176,6 +176,19 @@ class Metrics:
             "crossbar_poll_duration_seconds", "Duration of one health poll of one host.",
             ("host", "result"), buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30), registry=r,
         )
+        self.model_loads = Counter(
+            "crossbar_model_loads", "Loads crossbar caused on router-mode hosts (docs: where models live), by "
+            "reason: request (a request made the host load its model), spread (after waiting spread_after), "
+            "keep (keep_loaded).", ("host", "model", "reason"), registry=r,
+        )
+        self.model_unloads = Counter(
+            "crossbar_model_unloads", "Unloads crossbar caused on router-mode hosts, by reason (idle).",
+            ("host", "model", "reason"), registry=r,
+        )
+        self.model_load_seconds = Histogram(
+            "crossbar_model_load_seconds", "Time from a load crossbar caused to the poll that shows the model loaded.",
+            ("host", "model"), buckets=(0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600), registry=r,
+        )
         self.mark_downs = Counter(
             "crossbar_mark_downs", "Hosts taken out of rotation by a failed request.",
             ("host", "reason"), registry=r,

@@ -27,6 +27,8 @@ from crossbar.ops.metrics import FleetCounters, LiveCollector, Metrics
 from crossbar.ops.app import OpsApp
 from crossbar.ops.fleet_recent import FleetRecent
 from crossbar.ops.recent import TICK, RecentRequests
+from crossbar.hosts.commands import HTTPModelCommands
+from crossbar.state.placer import TICK as PLACER_TICK, Placer
 from crossbar.hosts.poller import HealthPoller, HTTPProbe
 from crossbar.proxy.resource import ProxyResource
 from crossbar.ops.record import RequestLog
@@ -131,6 +133,13 @@ class CrossbarService(MultiService):
             wants_slots=lambda name: (host := runtime.config.hosts.get(name)) is not None and host.max_inflight_slots,
         )
         self.poller.setServiceParent(self)
+        # docs/design.md §Where models live: loads and unloads on router-mode hosts.
+        self.placer = Placer(runtime, HTTPModelCommands(self.pools), reactor)
+        runtime.placement.on_move = self._observe_move
+        runtime.placement.on_loaded = lambda host, model, seconds: self.metrics.model_load_seconds.labels(
+            host, model).observe(seconds)
+        self._placer_tick = LoopingCall(self.placer.tick)
+        self._placer_tick.clock = reactor
         self.proxy = ProxyResource(runtime, self.pools, reactor, self.requests)
         self.ops = OpsApp(runtime, self.metrics, self.recent, reactor)
         self.site = CrossbarSite(Root(self.ops.resource(), self.proxy), runtime, self.requests)
@@ -195,8 +204,13 @@ class CrossbarService(MultiService):
         both: list[Deferred[Any]] = [self.web.when_listening(), self.poller.when_first_round_done()]
         return gatherResults(both)  # type: ignore[return-value]
 
+    def _observe_move(self, host: str, model: str, action: str, reason: str) -> None:
+        counter = self.metrics.model_loads if action == "load" else self.metrics.model_unloads
+        counter.labels(host, model, reason).inc()
+
     def _observe_poll(self, host: str, seconds: float, ok: bool) -> None:
         self.metrics.poll_duration.labels(host, "ok" if ok else "failed").observe(seconds)
+        self.placer.polled(host, seconds, ok)  # settles loads before a waiting request looks
         self.runtime.queues.wake()  # a host that came back, or a model now loaded
         if self.systemd is not None:
             self.systemd.health_changed()
@@ -206,6 +220,7 @@ class CrossbarService(MultiService):
         if self._others_wake is not None:
             self._others_wake.start(WORKERS_WAKE_INTERVAL, now=False)
         self._recent_tick.start(TICK, now=False)
+        self._placer_tick.start(PLACER_TICK, now=False)
         if self.cluster is not None:
             self.cluster.start()
         # Everything loaded so far (Twisted, TLS support, klein, prometheus_client: most of
@@ -224,6 +239,9 @@ class CrossbarService(MultiService):
             self._others_wake.stop()
         if self._recent_tick.running:
             self._recent_tick.stop()
+        if self._placer_tick.running:
+            self._placer_tick.stop()
+        self.placer.stop()
         if self.cluster is not None:
             await self.cluster.stop()
         try:
@@ -336,6 +354,7 @@ class CrossbarService(MultiService):
         self.runtime.table.reconfigure(new, plan.fresh)
         self.pools.reconfigure(new, tls, plan.fresh)
         self.runtime.reconfigure(new)
+        self.runtime.placement.forget(h for h in new.hosts if h not in plan.fresh)  # §Where models live
         if plan.fresh:
             # A kept-alive poll connection was opened under the old settings (a CA that no
             # longer holds would go on passing): new and changed hosts are polled anew.

@@ -16,7 +16,7 @@ from twisted.python.failure import Failure
 from twisted.web.server import Request
 
 from crossbar.config import Config, Route
-from crossbar.hosts.balance import Chosen, Verdict, choose
+from crossbar.hosts.balance import Chosen, Verdict
 from crossbar.ops.record import NO_ROUTE
 from crossbar.paths import PathKind
 from crossbar.proxy.attempt import Answer, UpstreamFailed
@@ -126,9 +126,8 @@ class Exchange(Phased):
         ``waiting`` request stays queued), or answer that none is left. True once out of the queue."""
         assert self.route is not None
         runtime = self.runtime
-        verdict = choose(self.route, self.config.hosts, runtime.table.all(), runtime.inflight.host, self.model,
-                         self.head.peeked.affinity_key, runtime.rotation, exclude=self.tried,
-                         draining=runtime.drained)
+        verdict = runtime.choose(self.route, self.model, self.head.peeked.affinity_key, self.tried,
+                                 self.tally.queued_at)  # §Where models live: placement, loads counted
         if verdict is Verdict.BUSY:
             if not waiting:
                 self.enqueue()

@@ -48,6 +48,8 @@ class Leg:
         runtime = ctx.runtime
         limit = limit_in_force(head.config.hosts[chosen.host], runtime.table.get(chosen.host))[0]
         self.lease = runtime.inflight.enter(head.route.name, chosen.host, limit)
+        if chosen.model is not None:  # §Where models live: requests in flight per model
+            runtime.inflight.use_model(self.lease, chosen.model)
         self.attempt: Deferred[Answer] | None = None
         self.relay: Relay | None = None
 

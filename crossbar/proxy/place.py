@@ -38,6 +38,12 @@ class QueuePlace:
         self.timer: IDelayedCall | None = None
 
     @property
+    def model(self) -> str | None:
+        """The model the request wants (§Where models live: a model with requests
+        waiting for it is not evicted)."""
+        return self.tally.model
+
+    @property
     def queued_at(self) -> float | None:
         """Reactor seconds when the request first joined its queue (the oldest wait)."""
         return self.tally.queued_at

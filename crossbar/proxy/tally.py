@@ -76,7 +76,7 @@ class Tally:
         [failover] affinity=...``)."""
         self.host = chosen.host
         fit = self.fit = chosen.fit.value
-        why = [fit, chosen.pick] if chosen.pick else [fit]
+        why = [p for p in (fit, chosen.load, chosen.pick) if p]  # load: §Where models live, rule 7
         if self.queued_at is not None:
             why.append("queued")
         if failover:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 __all__ = [
     "CLUSTER_LOST", "CLUSTER_SLOW", "RESTARTS", "affinity_cell", "host_cell", "is_counter", "key_cell",
-    "queue_cell", "queue_oldest_cell", "route_host_cell", "token_cell",
+    "placement_cell", "placement_slot_cell", "queue_cell", "queue_oldest_cell", "route_host_cell", "token_cell",
 ]
 
 RESTARTS = "restarts"
@@ -63,3 +63,16 @@ def is_counter(name: str) -> bool:
     """Whether cell ``name`` is a counter (it only grows over a process's life: affinity
     outcomes, token totals, Redis losses and slow checks) rather than a count of the moment."""
     return name in (CLUSTER_LOST, CLUSTER_SLOW) or name.startswith(("a\0", "th\0", "tr\0"))
+
+
+def placement_cell(kind: str, host: str, model: str) -> str:
+    """A placement fact of ``model`` on ``host`` in Redis (docs/design.md §Where models
+    live, rule 7): ``kind`` ``pm`` (requests in flight), ``pl`` (loading), ``pu`` (last use)."""
+    return f"{kind}\0{host}\0{model}"
+
+
+def placement_slot_cell(kind: str, host: str, slot: int) -> str:
+    """The same in the workers' shared memory, for the models hashed to ``slot`` (model
+    ids are not in the config, which alone names the workers' cells)."""
+    return f"{kind}\0{host}\0{slot}"
+

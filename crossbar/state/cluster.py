@@ -409,6 +409,14 @@ class RedisCluster:
         """Live instances known, this one included (1 when alone)."""
         return len(self._others.views) + 1 if self.joined else 1
 
+    def largest(self, name: str) -> int:
+        """The largest value of count ``name`` over every other live instance (0 when
+        alone): e.g. the latest of their last uses of a model (docs/design.md §Where
+        models live, rule 7; :mod:`crossbar.state.placement_share`)."""
+        if not self.joined:
+            return 0
+        return max((view[name][1] for view in self._views.values() if name in view), default=0)
+
     def set(self, name: str, value: int) -> None:
         """See :class:`ClusterView`: written to Redis within :data:`FLUSH` seconds."""
         old = self._mine.get(name, 0)

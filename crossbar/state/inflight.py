@@ -18,6 +18,7 @@ from twisted.internet.defer import Deferred
 from crossbar.state.cells import host_cell
 
 if TYPE_CHECKING:
+    from crossbar.state.placement_share import PlacementShare
     from crossbar.state.worker_counts import WorkerCounts
     from crossbar.state.cluster import ClusterView
 
@@ -33,14 +34,18 @@ class Inflight:
         fleet's are read (docs/design.md §Workers); None for one process.
     :ivar cluster: with ``cluster.redis``, the other instances' counts and where this
         one's go (docs/design.md §Several crossbars); None without.
+    :ivar models_share: with workers or ``cluster.redis``, where the counts per (host,
+        model) go and the others' come from (docs/design.md §Where models live, rule 7).
     """
 
     def __init__(self, on_release: Callable[[], None] | None = None) -> None:
         self._by_host: Counter[str] = Counter()
         self._by_route_host: Counter[tuple[str, str]] = Counter()
+        self._by_host_model: Counter[tuple[str, str]] = Counter()
         self.on_release = on_release
         self.fleet: WorkerCounts | None = None
         self.cluster: ClusterView | None = None
+        self.models_share: PlacementShare | None = None
 
     def host(self, host: str) -> int:
         """Requests in flight to ``host`` over every route (0 for an unknown host),
@@ -57,7 +62,10 @@ class Inflight:
 
     def publish(self) -> None:
         """Write every count of this process to :attr:`fleet` (after a reload) and to
-        :attr:`cluster`."""
+        :attr:`cluster` (and :attr:`models_share`)."""
+        if self.models_share is not None:
+            for (host, model), n in self._by_host_model.items():
+                self.models_share.publish_inflight(host, model, n)
         if self.cluster is not None:
             for host, n in self._by_host.items():
                 self.cluster.set(host_cell(host), n)
@@ -79,6 +87,24 @@ class Inflight:
             return {(r, h): self.fleet.route_host(r, h) for r, h in pairs}
         return dict(self._by_route_host)
 
+    def host_model(self, host: str, model: str) -> int:
+        """Requests for ``model`` (the id the host lists it under) in flight to ``host``
+        from every process (docs/design.md §Where models live: a model in use)."""
+        share = self.models_share
+        own = self._by_host_model.get((host, model), 0)
+        return own if share is None else own + share.inflight(host, model)
+
+    def use_model(self, lease: Lease, model: str) -> None:
+        """Count ``lease``'s request as one for ``model`` (the id its router-mode host
+        lists it under) until it is released (docs/design.md §Where models live)."""
+        if lease.host is None or lease.model is not None:
+            return
+        lease.model = model
+        key = (lease.host, model)
+        self._by_host_model[key] += 1
+        if self.models_share is not None:
+            self.models_share.publish_inflight(lease.host, model, self._by_host_model[key])
+
     def enter(self, route: str, host: str, limit: int | None = None) -> Lease:
         """Count one request of ``route`` against ``host``; returns its lease. With a
         :attr:`cluster` and the host's ``max_inflight`` in force (``limit``), the place
@@ -98,7 +124,13 @@ class Inflight:
                 cluster.set(host_cell(host), self._by_host[host])
         return lease
 
-    def _leave(self, route: str, host: str) -> None:
+    def _leave(self, route: str, host: str, model: str | None = None) -> None:
+        if model is not None and self._by_host_model.get((host, model), 0) > 0:
+            self._by_host_model[(host, model)] -= 1
+            if self.models_share is not None:
+                self.models_share.publish_inflight(host, model, self._by_host_model[(host, model)])
+            if not self._by_host_model[(host, model)]:
+                del self._by_host_model[(host, model)]
         if self._by_host.get(host, 0) > 0:
             self._by_host[host] -= 1
             if not self._by_host[host]:
@@ -120,14 +152,16 @@ class Lease:
         fires True (the request may go) or False (refused); never fails.
     """
 
-    def __init__(self, inflight: Inflight, route: str, host: str) -> None:
+    def __init__(self, inflight: Inflight, route: str, host: str, model: str | None = None) -> None:
         self._inflight = inflight
         self.route = route
         self.host: str | None = host
+        self.model = model
+        """the model it counts for (:meth:`Inflight.use_model`), or None"""
         self.taken: Deferred[bool] | None = None
 
     def release(self) -> None:
         """Stop counting this request (its answer ended, or it failed)."""
         host, self.host = self.host, None
         if host is not None:
-            self._inflight._leave(self.route, host)
+            self._inflight._leave(self.route, host, self.model)

@@ -74,6 +74,7 @@ class RouteQueues:
         self.on_change: Callable[[str], None] | None = None
         self.standing = standing
         self._queues: dict[str, dict[int, Waiter]] = {}
+        self._models: Counter[str] = Counter()
         self._keys: dict[str, Counter[str]] = {}
         self._waking = False
         self._again = False
@@ -98,9 +99,17 @@ class RouteQueues:
         since = next(iter(queue.values())).queued_at
         return None if since is None else self._now() - since
 
+    def waiting_for(self, model: str) -> int:
+        """Requests waiting (on any route) that want ``model`` (a waiter's ``model``
+        attribute, when it has one): docs/design.md §Where models live, a model wanted."""
+        return self._models.get(model, 0)
+
     def add(self, waiter: Waiter) -> None:
         """Put ``waiter`` at the end of its route's queue (the caller checked
         ``queue.max``)."""
+        model = getattr(waiter, "model", None)
+        if isinstance(model, str):
+            self._models[model] += 1
         route = waiter.route_name
         self._queues.setdefault(route, {})[id(waiter)] = waiter
         self._keys.setdefault(route, Counter())[waiter.key] += 1
@@ -113,6 +122,11 @@ class RouteQueues:
         queue = self._queues.get(route)
         if queue is None or queue.pop(id(waiter), None) is None:
             return False
+        model = getattr(waiter, "model", None)
+        if isinstance(model, str) and self._models.get(model, 0) > 0:
+            self._models[model] -= 1
+            if not self._models[model]:
+                del self._models[model]
         keys = self._keys[route]
         keys[waiter.key] -= 1
         if not keys[waiter.key]:

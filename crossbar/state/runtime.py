@@ -17,13 +17,16 @@ from typing import Any, Callable
 
 from twisted.internet.defer import Deferred, succeed
 
-from crossbar.hosts.balance import Rotation
+from crossbar.hosts.balance import Chosen, Rotation, Verdict, choose
+from crossbar.hosts.placement import Placing, evicted, model_id
 from crossbar.config import Config, Route
 from crossbar.state.worker_counts import WorkerCounts
 from crossbar.state.cluster import ClusterView
 from crossbar.state.limits import KeyLimiter
 from crossbar.hosts.health import HealthTable
 from crossbar.state.inflight import Inflight
+from crossbar.state.placement import PlacementState
+from crossbar.state.placement_share import ClusterShare, WorkerShare
 from crossbar.state.queue import RouteQueues
 from crossbar.state.standing import RuntimeStanding
 from crossbar.state.tokens import TokenLedger
@@ -61,6 +64,8 @@ class Runtime:
     :ivar on_drain_change: called with (host, draining) when :meth:`drain_host` changes
         :attr:`drained` (a worker tells its supervisor, which tells every worker).
     :ivar idle: a :class:`Condition` that holds while no request is being handled.
+    :ivar placement: the loads crossbar caused and the uses it made of router-mode
+        hosts' models (docs/design.md §Where models live).
     """
 
     def __init__(self, config: Config, now: Callable[[], float]) -> None:
@@ -83,6 +88,40 @@ class Runtime:
         self.drained: set[str] = set()
         self.on_drain_change: Callable[[str, bool], None] | None = None
         self.idle = Condition(lambda: not self.active)
+        self.placement = PlacementState(now)
+
+    # -- choosing a host (docs/design.md §Choosing a host, §Where models live) ------------
+
+    def choose(self, route: Route, model: str | None, key: str | None, exclude: list[str],
+               queued_at: float | None = None) -> Chosen | Verdict:
+        """:func:`~crossbar.hosts.balance.choose` for a request of ``route`` wanting
+        ``model`` with affinity ``key``, hosts in ``exclude`` already tried, waiting
+        since clock second ``queued_at`` (None: not waiting), on the health table with
+        the loads crossbar caused counted as loading (§Where models live, rule 1) and,
+        on a route with ``placement``, rules 2 and 3. A request sent to a router-mode
+        host counts as a use of its model there from now; one that makes it load the
+        model (``load``/``spread``) makes it count as loading it at once."""
+        placement = self.placement
+        statuses = placement.overlay(self.table.all(), () if model is None or route.placement is None else (model,))
+        placing = None
+        settings = route.placement
+        if settings is not None:
+            spread = (queued_at is not None and settings.spread_after is not None
+                      and self.now() - queued_at >= settings.spread_after)
+            placing = Placing(self.inflight.host_model, placement.last_use, spread, settings.keep_loaded,
+                              self.queues.waiting_for)
+        verdict = choose(route, self.config.hosts, statuses, self.inflight.host, model, key, self.rotation,
+                         exclude=exclude, draining=self.drained, placement=placing)
+        if isinstance(verdict, Chosen) and model is not None:
+            status = statuses[verdict.host]
+            if status.router:
+                mid = model_id(status, model)
+                placement.used(verdict.host, mid)
+                if verdict.load:
+                    evicts = evicted(verdict.host, self.config.hosts[verdict.host], status, placement.last_use)
+                    placement.started(verdict.host, mid, "spread" if verdict.load == "spread" else "request", evicts)
+                verdict = verdict._replace(model=mid)
+        return verdict
 
     # -- counts that are fleet-wide with workers (docs/design.md §Workers) ------------------
 
@@ -90,6 +129,7 @@ class Runtime:
         """Publish this process's counts to ``fleet`` and read the fleet's from now on."""
         self.fleet = fleet
         self.inflight.fleet = fleet
+        self.placement.share = self.inflight.models_share = WorkerShare(fleet)  # §Where models live
         self.queues.on_change = self._publish_queue
         self.tokens.fleet = fleet
         if fleet.limits is not None:  # key limits per box (docs/design.md §Access)
@@ -101,6 +141,7 @@ class Runtime:
         other instances of ``cluster`` and count theirs (docs/design.md §Several crossbars)."""
         self.cluster = cluster
         self.inflight.cluster = cluster
+        self.placement.share = self.inflight.models_share = ClusterShare(cluster)  # §Where models live
         cluster.on_drains = self.apply_drains
         self.inflight.publish()
         for route, key in self.key_inflight:
@@ -128,6 +169,7 @@ class Runtime:
         if self.fleet is None:
             return
         self.inflight.publish()
+        self.placement.republish()
         self.tokens.republish()
         for route in self.config.routes:
             self._publish_queue(route)

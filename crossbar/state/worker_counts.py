@@ -24,6 +24,7 @@ from crossbar.state.cells import (
     CLUSTER_LOST, CLUSTER_SLOW, RESTARTS, affinity_cell, host_cell, is_counter, key_cell, queue_cell, queue_oldest_cell,
     route_host_cell, token_cell,
 )
+from crossbar.state.placement_share import share_names
 from crossbar.state.shared import CELLS, SharedCounts, cell_map
 
 __all__ = ["AFFINITY_OUTCOMES", "CLUSTER_LOST", "CLUSTER_SLOW", "RESTARTS", "WorkerCounts", "check_capacity", "token_cell"]
@@ -41,6 +42,8 @@ def _names(config: Config) -> list[str]:
         names += [route_host_cell(route.name, h) for h in route.hosts]
         names += [affinity_cell(route.name, o) for o in AFFINITY_OUTCOMES]
         names += [key_cell(route.name, key) for key in route.keys]
+    placed = {h: None for r in config.routes.values() if r.placement is not None for h in r.hosts}
+    names += share_names(list(placed))  # docs/design.md §Where models live, rule 7
     return names
 
 
@@ -84,6 +87,10 @@ class WorkerCounts:
         self.shared.clear_row()
         if self.limits is not None:
             self.limits.configure(config)  # their counts stay: they are counts of the past minute and day
+
+    def cell(self, name: str) -> int | None:
+        """The shared cell of ``name`` (a name :func:`_names` derives from the config), or None."""
+        return self._cells.get(name)
 
     def _set(self, name: str, value: int) -> None:
         cell = self._cells.get(name)

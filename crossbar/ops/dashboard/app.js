@@ -261,6 +261,41 @@
     body.replaceChildren.apply(body, rows);
   }
 
+  function move(m) {
+    if (!m) { return "—"; }
+    var when = new Date(m.at * 1000).toLocaleTimeString();
+    return m.model + " (" + m.reason + ", " + when + ")";
+  }
+
+  // Where models live: hosts x models; every text is a host's or the config's: textContent only.
+  function renderModels(doc) {
+    var view = doc.models || { models: [], hosts: [] };
+    var table = $("models");
+    var head = el("tr");
+    ["host", "models max"].concat(view.models).concat(["last load", "last unload"]).forEach(function (label) {
+      head.append(el("th", null, label));
+    });
+    table.tHead.replaceChildren(head);
+    var rows = view.hosts.map(function (h) {
+      var tr = el("tr");
+      tr.dataset.host = h.name;
+      tr.append(el("td", null, h.name));
+      tr.append(el("td", null, h.router ? (h.models_max === 0 ? "∞" : h.models_max) : "single model"));
+      view.models.forEach(function (m) {
+        var cell = Object.prototype.hasOwnProperty.call(h.cells, m) ? h.cells[m] : null;
+        var td = el("td", cell ? "cell " + cell.state : "cell none", cell ? (cell.state === "available" ? "·" : cell.inflight) : "");
+        td.dataset.model = m;
+        if (cell) { td.title = m + ": " + cell.state + ", " + cell.inflight + " in flight"; }
+        tr.append(td);
+      });
+      tr.append(el("td", null, move(h.last_load)));
+      tr.append(el("td", null, move(h.last_unload)));
+      return tr;
+    });
+    table.tBodies[0].replaceChildren.apply(table.tBodies[0], rows);
+    $("models-note").hidden = view.models.length > 0;
+  }
+
   function syncOptions(select, values) {
     var chosen = select.value;
     var have = Array.prototype.map.call(select.options, function (o) { return o.value; });
@@ -411,6 +446,7 @@
     actions = doc.actions;
     renderHosts(doc);
     renderRoutes(doc);
+    renderModels(doc);
     renderRecent(doc);
     renderChart(doc);
     var note = doc.view && doc.view.note;

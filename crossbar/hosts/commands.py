@@ -1,0 +1,110 @@
+"""Load and unload commands to router-mode hosts (docs/design.md §Where models live, rules
+4-6): ``POST <host>/models/load {"model": M}`` and ``POST <host>/models/unload {"model":
+M}``, as llama-server's router mode takes them (it answers ``{"success": true}`` at once
+and loads or unloads in the background; a load of a model already running is 400
+``model is already running``, which counts as done).
+
+:class:`HTTPModelCommands` sends them through crossbar's one HTTP client
+(:class:`~crossbar.upstream.pools.UpstreamPools`), with the host's ``api_key``; the
+caller bounds each by ``timeouts.first_byte``. Nothing else sends these paths: clients'
+own ``/models/load`` stays on the forbidden list (docs/design.md §The proxy rule 3).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Protocol
+
+from twisted.internet.defer import Deferred, ensureDeferred, succeed
+from twisted.python.failure import Failure
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import IBodyProducer, IResponse
+from zope.interface import implementer
+
+from crossbar.config import Host
+from crossbar.hosts.poller import read_capped
+from crossbar.upstream.failures import describe_failure
+from crossbar.upstream.pools import UpstreamPools
+
+__all__ = ["ACTIONS", "CommandFailed", "HTTPModelCommands", "ModelCommands"]
+
+ACTIONS = ("load", "unload")
+
+_MAX_ANSWER = 64 * 1024
+"""Bytes of a command's answer read at most (it is a few bytes of JSON)."""
+
+
+@implementer(IBodyProducer)
+class _Body:
+    """A command's few bytes of JSON, written at once."""
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+        self.length = len(body)
+
+    def startProducing(self, consumer: Any) -> Deferred[None]:
+        consumer.write(self.body)
+        return succeed(None)
+
+    def pauseProducing(self) -> None:
+        pass
+
+    def resumeProducing(self) -> None:
+        pass
+
+    def stopProducing(self) -> None:
+        pass
+
+
+class CommandFailed(Exception):
+    """A command was not done; ``reason`` is one line (``HTTP 404``, the connection error)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class ModelCommands(Protocol):
+    """Sends load and unload commands (:class:`HTTPModelCommands`, or a fake in tests)."""
+
+    def send(self, host: Host, action: str, model: str) -> Deferred[None]:
+        """Tell ``host`` to ``action`` (``load`` or ``unload``) model id ``model``;
+        fires once the host accepted it, fails with :class:`CommandFailed`; cancelling
+        it closes its connection."""
+
+
+class HTTPModelCommands:
+    """The real commands, over ``pools`` (the proxy's connections).
+
+    :param pools: crossbar's upstream connection pools.
+    """
+
+    def __init__(self, pools: UpstreamPools) -> None:
+        self.pools = pools
+
+    def send(self, host: Host, action: str, model: str) -> Deferred[None]:
+        """``POST <host>/models/<action>`` with ``{"model": model}``; see :class:`ModelCommands`."""
+        return ensureDeferred(self._send(host, action, model))
+
+    async def _send(self, host: Host, action: str, model: str) -> None:
+        if action not in ACTIONS:
+            raise ValueError(f"unknown action {action!r}")
+        headers = Headers({b"Content-Type": [b"application/json"]})
+        if host.api_key is not None:
+            headers.setRawHeaders(b"Authorization", [b"Bearer " + host.api_key.encode("ascii")])
+        body = json.dumps({"model": model}).encode("utf-8")
+        agent, _ = self.pools.agent()
+        target = host.url.target(b"/models/" + action.encode("ascii"))
+        try:
+            response: IResponse = await agent.request(b"POST", target, headers, _Body(body))
+            answer = await read_capped(response, _MAX_ANSWER)
+        except Exception:
+            failure = Failure()
+            if failure.check(CommandFailed):
+                raise
+            raise CommandFailed(describe_failure(failure)) from None
+        if response.code == 200:
+            return
+        if action == "load" and response.code == 400 and b"already running" in answer:
+            return  # loaded or loading already: what was wanted
+        raise CommandFailed(f"HTTP {response.code}")

@@ -1,0 +1,213 @@
+"""What crossbar knows of the loads it caused (docs/design.md §Where models live, rules 1, 4
+and 7): the hosts it made load a model (counted as loading at once, until a poll says
+otherwise or ``timeouts.first_byte`` passes), the last request it sent each model on
+each host, when it first saw a model loaded, and the last load and unload per host
+with their reason. Bookkeeping only: no I/O (the commands are
+:class:`crossbar.state.placer.Placer`'s), the clock is injected.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterable, Mapping
+
+from crossbar.hosts.health import HostStatus
+from crossbar.hosts.placement import model_id, with_loading
+from crossbar.state.placement_share import PlacementShare
+
+__all__ = ["Load", "Move", "PlacementState", "REASONS"]
+
+REASONS = ("request", "spread", "keep", "idle")
+"""Why a model was loaded (``request``, ``spread``, ``keep``) or unloaded (``idle``)."""
+
+
+@dataclass(frozen=True)
+class Load:
+    """A load crossbar caused on one host.
+
+    :ivar since: clock seconds it started (the request or the command was sent).
+    :ivar reason: ``request``, ``spread`` or ``keep``.
+    :ivar evicts: the model the host unloads for it (no free place: its least recently
+        used), counted as unloaded at once like the load counts as loading; or None.
+    """
+
+    since: float
+    reason: str
+    evicts: str | None = None
+
+
+@dataclass(frozen=True)
+class Move:
+    """The last load or unload of a host (status, the dashboard).
+
+    :ivar model: the model id; :ivar reason: one of :data:`REASONS`;
+    :ivar at: clock seconds it started.
+    """
+
+    model: str
+    reason: str
+    at: float
+
+
+class PlacementState:
+    """Loads crossbar caused and the uses it made, per (host, model id).
+
+    :param now: clock seconds (``reactor.seconds``).
+    :ivar loading: (host, model) -> the :class:`Load` under way (rule 1).
+    :ivar last_load: host -> its last load; :ivar last_unload: host -> its last unload.
+    :ivar on_move: called with (host, model, ``load``/``unload``, reason) for every
+        load and unload crossbar causes (the metrics).
+    :ivar on_loaded: called with (host, model, seconds) when a poll shows a load
+        crossbar caused finished (the load-time histogram).
+    :ivar share: with workers or ``cluster.redis``, where this process's loads and uses
+        go and the other processes' come from (rule 7), else None.
+    """
+
+    def __init__(self, now: Callable[[], float]) -> None:
+        self.now = now
+        self.loading: dict[tuple[str, str], Load] = {}
+        self._used: dict[tuple[str, str], float] = {}
+        self._seen: dict[tuple[str, str], float] = {}
+        self.last_load: dict[str, Move] = {}
+        self.last_unload: dict[str, Move] = {}
+        self.on_move: Callable[[str, str, str, str], None] | None = None
+        self.on_loaded: Callable[[str, str, float], None] | None = None
+        self.share: PlacementShare | None = None
+        self._lingering: dict[tuple[str, str], float] = {}
+
+    def last_use(self, host: str, model: str) -> float | None:
+        """Clock seconds of the last request crossbar (any process sharing, rule 7) sent
+        ``model`` on ``host``, or None."""
+        own = self._used.get((host, model))
+        if self.share is None:
+            return own
+        theirs = self.share.last_use(host, model)
+        return theirs if own is None else own if theirs is None else max(own, theirs)
+
+    def idle_since(self, host: str, model: str) -> float | None:
+        """Since when ``model`` on ``host`` is unused by crossbar: its last request, else
+        the first poll that showed it loaded; None when neither is known (rule 4)."""
+        used = self.last_use(host, model)
+        return used if used is not None else self._seen.get((host, model))
+
+    def overlay(self, statuses: Mapping[str, HostStatus], wanted: Iterable[str] = ()) -> Mapping[str, HostStatus]:
+        """Rule 1: ``statuses`` with every load crossbar caused and no poll settled yet
+        counted as loading (the same mapping when there is none); with a :attr:`share`,
+        the other processes' loads of the ``wanted`` models too."""
+        shared: list[tuple[str, str]] = []
+        if self.share is not None:
+            for model in wanted:
+                for host, status in statuses.items():
+                    mid = model_id(status, model)
+                    if status.router and mid in status.available and self.share.loading(host, mid):
+                        shared.append((host, mid))
+        if not self.loading and not shared:
+            return statuses
+        by_host: dict[str, tuple[list[str], list[str]]] = {}
+        for host, model in shared:
+            by_host.setdefault(host, ([], []))[0].append(model)
+        for (host, model), load in self.loading.items():
+            loading, evicting = by_host.setdefault(host, ([], []))
+            loading.append(model)
+            if load.evicts is not None:
+                evicting.append(load.evicts)
+        out = dict(statuses)
+        for host, (loading, evicting) in by_host.items():
+            if host in out:
+                out[host] = with_loading(out[host], loading, evicting)
+        return out
+
+    def used(self, host: str, model: str) -> None:
+        """A request for ``model`` was sent to ``host`` now."""
+        now = self._used[(host, model)] = self.now()
+        if self.share is not None:
+            self.share.publish_use(host, model, now)
+
+    def drop(self, host: str, model: str, linger: float = 0.0) -> None:
+        """The load of ``model`` on ``host`` is settled (or failed): no longer counted
+        here; the other processes of :attr:`share` still see it for ``linger`` seconds
+        (until their own polls show what this one's did)."""
+        if self.loading.pop((host, model), None) is not None and self.share is not None:
+            if linger > 0:
+                self._lingering[(host, model)] = self.now() + linger
+            else:
+                self._lingering.pop((host, model), None)
+                self.share.publish_loading(host, model, False)
+
+    def republish(self) -> None:
+        """Write this process's loads and last uses to :attr:`share` again (after a reload)."""
+        if self.share is not None:
+            for host, model in self.loading:
+                self.share.publish_loading(host, model, True)
+            for (host, model), seconds in self._used.items():
+                self.share.publish_use(host, model, seconds)
+
+    def started(self, host: str, model: str, reason: str, evicts: str | None = None) -> None:
+        """``host`` was made to load ``model`` now (a request sent it, or a command):
+        it counts as loading at once (rule 1), and ``evicts`` (the model it unloads for
+        it, if any) as unloaded; counted for the metrics."""
+        now = self.now()
+        if (host, model) not in self.loading:
+            self.loading[(host, model)] = Load(now, reason, evicts)
+            self._lingering.pop((host, model), None)
+            if self.share is not None:
+                self.share.publish_loading(host, model, True)
+        self.last_load[host] = Move(model, reason, now)
+        if self.on_move is not None:
+            self.on_move(host, model, "load", reason)
+
+    def unloaded(self, host: str, model: str, reason: str) -> None:
+        """crossbar told ``host`` to unload ``model`` now (rule 4)."""
+        self.drop(host, model)
+        self._seen.pop((host, model), None)
+        self.last_unload[host] = Move(model, reason, self.now())
+        if self.on_move is not None:
+            self.on_move(host, model, "unload", reason)
+
+    def polled(self, host: str, status: HostStatus, started: float, linger: float = 0.0) -> None:
+        """A good poll of ``host`` that started at clock second ``started`` listed
+        ``status``: a load it shows loaded is done (its time observed; the other
+        processes see it loading ``linger`` seconds more, until their polls show it
+        loaded); one it shows neither loaded nor loading (failed, or back to unloaded)
+        ended, if the poll started after the load did (rule 1). Models seen loaded for
+        the first time start their idle time (rule 4)."""
+        now = self.now()
+        for model in status.loaded:
+            self._seen.setdefault((host, model), now)
+        for (h, model), load in list(self.loading.items()):
+            if h != host:
+                continue
+            if model in status.loaded:
+                self.drop(h, model, linger)
+                if self.on_loaded is not None:
+                    self.on_loaded(host, model, max(0.0, now - load.since))
+            elif model not in status.loading and started >= load.since:
+                self.drop(h, model)
+        for key in [k for k in self._seen if k[0] == host and k[1] not in status.loaded]:
+            del self._seen[key]
+
+    def expire(self, bound: float) -> list[tuple[str, str]]:
+        """Drop the loads older than ``bound`` seconds (``timeouts.first_byte``, rule 1),
+        and stop showing the other processes the settled loads whose linger is over;
+        returns the loads dropped."""
+        now = self.now()
+        gone = [k for k, load in self.loading.items() if now - load.since >= bound]
+        for key in gone:
+            self.drop(*key)
+        for key in [k for k, until in self._lingering.items() if until <= now]:
+            del self._lingering[key]
+            if self.share is not None and key not in self.loading:
+                self.share.publish_loading(*key, False)
+        return gone
+
+    def forget(self, hosts: Iterable[str]) -> None:
+        """Keep only what concerns ``hosts`` (a reload removed or reset the others)."""
+        keep = set(hosts)
+        for key in [k for k in self.loading if k[0] not in keep]:
+            self.drop(*key)
+        for table in (self._used, self._seen):
+            for key in [k for k in table if k[0] not in keep]:
+                del table[key]
+        for moves in (self.last_load, self.last_unload):
+            for host in [h for h in moves if h not in keep]:
+                del moves[host]

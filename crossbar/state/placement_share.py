@@ -1,0 +1,186 @@
+"""What placement shares with the other workers and instances (docs/design.md §Where models
+live, rule 7: rule 1's "loading" and the last uses are shared like the in-flight counts;
+§Workers, §Several crossbars).
+
+Three facts per (host, model id): this process's requests in flight for the model there
+(summed over processes: a model in use anywhere is in use), whether this process made
+the host load it and no poll settled it yet (rule 1: any process's load counts), and
+the clock second of its last request there (the latest over processes). A
+:class:`PlacementShare` publishes this process's and reads the others'.
+
+- :class:`WorkerShare` (``workers: N``): cells of the workers' shared counts
+  (:class:`~crossbar.state.shared.SharedCounts`, one row per process). Cell names come
+  from the config alone (``pm``/``pl``/``pu`` + host + slot, :func:`share_names`), a
+  model id is hashed to one of :data:`SLOTS` slots per host: in-flight counts of two
+  models on one slot add up (such a model looks in use: never evicted wrongly); a mark
+  and a last use carry the model's 31-bit fingerprint in their high half, so only the
+  model's own count (one per slot and process: the latest wins).
+- :class:`ClusterShare` (``cluster.redis``): counts of the cluster's view
+  (:class:`~crossbar.state.cluster.RedisCluster`) named ``pm\\0host\\0model`` (in
+  flight, summed), ``pl\\0host\\0model`` (1 while loading) and ``pu\\0host\\0model``
+  (last use, POSIX seconds: the latest of the others, :meth:`RedisCluster.largest`).
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import TYPE_CHECKING, Protocol
+
+from crossbar.state.cells import placement_cell, placement_slot_cell
+
+if TYPE_CHECKING:
+    from crossbar.state.cluster import ClusterView
+    from crossbar.state.shared import SharedCounts
+
+__all__ = ["SLOTS", "Cells", "ClusterShare", "PlacementShare", "WorkerShare", "fingerprint", "share_names"]
+
+SLOTS = 16
+"""Cells per host and fact for the workers' share (model ids hash to them)."""
+
+_LOW = 0xFFFFFFFF
+
+
+def fingerprint(model: str) -> int:
+    """A model id's 31-bit fingerprint (CRC-32 of its UTF-8, the sign bit of a cell clear)."""
+    return zlib.crc32(model.encode("utf-8", "surrogatepass")) & 0x7FFFFFFF
+
+
+def _slot(model: str) -> int:
+    return fingerprint(model) % SLOTS
+
+
+def share_names(hosts: list[str]) -> list[str]:
+    """The workers' cell names for ``hosts`` (the router-mode hosts of ``placement`` routes)."""
+    return [placement_slot_cell(kind, h, i) for h in hosts for kind in ("pm", "pl", "pu") for i in range(SLOTS)]
+
+
+class Cells(Protocol):
+    """What :class:`WorkerShare` needs of the workers' counts
+    (:class:`~crossbar.state.worker_counts.WorkerCounts`)."""
+
+    shared: SharedCounts
+
+    def cell(self, name: str) -> int | None:
+        """The shared cell of ``name``, or None."""
+
+
+class PlacementShare(Protocol):
+    """This process's placement facts out, the other processes' in."""
+
+    def publish_inflight(self, host: str, model: str, count: int) -> None:
+        """This process has ``count`` requests for ``model`` in flight to ``host``."""
+
+    def publish_loading(self, host: str, model: str, loading: bool) -> None:
+        """This process made ``host`` load ``model`` (``loading``), or that load settled."""
+
+    def publish_use(self, host: str, model: str, seconds: float) -> None:
+        """This process sent a request for ``model`` to ``host`` at POSIX ``seconds``."""
+
+    def inflight(self, host: str, model: str) -> int:
+        """Requests for ``model`` in flight to ``host`` from the other processes."""
+
+    def loading(self, host: str, model: str) -> bool:
+        """Another process made ``host`` load ``model`` and no poll of its settled it."""
+
+    def last_use(self, host: str, model: str) -> float | None:
+        """The latest request of the other processes for ``model`` on ``host``, or None."""
+
+
+class WorkerShare:
+    """:class:`PlacementShare` over the workers' shared counts (see the module doc).
+
+    :param fleet: this worker's :class:`~crossbar.state.worker_counts.WorkerCounts`.
+    """
+
+    def __init__(self, fleet: Cells) -> None:
+        self.fleet = fleet
+        self._inflight: dict[tuple[str, int], dict[str, int]] = {}
+
+    def _cell(self, kind: str, host: str, model: str) -> int | None:
+        return self.fleet.cell(placement_slot_cell(kind, host, _slot(model)))
+
+    def publish_inflight(self, host: str, model: str, count: int) -> None:
+        """See :class:`PlacementShare`: the slot holds this worker's sum over its models."""
+        cell = self._cell("pm", host, model)
+        if cell is None:
+            return
+        per_model = self._inflight.setdefault((host, cell), {})
+        if count:
+            per_model[model] = count
+        else:
+            per_model.pop(model, None)
+        self.fleet.shared.set(cell, sum(per_model.values()))
+
+    def publish_loading(self, host: str, model: str, loading: bool) -> None:
+        """See :class:`PlacementShare`."""
+        cell = self._cell("pl", host, model)
+        if cell is not None:
+            self.fleet.shared.set(cell, (fingerprint(model) << 32) | 1 if loading else 0)
+
+    def publish_use(self, host: str, model: str, seconds: float) -> None:
+        """See :class:`PlacementShare`."""
+        cell = self._cell("pu", host, model)
+        if cell is not None:
+            self.fleet.shared.set(cell, (fingerprint(model) << 32) | (int(seconds) & _LOW))
+
+    def _others(self, cell: int) -> list[int]:
+        shared = self.fleet.shared
+        return [shared.get(cell, row) for row in range(shared.rows) if row != shared.row]
+
+    def inflight(self, host: str, model: str) -> int:
+        """See :class:`PlacementShare` (models of one slot add up)."""
+        cell = self._cell("pm", host, model)
+        return 0 if cell is None else sum(v for v in self._others(cell) if v > 0)
+
+    def loading(self, host: str, model: str) -> bool:
+        """See :class:`PlacementShare`."""
+        cell = self._cell("pl", host, model)
+        mark = (fingerprint(model) << 32) | 1
+        return cell is not None and any(v == mark for v in self._others(cell))
+
+    def last_use(self, host: str, model: str) -> float | None:
+        """See :class:`PlacementShare` (whole seconds)."""
+        cell = self._cell("pu", host, model)
+        if cell is None:
+            return None
+        fp = fingerprint(model)
+        seen = [v & _LOW for v in self._others(cell) if v > 0 and v >> 32 == fp]
+        return float(max(seen)) if seen else None
+
+
+class ClusterShare:
+    """:class:`PlacementShare` through ``cluster.redis`` (see the module doc).
+
+    :param cluster: this instance's view of the cluster (a
+        :class:`~crossbar.state.cluster.RedisCluster`; one without ``largest`` shares no
+        last uses).
+    """
+
+    def __init__(self, cluster: ClusterView) -> None:
+        self.cluster = cluster
+
+    def publish_inflight(self, host: str, model: str, count: int) -> None:
+        """See :class:`PlacementShare`."""
+        self.cluster.set(placement_cell("pm", host, model), count)
+
+    def publish_loading(self, host: str, model: str, loading: bool) -> None:
+        """See :class:`PlacementShare`."""
+        self.cluster.set(placement_cell("pl", host, model), 1 if loading else 0)
+
+    def publish_use(self, host: str, model: str, seconds: float) -> None:
+        """See :class:`PlacementShare`."""
+        self.cluster.set(placement_cell("pu", host, model), int(seconds))
+
+    def inflight(self, host: str, model: str) -> int:
+        """See :class:`PlacementShare`."""
+        return self.cluster.others(placement_cell("pm", host, model))
+
+    def loading(self, host: str, model: str) -> bool:
+        """See :class:`PlacementShare`."""
+        return self.cluster.others(placement_cell("pl", host, model)) > 0
+
+    def last_use(self, host: str, model: str) -> float | None:
+        """See :class:`PlacementShare`."""
+        largest = getattr(self.cluster, "largest", None)
+        latest = largest(placement_cell("pu", host, model)) if largest is not None else 0
+        return float(latest) if latest > 0 else None
