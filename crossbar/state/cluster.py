@@ -231,6 +231,12 @@ class OtherInstances:
                 view[name] = (seq, value)
                 totals[name] = totals.get(name, 0) + value - (known[1] if known is not None else 0)
 
+    def largest(self, name: str) -> int:
+        """The largest value of count ``name`` over the other instances (0 for none):
+        e.g. the latest of their last uses of a model (docs/design.md §Where models live,
+        rule 7; :mod:`crossbar.state.placement_share`)."""
+        return max((view[name][1] for view in self.views.values() if name in view), default=0)
+
     def drop(self, instance: str) -> None:
         """``instance`` stopped: its counts count no more."""
         if self.views.pop(instance, None) is not None:
@@ -410,12 +416,8 @@ class RedisCluster:
         return len(self._others.views) + 1 if self.joined else 1
 
     def largest(self, name: str) -> int:
-        """The largest value of count ``name`` over every other live instance (0 when
-        alone): e.g. the latest of their last uses of a model (docs/design.md §Where
-        models live, rule 7; :mod:`crossbar.state.placement_share`)."""
-        if not self.joined:
-            return 0
-        return max((view[name][1] for view in self._views.values() if name in view), default=0)
+        """See :meth:`OtherInstances.largest` (0 when alone)."""
+        return self._others.largest(name) if self.joined else 0
 
     def set(self, name: str, value: int) -> None:
         """See :class:`ClusterView`: written to Redis within :data:`FLUSH` seconds."""
