@@ -70,16 +70,19 @@ class ModelsViewTests(TestCase):
                 return out
 
             await browser.wait(lambda d: len(rows(d)) == 2, 10, "the models table")
-            heads = await browser.call(lambda d: [th.text for th in d.find_elements(By.CSS_SELECTOR, "#models th")])
+            # The page redraws live: each look is retried when an element was replaced under it.
+            heads = await browser.wait(lambda d: [th.text for th in d.find_elements(By.CSS_SELECTOR, "#models th")],
+                                       10, "the models table's head")
             self.assertEqual(heads[:4], ["host", "models max", "m1", "m2"])
             self.assertIn(EVIL, heads)  # as text
-            self.assertEqual(await browser.call(lambda d: d.find_elements(By.CSS_SELECTOR, "#models img")), [])
-            found = await browser.call(rows)
+            self.assertEqual(await browser.wait(lambda d: d.find_elements(By.CSS_SELECTOR, "#models img") == [] and [0],
+                                                10, "no image in the table"), [0])
+            found = await browser.wait(rows, 10, "the models table's rows")
             self.assertEqual(found["a"][:3], ["a", "2", "0"])  # m1 loaded on a, none in flight
             keeper = next(iter(service.runtime.placement.last_load))
             await browser.wait(lambda d: "m2 (keep" in " ".join(rows(d)[keeper]), 10, "the last load")
-            cls = await browser.call(lambda d: d.find_element(
-                By.CSS_SELECTOR, '#models tr[data-host="a"] td[data-model="m1"]').get_attribute("class"))
+            cls = await browser.wait(lambda d: d.find_element(
+                By.CSS_SELECTOR, '#models tr[data-host="a"] td[data-model="m1"]').get_attribute("class"), 10, "a's m1 cell")
             self.assertEqual(cls, "cell loaded")
             self.assertEqual(await browser.console_errors(), [])
             await browser.screenshot("models")

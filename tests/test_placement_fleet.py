@@ -62,7 +62,11 @@ class FleetBurstTests(TestCase):
             await wait_for(both_workers_polled, 30, "the hosts healthy")
             codes = await burst(self, [proc.base], "m2")
             self.assertEqual(codes, [200] * 20)
-            self.assertEqual(sorted(len(r.loads) for r in routers), [0, 0, 1])
+            # Shared like the in-flight counts (a host's max_inflight may be exceeded by
+            # at most workers - 1): one load, or at most one more from the other worker
+            # when both chose in the same moment (seen under a loaded box's full suite).
+            loads = sorted(len(r.loads) for r in routers)
+            self.assertIn(loads, ([0, 0, 1], [0, 1, 1]))
             proc.signal("TERM")  # its connections to the hosts close before the test ends
             await proc.ended
             await deferLater(reactor, 0.2)
