@@ -10,6 +10,8 @@ then raise its CHECKED range, pyproject.toml's bound and the pin in .ci/constrai
 from __future__ import annotations
 
 import inspect
+import io
+import os
 import socket
 from typing import Any, Callable
 
@@ -269,6 +271,9 @@ class FallbackTests(SynchronousTestCase):
         before = _file.formatTime
         self.assertFalse(self.module.cache_log_timestamps())
         self.assertIs(_file.formatTime, before)
+        from twisted.logger import LogPublisher, textFileLogObserver
+
+        self.assertIsNone(self.module.text_log_file(LogPublisher(textFileLogObserver(io.StringIO()))))
         events: list[dict[str, Any]] = []
         log = Logger(namespace="t", observer=events.append)
         self.module.emit_flattened(log, LogLevel.info, "{line}", self.module.flattened_line("x"), {"line": "x"})
@@ -834,3 +839,39 @@ class LeanDispatchTouchpointTests(_Private):
 
         self.assertFalse(lean_dispatch(MemoryReactor()))
         self.assertFalse(lean_dispatch(Clock()))
+
+
+class TextLogFileTouchpointTests(SynchronousTestCase):
+    """Touchpoint 11: the file twistd's text log observer writes to, found among the
+    log publisher's observers (``LogPublisher._observers``, ``FileLogObserver._outFile``)."""
+
+    def test_twistds_logfile_and_standard_output(self) -> None:
+        import sys
+
+        from twisted.logger import LogPublisher
+        from twisted.python.logfile import LogFile
+        from twisted.scripts._twistd_unix import UnixAppLogger, ServerOptions
+
+        from crossbar.compat.twisted import text_log_file
+
+        path = os.path.abspath(self.mktemp())
+        options = ServerOptions()
+        options.parseOptions(["-n", f"--logfile={path}", "--pidfile="])
+        observer = UnixAppLogger(options)._getLogObserver()
+        out = text_log_file(LogPublisher(observer, lambda e: None))
+        self.assertIsInstance(out, LogFile)
+        self.addCleanup(out.close)
+        self.assertEqual(out.path, path)
+        options = ServerOptions()
+        options.parseOptions(["-n", "--pidfile="])
+        self.assertIs(text_log_file(LogPublisher(UnixAppLogger(options)._getLogObserver())), sys.stdout)
+
+    def test_none_or_several(self) -> None:
+        from twisted.logger import LogPublisher, jsonFileLogObserver, textFileLogObserver
+
+        from crossbar.compat.twisted import text_log_file
+
+        self.assertIsNone(text_log_file(LogPublisher(lambda e: None)))
+        one, two = io.StringIO(), io.StringIO()
+        self.assertIs(text_log_file(LogPublisher(textFileLogObserver(one))), one)
+        self.assertIsNone(text_log_file(LogPublisher(textFileLogObserver(one), jsonFileLogObserver(two))))
