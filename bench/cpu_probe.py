@@ -14,6 +14,9 @@ of its tree (the supervisor, each worker) per request besides the whole tree's;
 ``--log stdout|json`` logs to twistd's standard output (text, or
 ``--logger crossbar.ops.jsonlog.observer``) instead of ``--logfile`` (issue 33).
 
+``--profile --workers N`` profiles the workers (a ``sitecustomize`` on their
+``PYTHONPATH``), their profiles summed.
+
 ``--profile`` runs crossbar under cProfile with ``time.process_time`` as its clock,
 enabled only for the measured repetitions (``SIGUSR2`` toggles it), and prints per
 request: the top functions by inclusive time with their calls per request, and the share
@@ -50,6 +53,19 @@ def toggle(*a):
 signal.signal(signal.SIGUSR2, toggle)
 from twisted.scripts.twistd import run
 run()
+"""
+
+
+_WORKER_WRAP = """import sys
+if "crossbar.process.worker" in sys.orig_argv:
+    import cProfile, os, signal, time
+    _p = cProfile.Profile(time.process_time); _on = [False]
+    def _toggle(*a):
+        if not _on[0]:
+            _on[0] = True; _p.enable()
+        else:
+            _p.disable(); _p.dump_stats(os.environ["CPU_PROBE_PROFILE"] + "." + str(os.getpid()))
+    signal.signal(signal.SIGUSR2, _toggle)
 """
 
 
@@ -92,7 +108,13 @@ def main() -> None:
                        "routes:\n  bench:\n    hosts: [up]\n    default_model: bench\n"
                        + (f"workers: {a.workers}\n" if a.workers > 1 else ""))
         prof = tmp / "prof.out"
-        if a.profile:
+        env = dict(os.environ, PYTHONPATH=a.src)
+        if a.profile and a.workers > 1:  # the workers are profiled (sitecustomize), not the supervisor
+            (tmp / "site").mkdir()
+            (tmp / "site" / "sitecustomize.py").write_text(_WORKER_WRAP)
+            env.update(PYTHONPATH=f"{tmp / 'site'}{os.pathsep}{a.src}", CPU_PROBE_PROFILE=str(prof))
+            pre = [a.python, str(Path(a.python).parent / "twistd")]
+        elif a.profile:
             (tmp / "wrap.py").write_text(_WRAP)
             pre = [a.python, str(tmp / "wrap.py"), str(prof)]
         else:
@@ -100,7 +122,7 @@ def main() -> None:
         log = {"file": [f"--logfile={tmp}/cb.log"], "stdout": [],
                "json": ["--logger", "crossbar.ops.jsonlog.observer"]}[a.log]
         cb = subprocess.Popen(pre + ["-n", "--pidfile="] + log + ["crossbar", "--config", str(cfg)],
-                              cwd=tmp, env=dict(os.environ, PYTHONPATH=a.src),
+                              cwd=tmp, env=env,
                               stdout=open(tmp / "cb.out", "w"), stderr=open(tmp / "cb.err", "w"))
         for _ in range(300):
             try:
@@ -170,8 +192,14 @@ def main() -> None:
                 return asyncio.run(bursts())
 
         wrk(1)  # warm-up: connections, pools, caches
+        profiled = procs[1:] if a.workers > 1 else [pid]
+
+        def toggle() -> None:
+            for p in profiled:
+                os.kill(p, signal.SIGUSR2)
+
         if a.profile:
-            cb.send_signal(signal.SIGUSR2)
+            toggle()
             time.sleep(0.5)
         served, per = 0, []
         for _ in range(a.reps):
@@ -188,12 +216,22 @@ def main() -> None:
             print(f"{unit}s {n} ({n / wall:.0f}/s)  crossbar CPU us/{unit} {per[-1]:.1f}{split}", flush=True)
         print(f"median CPU us/{unit} {sorted(per)[len(per) // 2]:.1f}" + ("  (profiled)" if a.profile else ""))
         if a.profile:
-            cb.send_signal(signal.SIGUSR2)
-            for _ in range(100):
-                if prof.exists():
-                    break
-                time.sleep(0.1)
-            time.sleep(1)
+            toggle()
+            if a.workers > 1:
+                dumps = [Path(f"{prof}.{p}") for p in profiled]
+                for _ in range(100):
+                    if all(d.exists() for d in dumps):
+                        break
+                    time.sleep(0.1)
+                time.sleep(1)
+                merged = pstats.Stats(*(str(d) for d in dumps))
+                merged.dump_stats(str(prof))
+            else:
+                for _ in range(100):
+                    if prof.exists():
+                        break
+                    time.sleep(0.1)
+                time.sleep(1)
             report(prof, served, a.top)
             if a.save:
                 Path(a.save).write_bytes(prof.read_bytes())
