@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What sharing counts through Redis costs (issue 22): two crossbar instances with
+"""What sharing counts through Redis costs: two crossbar instances with
 ``cluster.redis`` against two without, the same load through each.
 
     bench/cluster.py [--rounds 3] [--seconds 5] [--connections 16] [--rate R] [--json FILE]

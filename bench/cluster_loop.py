@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The cluster's own CPU per request, in-process (issue 22): what ``cluster.redis`` adds
+"""The cluster's own CPU per request, in-process: what ``cluster.redis`` adds
 to a request, without the rest of crossbar around it.
 
     bench/cluster_loop.py [--rate 200] [--seconds 10] [--hold 0.005] [--rounds 3]

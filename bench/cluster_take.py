@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""What taking a host's slot in Redis costs a request (issue 29): the round trip of
+"""What taking a host's slot in Redis costs a request: the round trip of
 :meth:`crossbar.state.cluster.RedisCluster.take`, in-process.
 
     bench/cluster_take.py [--rate 200] [--seconds 5] [--hold 0.005] [--rounds 3]
@@ -11,7 +11,7 @@ connections; B only listens). A *request* raises A's count of a host with a
 ``rate`` requests per second. Two modes, alternated round by round:
 
 - ``set``: the rise is noted and written in a batch (:meth:`~RedisCluster.set`, what a
-  host without a limit still does, and what every request did before issue 29);
+  host without a limit still does, and what every request did before the take);
 - ``take``: the rise is one script call (:meth:`~RedisCluster.take`) that the request
   waits for before it is sent.
 

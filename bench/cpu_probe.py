@@ -22,7 +22,7 @@ enabled only for the measured repetitions (``SIGUSR2`` toggles it), and prints p
 request: the top functions by inclusive time with their calls per request, and the share
 of self time by package. The profiler's own cost inflates every call (a profiled request
 costs ~5x an unprofiled one): read the shares and the call counts, not the microseconds.
-Issue 23 (bench/README.md, "Leaner request path").
+Measured with it: bench/HISTORY.md, "Leaner request path".
 """
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""What reading an answer's figures costs per request, in-process (issue 19).
+"""What reading an answer's figures costs per request, in-process.
 
     python bench/figures_ab.py [--pairs 8000] [--runs 3] [--answer bench|llama|sse|all] [--steps]
 
 DESIGN's target for the figures (tokens, speed, cache read from every answer) is at most
 +10 us CPU per request against the same run without them. Through a real crossbar and
-wrk that is far below the noise of a shared machine (bench/README.md), so this script
+wrk that is far below the noise of a shared machine (bench/HISTORY.md), so this script
 times exactly the per-request work the figures add, in one process:
 
 - **off**: one request's relay of an answer with this checkout's code -- a

@@ -2,7 +2,7 @@
 # bench/instructions.sh SRC TAG [N]: user-space instructions per request of the crossbar in
 # checkout SRC (PYTHONPATH), under valgrind's callgrind: instrumentation off during start-up,
 # switched on after 50 warm-up requests, N (default 400) sequential keep-alive requests of
-# bench (a), dumped, divided. The machine's load does not move the count (bench/README.md,
+# bench (a), dumped, divided. The machine's load does not move the count (bench/HISTORY.md,
 # "Second pass"). Needs valgrind, curl, bench/.venv (bench/run makes it) and twistd in PY's dir.
 # EVENTS=1: instructions per streamed event instead: after the warm-up, one stream of 100
 # events and one of N+100 (2 ms apart, so each is its own read), each its own dump; the

@@ -1,4 +1,4 @@
-"""How long the body peek holds the reactor (docs/design.md §"Quality bar"; issue 11 item 3).
+"""How long the body peek holds the reactor (docs/design.md §"Quality bar": it must not stall the other streams).
 
     python bench/peek.py [--mib 15] [--chunk 65536] [--rounds 5] [--shapes]
 
@@ -9,7 +9,7 @@ the proxy did before, in one reactor turn) and both on a small 90-byte chat requ
 per-request cost in bench (a)). Prints medians over rounds. A few seconds at most.
 ``--shapes`` also times bodies made of many small tokens (what a hostile client can
 send), once each, about a minute, with CPU per byte against a plain prompt of the same
-size measured in the same run (issue 20 item 8: no shape may cost more than 3x; the
+size measured in the same run (a hostile body: no shape may cost more than 3x; the
 worst was 400,000 ``system`` messages before the first ``user`` message, 12 MiB), and
 four shapes where the skipping of values no rule reads (``peek/skip.py``) stops or
 looks closer: keys a rule reads nested, at the top level, escaped keys, strings

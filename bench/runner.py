@@ -135,7 +135,7 @@ PROXIES = ("crossbar", "workers2")
 ``workers: N`` (``--workers``, default 2; the column is named ``workers2`` whatever N)."""
 TARGETS = ("direct",) + PROXIES
 PEERS = ("haproxy", "vllm-router", "smg")
-"""The other proxies in front of the same upstream (``--peers``, issue 23): HAProxy
+"""The other proxies in front of the same upstream (``--peers``): HAProxy
 (Debian's), and the LLM gateways vllm-router and smg (Rust, PyPI wheels, each in its
 own venv made here). They get the bare ``/v1/...`` paths and run (a)-(d) only."""
 PEER_SCENARIOS = frozenset("abcd")
@@ -274,7 +274,7 @@ def haproxy_exe() -> str:
     return exe
 
 
-HAPROXY_CFG = """# bench: HAProxy in front of the fake upstream (issue 23): http mode, one server,
+HAPROXY_CFG = """# bench: HAProxy in front of the fake upstream: http mode, one server,
 # keep-alive on both sides (http-keep-alive on the client side, idle server connections
 # reused), no logging; threads: HAProxy's default (one per core). http-no-delay: without
 # it HAProxy sends a chunked answer's pieces with MSG_MORE while it expects more, and
@@ -524,7 +524,7 @@ G_VARIANTS = [
 
 
 # (h): 100 streams of (b)'s shape while a chat request carrying a 15 MiB base64 image
-# arrives once a second (issue 11 item 3: the peek must not stall the other streams)
+# arrives once a second (the peek must not stall the other streams)
 H_STREAMS = 100
 H_DELAY_MS = 5.0
 H_IMAGE_MIB = 15
@@ -1054,7 +1054,7 @@ NAMES = {"direct": "direct", "crossbar": "1 worker", "workers2": "workers: 2", "
 
 
 def peers_table(r: Results, targets: tuple[str, ...]) -> list[str]:
-    """Issue 23's comparison as a Markdown table: medians only, the peers first, then
+    """The proxies side by side as a Markdown table: medians only, the peers first, then
     crossbar (one worker, ``workers: N``); empty without peers."""
     cols = [t for t in PEERS + PROXIES if t in targets]
     if not any(t in PEERS for t in cols):

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""How ``workers: 2`` splits connections (issue 23): a burst of 100 connections and
+"""How ``workers: 2`` splits connections: a burst of 100 connections and
 16 kept-alive connections, counted by which worker accepted each (read from /proc).
 
     bench/split.py [--root CHECKOUT] [--workers 2] [--rounds 5]

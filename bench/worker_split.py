@@ -12,7 +12,7 @@ list and exits.
 It runs apart from ``bench/run``'s load client on purpose: one sample reads all of
 /proc/net/tcp (4 ms with ~650 sockets, more after wrk has left TIME_WAITs behind), and
 in the client's own event loop that stall was counted as the proxy's lag and as
-coalesced events of the ``workers: 2`` column (bench/README.md, issue 23).
+coalesced events of the ``workers: 2`` column (bench/HISTORY.md, "Fourth pass").
 """
 
 from __future__ import annotations

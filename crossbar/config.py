@@ -264,6 +264,10 @@ class ClientKey:
         ``repr()``.
     :ivar max_inflight: this key's requests in flight or waiting at once, or None.
     :ivar limits: requests and tokens per minute, tokens per day (all off by default).
+    :ivar priority: an integer; when requests wait, a key's go before those of keys of
+        lower priority (default 0; §Access, "Fair shares").
+    :ivar share: a positive number: the key's weight among keys of one priority
+        (default 1).
     :ivar digest: SHA-256 of the UTF-8 secret (what :func:`crossbar.proxy.access.authorize`
         compares, so the comparison's time does not depend on the secret's length).
     """
@@ -272,6 +276,8 @@ class ClientKey:
     secret: str = field(repr=False)
     max_inflight: int | None = None
     limits: KeyLimits = field(default_factory=KeyLimits)
+    priority: int = 0
+    share: float = 1.0
     digest: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -581,6 +587,16 @@ class _Checker:
         if not minimum <= number < float("inf"):
             raise self.fail(key, f"must be a number of at least {minimum:g}, not {shown}")
         return number
+
+    def integer(self, key: str, value: Any) -> int:
+        """A whole number, negative ones included (a key's ``priority``)."""
+        if isinstance(value, str):
+            value, shown = self._parsed(key, value, int, "a whole number", str)
+        else:
+            shown = repr(value)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(key, f"must be a whole number, not {shown if isinstance(value, float) else _kind(value)}")
+        return value
 
     def count(self, key: str, value: Any, minimum: int = 1) -> int:
         """A whole number of at least ``minimum``."""
@@ -955,7 +971,7 @@ def _tls(c: _Checker, key: str, raw: Any) -> HostTLSSettings:
 
 def _check_certificates(c: _Checker, key: str, pem: bytes) -> list[Any]:
     """The PEM certificates in ``pem`` (at least one). cryptography is imported only
-    when a config has ``tls`` files (it is heavy, docs/design.md §Workers memory)."""
+    when a config has ``tls`` files (it is heavy: every worker's RSS counts, docs/operations.md "Workers")."""
     from cryptography import x509
 
     try:
@@ -1133,21 +1149,27 @@ def _keys(
             raise c.fail(kkey, "a key name must be non-empty, without spaces or control characters")
         max_inflight: int | None = None
         limits = KeyLimits()
+        priority, share = 0, 1.0
         if isinstance(value, dict):
             entry = c.mapping(kkey, value)
-            c.known_keys(kkey, entry, ("secret", "max_inflight", "limits"))
+            c.known_keys(kkey, entry, ("secret", "max_inflight", "limits", "priority", "share"))
             if entry.get("secret") is None:
                 raise c.fail(f"{kkey}.secret", "is required")
             secret = c.header_secret(f"{kkey}.secret", entry["secret"])
             if entry.get("max_inflight") is not None:
                 max_inflight = c.count(f"{kkey}.max_inflight", entry["max_inflight"])
             limits = _limits(c, f"{kkey}.limits", entry.get("limits"))
+            if entry.get("priority") is not None:
+                priority = c.integer(f"{kkey}.priority", entry["priority"])
+            if entry.get("share") is not None:
+                share = c.at_least(f"{kkey}.share", entry["share"], 0)
         elif isinstance(value, str):
             secret = c.header_secret(kkey, value)
         else:
             raise c.fail(kkey, f"must be a secret (a string) or a mapping with secret, max_inflight and limits, "
                                f"not {_kind(value)}")
-        client_key = ClientKey(name=name, secret=secret, max_inflight=max_inflight, limits=limits)
+        client_key = ClientKey(name=name, secret=secret, max_inflight=max_inflight, limits=limits,
+                               priority=priority, share=share)
         earlier = secrets.setdefault(client_key.digest, (kkey, name))
         if earlier[1] != name:
             raise c.fail(kkey, f"has the same secret as {earlier[0]} (a secret names one key in the whole config)")

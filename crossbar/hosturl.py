@@ -4,7 +4,9 @@ trailing slash trimmed; §The health table: polls are ``<url>/health`` and
 ``<url>/v1/models``; §The proxy, rule 6: a request goes to ``<url><rest of path>``).
 
 :class:`HostURL` is the record; :meth:`HostURL.target` is the only way crossbar builds
-the absolute URL bytes it hands to Twisted's ``Agent.request``, for polls and requests.
+the absolute URL bytes it hands to crossbar's HTTP/1.1 client (``request`` of
+:class:`~crossbar.upstream.h1client.H1Agent`, or of the poller's
+:class:`~crossbar.upstream.pools.PollAgent`), for polls and requests.
 The configured text is kept byte for byte: no library re-encodes the path (hyperlink,
 which treq uses, percent-encodes ``[ ] | " { } ^`` and refuses IPv6 literals), so a poll
 reaches exactly the host and base path a request reaches.
@@ -94,7 +96,7 @@ class HostURL:
         return cls(url=trimmed, scheme=scheme, host=host, port=port, netloc=netloc, path=path)
 
     def target(self, rest_and_query: bytes) -> bytes:
-        """The absolute URL bytes for ``Agent.request``: the configured URL followed by
+        """The absolute URL bytes for an agent's ``request``: the configured URL followed by
         ``rest_and_query`` unchanged (``b""``, or starting with ``b"/"`` or ``b"?"``),
         e.g. ``target(b"/health")`` for a poll, ``target(b"/v1/chat/completions?x=1")``
         for a proxied request.

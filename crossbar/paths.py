@@ -55,7 +55,7 @@ class PathKind(Enum):
 
 def _under(path: bytes, names: tuple[bytes, ...], dirs: tuple[bytes, ...]) -> bool:
     """Whether ``path`` is one of ``names`` or below one of them; ``dirs`` is ``names``
-    each with a ``/`` appended (built once: this runs for every request, issue 23)."""
+    each with a ``/`` appended (built once: this runs for every request)."""
     return path in names or path.startswith(dirs)
 
 

@@ -1135,6 +1135,24 @@ class ClientKeyTests(_Case):
         self.assertEqual((keys["alice"].secret, keys["alice"].max_inflight), ("alice-1", None))
         self.assertEqual((keys["ci"].secret, keys["ci"].max_inflight), ("ci-1", 8))
 
+    def test_priority_and_share(self) -> None:
+        """docs/design.md §Access, "Fair shares": an integer priority (default 0), a
+        positive share (default 1, may be 1.5)."""
+        keys = self.keys({"alice": "a-1", "ci": {"secret": "ci-1", "priority": -1, "share": 2},
+                          "eval": {"secret": "e-1", "priority": "${P}", "share": 1.5}}, {"P": "3"})
+        self.assertEqual((keys["alice"].priority, keys["alice"].share), (0, 1.0))
+        self.assertEqual((keys["ci"].priority, keys["ci"].share), (-1, 2.0))
+        self.assertEqual((keys["eval"].priority, keys["eval"].share), (3, 1.5))
+
+    def test_priority_and_share_refused(self) -> None:
+        self.rejected({"ci": {"secret": "s", "priority": 1.5}}, ".ci.priority", "must be a whole number, not 1.5")
+        self.rejected({"ci": {"secret": "s", "priority": "high"}}, ".ci.priority", "must be a whole number, not 'high'")
+        self.rejected({"ci": {"secret": "s", "priority": True}}, ".ci.priority", "must be a whole number, not a boolean")
+        self.rejected({"ci": {"secret": "s", "share": 0}}, ".ci.share", "must be a positive number, not 0")
+        self.rejected({"ci": {"secret": "s", "share": -2}}, ".ci.share", "must be a positive number, not -2")
+        self.rejected({"ci": {"secret": "s", "share": "lots"}}, ".ci.share", "must be a number, not 'lots'")
+        self.rejected({"ci": {"secret": "s", "share": [1]}}, ".ci.share", "must be a number, not a list")
+
     def test_empty_keys_refused(self) -> None:
         self.rejected({}, "", "must name at least one key (leave keys out for a route open to every client)")
 
@@ -1157,7 +1175,7 @@ class ClientKeyTests(_Case):
         self.rejected({"alice": 1234}, ".alice", "must be a secret (a string) or a mapping with secret, max_inflight and limits, not a number")
         self.rejected({"alice": {"secret": 1234}}, ".alice.secret", "must be a string, not a number")
         self.rejected({"alice": {"secret": "s", "max_inflight": 0}}, ".alice.max_inflight", "must be at least 1, not 0")
-        self.rejected({"alice": {"secret": "s", "limit": 1}}, ".alice.limit", "unknown key (expected one of: secret, max_inflight, limits)")
+        self.rejected({"alice": {"secret": "s", "limit": 1}}, ".alice.limit", "unknown key (expected one of: secret, max_inflight, limits, priority, share)")
         self.rejected(["alice"], "", "must be a mapping, not a list")
 
     def test_same_secret_under_two_names(self) -> None:

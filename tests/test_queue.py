@@ -27,6 +27,7 @@ class Waiter:
         self.room = room
         self.log = log
         self.retries = 0
+        self.key = ""
 
     @property
     def route_name(self) -> str:

@@ -2,7 +2,7 @@
 
 A request's token counters and generation-speed histogram are updated once per request;
 prometheus_client's public ``inc``/``observe`` check their argument, take a lock and
-loop over the buckets each time (issue 19's cost). :func:`adder` and :func:`observer`
+loop over the buckets each time (CPU per request). :func:`adder` and :func:`observer`
 do the same update through the children's private parts: ``_value`` (a
 ``prometheus_client.values.MutexValue`` in one process, the multiprocess file's value
 with workers: its ``_file``, ``_key``, ``_value``, ``_timestamp``), ``_upper_bounds``,
@@ -19,12 +19,12 @@ checks both paths against the exposition.
 
 from __future__ import annotations
 
-import re
 from bisect import bisect_left
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Callable
 
 from prometheus_client import values
+
+from crossbar.compat import distribution_check, within
 
 __all__ = ["CHECKED", "FALLBACK", "adder", "moved", "observer", "version_checked"]
 
@@ -34,7 +34,7 @@ CHECKED = ((0, 20), (0, 26))
 
 def version_checked(major: int, minor: int) -> bool:
     """Whether prometheus_client ``major.minor`` is within :data:`CHECKED` (as numbers)."""
-    return CHECKED[0] <= (major, minor) <= CHECKED[1]
+    return within(CHECKED, major, minor)
 
 
 def moved() -> list[str]:
@@ -61,21 +61,6 @@ def moved() -> list[str]:
         found.append("Histogram child's _sum (no inc)")
     return found
 
-
-def _fallback() -> str | None:
-    try:
-        installed = version("prometheus_client")
-    except PackageNotFoundError:
-        return "prometheus_client's version is unknown"
-    found = re.match(r"(\d+)\.(\d+)", installed)
-    if found is None or not version_checked(int(found[1]), int(found[2])):
-        return (f"prometheus_client {installed} is outside the range crossbar's touchpoints were checked against"
-                f" ({CHECKED[0][0]}.{CHECKED[0][1]} to {CHECKED[1][0]}.{CHECKED[1][1]})")
-    try:
-        gone = moved()
-    except Exception as e:
-        gone = [f"probing failed: {e!r}"]
-    return f"prometheus_client {installed} moved what crossbar relies on: {'; '.join(gone)}" if gone else None
 
 
 def _file_inc(value: Any) -> Callable[[float], None] | None:
@@ -159,6 +144,6 @@ def observer(child: Any) -> Callable[[float], None]:
     return observe
 
 
-FALLBACK: str | None = _fallback()
+FALLBACK: str | None = distribution_check("prometheus_client", CHECKED, moved)
 """None when :func:`adder` and :func:`observer` may reach into prometheus_client; else
 why they hand back its public ``inc``/``observe`` (the start-up check, run at import)."""

@@ -33,12 +33,12 @@ stamps): crossbar works, only slower. :func:`log_fallback` says so once at start
    attributes) and reads its ``dataBuffer``, ``offset``, ``_tempDataLen`` and
    ``_writeDisconnected``: Twisted buffers every write until the reactor's next turn
    finds the socket writable, which costs each relayed event two ``epoll_ctl`` calls
-   and a reactor dispatch (issue 23: CPU per event) and adds that turn to its latency;
+   and a reactor dispatch (CPU per event) and adds that turn to its latency;
    asyncio sends at once when nothing is waiting, and so does crossbar now.
 6. :func:`cache_log_timestamps` replaces ``twisted.logger._file.formatTime``, the module
    global that twistd's text log observer (``textFileLogObserver``) calls for every
    line: it builds a time zone and a ``datetime`` and runs ``strftime`` each time (~60k
-   instructions, 4% of a proxied request's CPU, issue 23), though its text changes once
+   instructions, 4% of a proxied request's CPU), though its text changes once
    a second. The replacement gives the same text, formatted once per second; twistd
    offers no other way to choose its observer's time format cheaply (``--logger``
    replaces ``--logfile`` and ``--syslog`` handling altogether).
@@ -47,19 +47,19 @@ stamps): crossbar works, only slower. :func:`log_fallback` says so once at start
    ``KeyFlattener``'s convention), and the supervisor relays a worker's line as a format
    without fields whose flattened values are ``{}``; :func:`emit_flattened` hands either to
    the logger's observer as ``Logger.emit`` builds events: Twisted formats a flattened
-   event without ``string.Formatter`` (~11k instructions per request's log line, issue 23).
+   event without ``string.Formatter`` (~11k instructions per request's log line).
 8. :func:`body_writer` reads ``Request.chunked``, ``_disconnected``, ``_encoder`` and
    ``_inFakeHead`` and adds to ``sentLength``: once an answer's head is out, each relayed
    body chunk went through ``server.Request.write``, ``http.Request.write``, ``toChunk``,
    ``HTTPChannel.writeSequence`` and the transport's ``writeSequence`` (a join): six
-   Python calls per streamed event (issue 23: CPU per event). The writer frames the chunk
+   Python calls per streamed event (CPU per event). The writer frames the chunk
    as ``toChunk`` does and hands it to the connection's ``write`` in one call.
 9. :func:`lean_dispatch` replaces an ``EPollReactor``'s ``doIteration`` (an instance
    attribute over the class's ``doPoll``) and reads its ``_poller``, ``_selectables`` and
    ``_doReadOrWrite``, and the reactor thread's ``twisted.python.context`` stack: Twisted
    dispatches every ready descriptor through ``log.callWithLogger``, whose four layers of
    ``*args`` calls and dict copies cost ~16k instructions per read, ~30% of a relayed
-   event (issue 23). The replacement pushes the same log context (the descriptor's
+   event (bench/instructions.sh). The replacement pushes the same log context (the descriptor's
    ``logPrefix()`` as ``system``), logs an escaping error as ``callWithLogger`` does, and
    handles ``epoll_wait`` as ``doPoll`` does, in one loop. That loop also orders a turn:
    upstream connections first, then clients' descriptors within a time budget (the rest
@@ -86,6 +86,8 @@ import time
 from typing import Any, Callable, cast
 
 from twisted.internet.tcp import Connection
+
+from crossbar.compat import start_up_check, within
 from twisted.logger import Logger, LogLevel
 from twisted.web.http import HTTPChannel
 from twisted.web.server import Request
@@ -102,7 +104,7 @@ both included; ``pyproject.toml``'s bound on Twisted says the same."""
 def version_checked(major: int, minor: int) -> bool:
     """Whether Twisted ``major.minor`` is within :data:`CHECKED` (compared as numbers:
     26.1 is older than 26.10)."""
-    return CHECKED[0] <= (major, minor) <= CHECKED[1]
+    return within(CHECKED, major, minor)
 
 
 def moved() -> list[str]:
@@ -153,21 +155,9 @@ def moved() -> list[str]:
 
 def _fallback() -> str | None:
     """Why the touchpoints must do what Twisted does (:data:`FALLBACK`), or None."""
-    import re
-
     import twisted
 
-    found = re.match(r"(\d+)\.(\d+)", twisted.__version__)
-    if found is None or not version_checked(int(found[1]), int(found[2])):
-        return (f"Twisted {twisted.__version__} is outside the range crossbar's touchpoints were checked against"
-                f" ({CHECKED[0][0]}.{CHECKED[0][1]} to {CHECKED[1][0]}.{CHECKED[1][1]})")
-    try:
-        gone = moved()
-    except Exception as e:  # an internal so changed that probing it fails
-        gone = [f"probing failed: {e!r}"]
-    if gone:
-        return f"Twisted {twisted.__version__} moved what crossbar relies on: {'; '.join(gone)}"
-    return None
+    return start_up_check("Twisted", twisted.__version__, CHECKED, moved)
 
 
 def log_fallback(log: Logger) -> bool:
@@ -317,7 +307,7 @@ def lean_dispatch(reactor: Any, clock: Callable[[], float] = time.monotonic) -> 
     old, at least one of them per turn. Those left are reported again by the next
     ``epoll_wait`` (level-triggered), a moment later: a burst of new requests cannot hold
     the events of streams already running for longer than that (docs/design.md §Quality
-    bar: a chunk reaches the client without waiting; issue 23: the burst's lag p99).
+    bar: a chunk reaches the client without waiting; the lag p99 in a burst).
 
     Once is enough (returns False the second time, and for any other reactor, changing
     nothing)."""

@@ -23,13 +23,12 @@ its 2 s cap when Redis is not there). ``tests/test_compat_txredis.py`` names wha
 
 from __future__ import annotations
 
-import re
-from importlib.metadata import PackageNotFoundError, version
 from typing import Any, Callable
 
 import txredisapi
 from twisted.python.failure import Failure
 
+from crossbar.compat import distribution_check, within
 from crossbar.compat.twisted import QuietClientService
 
 try:  # txredisapi parses replies with hiredis (C) when it is installed, as it is by default
@@ -45,7 +44,7 @@ CHECKED = ((1, 6), (1, 6))
 
 def version_checked(major: int, minor: int) -> bool:
     """Whether txredisapi ``major.minor`` is within :data:`CHECKED` (as numbers)."""
-    return CHECKED[0] <= (major, minor) <= CHECKED[1]
+    return within(CHECKED, major, minor)
 
 
 def moved() -> list[str]:
@@ -68,23 +67,8 @@ def moved() -> list[str]:
     return found
 
 
-def _fallback() -> str | None:
-    try:
-        installed = version("txredisapi")
-    except PackageNotFoundError:
-        return "txredisapi's version is unknown"
-    found = re.match(r"(\d+)\.(\d+)", installed)
-    if found is None or not version_checked(int(found[1]), int(found[2])):
-        return (f"txredisapi {installed} is outside the range crossbar's touchpoints were checked against"
-                f" ({CHECKED[0][0]}.{CHECKED[0][1]} to {CHECKED[1][0]}.{CHECKED[1][1]})")
-    try:
-        gone = moved()
-    except Exception as e:
-        gone = [f"probing failed: {e!r}"]
-    return f"txredisapi {installed} moved what crossbar relies on: {'; '.join(gone)}" if gone else None
 
-
-FALLBACK: str | None = _fallback()
+FALLBACK: str | None = distribution_check("txredisapi", CHECKED, moved)
 """None when :class:`Protocol` and :func:`connect` may reach into txredisapi; else why
 they are txredisapi's own (the start-up check, run at import)."""
 

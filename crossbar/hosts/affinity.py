@@ -1,5 +1,5 @@
 """Cache affinity: which host of a tier a request with an affinity key goes to
-(docs/design.md §"Cache affinity"; issue 12).
+(docs/design.md §"Cache affinity").
 
 Weighted rendezvous hashing (highest random weight) ranks a tier's hosts for a key:
 each host scores ``-weight / ln(h)`` with ``h`` a uniform (0, 1) hash of the key and the

@@ -145,6 +145,7 @@ class OpsApp:
                     **{outcome: runtime.affinity(name, outcome) for outcome in AFFINITY_OUTCOMES},
                 },
                 "keys": runtime.key_status(route),
+                "waiting": runtime.queues.status(name),  # per key, this process's queue (§Access)
             }
         doc: dict[str, Any] = {"hosts": hosts, "routes": routes}
         cluster = runtime.cluster

@@ -109,7 +109,7 @@ class RequestLog:
     The event's text is rendered here with an f-string and logged as ``{line}``
     (the fields stay in the event for structured observers): twisted.logger's
     ``string.Formatter`` is pure Python and cost ~9 us per request with the whole
-    template (issue 14). The metrics' label children are looked up once per label set.
+    template. The metrics' label children are looked up once per label set.
     """
 
     def __init__(self, metrics: Metrics, tokens: TokenLedger | None = None) -> None:
@@ -150,7 +150,7 @@ class RequestLog:
         ended_text = "" if record.ended == "complete" else f" ended={record.ended}"
         line = (f"{record.method} {record.target} -> {host} {status} {record.bytes}B{queued} ttfb={ttfb_text} "
                 f"{ms}ms{why}{key_text}{tokens_text}{ended_text}")
-        # as _log.info("{line}", ...) builds the event, already flattened: one per request (issue 23)
+        # as _log.info("{line}", ...) builds the event, already flattened: one per request
         emit_flattened(_log, _INFO, "{line}", flattened_line(line), dict(
             line=line,
             route=route, host=host, method=record.method, path=record.path,

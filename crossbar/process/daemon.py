@@ -15,7 +15,7 @@ from typing import Any, Mapping
 from twisted.application.service import MultiService
 from twisted.logger import Logger
 
-from crossbar.compat import prometheus
+from crossbar.compat import prometheus, txredis
 from crossbar.compat.twisted import cache_log_timestamps, lean_dispatch, log_fallback
 from crossbar.config import Config
 from crossbar.process.service import make_service
@@ -56,6 +56,9 @@ def make_daemon(config: Config, twistd: Mapping[str, Any] | None = None, stall: 
     log_fallback(log)  # an unchecked Twisted: its own behaviour, said once
     if prometheus.FALLBACK is not None:
         log.warn("{why}: using its public inc and observe (slower, same figures)", why=prometheus.FALLBACK)
+    if config.cluster is not None and txredis.FALLBACK is not None:
+        log.warn("{why}: connecting to Redis as txredisapi itself does (a log line per reconnection attempt)",
+                 why=txredis.FALLBACK)
     cache_log_timestamps()  # twistd's text log: its time stamp formatted once per second
     from twisted.internet import reactor
 

@@ -13,7 +13,7 @@ a body trickled a byte a minute no longer holds a connection for days either.
 
 It also refuses hostile request heads (:func:`hostile_header`, obs-folds) with a JSON
 400, and feeds a chunked body that is dense with framing to Twisted's chunk decoder in
-:data:`SLICE`-byte slices, one per reactor turn (issue 20 items 2 and 7).
+:data:`SLICE`-byte slices, one per reactor turn (bounded reactor time per read).
 """
 
 from __future__ import annotations

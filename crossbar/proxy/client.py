@@ -8,7 +8,7 @@ client sees a truncated answer. The exchange decides; these functions write.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterable
 
 from twisted.internet.address import IPv4Address, IPv6Address
 from twisted.web.http_headers import Headers
@@ -63,12 +63,17 @@ def error_body(request: Request, code: int, message: str, host: str | None) -> b
     return json_error_bytes(code, message, host=host)
 
 
-def write_head(request: Request, response: IResponse, host: str, draining: bool) -> None:
+def write_head(request: Request, response: IResponse, host: str, draining: bool,
+               extra: Iterable[tuple[bytes, bytes]] = ()) -> None:
     """Send the host's answer head to the client at once, before any body byte
-    (docs/design.md §Quality bar): its status and headers (rule 6) and ``X-Crossbar-Host``."""
+    (docs/design.md §Quality bar): its status and headers (rule 6), ``extra`` headers of
+    crossbar's (replacing the host's of those names: a key's rate-limit headers, §Access)
+    and ``X-Crossbar-Host``."""
     request.setResponseCode(response.code, relayable_phrase(response.phrase))
     request.responseHeaders.removeHeader(b"server")
     answer_headers(response, request.responseHeaders, request.method)
+    for name, value in extra:
+        request.responseHeaders.setRawHeaders(name, [value])
     close_if_draining(request, draining)
     request.responseHeaders.setRawHeaders(HOST_HEADER, [host.encode("utf-8")])
     request.write(b"")  # the head goes out now, not with the first body chunk

@@ -1,5 +1,5 @@
-"""Bounds on client connections and file descriptors (docs/design.md §The proxy, rule 9;
-issue 20 item 4): connections beyond a bound are refused at once, the listen backlog
+"""Bounds on client connections and file descriptors (docs/design.md §The proxy, rule 9):
+connections beyond a bound are refused at once, the listen backlog
 is not Twisted's 50, and running out of descriptors is logged at most once a minute.
 
 The bound is derived from the process's descriptor limit (``RLIMIT_NOFILE``, raised by

@@ -1,4 +1,4 @@
-"""CORS headers on crossbar's own answers (issue 20; docs/design.md §The proxy, rule 9).
+"""CORS headers on crossbar's own answers (docs/design.md §The proxy, rule 9).
 
 A browser client reads an answer of another origin only when it carries
 ``Access-Control-Allow-Origin``. The hosts' answers carry it (llama-server echoes the

@@ -28,6 +28,7 @@ from crossbar.proxy.modellist import models_body
 from crossbar.proxy.phase import LIVE, Phase, Phased, acts_in
 from crossbar.proxy.place import QueuePlace
 from crossbar.proxy.policy import Action, Decision, decide
+from crossbar.proxy.ratelimit import key_limit_headers
 from crossbar.proxy.relay import Relay, RelayEnd
 from crossbar.proxy.tally import Tally
 from crossbar.state.limits import retry_after_header
@@ -333,18 +334,23 @@ class Exchange(Phased):
         """Answer ``code`` with the JSON ``body`` and end; ``retry_after``: ``Retry-After: 1``
         (busy) or that many seconds; every 503 has one (rule 10: retries back off)."""
         self.tally.answered(code)
+        for name, value in key_limit_headers(self.runtime.limits, self.route, self.key):  # §Access
+            self.request.setHeader(name, value)
         self.tally.bytes = write_json(self.request, code, body, retry_after or code == 503, self.runtime.draining)
         self.end()
 
     def end(self) -> None:
-        """Once: write the record (rule 8), then free the host's slot (which may dispatch another)."""
-        if self._enter(Phase.ENDED):
-            if self.relay is not None:
-                self.tally.first_byte_at = self.relay.first_byte_at
-            self.tally.spend(self.runtime.spend)
-            self.tally.write(self.runtime.table.get)
-            self.release_host()
-            self.runtime.end(self)
+        """Once: write the record (rule 8), stop counting it (the drain, its key), then free
+        the host's slot (which may dispatch another)."""
+        if self.phase is Phase.ENDED:
+            return
+        self._enter(Phase.ENDED)
+        if self.relay is not None:
+            self.tally.first_byte_at = self.relay.first_byte_at
+        self.tally.spend(self.runtime.spend)
+        self.tally.write(self.runtime.table.get)
+        self.runtime.end(self)  # its key stops counting before the freed slot is offered (fair order)
+        self.release_host()
 
     def release_host(self) -> None:
         """Stop counting this request as in flight to its host (idempotent)."""

@@ -21,6 +21,7 @@ from crossbar.proxy.client import forwarded_headers, write_head
 from crossbar.proxy.context import ProxyContext
 from crossbar.proxy.head import RequestHead, upstream_body
 from crossbar.proxy.headers import content_type, is_event_stream
+from crossbar.proxy.ratelimit import key_limit_headers
 from crossbar.proxy.relay import Relay
 from crossbar.proxy.tally import Tally
 
@@ -77,7 +78,8 @@ class Leg:
         life = ctx.runtime.table.life_sign(host)
         life.at = ctx.clock.seconds()
         tally.answered(answer.response.code, answer.sent_at)
-        write_head(self.request, answer.response, host, ctx.runtime.draining)
+        write_head(self.request, answer.response, host, ctx.runtime.draining,
+                   key_limit_headers(ctx.runtime.limits, self.head.route, self.head.key))
         answer_type = content_type(self.request.responseHeaders)
         tally.streamed = is_event_stream(answer_type)
         timeouts = self.head.config.timeouts

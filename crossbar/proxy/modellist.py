@@ -21,7 +21,7 @@ _STATES = ("loaded", "loading", "available")
 _STATUS_KEYS = ("value", "failed", "exit_code")
 """What a router-mode host's ``status`` may pass to clients: its state, never the
 ``args`` (the model's command line: absolute paths) or the ``preset`` (the same as an
-INI text) (docs/design.md §The proxy, rule 10; issue 20)."""
+INI text) (docs/design.md §The proxy, rule 10)."""
 
 
 def _public(entry: dict[str, Any]) -> dict[str, Any]:

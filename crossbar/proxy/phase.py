@@ -12,7 +12,7 @@ from enum import Enum
 from functools import wraps
 from typing import Any, Callable, Final, TypeVar, cast
 
-__all__ = ["LIVE", "NEXT", "Phase", "Phased", "acts_in"]
+__all__ = ["LIVE", "NEXT", "IllegalMove", "Phase", "Phased", "acts_in"]
 
 
 class Phase(Enum):
@@ -47,6 +47,10 @@ LIVE: Final = (Phase.ROUTING, Phase.QUEUED, Phase.FORWARDING, Phase.RELAYING)
 """The phases before the end."""
 
 
+class IllegalMove(RuntimeError):
+    """A move :data:`NEXT` does not allow (a bug in crossbar: the exchange's
+    ``on_bug`` answers 500 or cuts the client, as for any other)."""
+
 
 class Phased:
     """An object that moves through :data:`NEXT`, starting at ``ROUTING``.
@@ -57,12 +61,14 @@ class Phased:
     def __init__(self) -> None:
         self.phase = Phase.ROUTING
 
-    def _enter(self, phase: Phase) -> bool:
-        """Move to ``phase`` if :data:`NEXT` allows it, else stay: False."""
+    def _enter(self, phase: Phase) -> None:
+        """Move to ``phase``.
+
+        :raises IllegalMove: :data:`NEXT` does not allow it (as h11's and Twisted's
+            state machines raise on an illegal move, rather than stay silently)."""
         if phase not in NEXT[self.phase]:
-            return False
+            raise IllegalMove(f"{type(self).__name__}: {self.phase.value} -> {phase.value}")
         self.phase = phase
-        return True
 
 
 _F = TypeVar("_F", bound=Callable[..., None])

@@ -42,6 +42,12 @@ class QueuePlace:
         """Reactor seconds when the request first joined its queue (the oldest wait)."""
         return self.tally.queued_at
 
+    @property
+    def key(self) -> str:
+        """The client key the request presented ("" for none): the fair order's unit
+        (docs/design.md §Access, "Fair shares")."""
+        return self.tally.head.key
+
     def join(self, route: Route, preflight: bool) -> str | None:
         """Wait at the end of ``route``'s queue for at most its ``queue.timeout`` seconds,
         or say why the request may not wait (:func:`~crossbar.proxy.policy.queue_refusal`:

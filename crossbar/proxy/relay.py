@@ -7,8 +7,8 @@ the client as it arrives, and while the client cannot take more the upstream rea
 pauses, so memory per stream stays bounded however slow the client is. The idle
 timeout (``timeouts.idle``) fires ``timeouts.idle`` seconds after the last body byte,
 and is off while the client holds us paused (a slow client is not a silent host). It is
-re-armed lazily: a body chunk only records the time it came (no timer work per event,
-issue 14); when the timer fires early because bytes came since, it re-arms itself for
+re-armed lazily: a body chunk only records the time it came (no timer work per event:
+CPU per event); when the timer fires early because bytes came since, it re-arms itself for
 what is left.
 
 The client stall (``timeouts.client_stall``, rule 7; nginx's ``send_timeout``) is the

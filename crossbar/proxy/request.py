@@ -6,7 +6,7 @@ rule 4): on ``Content-Length`` before any of the body is read (and before ``100 
 would be sent), or, for a chunked body, at the byte that crosses the limit. The body is
 held in memory (never a temporary file: no blocking disk I/O on the reactor thread).
 
-Bodies cost bounded memory (docs/design.md §The proxy, rule 9; issue 20 items 1-2): small
+Bodies cost bounded memory (docs/design.md §The proxy, rule 9): small
 chunks are joined into :data:`PIECE`-byte pieces as they arrive (at most ~1.1 times the
 body's size whatever its framing), a chunked body whose chunks average under
 :data:`MIN_CHUNK_AVERAGE` bytes is refused 400, a body is released the moment its
@@ -219,7 +219,7 @@ class CappedRequest(Request):
         # half-close broke inside Twisted's TLS layer when the client then closed.
         # The channel's close unregisters it as the transport's producer first: Twisted's
         # TLS layer sends no close while a producer is registered, so the connection
-        # stayed open until the client closed it (issue 20). Either way the connection
+        # stayed open until the client closed it. Either way the connection
         # is dropped after _LINGER_SECONDS at the latest (a TLS client that never
         # answers the close, a TCP client that keeps sending).
         half_close = None if ISSLTransport.providedBy(transport) else getattr(transport, "loseWriteConnection", None)

@@ -22,6 +22,7 @@ from crossbar.proxy.connections import OverLimit, connection_limit
 from crossbar.proxy.cors import cors_headers
 from crossbar.proxy.head import METHODS, Refusal, RequestHead, check_on_head
 from crossbar.proxy.peek import NOTHING
+from crossbar.proxy.ratelimit import key_limit_headers
 from crossbar.proxy.request import CappedRequest
 from crossbar.state.runtime import Runtime
 
@@ -100,6 +101,14 @@ class CrossbarRequest(CappedRequest):
         if verdict:
             self.head = head.with_key(verdict)
         super().gotLength(length)
+
+    def refuse(self, code: int, message: str, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+        """:meth:`CappedRequest.refuse`, with the rate-limit headers of a key with
+        ``limits`` (docs/design.md §Access: on every answer of such a key)."""
+        head, site = self.head, getattr(self.channel, "site", None)
+        if head is not None and head.key and isinstance(site, CrossbarSite) and not self.refused:
+            headers = headers + tuple(key_limit_headers(site.runtime.limits, head.route, head.key))
+        super().refuse(code, message, headers)
 
     def process(self) -> None:
         head = self.head

@@ -288,6 +288,14 @@ class BoxLimits:
         self._add(base, _TOKENS, now, tokens)
         self._cells[base + _DAY] = _bump(self._cells[base + _DAY], utc_day(now), 40, tokens)
 
+    def spent(self, route: str, key: str, now: float) -> Spending:
+        if (route, key) not in self._slot:
+            return self._alone.spent(route, key, now)
+        bases = self._counting(route, key)
+        if not bases:
+            return Spending(0, 0, 0)
+        return Spending(self._minute(bases, _REQUESTS, now), self._minute(bases, _TOKENS, now), self._day(bases, now))
+
     def spending(self, now: float) -> dict[tuple[str, str], Spending]:
         """(route, key) -> what every worker admitted and spent, for the keys some
         worker has counted."""

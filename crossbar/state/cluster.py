@@ -505,7 +505,7 @@ class RedisCluster:
             d = getattr(connection, name)(*args)
             d.addErrback(self._command_failed, None, None, (), (), bound)
         # One watchdog for every command in flight rather than a timer each (what a
-        # timer per command cost: docs in bench/README.md, "Several crossbars").
+        # timer per command cost: docs in bench/HISTORY.md, "Several crossbars").
         deadline = self.reactor.seconds() + bound
         self._waiting.append((deadline, d))
         if self._watchdog is None or self._watchdog.getTime() > deadline:

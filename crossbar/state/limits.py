@@ -107,6 +107,10 @@ class ILimitCounts(Interface):
     def spending(now: float) -> dict[tuple[str, str], Spending]:
         """(route, key) -> what was admitted and spent in the windows around ``now``."""
 
+    def spent(route: str, key: str, now: float) -> Spending:
+        """What (route, key) was admitted and spent in the windows around ``now``
+        (read only; all 0 for a key never counted)."""
+
 
 class _Window:
     """One (route, key)'s counts in this process."""
@@ -170,6 +174,13 @@ class ProcessCounts:
         window.tokens.append((now, tokens))
         window.tokens_sum += tokens
         window.day_tokens += tokens
+
+    def spent(self, route: str, key: str, now: float) -> Spending:
+        window = self._windows.get((route, key))
+        if window is None:
+            return Spending(0, 0, 0)
+        window.trim(now)
+        return Spending(len(window.requests), window.tokens_sum, window.day_tokens)
 
     def spending(self, now: float) -> dict[tuple[str, str], Spending]:
         out = {}

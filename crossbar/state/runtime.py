@@ -25,6 +25,7 @@ from crossbar.state.limits import KeyLimiter
 from crossbar.hosts.health import HealthTable
 from crossbar.state.inflight import Inflight
 from crossbar.state.queue import RouteQueues
+from crossbar.state.standing import RuntimeStanding
 from crossbar.state.tokens import TokenLedger
 from crossbar.waiting import Condition
 from crossbar.state.cells import key_cell
@@ -67,7 +68,7 @@ class Runtime:
         self.now = now
         health = config.health
         self.table = HealthTable(config.hosts, health.recovery_polls, health.failure_threshold, now)
-        self.queues = RouteQueues(now)
+        self.queues = RouteQueues(now, RuntimeStanding(self))  # fair order (§Access)
         self.inflight = Inflight(on_release=self.queues.wake)
         self.rotation = Rotation()
         self.affinity_counts: Counter[tuple[str, str]] = Counter()
@@ -262,6 +263,17 @@ class Runtime:
         if self.fleet is not None:  # every worker's requests of this key (§Workers)
             return self.fleet.key(route.name, key) < limit
         return self.key_inflight[(route.name, key)] < limit
+
+    def key_requests(self, route: str, key: str) -> int:
+        """Requests of configured client key ``key`` of ``route`` in flight or waiting:
+        every instance's with ``cluster.redis``, every worker's with workers (what
+        :meth:`key_admits` compares with ``max_inflight``; the fair order reads it too)."""
+        cluster = self.cluster
+        if cluster is not None and cluster.joined:
+            return self.key_inflight[(route, key)] + cluster.others(f"k\0{route}\0{key}")
+        if self.fleet is not None:
+            return self.fleet.key(route, key)
+        return self.key_inflight[(route, key)]
 
     def check_limits(self, route: Route, key: str) -> Deferred[float]:
         """A key's ``limits`` for a request arriving now (docs/design.md §Access): fires with

@@ -36,7 +36,7 @@ class Cells:
     """What one (route, host)'s answers add to: the names of its five totals (host
     prompt, cached, generated; route prompt, cached) and, in one process, the tokens
     added since they were last folded into those totals (prompt, cached, generated):
-    three list additions per answer instead of five dict updates (issue 19's cost).
+    three list additions per answer instead of five dict updates (CPU per request).
 
     :ivar names: the five cell names (:func:`~crossbar.state.worker_counts.token_cell`).
     :ivar pending: [prompt, cached, generated] not yet in the totals.

@@ -1,11 +1,11 @@
 """crossbar's HTTP/1.1 client to hosts, for proxied requests and health polls alike,
-over ``httptools`` (issues 14 and 17; docs/design.md §Configuration, §The proxy, rules 6-7
+over ``httptools`` (CPU per event; docs/design.md §Configuration, §The proxy, rules 6-7
 and 9; §Quality bar).
 
 Twisted's ``Agent`` decodes every chunked body into a buffer and wraps each call in
 several layers (``Agent.request``, the pool, ``HTTP11ClientProtocol``'s stateful
 dispatch, ``_ChunkedTransferDecoder``): per request and per streamed event that is the
-largest share of the proxy's CPU (bench/README.md, issue 14). :class:`H1Agent` speaks
+largest share of the proxy's CPU (bench/HISTORY.md, measured). :class:`H1Agent` speaks
 the same ``IAgent`` contract to :class:`crossbar.proxy.attempt.Attempt` with a C parser
 (llhttp through ``httptools.HttpResponseParser``) under one small Twisted protocol
 (:class:`H1Connection`) and its own persistent pool (:class:`H1Pool`, per ``(scheme,
@@ -251,7 +251,7 @@ _IDLE, _SENDING, _WAITING, _BODY, _DEAD, _DONE = (
 )
 _RESPONSE_DONE = Failure(ResponseDone())
 """The one reason every cleanly ended body gets (shared like ``connectionDone``: a
-Failure built per answer cost ~1.7 us of its capture machinery, issue 23)."""
+Failure built per answer cost ~1.7 us of its capture machinery)."""
 
 _HTTP_NAME = b"HTTP/"
 

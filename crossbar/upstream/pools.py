@@ -6,7 +6,7 @@ connection turned out dead (retry once on a fresh connection, mark nothing down)
 An agent does not say; :class:`ConnectTracker` learns it from the public
 ``IAgentEndpointFactory`` seam: ``connect()`` is only called for a new connection.
 Requests and polls go through one HTTP/1.1 client, crossbar's own
-(:mod:`crossbar.upstream.h1client`, issues 14 and 17): the same head limits, ``101``
+(:mod:`crossbar.upstream.h1client`): the same head limits, ``101``
 refusal, framing rules and TLS for both (docs/design.md §Configuration: every host URL works
 for polls and requests alike). :class:`PollAgent` is the poller's.
 """
@@ -151,7 +151,7 @@ class UpstreamPools:
         self._reactor = reactor
         self.connect_timeout = connect_timeout
         self.tls: IPolicyForHTTPS = tls if tls is not None else HostTLS({})
-        # crossbar's own HTTP/1.1 client (crossbar/upstream/h1client.py, issue 14); a stale
+        # crossbar's own HTTP/1.1 client (crossbar/upstream/h1client.py); a stale
         # pooled connection is retried by the proxy itself (any method), once.
         self.pool = H1Pool(reactor, max_per_host, idle_seconds)
 

@@ -22,7 +22,7 @@ The rules, in precedence order (the first that applies gives the key):
 - ``p:`` the first :data:`PROMPT_BYTES` bytes of ``prompt`` (a string, or a list of
   strings and token ids).
 
-Work is bounded (issue 20 item 8): the rules look at no more than :data:`KEY_EVENTS`
+Work is bounded (hostile bodies): the rules look at no more than :data:`KEY_EVENTS`
 events below the top level of a body; the conversation start (or prompt, or infill
 list) is hashed up to that bound and the rest is skipped: by the C loops of
 :meth:`EventRules._skip` over events yajl already made, and from the next piece on by
@@ -55,8 +55,8 @@ PROMPT_BYTES: Final = 4096
 §"Cache affinity")."""
 
 KEY_EVENTS: Final = 16384
-"""Events below a body's top level the key rules look at one by one, at most (issue 20
-item 8: 400,000 ``system`` messages before the first ``user`` one cost 1.7 s of CPU).
+"""Events below a body's top level the key rules look at one by one, at most (without
+it: 400,000 ``system`` messages before the first ``user`` one cost 1.7 s of CPU).
 About 2,700 messages of a conversation start, or 5 ms of CPU."""
 
 

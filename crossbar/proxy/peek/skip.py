@@ -1,4 +1,4 @@
-"""Skipping the bytes of JSON values no key rule reads, without a parser (issue 20 item 8;
+"""Skipping the bytes of JSON values no key rule reads, without a parser (hostile bodies;
 docs/design.md §"Cache affinity", §"Quality bar").
 
 yajl (:mod:`.lexer`) builds a Python tuple per token: a body of millions of tiny tokens
