@@ -649,6 +649,7 @@ class _Checker:
 
 _MIN_WEIGHT = 0.001
 _MAX_WEIGHT = 1_000_000.0
+_MAX_PRIORITY = 1_000_000  # a key's priority: any order an operator means fits
 
 _MAX_PEM = 1024 * 1024
 """The most bytes read from one CA, certificate or key file."""
@@ -1161,8 +1162,14 @@ def _keys(
             limits = _limits(c, f"{kkey}.limits", entry.get("limits"))
             if entry.get("priority") is not None:
                 priority = c.integer(f"{kkey}.priority", entry["priority"])
+                if not -_MAX_PRIORITY <= priority <= _MAX_PRIORITY:
+                    raise c.fail(f"{kkey}.priority", f"must be between {-_MAX_PRIORITY:,} and {_MAX_PRIORITY:,}, "
+                                                     f"not {priority!r}")
             if entry.get("share") is not None:
                 share = c.at_least(f"{kkey}.share", entry["share"], 0)
+                if not _MIN_WEIGHT <= share <= _MAX_WEIGHT:  # like a host's weight: the shares stay finite
+                    raise c.fail(f"{kkey}.share", f"must be between {_MIN_WEIGHT:g} and {_MAX_WEIGHT:,.0f}, "
+                                                  f"not {share!r}")
         elif isinstance(value, str):
             secret = c.header_secret(kkey, value)
         else:

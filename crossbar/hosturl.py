@@ -63,7 +63,7 @@ class HostURL:
         text = url.strip()
         m = _URL.match(text)
         if m is None:
-            raise HostURLError(f"must be an absolute http:// or https:// URL without query, not {text!r}")
+            raise HostURLError(f"must be an absolute http:// or https:// URL without query, fragment or spaces, not {text!r}")
         if not _PRINTABLE_ASCII.match(text):
             raise HostURLError(
                 f"must be printable ASCII (percent-encode the path, IDNA-encode the host name), not {text!r}"

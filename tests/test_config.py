@@ -262,19 +262,19 @@ class HostURLTests(_Case):
 
     def test_ftp_scheme(self) -> None:
         self.rejected_url(
-            "ftp://h:21", "must be an absolute http:// or https:// URL without query, not 'ftp://h:21'"
+            "ftp://h:21", "must be an absolute http:// or https:// URL without query, fragment or spaces, not 'ftp://h:21'"
         )
 
     def test_relative_url(self) -> None:
         self.rejected_url(
-            "127.0.0.1:8080", "must be an absolute http:// or https:// URL without query, not '127.0.0.1:8080'"
+            "127.0.0.1:8080", "must be an absolute http:// or https:// URL without query, fragment or spaces, not '127.0.0.1:8080'"
         )
 
     def test_path_only(self) -> None:
-        self.rejected_url("/v1", "must be an absolute http:// or https:// URL without query, not '/v1'")
+        self.rejected_url("/v1", "must be an absolute http:// or https:// URL without query, fragment or spaces, not '/v1'")
 
     def test_no_host(self) -> None:
-        self.rejected_url("http://", "must be an absolute http:// or https:// URL without query, not 'http://'")
+        self.rejected_url("http://", "must be an absolute http:// or https:// URL without query, fragment or spaces, not 'http://'")
 
     def test_non_ascii_path(self) -> None:
         """Twisted's client sends only printable ASCII request targets: a URL it would
@@ -309,12 +309,12 @@ class HostURLTests(_Case):
 
     def test_with_query(self) -> None:
         self.rejected_url(
-            "http://h:8080/?key=1", "must be an absolute http:// or https:// URL without query, not 'http://h:8080/?key=1'"
+            "http://h:8080/?key=1", "must be an absolute http:// or https:// URL without query, fragment or spaces, not 'http://h:8080/?key=1'"
         )
 
     def test_with_fragment(self) -> None:
         self.rejected_url(
-            "http://h:8080/#x", "must be an absolute http:// or https:// URL without query, not 'http://h:8080/#x'"
+            "http://h:8080/#x", "must be an absolute http:// or https:// URL without query, fragment or spaces, not 'http://h:8080/#x'"
         )
 
     def test_with_credentials(self) -> None:
@@ -322,7 +322,7 @@ class HostURLTests(_Case):
 
     def test_space_in_host(self) -> None:
         self.rejected_url(
-            "http://h h:8080", "must be an absolute http:// or https:// URL without query, not 'http://h h:8080'"
+            "http://h h:8080", "must be an absolute http:// or https:// URL without query, fragment or spaces, not 'http://h h:8080'"
         )
 
     def test_not_a_string(self) -> None:
@@ -334,7 +334,7 @@ class HostURLTests(_Case):
     def test_url_in_mapping_form_is_checked_under_url_key(self) -> None:
         self.assertRejected(
             doc(hosts={"a": {"url": "ftp://h"}}),
-            "x.yaml: hosts.a.url: must be an absolute http:// or https:// URL without query, not 'ftp://h'",
+            "x.yaml: hosts.a.url: must be an absolute http:// or https:// URL without query, fragment or spaces, not 'ftp://h'",
         )
 
     def test_mapping_form_without_url(self) -> None:
@@ -670,7 +670,7 @@ class EnvironmentTests(_Case):
     def test_expanded_url_is_validated(self) -> None:
         self.assertRejected(
             doc(hosts={"a": "${URL}"}),
-            "x.yaml: hosts.a: must be an absolute http:// or https:// URL without query, not '${URL}'",
+            "x.yaml: hosts.a: must be an absolute http:// or https:// URL without query, fragment or spaces, not '${URL}'",
             {"URL": "ftp://h"},
         )
 
@@ -1152,6 +1152,10 @@ class ClientKeyTests(_Case):
         self.rejected({"ci": {"secret": "s", "share": -2}}, ".ci.share", "must be a positive number, not -2")
         self.rejected({"ci": {"secret": "s", "share": "lots"}}, ".ci.share", "must be a number, not 'lots'")
         self.rejected({"ci": {"secret": "s", "share": [1]}}, ".ci.share", "must be a number, not a list")
+        self.rejected({"ci": {"secret": "s", "share": 0.0000001}}, ".ci.share",
+                      "must be between 0.001 and 1,000,000, not 1e-07")
+        self.rejected({"ci": {"secret": "s", "priority": 10**20}}, ".ci.priority",
+                      "must be between -1,000,000 and 1,000,000, not 100000000000000000000")
 
     def test_empty_keys_refused(self) -> None:
         self.rejected({}, "", "must name at least one key (leave keys out for a route open to every client)")

@@ -112,6 +112,26 @@ class HeadersAgainstTheModel(SynchronousTestCase):
             "limit-requests": "60", "remaining-requests": "59", "reset-requests": "1m0s",
             "limit-tokens": "150000", "remaining-tokens": "150000", "reset-tokens": "0s"})
 
+    def test_a_refusal_says_a_limit_is_spent(self) -> None:
+        """A 429 of the key's limits decided by the fleet (cluster.redis) while this box
+        counts less says 0 remaining for the key's first limit, reset at its Retry-After;
+        where this box already counts a limit spent, the headers are its own."""
+        clock = Clock()
+        limiter = KeyLimiter(clock)
+        limits = KeyLimits(requests_per_minute=5, tokens_per_minute=150000)
+        limiter.admitted("r", "k")
+        clock.now += 10
+        self.assertEqual(as_dict(rate_limit_headers(limits, limiter, "r", "k", refused=50)), {
+            "limit-requests": "5", "remaining-requests": "0", "reset-requests": "50s",
+            "limit-tokens": "150000", "remaining-tokens": "150000", "reset-tokens": "0s"})
+        tokens_only = KeyLimits(tokens_per_minute=100)
+        self.assertEqual(as_dict(rate_limit_headers(tokens_only, limiter, "r", "k", refused=7)), {
+            "limit-tokens": "100", "remaining-tokens": "0", "reset-tokens": "7s"})
+        for _ in range(4):
+            limiter.admitted("r", "k")
+        own = rate_limit_headers(limits, limiter, "r", "k")
+        self.assertEqual(rate_limit_headers(limits, limiter, "r", "k", refused=50), own)
+
 
 def answer_with_tokens(request: Request, body: bytes) -> bytes:
     """A chat completion that read 10 prompt tokens and generated 5 (llama-server's timings)."""

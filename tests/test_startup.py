@@ -478,6 +478,18 @@ class CheckTests(_TwistdCase):
             busy.listen()
             self.assertEqual(self.check(path), (0, f"crossbar: {path}: ok\n", ""))
 
+    def test_warnings_are_shown(self) -> None:
+        """A setting that loads but is probably a mistake (a host URL ending in /v1) is
+        shown by --check as a start logs it; the file is still ok."""
+        upstream = free_port()
+        path = self.write("v1.yaml", GOOD.format(port=free_port(), upstream=upstream).replace(
+            f"a: http://127.0.0.1:{upstream}", f"a: http://127.0.0.1:{upstream}/v1"))
+        status, out, err = self.check(path)
+        self.assertEqual((status, out), (0, f"crossbar: {path}: ok (1 warning)\n"))
+        self.assertEqual(err, f"crossbar: warning: {path}: hosts.a: host 'a': the URL ends in /v1, but crossbar adds "
+                              "/v1 itself (requests and polls would go to .../v1/v1/...): give the host's base URL "
+                              "without /v1\n")
+
     def test_invalid_files_say_what_a_start_says(self) -> None:
         good = GOOD.format(port=free_port(), upstream=free_port())
         key = os.path.join(self.dir, "missing.pem")

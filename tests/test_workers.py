@@ -760,6 +760,22 @@ class SignalTests(TestCase):
             self.assertEqual(response.code, 200)
             await treq.content(response)
 
+    async def test_a_reloads_warnings_are_said_once(self) -> None:
+        """What needs a restart (a changed listen) is said by the supervisor once, not
+        again by every worker that reloads the snapshot it validated."""
+        upstream = FakeLlama()
+        url = await listen(self, upstream)
+        proc = await start_workers(self, host_yaml(url))
+        with open(proc.config_path) as f:
+            text = f.read()
+        with open(proc.config_path, "w") as f:
+            f.write(text.replace("tcp:0:", "tcp:1:", 1) + "  s:\n    hosts: [a]\n")
+        proc.signal("HUP")
+        await proc.line(lambda line: "reloaded" in line and '"worker": 0' in line)
+        await proc.line(lambda line: "reloaded" in line and '"worker": 1' in line)
+        said = [line for line in proc.out if "listen changed" in line]
+        self.assertEqual(len(said), 1, said)
+
     async def test_a_restarted_worker_runs_what_the_supervisor_validated(self) -> None:
         """The file edited without a SIGHUP (here: broken) is not what a restarted
         worker runs: it loads the supervisor's snapshot, as its sibling does."""

@@ -28,7 +28,7 @@ from typing import Any, Callable
 from twisted.application.service import Service
 from twisted.logger import Logger
 
-from crossbar.config import Config, ConfigError, load_config
+from crossbar.config import Config, ConfigError, load_config, parse_config
 from crossbar.process.listen import listen_endpoint
 
 __all__ = ["ReloadPlan", "SIGHUPReload", "catch_second_stop_signal", "next_config", "plan_reload"]
@@ -39,7 +39,7 @@ REFUSED = "reload refused, keeping the running config: {error}"
 
 def next_config(
     running: Config, reactor: Any, log: Logger, text: str | None = None,
-    check: Callable[[Config], None] | None = None,
+    check: Callable[[Config], None] | None = None, said: bool = False,
 ) -> Config | None:
     """The config a reload of ``running`` swaps in, or None when it is refused.
 
@@ -52,9 +52,12 @@ def next_config(
 
     :param reactor: parses a new ``listen`` (:func:`~crossbar.process.listen.listen_endpoint`).
     :param log: where the refusal and the warnings go (the caller's namespace).
+    :param said: the warnings (the config's, and what needs a restart) were said already:
+        a worker's reload of the snapshot its supervisor validated and warned about once
+        for every worker.
     """
     try:
-        new = load_config(running.source, text=text)
+        new = parse_config(text, running.source) if said and text is not None else load_config(running.source, text=text)
         if new.listen != running.listen:
             listen_endpoint(reactor, new)  # a file start-up would refuse is refused
         kept = replace(new, listen=running.listen, workers=running.workers, cluster=running.cluster)
@@ -63,6 +66,8 @@ def next_config(
     except ConfigError as e:
         log.error(REFUSED, error=str(e))
         return None
+    if said:
+        return kept
     if new.listen != running.listen:
         log.warn("reload: listen changed from {old} to {new}; a restart is needed to apply it",
                  old=running.listen, new=new.listen)

@@ -305,9 +305,10 @@ class CrossbarService(MultiService):
         if self._handle_signals:
             catch_second_stop_signal(self.reactor, self.hurry)
 
-    def reload(self, text: str | None = None) -> bool:
+    def reload(self, text: str | None = None, said: bool = False) -> bool:
         """Re-read and validate the config file (SIGHUP, docs/design.md §Operations); with
-        ``text``, validate that instead (a worker: the text its supervisor validated).
+        ``text``, validate that instead (a worker: the text its supervisor validated and
+        warned about, ``said``: its warnings are not said again).
 
         An invalid file is logged and the running config kept (returns False). A valid
         one is swapped in with one assignment (returns True). In-flight requests finish
@@ -318,7 +319,7 @@ class CrossbarService(MultiService):
         """
         old = self.runtime.config
         path = old.source
-        new = next_config(old, self.reactor, self._log, text=text)
+        new = next_config(old, self.reactor, self._log, text=text, said=said)
         if new is None:
             return False
         plan = plan_reload(old, new)

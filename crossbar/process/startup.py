@@ -51,23 +51,27 @@ def check_config(path: str, stdout: TextIO, stderr: TextIO) -> int:
     certificate files are read; a ``systemd:`` one is not looked up, it exists only
     under systemd). Nothing is bound and no host is contacted.
 
-    :returns: 0 after writing ``crossbar: PATH: ok`` to ``stdout``, else 1 after
-        writing the one line a failed start would, ``crossbar: FILE: KEY: problem``, to
-        ``stderr``.
+    :returns: 0 after writing ``crossbar: PATH: ok`` to ``stdout`` (after the warning
+        lines a start would log, ``crossbar: warning: FILE: KEY: problem``, on
+        ``stderr``: settings that load but are probably mistakes), else 1 after writing
+        the one line a failed start would, ``crossbar: FILE: KEY: problem``, to ``stderr``.
     """
     from twisted.internet import reactor
 
-    from crossbar.config import load_config
+    from crossbar.config import parse_config, read_config_text
     from crossbar.process.listen import listen_endpoint
 
     try:
-        config = load_config(path)
+        config = parse_config(read_config_text(path), path)
         if not config.listen.startswith("systemd:"):
             listen_endpoint(reactor, config)
     except ConfigError as e:
         stderr.write(f"crossbar: {e}\n")
         return 1
-    stdout.write(f"crossbar: {path}: ok\n")
+    for warning in config.warnings:
+        stderr.write(f"crossbar: warning: {warning}\n")
+    shown = f" ({len(config.warnings)} warning{'s' if len(config.warnings) > 1 else ''})" if config.warnings else ""
+    stdout.write(f"crossbar: {path}: ok{shown}\n")
     return 0
 
 

@@ -64,7 +64,7 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import ILogObserver, Logger, LogLevel, globalLogBeginner, textFileLogObserver
 from zope.interface import implementer
 
-from crossbar.config import ConfigError, load_config, one_line, read_config_text
+from crossbar.config import ConfigError, one_line, parse_config, read_config_text
 from crossbar.process.heartbeat import HEARTBEAT, LISTEN_FD, STATUS_FD, host_line, parse_host_line
 from crossbar.process.reload import SIGHUPReload
 from crossbar.process.service import CrossbarService
@@ -256,7 +256,8 @@ def main(argv: list[str] | None = None) -> None:
         redirectStandardIO=False)
 
     try:
-        config = load_config(args.config, text=read_config_text(args.snapshot))
+        # The supervisor validated this text and logged its warnings once for every worker.
+        config = parse_config(read_config_text(args.snapshot), args.config)
         limits = BoxLimits(args.limits, args.rows, args.row, config) if args.limits else None
         counts = WorkerCounts(SharedCounts(args.shared, args.rows, args.row), config, limits)
     except (ConfigError, OSError, ValueError) as e:
@@ -277,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
         except ConfigError as e:
             _log.error("reload refused, keeping the running config: {error}", error=str(e))
             return False
-        return service.reload(text=text)
+        return service.reload(text=text, said=True)  # the supervisor warned once for every worker
 
     SIGHUPReload(reload, reactor).setServiceParent(service)
 

@@ -62,6 +62,7 @@ class Exchange(Phased):
         self.relay: Relay | None = None  # the answer's body, once its head went to the client
         self.place: QueuePlace | None = None
         self.listing = False  # the route model list (rule 10), answered from the health table
+        self.limits_refused: float | None = None  # a 429 of the key's limits: its Retry-After
 
     @property
     def config(self) -> Config:
@@ -121,8 +122,10 @@ class Exchange(Phased):
 
     @acts_in(Phase.ROUTING)
     def on_limits_checked(self, wait: float) -> None:
-        """The key's limits answered: 429 with ``Retry-After`` (when the window allows one), or go on."""
+        """The key's limits answered: 429 with ``Retry-After`` (when the window allows one)
+        and 0 remaining in its rate-limit headers, or go on."""
         if wait > 0:
+            self.limits_refused = float(retry_after_header(wait))
             return self.answer_error(429, "too many requests", retry_after=retry_after_header(wait))
         self.admitted()
 
@@ -334,7 +337,7 @@ class Exchange(Phased):
         """Answer ``code`` with the JSON ``body`` and end; ``retry_after``: ``Retry-After: 1``
         (busy) or that many seconds; every 503 has one (rule 10: retries back off)."""
         self.tally.answered(code)
-        for name, value in key_limit_headers(self.runtime.limits, self.route, self.key):  # §Access
+        for name, value in key_limit_headers(self.runtime.limits, self.route, self.key, self.limits_refused):  # §Access
             self.request.setHeader(name, value)
         self.tally.bytes = write_json(self.request, code, body, retry_after or code == 503, self.runtime.draining)
         self.end()

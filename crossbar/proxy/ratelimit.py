@@ -19,7 +19,11 @@ state"); durations are written as OpenAI writes them (Go's ``time.Duration``: ``
 ``6s``, ``1.5s``, ``1m0s``, ``1h2m3s``). Nothing is read for a key without limits.
 
 The counts are the ones the limits are checked against (this process's, or with workers
-the box's, which with ``cluster.redis`` also count what this box admitted and spent).
+the box's, which with ``cluster.redis`` also count what this box admitted and spent). A
+429 of the key's limits always says 0 remaining for some limit: with ``cluster.redis``
+the fleet decided it while this box may count less, and a 429 that says every limit has
+room would contradict itself. When this box's counts show no limit spent, the first
+limit the key has (requests, else tokens) says 0 remaining, reset at its ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -55,9 +59,11 @@ def duration(seconds: float) -> str:
     return f"{text}s"
 
 
-def rate_limit_headers(limits: KeyLimits, limiter: KeyLimiter, route: str, key: str) -> list[tuple[bytes, bytes]]:
+def rate_limit_headers(limits: KeyLimits, limiter: KeyLimiter, route: str, key: str,
+                       refused: float | None = None) -> list[tuple[bytes, bytes]]:
     """The rate-limit headers of ``key`` on ``route`` with ``limits`` now (see the module
-    docstring), as (name, value) pairs; none for a key without limits."""
+    docstring), as (name, value) pairs; none for a key without limits. ``refused``: the
+    answer is a 429 of these limits whose ``Retry-After`` is that many seconds."""
     if not limits:
         return []
     counts, now = limiter.counts, limiter.now()
@@ -74,6 +80,9 @@ def rate_limit_headers(limits: KeyLimits, limiter: KeyLimiter, route: str, key: 
     elif tpd is not None:
         used = spent.tokens_day
         out += _three(b"tokens", tpd, used, counts.wait(route, key, _ONE_TOKEN_DAY, now) if used else 0.0)
+    if refused is not None and out and not any(n.startswith(b"x-ratelimit-remaining-") and v == b"0" for n, v in out):
+        # The fleet refused what this box's counts allow: the first limit says so.
+        out[1:3] = [(out[1][0], b"0"), (out[2][0], duration(refused).encode("ascii"))]
     return out
 
 
@@ -85,9 +94,10 @@ def _three(what: bytes, limit: int, used: int, reset: float) -> list[tuple[bytes
     ]
 
 
-def key_limit_headers(limiter: KeyLimiter, route: Route | None, key: str) -> list[tuple[bytes, bytes]]:
+def key_limit_headers(limiter: KeyLimiter, route: Route | None, key: str,
+                      refused: float | None = None) -> list[tuple[bytes, bytes]]:
     """:func:`rate_limit_headers` for a request of ``key`` ("" for none) on ``route``
-    (None: no route): none unless the key has ``limits`` there."""
+    (None: no route): none unless the key has ``limits`` there; ``refused`` as there."""
     if not key or route is None:
         return []
     settings = route.keys.get(key)
@@ -96,4 +106,4 @@ def key_limit_headers(limiter: KeyLimiter, route: Route | None, key: str) -> lis
     limits = settings.limits  # read without KeyLimits.__bool__'s generator: this runs on every keyed answer
     if limits.requests_per_minute is None and limits.tokens_per_minute is None and limits.tokens_per_day is None:
         return []
-    return rate_limit_headers(limits, limiter, route.name, key)
+    return rate_limit_headers(limits, limiter, route.name, key, refused)
