@@ -140,6 +140,10 @@ def main() -> None:
             f = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
             return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
+        def sys_of(p: int) -> float:  # the kernel's share: system calls, the network stack
+            f = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            return int(f[12]) / os.sysconf("SC_CLK_TCK")
+
         def processes() -> list[int]:  # the supervisor, then its workers
             kids: list[int] = []
             for task in Path(f"/proc/{pid}/task").iterdir():
@@ -204,16 +208,19 @@ def main() -> None:
         served, per = 0, []
         for _ in range(a.reps):
             each0 = [cpu_of(p) for p in procs]
+            sys0 = sum(sys_of(p) for p in procs)
             t0 = time.monotonic()
             n = wrk(a.seconds)
             wall = time.monotonic() - t0
             each = [(cpu_of(p) - c) / n * 1e6 for p, c in zip(procs, each0)]
+            kernel = (sum(sys_of(p) for p in procs) - sys0) / n * 1e6
             per.append(sum(each))
             served += n
             unit = "event" if a.streams else "stream" if a.burst else "request"
             split = ("  (supervisor " + " ".join(f"{e:.1f}" for e in each[:1]) + ", workers "
                      + " ".join(f"{e:.1f}" for e in each[1:]) + ")") if len(procs) > 1 else ""
-            print(f"{unit}s {n} ({n / wall:.0f}/s)  crossbar CPU us/{unit} {per[-1]:.1f}{split}", flush=True)
+            print(f"{unit}s {n} ({n / wall:.0f}/s)  crossbar CPU us/{unit} {per[-1]:.1f} (kernel {kernel:.1f}){split}",
+                  flush=True)
         print(f"median CPU us/{unit} {sorted(per)[len(per) // 2]:.1f}" + ("  (profiled)" if a.profile else ""))
         if a.profile:
             toggle()
