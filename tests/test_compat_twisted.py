@@ -271,6 +271,7 @@ class FallbackTests(SynchronousTestCase):
         before = _file.formatTime
         self.assertFalse(self.module.cache_log_timestamps())
         self.assertIs(_file.formatTime, before)
+        self.assertFalse(self.module.hold_writes())  # nothing is ever held
         from twisted.logger import LogPublisher, textFileLogObserver
 
         self.assertIsNone(self.module.text_log_file(LogPublisher(textFileLogObserver(io.StringIO()))))
@@ -379,6 +380,30 @@ class EagerWritesTests(TestCase):
         self.addCleanup(peer.close)
         peer.setblocking(False)
         return transport, peer
+
+    def test_held_writes_go_out_together_at_release(self) -> object:
+        """While held (an upstream read being handled), writes wait and then go out
+        joined, one write per connection, in order; held again inside: one holding."""
+        from crossbar.compat.twisted import hold_writes, release_writes
+
+        async def go() -> None:
+            first, first_peer = await self._connected()
+            second, second_peer = await self._connected()
+            self.assertTrue(eager_writes(first) and eager_writes(second))
+            self.assertTrue(hold_writes())
+            try:
+                self.assertFalse(hold_writes(), "already holding")
+                first.write(b"HTTP/1.1 200 OK\r\n\r\n")
+                second.write(b"x")
+                first.writeSequence([b"{", b"}"])
+                self.assertRaises(BlockingIOError, first_peer.recv, 100)  # nothing sent yet
+            finally:
+                release_writes()
+            self.assertEqual(first_peer.recv(100), b"HTTP/1.1 200 OK\r\n\r\n{}")
+            self.assertEqual(second_peer.recv(100), b"x")
+            first.write(b"after")  # not held: at once
+            self.assertEqual(first_peer.recv(100), b"after")
+        return ensureDeferred(go())
 
     def test_a_write_goes_out_before_the_reactor_turns(self) -> object:
         async def go() -> None:

@@ -34,7 +34,10 @@ stamps): crossbar works, only slower. :func:`log_fallback` says so once at start
    ``_writeDisconnected``: Twisted buffers every write until the reactor's next turn
    finds the socket writable, which costs each relayed event two ``epoll_ctl`` calls
    and a reactor dispatch (CPU per event) and adds that turn to its latency;
-   asyncio sends at once when nothing is waiting, and so does crossbar now.
+   asyncio sends at once when nothing is waiting, and so does crossbar now. While one
+   upstream read is handled (:func:`hold_writes`, :func:`release_writes`) the writes
+   it causes are held and sent together at its end: a small answer's head and body
+   (and a chunked answer's last chunk) in one ``send`` instead of two or three.
 6. :func:`cache_log_timestamps` replaces ``twisted.logger._file.formatTime``, the module
    global that twistd's text log observer (``textFileLogObserver``) calls for every
    line: it builds a time zone and a ``datetime`` and runs ``strftime`` each time (~60k
@@ -94,7 +97,7 @@ from twisted.web.server import Request
 
 __all__ = ["CHECKED", "FALLBACK", "BadRequestHook", "QuietClientService", "body_writer", "cache_log_timestamps", "client_is_paused",
            "eager_writes", "emit_flattened", "flattened_line", "lean_dispatch", "log_fallback", "moved",
-           "pending_write_bytes", "per_second", "text_log_file", "version_checked", "wrap_port_logger"]
+           "hold_writes", "pending_write_bytes", "per_second", "release_writes", "text_log_file", "version_checked", "wrap_port_logger"]
 
 CHECKED = ((25, 5), (26, 10))
 """The oldest and the newest Twisted (major, minor) the touchpoints were checked against,
@@ -237,6 +240,14 @@ def eager_writes(transport: Any) -> bool:
     sock = tcp.socket
 
     def write(data: bytes) -> None:
+        held = _held
+        if held is not None and type(data) is bytes:  # an upstream read is being handled
+            pieces = held.get(write)
+            if pieces is None:
+                held[write] = [data]
+            else:
+                pieces.append(data)
+            return
         if (data and not tcp._tempDataLen and tcp.offset == len(tcp.dataBuffer) and tcp.connected
                 and not tcp.disconnecting and not tcp._writeDisconnected and type(data) is bytes):
             try:
@@ -254,6 +265,34 @@ def eager_writes(transport: Any) -> bool:
     tcp.write = write
     tcp.writeSequence = write_sequence
     return True
+
+
+_held: dict[Callable[[bytes], None], list[bytes]] | None = None
+"""While an upstream read is handled (:func:`hold_writes`): each eager transport's
+writes, by its ``write``, in order."""
+
+
+def hold_writes() -> bool:
+    """Hold what eager transports are given to write until :func:`release_writes`, so
+    that what one upstream read makes crossbar write (an answer's head, its body, the
+    end of its chunks) goes out in one system call per connection, not one per write:
+    a small answer's head and body in one ``send``. True when this call started the
+    holding (it must then release it); False when it was already on."""
+    global _held
+    if _held is not None or FALLBACK is not None:
+        return False
+    _held = {}
+    return True
+
+
+def release_writes() -> None:
+    """Write what was held, each connection's pieces joined into one write, in the
+    order the connections were first written to."""
+    global _held
+    held, _held = _held, None
+    if held:
+        for write, pieces in held.items():
+            write(pieces[0] if len(pieces) == 1 else b"".join(pieces))
 
 
 def body_writer(request: Request) -> Callable[[bytes], None]:
