@@ -16,15 +16,14 @@ from twisted.python.failure import Failure
 from twisted.web.server import Request
 
 from crossbar.config import Config, Route
-from crossbar.hosts.balance import Chosen, Verdict, awaits_first_poll, choose
+from crossbar.hosts.balance import Chosen, Verdict, choose
 from crossbar.ops.record import NO_ROUTE
 from crossbar.paths import PathKind
 from crossbar.proxy.attempt import Answer, UpstreamFailed
 from crossbar.proxy.client import abort_connection, error_body, write_json
 from crossbar.proxy.context import ProxyContext
-from crossbar.proxy.head import Refusal, RequestHead, check_path, wanted_model
+from crossbar.proxy.head import Refusal, RequestHead, wanted_model
 from crossbar.proxy.leg import Leg
-from crossbar.proxy.modellist import models_body
 from crossbar.proxy.phase import LIVE, Phase, Phased, acts_in
 from crossbar.proxy.place import QueuePlace
 from crossbar.proxy.policy import Action, Decision, decide
@@ -61,7 +60,6 @@ class Exchange(Phased):
         self.leg: Leg | None = None
         self.relay: Relay | None = None  # the answer's body, once its head went to the client
         self.place: QueuePlace | None = None
-        self.listing = False  # the route model list (rule 10), answered from the health table
         self.limits_refused: float | None = None  # a 429 of the key's limits: its Retry-After
 
     @property
@@ -89,26 +87,14 @@ class Exchange(Phased):
         """The host of the current try ("" before the first)."""
         return "" if self.leg is None else self.leg.host
 
-    def start(self) -> None:
-        """Rules 1-3 (:func:`~crossbar.proxy.head.check_path`), rule 10, a key's
-        ``max_inflight`` and limits (429, §Access), then forward."""
+    def start(self, checked: Refusal | PathKind) -> None:
+        """Answer ``checked``'s refusal (rules 1-3, :func:`~crossbar.proxy.head.check_path`),
+        or a key's ``max_inflight`` and limits (429, §Access), or forward."""
         self.request.notifyFinish().addErrback(self.on_client_gone)
         head = self.head
-        checked = check_path(head)
         if isinstance(checked, Refusal):
             return self.answer_error(checked.code, checked.message)
         assert self.route is not None
-        if checked is PathKind.MODEL_LIST:
-            self.listing = True
-            if awaits_first_poll(self.route, self.config.hosts, self.runtime.table.all()):
-                # A new or restarted worker: the list waits for the route's first polls
-                # rather than answer 503 or leave out the hosts not polled yet (§Several
-                # crossbars); it counts like a waiting request until it is answered.
-                self.runtime.begin(self)
-                self._enter(Phase.FORWARDING)
-                self.enqueue()
-                return
-            return self.answer_models()
         self.model, self.upstream_query = wanted_model(head, self.route)
         self.tally.model = self.model
         if head.key and not self.runtime.key_admits(self.route, head.key):
@@ -140,8 +126,6 @@ class Exchange(Phased):
         ``waiting`` request stays queued), or answer that none is left. True once out of the queue."""
         assert self.route is not None
         runtime = self.runtime
-        if self.listing:
-            return self.list_models_when_polled()
         verdict = choose(self.route, self.config.hosts, runtime.table.all(), runtime.inflight.host, self.model,
                          self.head.peeked.affinity_key, runtime.rotation, exclude=self.tried,
                          draining=runtime.drained)
@@ -155,22 +139,6 @@ class Exchange(Phased):
         else:
             self.carry_out(decide(verdict, None, self.tried))
         return True
-
-    def list_models_when_polled(self) -> bool:
-        """A waiting model list: answered once every host of the route has had its first
-        poll (True), else it keeps waiting (False)."""
-        assert self.route is not None
-        if awaits_first_poll(self.route, self.config.hosts, self.runtime.table.all()):
-            return False
-        self.leave_queue()
-        self.answer_models()
-        return True
-
-    def answer_models(self) -> None:
-        """Rule 10: the route model list from the health table, or 503 ``no healthy host``."""
-        assert self.route is not None
-        body = models_body(self.route, self.runtime.table.all())
-        return self.answer_error(503, "no healthy host") if body is None else self.answer(200, body)
 
     def dispatch(self, chosen: Chosen) -> None:
         """Send the request to ``chosen.host`` on a new :class:`~crossbar.proxy.leg.Leg` (rules 6-7),
@@ -212,10 +180,12 @@ class Exchange(Phased):
             self.place = QueuePlace(self.runtime.queues, self.clock, self.tally, self.retry, self.on_queue_timeout)
         refusal = self.place.join(self.route, preflight=bool(self.route.keys) and not self.key)
         if refusal is not None:
-            if self.listing:  # no queue to wait in: the list as the polls so far give it
-                return self.answer_models()
-            return self.answer_error(503, refusal, retry_after=True)
+            return self.queue_refused(refusal)
         self._enter(Phase.QUEUED)
+
+    def queue_refused(self, refusal: str) -> None:
+        """The request may not wait (``refusal``: :func:`~crossbar.proxy.policy.queue_refusal`'s 503 message)."""
+        self.answer_error(503, refusal, retry_after=True)
 
     def retry(self) -> bool:
         """Room may have freed (the queue's call; True once out of it), under a reloaded config if any."""
@@ -228,10 +198,7 @@ class Exchange(Phased):
 
     @acts_in(Phase.QUEUED)
     def on_queue_timeout(self) -> None:
-        """``queue.timeout`` passed without room: 503 with ``Retry-After`` (a model list:
-        the list as the polls so far give it)."""
-        if self.listing:
-            return self.answer_models()
+        """``queue.timeout`` passed without room: 503 with ``Retry-After``."""
         self.answer_error(503, "all hosts busy", retry_after=True)
 
     def leave_queue(self) -> None:

@@ -19,7 +19,10 @@ from crossbar.config import Config
 from crossbar.errors import error_headers, json_error_bytes
 from crossbar.ops.record import RequestLog
 from crossbar.proxy.context import ProxyContext
+from crossbar.paths import PathKind
 from crossbar.proxy.exchange import Exchange
+from crossbar.proxy.head import check_path
+from crossbar.proxy.listing import ModelListing
 from crossbar.proxy.phase import Phase
 from crossbar.proxy.web import CrossbarRequest
 from crossbar.state.runtime import Runtime
@@ -59,9 +62,10 @@ class ProxyResource(Resource):
             for name, value in error_headers(500):
                 request.setHeader(name, value)
             return json_error_bytes(500, "internal error")
-        exchange = Exchange(self.context, request, head)
+        checked = check_path(head)  # rules 1-3
+        exchange = (ModelListing if checked is PathKind.MODEL_LIST else Exchange)(self.context, request, head)
         try:
-            exchange.start()
+            exchange.start(checked)
         except Exception:
             exchange.on_bug(Failure())
         return NOT_DONE_YET
