@@ -369,12 +369,10 @@ def start_crossbar(workdir: Path, name: str, up_port: int, up2_port: int, worker
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     twistd = Path(sys.executable).parent / "twistd"
-    if workers > 1:
-        # as the systemd unit runs it: JSON lines on standard output, which the workers
-        # then write straight through (a text --logfile makes the supervisor relay them)
-        log_args, out = ["--logger=crossbar.ops.jsonlog.observer"], open(workdir / f"{name}.log", "w")
-    else:
-        log_args, out = [f"--logfile={workdir / (name + '.log')}"], subprocess.DEVNULL
+    # Both columns log as twistd does by default, to a text --logfile: with workers, each
+    # worker formats its own lines and the supervisor appends them unread (until issue
+    # 33 the supervisor relayed every line, and this column logged JSON to hide it).
+    log_args, out = [f"--logfile={workdir / (name + '.log')}"], subprocess.DEVNULL
     cb = subprocess.Popen(
         [str(twistd), "-n", "--pidfile=", *log_args, "crossbar", "--config", str(config)],
         cwd=workdir, env=env, stdout=out, stderr=open(workdir / f"{name}.stderr", "w"),
