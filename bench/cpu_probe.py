@@ -9,6 +9,14 @@ drives it with ``wrk -t1 -c16`` POSTing bench (a)'s 90-byte chat request, and pr
 crossbar's CPU time (``/proc/<pid>/stat``: user + system, not wall time, so other work on
 the machine moves it little) divided by the requests wrk counted, per repetition.
 
+``--workers N`` runs crossbar with ``workers: N`` and prints the CPU of each process
+of its tree (the supervisor, each worker) per request besides the whole tree's;
+``--log stdout|json`` logs to twistd's standard output (text, or
+``--logger crossbar.ops.jsonlog.observer``) instead of ``--logfile`` (issue 33).
+
+``--profile --workers N`` profiles the workers (a ``sitecustomize`` on their
+``PYTHONPATH``), their profiles summed.
+
 ``--profile`` runs crossbar under cProfile with ``time.process_time`` as its clock,
 enabled only for the measured repetitions (``SIGUSR2`` toggles it), and prints per
 request: the top functions by inclusive time with their calls per request, and the share
@@ -48,6 +56,19 @@ run()
 """
 
 
+_WORKER_WRAP = """import sys
+if "crossbar.process.worker" in sys.orig_argv:
+    import cProfile, os, signal, time
+    _p = cProfile.Profile(time.process_time); _on = [False]
+    def _toggle(*a):
+        if not _on[0]:
+            _on[0] = True; _p.enable()
+        else:
+            _p.disable(); _p.dump_stats(os.environ["CPU_PROBE_PROFILE"] + "." + str(os.getpid()))
+    signal.signal(signal.SIGUSR2, _toggle)
+"""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--python", default=sys.executable)
@@ -61,6 +82,9 @@ def main() -> None:
     ap.add_argument("--burst", type=int, default=0, metavar="N",
                     help="open N one-event streams at once, each on a new connection, again and again "
                          "(the start of bench (b)'s burst) instead of wrk: figures per stream")
+    ap.add_argument("--workers", type=int, default=1, help="workers: N (CPU per process of the tree)")
+    ap.add_argument("--log", choices=("file", "stdout", "json"), default="file",
+                    help="twistd's log: --logfile (default), its standard output as text, or JSON lines")
     ap.add_argument("--save", metavar="FILE", help="with --profile: keep the profile (and the request count) in FILE")
     ap.add_argument("--diff", nargs=2, metavar=("BEFORE", "AFTER"),
                     help="compare two --save files: calls per request by function, largest changes first")
@@ -81,16 +105,25 @@ def main() -> None:
         cfg = tmp / "cb.yaml"
         cfg.write_text(f'listen: "tcp:{port}:interface=127.0.0.1:backlog=1024"\nhealth: {{interval: 5, timeout: 5}}\n'
                        f"hosts:\n  up: http://127.0.0.1:{up_port}\n"
-                       "routes:\n  bench:\n    hosts: [up]\n    default_model: bench\n")
+                       "routes:\n  bench:\n    hosts: [up]\n    default_model: bench\n"
+                       + (f"workers: {a.workers}\n" if a.workers > 1 else ""))
         prof = tmp / "prof.out"
-        if a.profile:
+        env = dict(os.environ, PYTHONPATH=a.src)
+        if a.profile and a.workers > 1:  # the workers are profiled (sitecustomize), not the supervisor
+            (tmp / "site").mkdir()
+            (tmp / "site" / "sitecustomize.py").write_text(_WORKER_WRAP)
+            env.update(PYTHONPATH=f"{tmp / 'site'}{os.pathsep}{a.src}", CPU_PROBE_PROFILE=str(prof))
+            pre = [a.python, str(Path(a.python).parent / "twistd")]
+        elif a.profile:
             (tmp / "wrap.py").write_text(_WRAP)
             pre = [a.python, str(tmp / "wrap.py"), str(prof)]
         else:
             pre = [a.python, str(Path(a.python).parent / "twistd")]
-        cb = subprocess.Popen(pre + ["-n", "--pidfile=", f"--logfile={tmp}/cb.log", "crossbar", "--config", str(cfg)],
-                              cwd=tmp, env=dict(os.environ, PYTHONPATH=a.src),
-                              stdout=subprocess.DEVNULL, stderr=open(tmp / "cb.err", "w"))
+        log = {"file": [f"--logfile={tmp}/cb.log"], "stdout": [],
+               "json": ["--logger", "crossbar.ops.jsonlog.observer"]}[a.log]
+        cb = subprocess.Popen(pre + ["-n", "--pidfile="] + log + ["crossbar", "--config", str(cfg)],
+                              cwd=tmp, env=env,
+                              stdout=open(tmp / "cb.out", "w"), stderr=open(tmp / "cb.err", "w"))
         for _ in range(300):
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/_crossbar/readyz", timeout=1)
@@ -103,9 +136,30 @@ def main() -> None:
         lua.write_text(f"wrk.method = \"POST\"\nwrk.body = '{BODY}'\nwrk.headers[\"Content-Type\"] = \"application/json\"\n")
         pid = cb.pid
 
-        def cpu() -> float:
-            f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        def cpu_of(p: int) -> float:
+            f = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
             return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+
+        def sys_of(p: int) -> float:  # the kernel's share: system calls, the network stack
+            f = Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()
+            return int(f[12]) / os.sysconf("SC_CLK_TCK")
+
+        def processes() -> list[int]:  # the supervisor, then its workers
+            kids: list[int] = []
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                kids += [int(c) for c in (task / "children").read_text().split()]
+            return [pid] + sorted(kids)
+
+        def cpu() -> float:
+            return sum(cpu_of(p) for p in procs)
+
+        procs = [pid]
+        if a.workers > 1:
+            for _ in range(100):
+                procs = processes()
+                if len(procs) == a.workers + 1:
+                    break
+                time.sleep(0.1)
 
         def wrk(seconds: int) -> int:
             out = subprocess.run(["wrk", "-t1", "-c16", f"-d{seconds}s", "-s", str(lua),
@@ -142,25 +196,49 @@ def main() -> None:
                 return asyncio.run(bursts())
 
         wrk(1)  # warm-up: connections, pools, caches
+        profiled = procs[1:] if a.workers > 1 else [pid]
+
+        def toggle() -> None:
+            for p in profiled:
+                os.kill(p, signal.SIGUSR2)
+
         if a.profile:
-            cb.send_signal(signal.SIGUSR2)
+            toggle()
             time.sleep(0.5)
         served, per = 0, []
         for _ in range(a.reps):
-            c0 = cpu()
+            each0 = [cpu_of(p) for p in procs]
+            sys0 = sum(sys_of(p) for p in procs)
+            t0 = time.monotonic()
             n = wrk(a.seconds)
-            per.append((cpu() - c0) / n * 1e6)
+            wall = time.monotonic() - t0
+            each = [(cpu_of(p) - c) / n * 1e6 for p, c in zip(procs, each0)]
+            kernel = (sum(sys_of(p) for p in procs) - sys0) / n * 1e6
+            per.append(sum(each))
             served += n
             unit = "event" if a.streams else "stream" if a.burst else "request"
-            print(f"{unit}s {n}  crossbar CPU us/{unit} {per[-1]:.1f}", flush=True)
+            split = ("  (supervisor " + " ".join(f"{e:.1f}" for e in each[:1]) + ", workers "
+                     + " ".join(f"{e:.1f}" for e in each[1:]) + ")") if len(procs) > 1 else ""
+            print(f"{unit}s {n} ({n / wall:.0f}/s)  crossbar CPU us/{unit} {per[-1]:.1f} (kernel {kernel:.1f}){split}",
+                  flush=True)
         print(f"median CPU us/{unit} {sorted(per)[len(per) // 2]:.1f}" + ("  (profiled)" if a.profile else ""))
         if a.profile:
-            cb.send_signal(signal.SIGUSR2)
-            for _ in range(100):
-                if prof.exists():
-                    break
-                time.sleep(0.1)
-            time.sleep(1)
+            toggle()
+            if a.workers > 1:
+                dumps = [Path(f"{prof}.{p}") for p in profiled]
+                for _ in range(100):
+                    if all(d.exists() for d in dumps):
+                        break
+                    time.sleep(0.1)
+                time.sleep(1)
+                merged = pstats.Stats(*(str(d) for d in dumps))
+                merged.dump_stats(str(prof))
+            else:
+                for _ in range(100):
+                    if prof.exists():
+                        break
+                    time.sleep(0.1)
+                time.sleep(1)
             report(prof, served, a.top)
             if a.save:
                 Path(a.save).write_bytes(prof.read_bytes())

@@ -7,6 +7,12 @@
 # EVENTS=1: instructions per streamed event instead: after the warm-up, one stream of 100
 # events and one of N+100 (2 ms apart, so each is its own read), each its own dump; the
 # difference divided by N leaves out what a request costs besides its events.
+# WORKERS=2: crossbar runs with workers: 2 and the count is the supervisor's alone (its
+# workers are not under callgrind) per request the workers served: what the supervisor
+# pays per request (issue 33). LOGFILE=0: twistd logs to its standard output instead.
+# WORKERS=2 WHO=workers: the workers' instructions per request instead (every process of
+# the tree under callgrind, the workers' counts summed), and the busy worker's minus the
+# idle one's (what runs by the clock, slowed down by callgrind, taken out).
 set -euo pipefail
 SRC=$1; TAG=$2; N=${3:-400}
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -26,8 +32,12 @@ routes:
     hosts: [up]
     default_model: bench
 Y
-(cd "$OUT" && PYTHONPATH=$SRC exec valgrind --tool=callgrind --instr-atstart=no --callgrind-out-file="$OUT/cg.%p" \
-    "$PY" "$(dirname "$PY")/twistd" -n --pidfile= --logfile="$OUT/log" crossbar --config "$OUT/cb.yaml" > "$OUT/vg" 2>&1) & CB=$!
+if [ -n "${WORKERS:-}" ]; then echo "workers: $WORKERS" >> "$OUT/cb.yaml"; fi
+LOGARG=--logfile="$OUT/log"
+if [ "${LOGFILE:-1}" = 0 ]; then LOGARG=; fi
+TRACE=; if [ "${WHO:-}" = workers ]; then TRACE=--trace-children=yes; fi
+(cd "$OUT" && PYTHONPATH=$SRC exec valgrind --tool=callgrind $TRACE --instr-atstart=no --callgrind-out-file="$OUT/cg.%p" \
+    "$PY" "$(dirname "$PY")/twistd" -n --pidfile= $LOGARG crossbar --config "$OUT/cb.yaml" > "$OUT/vg" 2>&1) & CB=$!
 for _ in $(seq 1 600); do curl -s -o /dev/null -m 2 "http://127.0.0.1:$PORT/_crossbar/readyz" && break; sleep 0.5; done
 "$PY" "$HERE/seq_client.py" "$PORT" 50 > /dev/null
 stream() {  # one SSE stream of $1 events through the route, read to its end
@@ -45,8 +55,20 @@ if [ -n "${EVENTS:-}" ]; then
     echo "$TAG instructions/event $(((LONG - SHORT) / N))  (stream of 100: $SHORT, of $((N + 100)): $LONG)"
     exit 0
 fi
-callgrind_control -i on "$CB" > /dev/null 2>&1
+PIDS=$CB
+if [ "${WHO:-}" = workers ]; then PIDS=$(cat /proc/$CB/task/*/children); fi
+for P in $PIDS; do callgrind_control -i on "$P" > /dev/null 2>&1; done
 "$PY" "$HERE/seq_client.py" "$PORT" "$N" > /dev/null
-callgrind_control -d "$CB" > /dev/null 2>&1
-TOTAL=$(grep -h "^summary:" "$OUT"/cg.*.1 | head -1 | awk '{print $2}')
+if [ -n "${WORKERS:-}" ]; then sleep 1; fi  # the workers' last log lines reach the supervisor
+for P in $PIDS; do callgrind_control -d "$P" > /dev/null 2>&1; done
+TOTAL=0; EACH=; LEAST=
+for P in $PIDS; do
+    T=$(grep -h "^summary:" "$OUT"/cg.$P.1 | head -1 | awk '{print $2}')
+    TOTAL=$((TOTAL + T)); EACH="$EACH $T"
+    if [ -z "$LEAST" ] || [ "$T" -lt "$LEAST" ]; then LEAST=$T; fi
+done
+if [ "${WHO:-}" = workers ]; then  # one connection: one worker serves it, the other idles
+    echo "$TAG workers' instructions/request $((TOTAL / N)); busy minus idle worker $(((TOTAL - 2 * LEAST) / N))  (each:$EACH, N=$N)"
+    exit 0
+fi
 echo "$TAG instructions/request $((TOTAL / N))  (total $TOTAL, N=$N)"

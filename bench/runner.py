@@ -55,6 +55,27 @@ def rss_mib(pid: int) -> float:
     return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * _PAGE_KIB / 1024
 
 
+def pss_mib(pid: int) -> float:
+    """Proportional set size of ``pid`` in MiB (``/proc/<pid>/smaps_rollup``): its
+    private pages plus its share of each page it shares (a supervisor's and its workers'
+    interpreter and libraries count once over the tree, not once per process)."""
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def tree_pss_mib(pid: int) -> float:
+    """PSS summed over ``pid`` and its live descendants, in MiB."""
+    total = 0.0
+    for p in tree(pid):
+        try:
+            total += pss_mib(p)
+        except OSError:
+            pass
+    return total
+
+
 def tree(pid: int) -> list[int]:
     """``pid`` and its descendants alive now (a supervisor and its workers)."""
     out, todo = [], [pid]
@@ -348,12 +369,10 @@ def start_crossbar(workdir: Path, name: str, up_port: int, up2_port: int, worker
     )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     twistd = Path(sys.executable).parent / "twistd"
-    if workers > 1:
-        # as the systemd unit runs it: JSON lines on standard output, which the workers
-        # then write straight through (a text --logfile makes the supervisor relay them)
-        log_args, out = ["--logger=crossbar.ops.jsonlog.observer"], open(workdir / f"{name}.log", "w")
-    else:
-        log_args, out = [f"--logfile={workdir / (name + '.log')}"], subprocess.DEVNULL
+    # Both columns log as twistd does by default, to a text --logfile: with workers, each
+    # worker formats its own lines and the supervisor appends them unread (until issue
+    # 33 the supervisor relayed every line, and this column logged JSON to hide it).
+    log_args, out = [f"--logfile={workdir / (name + '.log')}"], subprocess.DEVNULL
     cb = subprocess.Popen(
         [str(twistd), "-n", "--pidfile=", *log_args, "crossbar", "--config", str(config)],
         cwd=workdir, env=env, stdout=out, stderr=open(workdir / f"{name}.stderr", "w"),
@@ -452,17 +471,24 @@ class SplitSampler:
 
 class RssPeak:
     """Samples a process's RSS every 20 ms while running; :attr:`peak` in MiB. With
-    ``whole_tree``, the sum over the process and its descendants."""
+    ``whole_tree``, the sum over the process and its descendants. With ``pss``, also
+    the whole tree's PSS every 100 ms (:attr:`pss_peak`; smaps_rollup costs more)."""
 
-    def __init__(self, pid: int, whole_tree: bool = False) -> None:
+    def __init__(self, pid: int, whole_tree: bool = False, pss: bool = False) -> None:
         self.pid = pid
         self.rss: Callable[[int], float] = (lambda p: sum(rss_mib(q) for q in tree(p))) if whole_tree else rss_mib
         self.peak = self.rss(pid)
+        self.pss = pss
+        self.pss_peak = tree_pss_mib(pid) if pss else float("nan")
         self.task: asyncio.Task[None] | None = None
 
     async def _run(self) -> None:
+        n = 0
         while True:
             self.peak = max(self.peak, self.rss(self.pid))
+            n += 1
+            if self.pss and n % 5 == 0:
+                self.pss_peak = max(self.pss_peak, tree_pss_mib(self.pid))
             await asyncio.sleep(0.02)
 
     def __enter__(self) -> RssPeak:
@@ -473,6 +499,8 @@ class RssPeak:
         assert self.task is not None
         self.task.cancel()
         self.peak = max(self.peak, self.rss(self.pid))
+        if self.pss:
+            self.pss_peak = max(self.pss_peak, tree_pss_mib(self.pid))
 
 
 _WRK_LUA = """wrk.method = "POST"
@@ -656,9 +684,10 @@ class Bench:
         if out["bad"]:
             self.notes.append(f"(a) c={c} {target}: {out['bad']:g} non-2xx answers")
 
-    def requests_by_host(self, route: str) -> dict[str, float]:
-        """host -> requests crossbar answered on ``route`` so far (its own metrics)."""
-        url = f"http://{HOST}:{self.procs.cb_port}/_crossbar/metrics"
+    def requests_by_host(self, route: str, target: str = "crossbar") -> dict[str, float]:
+        """host -> requests crossbar (``target``) answered on ``route`` so far (its own
+        metrics: with workers, every worker's summed)."""
+        url = f"http://{HOST}:{self.target(target)[0]}/_crossbar/metrics"
         with urllib.request.urlopen(url, timeout=5) as r:
             text = r.read().decode()
         counts: dict[str, float] = defaultdict(float)
@@ -667,42 +696,43 @@ class Bench:
             counts[host] += float(value)
         return counts
 
-    async def scenario_f(self, c: int = 16) -> None:
-        """(f): wrk at ``c`` on route ``bench2``, over two upstreams: the split between
-        them (from crossbar's request counter) and crossbar's CPU per request, beside
-        (a)'s one-host figure of the same round."""
-        before = self.requests_by_host(ROUTE2.strip("/"))
+    async def scenario_f(self, c: int = 16, t: str = "crossbar") -> None:
+        """(f): wrk at ``c`` on route ``bench2`` of crossbar ``t`` (one worker or
+        ``workers2``), over two upstreams: the split between them (from crossbar's
+        request counter) and crossbar's CPU per request, beside (a)'s one-host figure
+        of the same round."""
+        before = self.requests_by_host(ROUTE2.strip("/"), t)
         meter = CpuMeter(self.procs)
-        out = await wrk(f"http://{HOST}:{self.procs.cb_port}{ROUTE2}/v1/chat/completions", c,
+        out = await wrk(f"http://{HOST}:{self.target(t)[0]}{ROUTE2}/v1/chat/completions", c,
                         self.s.wrk_seconds, self.lua)
         cpu = meter.read()
-        after = self.requests_by_host(ROUTE2.strip("/"))
+        after = self.requests_by_host(ROUTE2.strip("/"), t)
         done = {h: after.get(h, 0.0) - before.get(h, 0.0) for h in ("up", "up2")}
         total = sum(done.values())
         g = f"f c={c}"
-        self.put(g, "rps", "crossbar", out["rps"])
-        self.put(g, "p99", "crossbar", out["p99"])
-        self.put(g, "cpu_us", "crossbar", 1e6 * cpu["crossbar"] / out["rps"])
-        self.put(g, "share_up", "crossbar", 100 * done["up"] / total if total else float("nan"))
-        self.put(g, "crossbar_cpu", "crossbar", cpu["crossbar"])
-        self.put(g, "upstream_cpu", "crossbar", cpu["upstream"] + cpu.get("upstream2", 0.0))
-        self.put(g, "client_cpu", "crossbar", out["client_cpu"])
-        one = self.r.get((f"a c={c}", "cpu_us", "crossbar"))
+        self.put(g, "rps", t, out["rps"])
+        self.put(g, "p99", t, out["p99"])
+        self.put(g, "cpu_us", t, 1e6 * cpu[t] / out["rps"])
+        self.put(g, "share_up", t, 100 * done["up"] / total if total else float("nan"))
+        self.put(g, "crossbar_cpu", t, cpu[t])
+        self.put(g, "upstream_cpu", t, cpu["upstream"] + cpu.get("upstream2", 0.0))
+        self.put(g, "client_cpu", t, out["client_cpu"])
+        one = self.r.get((f"a c={c}", "cpu_us", t))
         if one:  # this round's one-host figure (the step just before)
-            self.put(g, "cpu_vs_one", "crossbar", self.r[(g, "cpu_us", "crossbar")][-1] / one[-1])
+            self.put(g, "cpu_vs_one", t, self.r[(g, "cpu_us", t)][-1] / one[-1])
         if out["bad"]:
-            self.notes.append(f"(f) c={c}: {out['bad']:g} non-2xx answers")
+            self.notes.append(f"(f) {t} c={c}: {out['bad']:g} non-2xx answers")
 
-    async def scenario_g(self, label: str, route: str, keyed: bool) -> None:
-        """(a) at c=16 through a two-host route, with or without affinity, keyed or
-        keyless bodies: crossbar's CPU us/request."""
+    async def scenario_g(self, label: str, route: str, keyed: bool, t: str = "crossbar") -> None:
+        """(a) at c=16 through a two-host route of crossbar ``t``, with or without
+        affinity, keyed or keyless bodies: crossbar's CPU us/request."""
         lua = self.lua if keyed or self.keyless_lua is None else self.keyless_lua
         meter = CpuMeter(self.procs)
-        out = await wrk(f"http://{HOST}:{self.procs.cb_port}{route}/v1/chat/completions", 16, self.s.wrk_seconds, lua)
+        out = await wrk(f"http://{HOST}:{self.target(t)[0]}{route}/v1/chat/completions", 16, self.s.wrk_seconds, lua)
         cpu = meter.read()
         g = f"g {label}"
-        self.put(g, "rps", "crossbar", out["rps"])
-        self.put(g, "cpu_us", "crossbar", 1e6 * cpu["crossbar"] / out["rps"])
+        self.put(g, "rps", t, out["rps"])
+        self.put(g, "cpu_us", t, 1e6 * cpu[t] / out["rps"])
         if out["bad"]:
             self.notes.append(f"(g) {label}: {out['bad']:g} non-2xx answers")
 
@@ -738,9 +768,10 @@ class Bench:
         """(c) 200 streams through ``target``: the peak RSS of its whole process tree
         (crossbar alone: its one process)."""
         proc, _ = self.procs.proxy(target)
-        with RssPeak(proc.pid, whole_tree=True) as peak:
+        with RssPeak(proc.pid, whole_tree=True, pss=True) as peak:
             res = await self.streams(target, 200, 200, 5, 30)
         self.put("c", "rss_200", target, peak.peak)
+        self.put("c", "pss_200", target, peak.pss_peak)
         if res.completed != 200:
             self.notes.append(f"(c) {target}: only {res.completed}/200 streams completed")
 
@@ -824,6 +855,7 @@ class Bench:
             self.put("c", "rss_supervisor", "workers2", sup)
         for t in proxies:
             self.put("c", "rss_idle_tree", t, sum(rss_mib(q) for q in tree(self.procs.proxy(t)[0].pid)))
+            self.put("c", "pss_idle_tree", t, tree_pss_mib(self.procs.proxy(t)[0].pid))
         if "c" in only:
             # Before any other load through crossbar: Python keeps the heap it grew, so
             # after (e)'s 1000 streams this would measure (e), not 200 streams.
@@ -841,7 +873,7 @@ class Bench:
             if "f" in only:
                 if "a" not in only:  # the one-host figure to compare with
                     steps.append(("a c=16", lambda t: self.scenario_a(t, 16)))
-                steps.append(("f c=16", lambda t: self.scenario_f(16)))
+                steps.append(("f c=16", lambda t: self.scenario_f(16, t)))
             if "b" in only:
                 for n in (1, 100):
                     steps.append((f"b {n}", lambda t, n=n: self.scenario_b(t, n)))
@@ -849,8 +881,8 @@ class Bench:
                 steps.append(("e", self.scenario_e))
             for name, step in steps:
                 for t in order:
-                    if name.startswith("f ") and t != "crossbar":
-                        continue  # two hosts behind one address: only through crossbar (one process)
+                    if name.startswith("f ") and t not in PROXIES:
+                        continue  # two hosts behind one address: only through crossbar
                     if t in PEERS and name[0] not in PEER_SCENARIOS:
                         continue
                     print(f"  {name} {t}", file=sys.stderr)
@@ -858,10 +890,11 @@ class Bench:
                     await asyncio.sleep(0.3)
             if "g" in only:
                 variants = G_VARIANTS if rnd % 2 == 0 else G_VARIANTS[::-1]
-                for label, route, keyed in variants:
-                    print(f"  g {label}", file=sys.stderr)
-                    await self.scenario_g(label, route, keyed)
-                    await asyncio.sleep(0.3)
+                for t in (t for t in order if t in PROXIES):
+                    for label, route, keyed in variants:
+                        print(f"  g {label} {t}", file=sys.stderr)
+                        await self.scenario_g(label, route, keyed, t)
+                        await asyncio.sleep(0.3)
             if "h" in only:
                 for t in (t for t in order if t not in PEERS):
                     for images in ((False, True) if rnd % 2 == 0 else (True, False)):
@@ -870,7 +903,9 @@ class Bench:
                         await asyncio.sleep(0.3)
                     with_, without = (self.r[(f"h {v}", "lag_p99", t)][-1] for v in ("images", "plain"))
                     self.put("h", "lag_p99_added", t, with_ - without)
-        self.put("c", "rss_end", "crossbar", rss_mib(pid))
+        for t in (t for t in proxies if t in PROXIES):
+            self.put("c", "rss_end", t, sum(rss_mib(q) for q in tree(self.procs.proxy(t)[0].pid)))
+            self.put("c", "pss_end", t, tree_pss_mib(self.procs.proxy(t)[0].pid))
         if "d" in only:
             for t in self.procs.targets()[1:]:
                 print(f"d {t}", file=sys.stderr)
@@ -930,8 +965,11 @@ ROWS: list[tuple[str, str, str, int, str, Callable[[float, float], bool] | None]
     ("c", "rss_idle", "(c) RSS idle MiB (one worker)", 1, "<= 45", lambda d, c: c <= 45),
     ("c", "rss_supervisor", "(c) RSS idle MiB, supervisor", 1, "", None),
     ("c", "rss_idle_tree", "(c) RSS idle MiB, whole tree", 1, "", None),
+    ("c", "pss_idle_tree", "(c) PSS idle MiB, whole tree", 1, "", None),
     ("c", "rss_200", "(c) RSS 200 streams MiB, whole tree", 1, "<= 60", lambda d, c: c <= 60),
-    ("c", "rss_end", "(c) crossbar RSS after all, MiB", 1, "", None),
+    ("c", "pss_200", "(c) PSS 200 streams MiB, whole tree", 1, "", None),
+    ("c", "rss_end", "(c) RSS after all MiB, whole tree", 1, "", None),
+    ("c", "pss_end", "(c) PSS after all MiB, whole tree", 1, "", None),
     ("d", "rss_growth", "(d) slow client RSS growth MiB, tree", 1, "<= 5", lambda d, c: c <= 5),
     ("d", "read_mib", "(d) slow client read MiB", 1, "", None),
     ("e 1000 streams", "completed", "(e) 1000 streams completed", 0, "= 1000", lambda d, c: c >= 1000),
@@ -980,8 +1018,33 @@ def table(r: Results, targets: tuple[str, ...]) -> str:
         if parts:
             lines.append(f"  {g:16} " + "   ".join(parts))
     lines += affinity_table(r)
+    lines += workers_table(r, targets)
     lines += peers_table(r, targets)
     return "\n".join(lines)
+
+
+def workers_table(r: Results, targets: tuple[str, ...]) -> list[str]:
+    """Issue 33's ratios: ``workers: N`` over one worker, medians of this run (targets:
+    requests/s >= 1.5x, CPU per request <= 1.15x, idle PSS <= 1.6x)."""
+    if "workers2" not in targets:
+        return []
+    rows = [("(a) c=16 requests/s", "a c=16", "rps", ">= 1.5", lambda x: x >= 1.5),
+            ("(a) c=16 CPU us/request", "a c=16", "cpu_us", "<= 1.15", lambda x: x <= 1.15),
+            ("(a) c=64 requests/s", "a c=64", "rps", "", None),
+            ("(b) 100 streams CPU us/event", "b 100 streams", "cpu_us", "", None),
+            ("(f) 2 hosts c=16 CPU us/request", "f c=16", "cpu_us", "", None),
+            ("(c) PSS idle, whole tree", "c", "pss_idle_tree", "<= 1.6", lambda x: x <= 1.6),
+            ("(c) RSS idle, whole tree", "c", "rss_idle_tree", "", None),
+            ("(c) PSS 200 streams, whole tree", "c", "pss_200", "", None)]
+    lines = ["", "workers: 2 / one worker (medians of this run)"]
+    for label, group, metric, target, check in rows:
+        one, two = r.get((group, metric, "crossbar")), r.get((group, metric, "workers2"))
+        if not one or not two or not statistics.median(one):
+            continue
+        ratio = statistics.median(two) / statistics.median(one)
+        verdict = "" if check is None else ("yes" if check(ratio) else "NO")
+        lines.append(f"  {label:36} {ratio:6.2f}x  {target:8} {verdict}")
+    return lines
 
 
 NAMES = {"direct": "direct", "crossbar": "1 worker", "workers2": "workers: 2", "haproxy": "HAProxy",
@@ -1014,6 +1077,8 @@ def peers_table(r: Results, targets: tuple[str, ...]) -> list[str]:
         ("100 streams: lag p99, ms", lambda t: num(med("b 100 streams", "lag_p99", t), 1)),
         ("RSS idle / 200 streams, MiB (whole tree)",
          lambda t: f"{num(med('c', 'rss_idle_tree', t), 0)} / {num(med('c', 'rss_200', t), 0)}"),
+        ("PSS idle / 200 streams, MiB (whole tree)",
+         lambda t: f"{num(med('c', 'pss_idle_tree', t), 0)} / {num(med('c', 'pss_200', t), 0)}"),
         ("slow client, RSS growth MiB", lambda t: num(med("d", "rss_growth", t), 1)),
     ]
     lines = ["", "issue 23: the proxies side by side (medians; direct: "
@@ -1029,16 +1094,18 @@ def peers_table(r: Results, targets: tuple[str, ...]) -> list[str]:
 def affinity_table(r: Results) -> list[str]:
     """(g): crossbar CPU us/request at c=16 per variant and what affinity adds (target:
     at most +5% over keyless bodies)."""
-    cpu = {label: r.get((f"g {label}", "cpu_us", "crossbar"), []) for label, _, _ in G_VARIANTS}
-    if not all(cpu.values()):
-        return []
-    lines = ["", "(g) cache affinity, c=16 over two hosts: crossbar CPU us/request, requests/s"]
-    for label, _, _ in G_VARIANTS:
-        lines.append(f"  {label:30} {fmt(cpu[label], 0):>20} us   {fmt(r[(f'g {label}', 'rps', 'crossbar')], 0):>20} req/s")
-    keyed, off, keyless = (statistics.median(cpu[label]) for label, _, _ in G_VARIANTS)
-    added = 100 * (keyed / keyless - 1)
-    lines.append(f"  affinity adds {added:+.1f}% CPU/request over keyless bodies (target <= +5%: "
-                 f"{'yes' if added <= 5 else 'NO'}); rank+pick alone {100 * (keyed / off - 1):+.1f}% over key: none")
+    lines: list[str] = []
+    for t in PROXIES:
+        cpu = {label: r.get((f"g {label}", "cpu_us", t), []) for label, _, _ in G_VARIANTS}
+        if not all(cpu.values()):
+            continue
+        lines += ["", f"(g) cache affinity, c=16 over two hosts ({NAMES[t]}): crossbar CPU us/request, requests/s"]
+        for label, _, _ in G_VARIANTS:
+            lines.append(f"  {label:30} {fmt(cpu[label], 0):>20} us   {fmt(r[(f'g {label}', 'rps', t)], 0):>20} req/s")
+        keyed, off, keyless = (statistics.median(cpu[label]) for label, _, _ in G_VARIANTS)
+        added = 100 * (keyed / keyless - 1)
+        lines.append(f"  affinity adds {added:+.1f}% CPU/request over keyless bodies (target <= +5%: "
+                     f"{'yes' if added <= 5 else 'NO'}); rank+pick alone {100 * (keyed / off - 1):+.1f}% over key: none")
     return lines
 
 

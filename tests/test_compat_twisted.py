@@ -10,6 +10,8 @@ then raise its CHECKED range, pyproject.toml's bound and the pin in .ci/constrai
 from __future__ import annotations
 
 import inspect
+import io
+import os
 import socket
 from typing import Any, Callable
 
@@ -269,6 +271,10 @@ class FallbackTests(SynchronousTestCase):
         before = _file.formatTime
         self.assertFalse(self.module.cache_log_timestamps())
         self.assertIs(_file.formatTime, before)
+        self.assertFalse(self.module.hold_writes())  # nothing is ever held
+        from twisted.logger import LogPublisher, textFileLogObserver
+
+        self.assertIsNone(self.module.text_log_file(LogPublisher(textFileLogObserver(io.StringIO()))))
         events: list[dict[str, Any]] = []
         log = Logger(namespace="t", observer=events.append)
         self.module.emit_flattened(log, LogLevel.info, "{line}", self.module.flattened_line("x"), {"line": "x"})
@@ -374,6 +380,30 @@ class EagerWritesTests(TestCase):
         self.addCleanup(peer.close)
         peer.setblocking(False)
         return transport, peer
+
+    def test_held_writes_go_out_together_at_release(self) -> object:
+        """While held (an upstream read being handled), writes wait and then go out
+        joined, one write per connection, in order; held again inside: one holding."""
+        from crossbar.compat.twisted import hold_writes, release_writes
+
+        async def go() -> None:
+            first, first_peer = await self._connected()
+            second, second_peer = await self._connected()
+            self.assertTrue(eager_writes(first) and eager_writes(second))
+            self.assertTrue(hold_writes())
+            try:
+                self.assertFalse(hold_writes(), "already holding")
+                first.write(b"HTTP/1.1 200 OK\r\n\r\n")
+                second.write(b"x")
+                first.writeSequence([b"{", b"}"])
+                self.assertRaises(BlockingIOError, first_peer.recv, 100)  # nothing sent yet
+            finally:
+                release_writes()
+            self.assertEqual(first_peer.recv(100), b"HTTP/1.1 200 OK\r\n\r\n{}")
+            self.assertEqual(second_peer.recv(100), b"x")
+            first.write(b"after")  # not held: at once
+            self.assertEqual(first_peer.recv(100), b"after")
+        return ensureDeferred(go())
 
     def test_a_write_goes_out_before_the_reactor_turns(self) -> object:
         async def go() -> None:
@@ -834,3 +864,39 @@ class LeanDispatchTouchpointTests(_Private):
 
         self.assertFalse(lean_dispatch(MemoryReactor()))
         self.assertFalse(lean_dispatch(Clock()))
+
+
+class TextLogFileTouchpointTests(SynchronousTestCase):
+    """Touchpoint 11: the file twistd's text log observer writes to, found among the
+    log publisher's observers (``LogPublisher._observers``, ``FileLogObserver._outFile``)."""
+
+    def test_twistds_logfile_and_standard_output(self) -> None:
+        import sys
+
+        from twisted.logger import LogPublisher
+        from twisted.python.logfile import LogFile
+        from twisted.scripts._twistd_unix import UnixAppLogger, ServerOptions
+
+        from crossbar.compat.twisted import text_log_file
+
+        path = os.path.abspath(self.mktemp())
+        options = ServerOptions()
+        options.parseOptions(["-n", f"--logfile={path}", "--pidfile="])
+        observer = UnixAppLogger(options)._getLogObserver()
+        out = text_log_file(LogPublisher(observer, lambda e: None))
+        self.assertIsInstance(out, LogFile)
+        self.addCleanup(out.close)
+        self.assertEqual(out.path, path)
+        options = ServerOptions()
+        options.parseOptions(["-n", "--pidfile="])
+        self.assertIs(text_log_file(LogPublisher(UnixAppLogger(options)._getLogObserver())), sys.stdout)
+
+    def test_none_or_several(self) -> None:
+        from twisted.logger import LogPublisher, jsonFileLogObserver, textFileLogObserver
+
+        from crossbar.compat.twisted import text_log_file
+
+        self.assertIsNone(text_log_file(LogPublisher(lambda e: None)))
+        one, two = io.StringIO(), io.StringIO()
+        self.assertIs(text_log_file(LogPublisher(textFileLogObserver(one))), one)
+        self.assertIsNone(text_log_file(LogPublisher(textFileLogObserver(one), jsonFileLogObserver(two))))

@@ -60,7 +60,12 @@ class AdderTests(SynchronousTestCase):
             os.environ["PROMETHEUS_MULTIPROC_DIR"] = directory
             for pid in (101, 102):  # two workers
                 values.ValueClass = values.MultiProcessValue(lambda pid=pid: pid)  # type: ignore[misc]
-                _series(Metrics(), fast)
+                metrics = Metrics()
+                _series(metrics, fast)
+                if fast:  # the file's value written without its lock and pid check (issue 33)
+                    counter = metrics.tokens.labels("r", "h", "k", "m", "prompt")
+                    self.assertEqual(adder(counter).__qualname__, "_file_inc.<locals>.add",
+                                     "prometheus_client's MmapedValue moved (_file, _key, _value, _timestamp)")
             registry = CollectorRegistry()
             MultiProcessCollector(registry, directory)
             totals.append(_text(registry))

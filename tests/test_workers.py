@@ -319,6 +319,73 @@ class ServingTests(TestCase):
         line = await proc.line(lambda line: "POST /r/v1/chat/completions -> a 200" in line, timeout=10)
         self.assertRegex(line, r"\[crossbar\.proxy#info worker=[01]\] POST /r/v1/chat/completions -> a 200 ")
         self.assertFalse(line.lstrip().startswith("{"))
+        # Each worker wrote it to the supervisor's standard output itself (issue 33).
+        pids = [int(m.group(1)) for m in map(re.compile(r"worker \d started \(pid (\d+)\)").search, proc.out) if m]
+        self.assertEqual(len(pids), 2, proc.text())
+        for pid in pids:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                self.assertIn(b"\0--log\0text\0", f.read())
+
+    async def test_text_log_file_gets_workers_lines_and_rotates(self) -> None:
+        """With ``--logfile``, workers format their text lines and the supervisor
+        appends them to twistd's log file unread, in batches (issue 33); the file
+        still rotates on SIGUSR1, and later lines go to the new file."""
+        from tests.process import ROOT, twistd_argv, twistd_env
+
+        self.addCleanup(deferLater, reactor, 0.3, lambda: None)
+        directory = os.path.abspath(self.mktemp())
+        os.makedirs(directory)
+        path, log = os.path.join(directory, "crossbar.yaml"), os.path.join(directory, "crossbar.log")
+        with open(path, "w") as f:
+            f.write('listen: "tcp:0:interface=127.0.0.1"\nworkers: 2\n' + host_yaml(await listen(self, FakeLlama())))
+        proc = Twistd()
+        args = twistd_argv(path, options=("-n", "--pidfile=", f"--logfile={log}"))
+        reactor.spawnProcess(proc, args[0], args, env=twistd_env(), path=ROOT)  # type: ignore[attr-defined]
+
+        def text(name: str = log) -> str:
+            try:
+                with open(name, encoding="utf-8") as f:
+                    return f.read()
+            except FileNotFoundError:
+                return ""
+
+        def pids() -> list[int]:
+            return [int(p) for p in re.findall(r"\[crossbar\.supervisor#info\] worker \d started \(pid (\d+)\)",
+                                                text(log) + text(log + ".1"))]
+
+        async def cleanup() -> None:
+            for pid in pids():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            if proc.exit is None:
+                proc.signal("KILL")
+                await proc.ended
+
+        self.addCleanup(cleanup)
+        await wait_for(lambda: "worker 0 is ready" in text() and "worker 1 is ready" in text(), START, "both ready")
+        port = int(re.findall(r"listening on 127\.0\.0\.1:(\d+)", text())[0])
+        for pid in pids():
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                self.assertIn(b"\0--log\0batched-text\0", f.read())
+
+        async def served(name: str) -> str:
+            response = await fresh(self).post(f"http://127.0.0.1:{port}/r/v1/chat/completions",
+                                              json={"model": "tiny-a", "messages": []})
+            self.assertEqual(response.code, 200)
+            await treq.content(response)
+            found = await wait_for(lambda: re.search(r".*POST /r/v1/chat/completions -> a 200 .*\n", text(name)),
+                                   10, f"the request's line in {name}")
+            return str(found.group(0))
+
+        line = await served(log)
+        self.assertRegex(line, r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d[+-]\d{4} \[crossbar\.proxy#info worker=[01]\] POST ")
+        proc.signal(signal.SIGUSR1)
+        await wait_for(lambda: os.path.exists(log + ".1"), 10, "the rotated log")
+        self.assertIn("POST /r/v1/chat/completions -> a 200", text(log + ".1"))
+        await served(log)
+        self.assertEqual(text(log + ".1").count("POST /r/v1/chat/completions -> a 200"), 1)
 
     async def test_a_killed_supervisors_directory_is_removed_by_the_next(self) -> None:
         """twistd with workers killed with SIGKILL leaves its workers' directory; the
@@ -1180,6 +1247,93 @@ class RelayTests(SynchronousTestCase):
         self.assertTrue(texts[2].startswith("T [- worker=2] it failed\n\tTraceback"), texts[2])
         self.assertIn("ValueError: boom", texts[2])
         self.assertEqual(seen[2]["log_level"], LogLevel.critical)
+
+
+class WorkerTextLogTests(SynchronousTestCase):
+    def test_same_lines_as_the_supervisors_relay(self) -> None:
+        """A worker's own text line (issue 33) is the line the supervisor wrote when it
+        relayed the worker's JSON: ``[namespace#level worker=N]``, a legacy event's
+        ``[system worker=N]``, a traceback indented below."""
+        import io
+
+        from twisted.logger import Logger, LogLevel, formatEventAsClassicLogText, globalLogPublisher
+        from twisted.python import log as legacy
+
+        from crossbar.ops.jsonlog import event_as_line
+        from crossbar.process.worker import text_observer
+        from twisted.logger import _file
+
+        self.patch(_file, "formatTime", _file.formatTime)  # text_observer caches its time stamps
+
+        out = io.StringIO()
+        own = text_observer(2, out)
+        made: list[str] = []
+
+        def worker_side(event: dict[str, Any]) -> None:
+            made.append(event_as_line(event))
+            own(dict(event))
+
+        globalLogPublisher.addObserver(worker_side)
+        Logger(namespace="crossbar.proxy").info("POST /r -> a {status}", status=200)
+        legacy.callWithContext({"system": "HTTPChannel,0,127.0.0.1"}, legacy.msg, "a legacy line")
+        legacy.err(ValueError("boom"), "it failed")
+        globalLogPublisher.removeObserver(worker_side)
+        self.flushLoggedErrors(ValueError)
+        relayed: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(relayed.append)
+        self.addCleanup(globalLogPublisher.removeObserver, relayed.append)
+        for line in made:
+            relay_log_line(line.encode(), 2)
+        own_lines = [line for line in re.split(r"(?m)^\d{4}-\d\d-\d\dT\S+ ", out.getvalue()) if line]
+        relay_lines = [formatEventAsClassicLogText(e, lambda _: "T").split(" ", 1)[1] for e in relayed]
+        self.assertEqual(len(own_lines), 3, out.getvalue())
+        self.assertEqual(own_lines[:2], relay_lines[:2])
+        self.assertEqual(own_lines[0], "[crossbar.proxy#info worker=2] POST /r -> a 200\n")
+        self.assertTrue(own_lines[2].startswith("[- worker=2] it failed\n\tTraceback"), own_lines[2])
+        self.assertIn("ValueError: boom", own_lines[2])
+        self.assertEqual(relayed[2]["log_level"], LogLevel.critical)
+
+
+class BatchedLinesTests(SynchronousTestCase):
+    def test_lines_go_out_together_a_warning_at_once(self) -> None:
+        import io
+
+        from twisted.internet.task import Clock
+        from twisted.logger import Logger
+
+        from crossbar.process.worker import BatchedLines, text_observer
+        from twisted.logger import _file
+
+        self.patch(_file, "formatTime", _file.formatTime)  # text_observer caches its time stamps
+
+        class Out(io.StringIO):
+            writes = 0
+
+            def write(self, text: str) -> int:
+                self.writes += 1
+                return super().write(text)
+
+        out, clock = Out(), Clock()
+        batch = BatchedLines(out, clock, delay=0.05, most=200)
+        log = Logger(namespace="t", observer=text_observer(1, batch=batch))
+        log.info("one")
+        log.info("two")
+        self.assertEqual(out.getvalue(), "")
+        clock.advance(0.05)
+        self.assertEqual(out.writes, 1)
+        self.assertRegex(out.getvalue(), r"\[t#info worker=1\] one\n.*\[t#info worker=1\] two\n$")
+        log.info("three")
+        log.warn("four")  # at once, with what waited
+        self.assertEqual(out.writes, 2)
+        self.assertTrue(out.getvalue().endswith("three\n" + out.getvalue().split("three\n")[1]), out.getvalue())
+        self.assertEqual(clock.getDelayedCalls(), [])
+        log.info("x" * 300)  # more than ``most``: at once
+        self.assertEqual(out.writes, 3)
+        log.info("five")
+        batch.write_now()
+        self.assertEqual((out.writes, clock.getDelayedCalls()), (4, []))
+        batch.write_now()
+        self.assertEqual(out.writes, 4)
 
 
 def held_by_worker(proc: Twistd, socks: list[socket.socket]) -> Counter[int]:

@@ -5,7 +5,8 @@ prometheus_client's public ``inc``/``observe`` check their argument, take a lock
 loop over the buckets each time (CPU per request). :func:`adder` and :func:`observer`
 do the same update through the children's private parts: ``_value`` (a
 ``prometheus_client.values.MutexValue`` in one process, the multiprocess file's value
-with workers), ``_upper_bounds``, ``_buckets``, ``_sum`` and ``_is_observable``.
+with workers: its ``_file``, ``_key``, ``_value``, ``_timestamp``), ``_upper_bounds``,
+``_buckets``, ``_sum`` and ``_is_observable``.
 
 They were checked against prometheus_client 0.20 through 0.26 (:data:`CHECKED`;
 ``pyproject.toml`` bounds it the same way, ``prometheus_client>=0.20,<0.27``). The
@@ -62,6 +63,25 @@ def moved() -> list[str]:
 
 
 
+def _file_inc(value: Any) -> Callable[[float], None] | None:
+    """For a multiprocess value (workers: ``values.MultiProcessValue``'s ``MmapedValue``,
+    its parts ``_file``, ``_key``, ``_value``, ``_timestamp``): its ``inc`` without the
+    lock and the ``os.getpid()`` check for a fork (a syscall per call) that each ``inc``
+    makes: crossbar updates metrics on the reactor thread only, and a worker is a
+    process of its own that never forks. None for any other value (issue 33)."""
+    if type(value).__name__ != "MmapedValue" or not isinstance(getattr(value, "_key", None), str) \
+            or not isinstance(getattr(value, "_value", None), float) or not hasattr(value, "_timestamp") \
+            or not callable(getattr(getattr(value, "_file", None), "write_value", None)):
+        return None
+
+    def add(amount: float) -> None:
+        value._value = total = value._value + amount
+        value._timestamp = 0.0
+        value._file.write_value(value._key, total, 0.0)
+
+    return add
+
+
 def adder(child: Any) -> Callable[[float], None]:
     """``child.inc`` of a labelled counter child, without prometheus_client's per-call
     checks, for amounts crossbar already knows are >= 0 (a request, its tokens): once
@@ -80,7 +100,7 @@ def adder(child: Any) -> Callable[[float], None]:
     if not callable(inc) or not child._is_observable():
         return child.inc
     if type(value) is not values.MutexValue:
-        return inc
+        return _file_inc(value) or inc
 
     def add(amount: float) -> None:
         value._value += amount
@@ -114,7 +134,8 @@ def observer(child: Any) -> Callable[[float], None]:
             counts[bisect_left(bounds, amount)]._value += 1
 
         return observe_here
-    incs = [bucket.inc for bucket in buckets]
+    total = _file_inc(total_value) or total
+    incs = [_file_inc(bucket) or bucket.inc for bucket in buckets]
 
     def observe(amount: float) -> None:
         total(amount)

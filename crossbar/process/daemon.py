@@ -18,10 +18,9 @@ from twisted.logger import Logger
 from crossbar.compat import prometheus, txredis
 from crossbar.compat.twisted import cache_log_timestamps, lean_dispatch, log_fallback
 from crossbar.config import Config
-from crossbar.process.service import make_service
 from crossbar.process.supervisor import WorkerTimings, make_supervisor
 
-__all__ = ["logs_json_lines", "make_daemon"]
+__all__ = ["logs_json_lines", "logs_text", "make_daemon"]
 
 
 def logs_json_lines(twistd: Mapping[str, Any] | None) -> bool:
@@ -33,6 +32,13 @@ def logs_json_lines(twistd: Mapping[str, Any] | None) -> bool:
 
     logger = (twistd or {}).get("logger")
     return logger is jsonlog.observer or logger == "crossbar.ops.jsonlog.observer"
+
+
+def logs_text(twistd: Mapping[str, Any] | None) -> bool:
+    """twistd's options (None: not run by twistd) say its log is its own text log
+    (``--logfile`` or standard output: no ``--logger``, no ``--syslog``), whose lines
+    workers can then format themselves (issue 33)."""
+    return twistd is not None and not twistd.get("logger") and not twistd.get("syslog")
 
 
 def make_daemon(config: Config, twistd: Mapping[str, Any] | None = None, stall: float | None = None) -> MultiService:
@@ -58,5 +64,9 @@ def make_daemon(config: Config, twistd: Mapping[str, Any] | None = None, stall: 
     lean_dispatch(reactor)  # no log.callWithLogger layers per ready descriptor
     if config.workers > 1:
         timings = WorkerTimings() if stall is None else WorkerTimings.with_stall(stall)
-        return make_supervisor(config, log_through=logs_json_lines(twistd), timings=timings)
+        return make_supervisor(config, log_through=logs_json_lines(twistd), timings=timings, text_log=logs_text(twistd))
+    # Imported here: a supervisor never serves, and without the proxy, the operations
+    # app and their libraries its interpreter keeps ~8 MiB less (its workers import them).
+    from crossbar.process.service import make_service
+
     return make_service(config, handle_signals=True)

@@ -34,8 +34,14 @@ workers: Twisted's unix port of a worker that stops unlinks the socket's path an
 shuts the shared socket down for every worker.
 
 Every worker polls every host itself: the poll load is N x 2 requests per host per
-``health.interval``. Workers' log lines come to this process as JSON on their standard
-output and are logged here with a ``worker`` field.
+``health.interval``. Workers' log lines reach this process's log without being logged
+again here, as its log allows: with the JSON logger each worker writes its lines to the
+same standard output; with twistd's text log each worker formats its own text lines
+(``[namespace#level worker=N]``) and writes them to the same standard output, or, for a
+``--logfile``, this process appends them to the file unread, as they come in batches
+(twistd's ``LogFile``, so rotation goes on; touchpoint 11 finds it). Otherwise (no twistd, or the touchpoint's
+fallback) they come as JSON and are logged here with a ``worker`` field
+(:func:`relay_log_line`: ~65 µs of this process's CPU per proxied request, issue 33).
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ from twisted.internet.protocol import ProcessProtocol
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger, LogLevel, InvalidLogLevelError
 from twisted.python.failure import Failure
+from twisted.python.logfile import BaseLogFile
 
 from crossbar.config import Config, ConfigError, one_line
 from crossbar.state.worker_counts import WorkerCounts, check_capacity
@@ -65,7 +72,7 @@ from crossbar.ops.systemd import Notifier, SystemdNotifier, watchdog_interval
 from crossbar.waiting import Condition
 from crossbar.process.leftovers import PREFIX as LEFTOVER_PREFIX, claim, remove_leftovers
 from crossbar.process.listen import WorkerListeners
-from crossbar.compat.twisted import emit_flattened
+from crossbar.compat.twisted import emit_flattened, text_log_file
 from crossbar.process.heartbeat import HEARTBEAT, host_line, parse_host_line
 
 __all__ = ["Supervisor", "WorkerTimings", "WorkerProcess", "make_supervisor", "relay_log_line"]
@@ -190,6 +197,13 @@ class WorkerProcess(ProcessProtocol):
                 pass  # it is exiting
 
     def childDataReceived(self, childFD: int, data: bytes) -> None:
+        if childFD == 1 and self.supervisor.log_file is not None:  # text lines: appended as they are
+            data = self._buffers[1] + data
+            end = data.rfind(b"\n") + 1
+            if end:
+                self.supervisor.write_log(data[:end])
+            self._buffers[1] = data[end:]
+            return
         *lines, self._buffers[childFD] = (self._buffers.get(childFD, b"") + data).split(b"\n")
         for line in lines:
             if childFD == 1:
@@ -211,6 +225,9 @@ class WorkerProcess(ProcessProtocol):
                         self.supervisor.drain_host(*drained)
 
     def processEnded(self, reason: Failure) -> None:
+        if self._buffers[1] and self.supervisor.log_file is not None:
+            self.supervisor.write_log(self._buffers[1] + b"\n")  # its last line, cut short
+            self._buffers[1] = b""
         self.ended = True
         self.ready = False
         self.supervisor.worker_ended(self, reason)
@@ -230,6 +247,10 @@ class Supervisor(MultiService):
         (``twistd --logger crossbar.ops.jsonlog.observer``, as the systemd unit does): the
         workers then write theirs to the same output directly, and nothing is relayed
         (relaying costs the supervisor ~80 µs of CPU per request).
+    :param text_log: this process logs twistd's text lines (no ``--logger``, no
+        ``--syslog``): workers write theirs in the same format, to the same standard
+        output or through a pipe whose bytes this process appends to the log file
+        unread (see the module doc); else their JSON lines are relayed.
     :raises ConfigError: ``listen`` is not a valid endpoint, is ``ssl:`` (a worker
         adopts a plain socket: terminate TLS in front of crossbar, or run one worker)
         or a unix socket (see the module doc), or the config needs more shared
@@ -240,11 +261,16 @@ class Supervisor(MultiService):
 
     def __init__(
         self, config: Config, reactor: Any, environ: Mapping[str, str] | None = None, handle_signals: bool = True,
-        log_through: bool = False, timings: WorkerTimings = WorkerTimings(),
+        log_through: bool = False, timings: WorkerTimings = WorkerTimings(), text_log: bool = False,
     ) -> None:
         super().__init__()
         self.timings = timings
         self.log_through = log_through
+        self.text_log = text_log
+        self.log_file: Any = None
+        """twistd's log file (a ``LogFile``) workers' text lines are appended to, unread."""
+        self._worker_stdout: int | str = 1 if log_through else "r"
+        self._worker_log = "json"
         self._environ = os.environ if environ is None else environ
 
         kind = config.listen.split(":", 1)[0].lower()
@@ -297,7 +323,31 @@ class Supervisor(MultiService):
 
     # -- start -----------------------------------------------------------------------
 
+    def _choose_worker_log(self) -> None:
+        """How workers log (see the module doc): decided once twistd's log is running."""
+        if self.log_through or not self.text_log:
+            return
+        out = text_log_file()
+        if isinstance(out, BaseLogFile):
+            self.log_file, self._worker_log = out, "batched-text"
+            return
+        try:
+            fd = out.fileno() if out is not None else None
+        except (AttributeError, OSError, ValueError):
+            fd = None
+        if isinstance(fd, int):
+            self._worker_stdout, self._worker_log = fd, "text"
+
+    def write_log(self, data: bytes) -> None:
+        """Append whole text lines of a worker to twistd's log file (:attr:`log_file`)."""
+        try:
+            self.log_file.write(data)
+            self.log_file.flush()
+        except (OSError, ValueError):
+            pass  # the log file closed at exit: nothing can be written anywhere
+
     def startService(self) -> None:
+        self._choose_worker_log()
         super().startService()
         # systemd's RuntimeDirectory= (contrib/systemd): never aged out by tmp cleaners
         runtime = self._environ.get("RUNTIME_DIRECTORY", "").split(":")[0] or None
@@ -374,11 +424,12 @@ class Supervisor(MultiService):
             "--row", str(index), "--rows", str(self.count + 1), "--shared", self._shared_path,
             "--limits", self._limits_path,
             "--heartbeat", str(self.timings.heartbeat),
+            "--log", self._worker_log,
         ] + (["--shared-listener"] if self.web.shared else [])
         try:
             self.reactor.spawnProcess(
                 process, sys.executable, argv, env=env,
-                childFDs={0: "w", 1: 1 if self.log_through else "r", 2: "r", 3: self.web.fileno(index), 4: "r"},
+                childFDs={0: "w", 1: self._worker_stdout, 2: "r", 3: self.web.fileno(index), 4: "r"},
             )
         except Exception as e:  # e.g. the interpreter gone after an upgrade, no file descriptors left
             self.workers[index] = None
@@ -547,12 +598,13 @@ class Supervisor(MultiService):
 
 def make_supervisor(
     config: Config, reactor: Any = None, handle_signals: bool = True, log_through: bool = False,
-    timings: WorkerTimings = WorkerTimings(),
+    timings: WorkerTimings = WorkerTimings(), text_log: bool = False,
 ) -> Supervisor:
     """The supervisor for ``config`` on ``reactor`` (default: the global one); see
-    :class:`Supervisor` for ``log_through`` and ``timings``."""
+    :class:`Supervisor` for ``log_through``, ``timings`` and ``text_log``."""
     if reactor is None:
         from twisted.internet import reactor as global_reactor
 
         reactor = global_reactor
-    return Supervisor(config, reactor, handle_signals=handle_signals, log_through=log_through, timings=timings)
+    return Supervisor(config, reactor, handle_signals=handle_signals, log_through=log_through, timings=timings,
+                      text_log=text_log)

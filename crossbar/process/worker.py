@@ -20,7 +20,11 @@ The supervisor (:mod:`crossbar.process.supervisor`) starts each worker as
 - fd 1: its log, one JSON object per line (:mod:`crossbar.ops.jsonlog`) with a ``worker``
   field: the supervisor's own standard output when it logs JSON there too (written
   straight through, nothing relayed), else a pipe whose lines the supervisor logs as
-  its own;
+  its own. With ``--log text``: twistd's text lines, as the supervisor's text log
+  shows them (``[namespace#level worker=N]``), to the supervisor's own standard output
+  (its text log); with ``--log batched-text`` to a pipe whose bytes the supervisor
+  appends to its log file unread, in batches (:class:`BatchedLines`: a warning or worse
+  at once, the rest within 50 ms) (issue 33: nothing decoded and logged again per line);
 - fd 4: ``ready`` once the worker listens and its first poll round is done, and
   ``alive`` every ``--heartbeat`` seconds (:data:`HEARTBEAT` in production) from its
   reactor (a worker whose reactor is wedged or stopped goes silent, and the supervisor
@@ -43,12 +47,13 @@ at a terminal reaches the supervisor only, which tells each worker once.
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import signal
 import socket
 import sys
 from types import FrameType
-from typing import Any, Callable
+from typing import IO, Any, Callable, cast
 
 from twisted.internet import fdesc
 from twisted.internet.defer import Deferred, succeed
@@ -56,19 +61,19 @@ from twisted.internet.error import ReactorNotRunning
 from twisted.internet.interfaces import IListeningPort, IProtocolFactory, IReadDescriptor, IStreamServerEndpoint
 from twisted.internet.main import CONNECTION_DONE
 from twisted.internet.task import LoopingCall
-from twisted.logger import ILogObserver, Logger, globalLogBeginner
+from twisted.logger import ILogObserver, Logger, LogLevel, globalLogBeginner, textFileLogObserver
 from zope.interface import implementer
 
-from crossbar.config import ConfigError, parse_config, read_config_text
+from crossbar.config import ConfigError, one_line, parse_config, read_config_text
 from crossbar.process.heartbeat import HEARTBEAT, LISTEN_FD, STATUS_FD, host_line, parse_host_line
 from crossbar.process.reload import SIGHUPReload
 from crossbar.process.service import CrossbarService
 from crossbar.state.box_limits import BoxLimits
 from crossbar.state.shared import SharedCounts
 from crossbar.state.worker_counts import WorkerCounts
-from crossbar.compat.twisted import lean_dispatch
+from crossbar.compat.twisted import cache_log_timestamps, lean_dispatch
 
-__all__ = ["AdoptedEndpoint", "main"]
+__all__ = ["AdoptedEndpoint", "BatchedLines", "json_observer", "main", "text_observer"]
 
 
 _log = Logger(namespace="crossbar.worker")
@@ -138,6 +143,91 @@ class _Commands:
         self._handle("eof")
 
 
+def json_observer(row: int, out: IO[str] | None = None) -> ILogObserver:
+    """JSON lines (:mod:`crossbar.ops.jsonlog`) on ``out`` (default: standard output),
+    each with ``"worker": row``."""
+    from crossbar.ops import jsonlog
+
+    write = jsonlog.observer_to(sys.stdout if out is None else out)
+
+    @implementer(ILogObserver)
+    def tagged(event: dict[str, Any]) -> None:  # every line says which worker wrote it
+        event["worker"] = row
+        write(event)
+
+    return tagged
+
+
+class BatchedLines:
+    """A text file for a :class:`~twisted.logger.FileLogObserver` that writes the lines
+    it is given to ``out`` together: ``delay`` seconds after the first of a batch (on
+    ``clock``), or at once when ``most`` characters wait, or on :meth:`write_now`. The
+    observer's ``flush`` after each line does nothing: fewer writes, and the supervisor
+    that appends them to its log file wakes up once a batch instead of once a request
+    (issue 33)."""
+
+    def __init__(self, out: IO[str], clock: Any, delay: float = 0.05, most: int = 32768) -> None:
+        self._out = out
+        self._clock = clock
+        self._delay = delay
+        self._most = most
+        self._parts: list[str] = []
+        self._size = 0
+        self._call: Any = None
+
+    def write(self, text: str) -> None:
+        self._parts.append(text)
+        self._size += len(text)
+        if self._size >= self._most:
+            self.write_now()
+        elif self._call is None:
+            self._call = self._clock.callLater(self._delay, self.write_now)
+
+    def flush(self) -> None:
+        """Nothing: the batch is written when it is due."""
+
+    def write_now(self) -> None:
+        """Write what waits (the reactor's shutdown and an exit do too)."""
+        if self._call is not None:
+            if self._call.active():
+                self._call.cancel()
+            self._call = None
+        if self._parts:
+            text, self._parts, self._size = "".join(self._parts), [], 0
+            try:
+                self._out.write(text)
+                self._out.flush()
+            except (OSError, ValueError):
+                pass  # the supervisor is gone: nobody reads it
+
+
+def text_observer(row: int, out: IO[str] | None = None, batch: BatchedLines | None = None) -> ILogObserver:
+    """twistd's text lines on ``out`` (default: standard output), each as the
+    supervisor's text log shows a worker's line: ``[namespace#level worker=N]``, or a
+    legacy event's ``[system worker=N]`` (its time stamp formatted once a second,
+    touchpoint 6). With ``batch`` (writing to ``out``), lines are written in batches;
+    a warning or worse at once, with what waits before it."""
+    cache_log_timestamps()
+    write = textFileLogObserver(cast(IO[str], batch) if batch is not None else sys.stdout if out is None else out)
+    tag = f" worker={row}"
+    urgent = frozenset({LogLevel.warn, LogLevel.error, LogLevel.critical})
+
+    @implementer(ILogObserver)
+    def tagged(event: dict[str, Any]) -> None:
+        event["worker"] = row
+        system = event.get("log_system")
+        if system is None:
+            level = event.get("log_level")
+            event["log_system"] = f"{event.get('log_namespace', '-')}#{'-' if level is None else level.name}{tag}"
+        else:
+            event["log_system"] = f"{one_line(str(system))}{tag}"
+        write(event)
+        if batch is not None and event.get("log_level") in urgent:
+            batch.write_now()
+
+    return tagged
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run one worker until it is told to drain (see the module docstring)."""
     parser = argparse.ArgumentParser(prog="python -m crossbar.process.worker", description=__doc__.split("\n")[0])
@@ -149,23 +239,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--limits", help="the key limits' shared file (without: limits per worker)")
     parser.add_argument("--heartbeat", type=float, default=HEARTBEAT, help="seconds between 'alive' lines")
     parser.add_argument("--shared-listener", action="store_true", help="fd 3 is shared with the other workers")
+    parser.add_argument("--log", choices=("json", "text", "batched-text"), default="json",
+                        help="fd 1 gets JSON lines (default) or twistd's text lines (each at once, or in batches)")
     args = parser.parse_args(argv)
     os.setpgrp()  # a terminal's Ctrl-C goes to the supervisor, which tells us once
-
-    from crossbar.ops import jsonlog
-
-    write = jsonlog.observer_to(sys.stdout)
-
-    @implementer(ILogObserver)
-    def tagged(event: dict[str, Any]) -> None:  # every line says which worker wrote it
-        event["worker"] = args.row
-        write(event)
-
-    globalLogBeginner.beginLoggingTo([tagged], redirectStandardIO=False)
 
     from twisted.internet import reactor as global_reactor
 
     reactor: Any = global_reactor  # the running reactor: posix, with threads and signals
+    batch = BatchedLines(sys.stdout, reactor) if args.log == "batched-text" else None
+    if batch is not None:
+        atexit.register(batch.write_now)
+        reactor.addSystemEventTrigger("after", "shutdown", batch.write_now)
+    globalLogBeginner.beginLoggingTo(
+        [json_observer(args.row) if args.log == "json" else text_observer(args.row, batch=batch)],
+        redirectStandardIO=False)
 
     try:
         # The supervisor validated this text and logged its warnings once for every worker.
@@ -248,6 +336,8 @@ def main(argv: list[str] | None = None) -> None:
             # A worker that cannot listen or start serves nobody: exit, and the
             # supervisor starts another (with a back-off if this keeps happening).
             _log.failure("worker cannot start")
+            if batch is not None:
+                batch.write_now()
             os._exit(1)
 
     reactor.callWhenRunning(start)

@@ -111,6 +111,25 @@ class HeadDeadlineChannel(BadRequestHook, HTTPChannel):
         if open_channels is not None:
             open_channels.add(self)
 
+    _host: Any = None
+    _peer: Any = None
+
+    def getHost(self) -> Any:
+        """The connection's local address, asked of the socket once: Twisted's
+        ``Request`` asks for it on every request (a ``getsockname`` system call and a
+        new address object each time), and a connected socket's address never changes."""
+        host = self._host
+        if host is None:
+            host = self._host = super().getHost()
+        return host
+
+    def getPeer(self) -> Any:
+        """The client's address, made once per connection (as :meth:`getHost`)."""
+        peer = self._peer
+        if peer is None:
+            peer = self._peer = super().getPeer()
+        return peer
+
     def close_when_idle(self) -> bool:
         """Stop keep-alive (a drain): close the connection now if no request is on it,
         else right after the answer in progress. Returns whether it closed now."""

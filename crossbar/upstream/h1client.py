@@ -63,7 +63,7 @@ from twisted.web.iweb import UNKNOWN_LENGTH, IAgent, IAgentEndpointFactory, IBod
 from zope.interface import implementer
 
 from crossbar.upstream.tcp import no_delay
-from crossbar.compat.twisted import eager_writes
+from crossbar.compat.twisted import eager_writes, hold_writes, release_writes
 
 __all__ = [
     "INLINE_BODY", "KEEP_ALIVE_MARGIN", "MAX_RESPONSE_HEAD", "BodyTruncated", "H1Agent", "H1Connection", "H1Pool",
@@ -432,7 +432,15 @@ class H1Connection(Protocol):
                 self._broken(ResponseFailed([Failure(UnrelayableStatus("not an HTTP answer"))]))
                 return
         self._head_bytes += len(data)
-        if self._feed(data) and self.state in (_WAITING, _SENDING) and self._head_bytes > MAX_RESPONSE_HEAD:
+        # What a read of the head makes crossbar write (the answer's head, a small
+        # answer's body and end) goes out together, in one system call per connection.
+        holding = hold_writes()
+        try:
+            fed = self._feed(data)
+        finally:
+            if holding:
+                release_writes()
+        if fed and self.state in (_WAITING, _SENDING) and self._head_bytes > MAX_RESPONSE_HEAD:
             self._broken(ResponseHeadTooLarge(f"response head over {MAX_RESPONSE_HEAD} bytes"))
 
     def _feed(self, data: bytes) -> bool:
