@@ -68,7 +68,7 @@ def _file_inc(value: Any) -> Callable[[float], None] | None:
     its parts ``_file``, ``_key``, ``_value``, ``_timestamp``): its ``inc`` without the
     lock and the ``os.getpid()`` check for a fork (a syscall per call) that each ``inc``
     makes: crossbar updates metrics on the reactor thread only, and a worker is a
-    process of its own that never forks. None for any other value (issue 33)."""
+    process of its own that never forks. None for any other value."""
     if type(value).__name__ != "MmapedValue" or not isinstance(getattr(value, "_key", None), str) \
             or not isinstance(getattr(value, "_value", None), float) or not hasattr(value, "_timestamp") \
             or not callable(getattr(getattr(value, "_file", None), "write_value", None)):

@@ -77,7 +77,7 @@ stamps): crossbar works, only slower. :func:`log_fallback` says so once at start
    the supervisor appends them to that file as they come (twistd's ``LogFile`` keeps
    rotating by size and on SIGUSR1), or workers write to standard output themselves,
    instead of the supervisor decoding and logging every worker line again (~65 µs of
-   the supervisor's CPU per proxied request, issue 33). Under the fallback (or when no
+   the supervisor's CPU per proxied request, bench/cpu_probe.py --workers 2). Under the fallback (or when no
    single text observer is found) the supervisor relays each line as an event, as before.
 """
 

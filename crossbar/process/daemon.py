@@ -37,7 +37,7 @@ def logs_json_lines(twistd: Mapping[str, Any] | None) -> bool:
 def logs_text(twistd: Mapping[str, Any] | None) -> bool:
     """twistd's options (None: not run by twistd) say its log is its own text log
     (``--logfile`` or standard output: no ``--logger``, no ``--syslog``), whose lines
-    workers can then format themselves (issue 33)."""
+    workers can then format themselves (the supervisor then relays none of them)."""
     return twistd is not None and not twistd.get("logger") and not twistd.get("syslog")
 
 

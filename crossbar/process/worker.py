@@ -24,7 +24,7 @@ The supervisor (:mod:`crossbar.process.supervisor`) starts each worker as
   shows them (``[namespace#level worker=N]``), to the supervisor's own standard output
   (its text log); with ``--log batched-text`` to a pipe whose bytes the supervisor
   appends to its log file unread, in batches (:class:`BatchedLines`: a warning or worse
-  at once, the rest within 50 ms) (issue 33: nothing decoded and logged again per line);
+  at once, the rest within 50 ms) (nothing is decoded and logged again per line);
 - fd 4: ``ready`` once the worker listens and its first poll round is done, and
   ``alive`` every ``--heartbeat`` seconds (:data:`HEARTBEAT` in production) from its
   reactor (a worker whose reactor is wedged or stopped goes silent, and the supervisor
@@ -163,8 +163,7 @@ class BatchedLines:
     it is given to ``out`` together: ``delay`` seconds after the first of a batch (on
     ``clock``), or at once when ``most`` characters wait, or on :meth:`write_now`. The
     observer's ``flush`` after each line does nothing: fewer writes, and the supervisor
-    that appends them to its log file wakes up once a batch instead of once a request
-    (issue 33)."""
+    that appends them to its log file wakes up once a batch instead of once a request."""
 
     def __init__(self, out: IO[str], clock: Any, delay: float = 0.05, most: int = 32768) -> None:
         self._out = out
