@@ -13,13 +13,14 @@ own ``/models/load`` stays on the forbidden list (docs/design.md §The proxy rul
 from __future__ import annotations
 
 import json
+from io import BytesIO
 from typing import Any, Protocol
 
-from twisted.internet.defer import Deferred, ensureDeferred, succeed
+from twisted.internet.defer import Deferred, ensureDeferred
 from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
-from twisted.web.iweb import IBodyProducer, IResponse
-from zope.interface import implementer
+from twisted.web.client import FileBodyProducer
+from twisted.web.iweb import IResponse
 
 from crossbar.config import Host
 from crossbar.hosts.poller import read_capped
@@ -32,28 +33,6 @@ ACTIONS = ("load", "unload")
 
 _MAX_ANSWER = 64 * 1024
 """Bytes of a command's answer read at most (it is a few bytes of JSON)."""
-
-
-@implementer(IBodyProducer)
-class _Body:
-    """A command's few bytes of JSON, written at once."""
-
-    def __init__(self, body: bytes) -> None:
-        self.body = body
-        self.length = len(body)
-
-    def startProducing(self, consumer: Any) -> Deferred[None]:
-        consumer.write(self.body)
-        return succeed(None)
-
-    def pauseProducing(self) -> None:
-        pass
-
-    def resumeProducing(self) -> None:
-        pass
-
-    def stopProducing(self) -> None:
-        pass
 
 
 class CommandFailed(Exception):
@@ -96,7 +75,7 @@ class HTTPModelCommands:
         agent, _ = self.pools.agent()
         target = host.url.target(b"/models/" + action.encode("ascii"))
         try:
-            response: IResponse = await agent.request(b"POST", target, headers, _Body(body))
+            response: IResponse = await agent.request(b"POST", target, headers, FileBodyProducer(BytesIO(body)))
             answer = await read_capped(response, _MAX_ANSWER)
         except Exception:
             failure = Failure()
