@@ -66,6 +66,7 @@ from twisted.python.logfile import BaseLogFile
 from crossbar.config import Config, ConfigError, one_line
 from crossbar.state.worker_counts import WorkerCounts, check_capacity
 from crossbar.process.reload import REFUSED, SIGHUPReload, catch_second_stop_signal, next_config
+from crossbar.state.drains import HostDrains
 from crossbar.state.box_limits import BoxLimits, check_limit_room, limit_slots_for
 from crossbar.state.shared import SharedCounts
 from crossbar.ops.systemd import Notifier, SystemdNotifier, watchdog_interval
@@ -301,7 +302,7 @@ class Supervisor(MultiService):
         self._stall_check: LoopingCall | None = None
         self._folded: Counter[str] = Counter()  # dead workers' shares of the counter cells
         self.metrics_directory = ""
-        self.drained: set[str] = set()
+        self.drains = HostDrains(lambda: self.config.hosts)
         """Hosts drained at run time (every worker is told; see :meth:`drain_host`)."""
         self.counts: WorkerCounts | None = None
         self.web = WorkerListeners(reactor, config, self.count)
@@ -440,18 +441,14 @@ class Supervisor(MultiService):
             return
         self.workers[index] = process
         _log.info("worker {worker} started (pid {pid})", worker=index, pid=process.transport.pid)  # type: ignore[union-attr]
-        for host in sorted(self.drained):  # read once its reactor runs
+        for host in sorted(self.drains.drained):  # read once its reactor runs
             process.send(host_line(host, True))
 
     def drain_host(self, host: str, draining: bool) -> None:
         """A worker drained (or undrained) ``host``: every worker does, and workers
         started later are told (docs/design.md §Operations)."""
-        if host not in self.config.hosts:
+        if not self.drains.set(host, draining):
             return
-        if draining:
-            self.drained.add(host)
-        else:
-            self.drained.discard(host)
         _log.info("host {host} {what} in every worker", host=host, what="drained" if draining else "undrained")
         for process in self.workers:
             if process is not None:
@@ -575,7 +572,7 @@ class Supervisor(MultiService):
             _log.error(REFUSED, error=f"cannot write the workers' snapshot: {e.strerror or e}")
             return False
         self.config = new
-        self.drained.intersection_update(self.config.hosts)
+        self.drains.forget_removed()
         if self.counts is not None:
             self.counts.configure(self.config)
             self._publish_own()

@@ -32,6 +32,7 @@ from crossbar.state.standing import RuntimeStanding
 from crossbar.state.tokens import TokenLedger
 from crossbar.waiting import Condition
 from crossbar.state.cells import key_cell
+from crossbar.state.drains import HostDrains
 
 __all__ = ["Runtime"]
 
@@ -85,7 +86,7 @@ class Runtime:
         self.limits = KeyLimiter(now)
         self.active: set[Any] = set()
         self.draining = False
-        self.drained: set[str] = set()
+        self.drains = HostDrains(lambda: self.config.hosts)
         self.on_drain_change: Callable[[str, bool], None] | None = None
         self.idle = Condition(lambda: not self.active)
         self.placement = PlacementState(now)
@@ -157,7 +158,7 @@ class Runtime:
         from now on is served under (in-flight ones keep theirs); drains of hosts it no
         longer names are forgotten; the token ledger and the fleet's names follow it."""
         self.config = config
-        self.forget_removed_drains()
+        self.drains.forget_removed()  # a removed host is leaving, not draining
         self.tokens.configure(tuple(config.hosts), tuple(config.routes))
         if self.fleet is not None:
             self.fleet.configure(config)
@@ -241,12 +242,9 @@ class Runtime:
         for a host the config does not name. An undrained host may take the requests
         waiting at once. ``tell``: call :attr:`on_drain_change` (not when the change
         came from the supervisor)."""
-        if host not in self.config.hosts:
+        if not self.drains.set(host, draining):
             return False
-        if draining:
-            self.drained.add(host)
-        else:
-            self.drained.discard(host)
+        if not draining:
             self.queues.wake()
         if tell and self.on_drain_change is not None:
             self.on_drain_change(host, draining)
@@ -258,16 +256,13 @@ class Runtime:
         """Drains done through other instances, as Redis tells them: host -> draining,
         and with ``whole`` the full set (a configured host absent is not draining).
         Hosts the config does not name are ignored."""
-        if whole:
-            drains = {host: host in drains for host in self.config.hosts}
-        for host, draining in drains.items():
-            if host in self.config.hosts and draining != (host in self.drained):
-                self.drain_host(host, draining, tell=False)
+        for host, draining in self.drains.changes(drains, whole).items():
+            self.drain_host(host, draining, tell=False)
 
-    def forget_removed_drains(self) -> None:
-        """After a reload: a host no longer configured is no longer draining (it is
-        leaving: :meth:`leaving`)."""
-        self.drained.intersection_update(self.config.hosts)
+    @property
+    def drained(self) -> set[str]:
+        """The hosts being drained (:class:`~crossbar.state.drains.HostDrains`)."""
+        return self.drains.drained
 
     def leaving(self) -> dict[str, int]:
         """Hosts a reload removed that still have requests in flight from this process:
