@@ -176,7 +176,7 @@ class TwoInstances(TestCase):
                                         json={"model": "m", "stream": True}) for i in range(8)]
             await wait_for(lambda: len(held.open) >= 2, what="the first requests")
             await deferLater(reactor, 0.3)
-            self.assertEqual([s.cluster.slow for s, _ in instances if s.cluster is not None], [0, 0])
+            self.assertEqual([s.cluster.slow_checks.count for s, _ in instances if s.cluster is not None], [0, 0])
             self.assertEqual(held.most, 2)
             for service, _ in instances:
                 self.assertEqual(service.runtime.inflight.host("h"), 2)

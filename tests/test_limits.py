@@ -589,7 +589,7 @@ class SlowSingleCheck(SynchronousTestCase):
         self.assertEqual([slow_check() for _ in range(3)], [0.0, 0.0, 0.0])
         said = [e for e in logs.events if e.get("log_namespace") == "crossbar.cluster"]
         self.assertEqual(len(said), 1)
-        self.assertEqual(cluster.slow, 3)
+        self.assertEqual(cluster.slow_checks.count, 3)
         self.assertEqual(cluster.joined, True)  # a single check does not send the instance alone
         [_, _, _, slow] = ClusterCollector(cluster).collect()
         self.assertEqual(slow.samples[0].value, 3)

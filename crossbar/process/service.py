@@ -101,7 +101,7 @@ class CrossbarService(MultiService):
             self.cluster = cluster = RedisCluster(config.cluster.redis, reactor, on_change=self._cluster_changed,
                                                   tls=config.cluster.tls)
             runtime.own_counters[CLUSTER_LOST] = lambda: cluster.lost
-            runtime.own_counters[CLUSTER_SLOW] = lambda: cluster.slow
+            runtime.own_counters[CLUSTER_SLOW] = lambda: cluster.slow_checks.count
             runtime.join(cluster)
             runtime.limits.fleet = RedisLimits(cluster)
             # The gauges are the answering worker's link; its losses and slow checks are

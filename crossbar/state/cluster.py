@@ -23,7 +23,7 @@ go in one write), :meth:`RedisCluster.others` reads the cached view, and
 ``max_inflight`` -- is one script call that raises this instance's count only while
 every instance's together stay within the limit (§Several crossbars: room is taken, not
 guessed), answered within the bound or decided by this instance's own view (logged at
-most once a minute, counted in :attr:`RedisCluster.slow`). A reply to the cluster's own
+most once a minute, counted in :attr:`RedisCluster.slow_checks`). A reply to the cluster's own
 reads and writes that takes longer than :data:`BOUND` seconds, or a connection that is
 gone, turns the instance *alone*: it logs it once, drops the other
 instances' counts (room and limits then count this instance alone, as without
@@ -367,8 +367,9 @@ class RedisCluster:
     :ivar joined: see :class:`ClusterView`.
     :ivar settled: see :class:`ClusterView`.
     :ivar lost: how many times this instance went on alone (for the metrics).
-    :ivar slow: how many single checks (a take, a key's limits) Redis did not answer
-        within the bound, so this instance decided alone (for the metrics).
+    :ivar slow_checks: the single checks (a take, a key's limits) Redis did not answer
+        within the bound, so this instance decided alone (:class:`SlowChecks`: counted
+        for the metrics, logged once a minute).
     """
 
     def __init__(self, url: RedisURL, reactor: Any, on_change: Callable[[], None] | None = None,
@@ -386,7 +387,7 @@ class RedisCluster:
         counts were written (key limits write what they counted alone)"""
         self.joined = self.settled = False
         self.lost = 0
-        self._slow = SlowChecks(url, reactor)
+        self.slow_checks = SlowChecks(url, reactor)
         self._mine: dict[str, int] = {}
         self._dirty: set[str] = set()
         self._flush_call: Any = None
@@ -476,21 +477,12 @@ class RedisCluster:
     def _take_failed(self, failure: Failure, name: str) -> bool:
         """No answer within the bound (or no connection): this instance's view decided;
         its count goes out with the next write."""
-        self.note_slow("take of a host's slot", failure)
+        self.slow_checks.note("take of a host's slot", failure)
         if name not in self._dirty:
             self._dirty.add(name)
             if self.joined:
                 self._schedule(False)
         return True
-
-    @property
-    def slow(self) -> int:
-        """Single checks Redis did not answer within the bound (:class:`SlowChecks`)."""
-        return self._slow.count
-
-    def note_slow(self, what: str, failure: Failure) -> None:
-        """See :meth:`SlowChecks.note`."""
-        self._slow.note(what, failure)
 
     # -- host drains (docs/design.md §Operations) ----------------------------------------
 
@@ -718,7 +710,7 @@ class ClusterCollector(Collector):
         lost.add_metric((), c.lost)
         slow = CounterMetricFamily("crossbar_cluster_slow", "Single checks (a host's slot, a key's limits) Redis "
                                    "did not answer within the bound: this instance decided alone.")
-        slow.add_metric((), c.slow)
+        slow.add_metric((), c.slow_checks.count)
         return [up, instances, lost, slow]
 
     def describe(self) -> Iterable[Metric]:

@@ -21,7 +21,7 @@ second buckets of tokens, a counter per UTC day), so the limits hold fleet-wide.
 check waits for Redis at most :data:`~crossbar.state.cluster.BOUND`; a Redis that is
 down or slow leaves the decision to the local counts (this process's, or the box's,
 which are always kept, for that). A single check over the bound is counted and logged
-(:meth:`~crossbar.state.cluster.RedisCluster.note_slow`). What was admitted and spent
+(:meth:`~crossbar.state.cluster.SlowChecks.note`). What was admitted and spent
 while Redis did not hear of it is kept (:class:`RedisLimits`' backlog) and written to
 Redis when the instance rejoins, so the fleet's windows count it: an outage does not
 make a key's limits forget.
@@ -248,7 +248,7 @@ class KeyLimiter:
             return wait
 
         def unanswered(failure: Failure) -> float:
-            fleet.cluster.note_slow("check of a key's limits", failure)
+            fleet.cluster.slow_checks.note("check of a key's limits", failure)
             return self._local(route, key, limits, member)
 
         return d.addCallbacks(answered, unanswered)
