@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import gc
 import os
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from twisted.application.service import MultiService
 from twisted.internet.defer import CancelledError, Deferred, DeferredList, TimeoutError, ensureDeferred, gatherResults
@@ -44,6 +44,41 @@ from crossbar.process.listen import ListenService, listen_endpoint
 from crossbar.proxy.web import CrossbarSite, Root
 
 __all__ = ["CrossbarService", "ListenService", "make_service"]
+
+
+def _inflight_series(runtime: Runtime) -> dict[tuple[str, str], int]:
+    """(route, host) -> in flight, for the metrics: hosts a reload removed drop out once idle."""
+    hosts = runtime.config.hosts
+    return {key: n for key, n in runtime.inflight.by_route_host().items() if n or key[1] in hosts}
+
+
+def _count_moves(metrics: Metrics) -> Callable[[str, str, str, str], None]:
+    """What counts a model's load or unload (host, model, ``load``/``unload``, reason)
+    in the metrics (docs/design.md §Where models live, rule 7)."""
+    def count(host: str, model: str, action: str, reason: str) -> None:
+        counter = metrics.model_loads if action == "load" else metrics.model_unloads
+        counter.labels(host, model, reason).inc()
+    return count
+
+
+def _join_cluster(config: Config, reactor: Any, runtime: Runtime, metrics: Metrics,
+                  on_change: Callable[[], None]) -> RedisCluster | None:
+    """With ``cluster.redis`` (docs/design.md §Several crossbars): this process's
+    :class:`~crossbar.state.cluster.RedisCluster`, joined by ``runtime`` (in-flight
+    counts, key limits) and watched by ``metrics`` (its gauges are this process's link;
+    its losses and slow checks are summed over workers); None without."""
+    if config.cluster is None:
+        return None
+    cluster = RedisCluster(config.cluster.redis, reactor, on_change=on_change, tls=config.cluster.tls)
+    runtime.own_counters[CLUSTER_LOST] = lambda: cluster.lost
+    runtime.own_counters[CLUSTER_SLOW] = lambda: cluster.slow_checks.count
+    runtime.join(cluster)
+    runtime.limits.fleet = RedisLimits(cluster)
+    metrics.watch(FleetCounters(ClusterCollector(cluster), {
+        "crossbar_cluster_lost": lambda: runtime.counter(CLUSTER_LOST),
+        "crossbar_cluster_slow": lambda: runtime.counter(CLUSTER_SLOW),
+    }))
+    return cluster
 
 
 class CrossbarService(MultiService):
@@ -90,26 +125,13 @@ class CrossbarService(MultiService):
             self._others_wake.clock = reactor
         self.metrics = Metrics()
         self.metrics.watch(LiveCollector(
-            self._inflight_series, runtime.table.all,
+            lambda: _inflight_series(runtime), runtime.table.all,
             lambda: {name: runtime.queued(name) for name in runtime.config.routes},
             lambda: {(r, o): runtime.affinity(r, o) for r in runtime.config.routes for o in AFFINITY_OUTCOMES},
             restarts=worker_counts.restarts if worker_counts is not None else None,
             draining=lambda: runtime.drained,
         ))
-        self.cluster: RedisCluster | None = None
-        if config.cluster is not None:  # docs/design.md §Several crossbars
-            self.cluster = cluster = RedisCluster(config.cluster.redis, reactor, on_change=self._cluster_changed,
-                                                  tls=config.cluster.tls)
-            runtime.own_counters[CLUSTER_LOST] = lambda: cluster.lost
-            runtime.own_counters[CLUSTER_SLOW] = lambda: cluster.slow_checks.count
-            runtime.join(cluster)
-            runtime.limits.fleet = RedisLimits(cluster)
-            # The gauges are the answering worker's link; its losses and slow checks are
-            # summed over workers.
-            self.metrics.watch(FleetCounters(ClusterCollector(cluster), {
-                "crossbar_cluster_lost": lambda: runtime.counter(CLUSTER_LOST),
-                "crossbar_cluster_slow": lambda: runtime.counter(CLUSTER_SLOW),
-            }))
+        self.cluster = _join_cluster(config, reactor, runtime, self.metrics, self._cluster_changed)
         self.metrics.watch(LimitsCollector(runtime.limits))  # with workers: the box's spending
         self.requests = RequestLog(self.metrics, runtime.tokens)
         # The dashboard's recent requests: one append per request; with workers, every
@@ -135,7 +157,7 @@ class CrossbarService(MultiService):
         self.poller.setServiceParent(self)
         # docs/design.md §Where models live: loads and unloads on router-mode hosts.
         self.placer = Placer(runtime, HTTPModelCommands(self.pools), reactor)
-        runtime.placement.on_move = self._observe_move
+        runtime.placement.on_move = _count_moves(self.metrics)
         runtime.placement.on_loaded = lambda host, model, seconds: self.metrics.model_load_seconds.labels(
             host, model).observe(seconds)
         self._placer_tick = LoopingCall(self.placer.tick)
@@ -173,12 +195,6 @@ class CrossbarService(MultiService):
         """The health table (``runtime.table``)."""
         return self.runtime.table
 
-    def _inflight_series(self) -> dict[tuple[str, str], int]:
-        """(route, host) -> in flight, for the metrics: hosts a reload removed drop out
-        once idle."""
-        hosts = self.runtime.config.hosts
-        return {key: n for key, n in self.runtime.inflight.by_route_host().items() if n or key[1] in hosts}
-
     def _probe(self, timeout: float, config: Config, tls: HostTLS) -> HTTPProbe:
         """The poller's probe for ``config``'s hosts: ``timeout`` bounds opening a
         connection to a host, ``tls`` is how https hosts are checked."""
@@ -203,10 +219,6 @@ class CrossbarService(MultiService):
     def _when_ready(self) -> Deferred[object]:
         both: list[Deferred[Any]] = [self.web.when_listening(), self.poller.when_first_round_done()]
         return gatherResults(both)  # type: ignore[return-value]
-
-    def _observe_move(self, host: str, model: str, action: str, reason: str) -> None:
-        counter = self.metrics.model_loads if action == "load" else self.metrics.model_unloads
-        counter.labels(host, model, reason).inc()
 
     def _observe_poll(self, host: str, seconds: float, ok: bool) -> None:
         self.metrics.poll_duration.labels(host, "ok" if ok else "failed").observe(seconds)
