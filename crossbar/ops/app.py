@@ -23,7 +23,7 @@ from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource
 
 from crossbar.state.worker_counts import AFFINITY_OUTCOMES
-from crossbar.ops.hostview import host_view, leaving_view
+from crossbar.ops.hostview import host_view, key_view, leaving, leaving_view
 from crossbar.ops.dashboard import CSP, load_static, snapshot
 from crossbar.ops.metrics import CONTENT_TYPE_LATEST, Metrics
 from crossbar.ops.recent import RecentRequests
@@ -128,7 +128,7 @@ class OpsApp:
                 "cached_share": _share(window.cached_share("h", name)),
                 **_placement(runtime, name, host, s),
             }
-        for name, n in sorted(runtime.leaving().items()):
+        for name, n in sorted(leaving(runtime).items()):
             # Removed by a reload, still answering: shown until its last request ends.
             hosts[name] = {
                 "url": None, **leaving_view(n), "last_ok": None, "consecutive": 0, "failures": 0,
@@ -149,7 +149,7 @@ class OpsApp:
                     "balance": route.affinity.balance,
                     **{outcome: runtime.affinity(name, outcome) for outcome in AFFINITY_OUTCOMES},
                 },
-                "keys": runtime.key_status(route),
+                "keys": key_view(runtime, route),
                 "waiting": runtime.queues.status(name),  # per key, this process's queue (§Access)
             }
         doc: dict[str, Any] = {"hosts": hosts, "routes": routes}

@@ -18,7 +18,7 @@ from __future__ import annotations
 from importlib import resources
 from typing import Any
 
-from crossbar.ops.hostview import host_view, leaving_view
+from crossbar.ops.hostview import host_view, leaving, leaving_view
 from crossbar.ops.recent import BUCKET, KEEP, RecentRequests
 from crossbar.state.runtime import Runtime
 from crossbar.state.worker_counts import AFFINITY_OUTCOMES
@@ -116,7 +116,7 @@ def snapshot(runtime: Runtime, recent: RecentRequests, limit: int = 200) -> dict
             "name": name, **host_view(runtime, name, s), "polled": s.polled, "last_ok": s.last_ok,
             "tps": rates.get(name, 0.0),
         })
-    for name, n in sorted(runtime.leaving().items()):
+    for name, n in sorted(leaving(runtime).items()):
         hosts.append({
             "name": name, **leaving_view(n), "polled": True, "last_ok": None, "tps": rates.get(name, 0.0),
         })

@@ -1,18 +1,18 @@
-"""One host as the operations endpoints show it (docs/design.md §Operations): the fields
-``/_crossbar/status`` and the dashboard share, built once, so the two never disagree
-(a ``max_inflight: slots`` host shows its slots in both).
+"""Hosts and keys as the operations endpoints show them (docs/design.md §Operations):
+the fields ``/_crossbar/status`` and the dashboard share, built once, so the two never
+disagree (a ``max_inflight: slots`` host shows its slots in both).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from crossbar.config import Host
+from crossbar.config import Host, Route
 from crossbar.hosts.balance import limit_in_force
 from crossbar.hosts.health import HostStatus
 from crossbar.state.runtime import Runtime
 
-__all__ = ["host_view", "leaving_view", "limit_view"]
+__all__ = ["host_view", "key_view", "leaving", "leaving_view", "limit_view"]
 
 
 def limit_view(host: Host | None, status: HostStatus) -> dict[str, object]:
@@ -41,6 +41,13 @@ def host_view(runtime: Runtime, name: str, status: HostStatus) -> dict[str, Any]
     }
 
 
+def leaving(runtime: Runtime) -> dict[str, int]:
+    """Hosts a reload removed that still have requests in flight from this process:
+    host -> in flight (shown until each ends)."""
+    hosts = runtime.config.hosts
+    return {h: n for h, n in runtime.inflight.by_host().items() if h not in hosts}
+
+
 def leaving_view(inflight: int) -> dict[str, Any]:
     """The shared fields of a host a reload removed that still answers ``inflight``
     requests: shown until its last request ends."""
@@ -48,3 +55,22 @@ def leaving_view(inflight: int) -> dict[str, Any]:
         "healthy": False, "loaded": [], "loading": [], "available": [], "last_err": None, "inflight": inflight,
         "max_inflight": None, "max_inflight_source": None, "draining": False, "leaving": True,
     }
+
+
+def key_view(runtime: Runtime, route: Route) -> dict[str, Any]:
+    """Status of ``route``'s keys that have ``limits``: the limits and what each has
+    been admitted and spent, by this process or with workers by the box
+    (docs/design.md §Access)."""
+    spending = runtime.limits.spending()
+    out: dict[str, Any] = {}
+    for name, key in route.keys.items():
+        if not key.limits:
+            continue
+        s = spending.get((route.name, name))
+        out[name] = {
+            "limits": {k: v for k, v in vars(key.limits).items() if v is not None},
+            "requests_minute": s.requests_minute if s else 0,
+            "tokens_minute": s.tokens_minute if s else 0,
+            "tokens_day": s.tokens_day if s else 0,
+        }
+    return out

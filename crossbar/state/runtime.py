@@ -264,12 +264,6 @@ class Runtime:
         """The hosts being drained (:class:`~crossbar.state.drains.HostDrains`)."""
         return self.drains.drained
 
-    def leaving(self) -> dict[str, int]:
-        """Hosts a reload removed that still have requests in flight from this process:
-        host -> in flight (until each ends)."""
-        hosts = self.config.hosts
-        return {h: n for h, n in self.inflight.by_host().items() if h not in hosts}
-
     def first_round_done(self) -> bool:
         """Every configured host's first poll has finished (or timed out)."""
         return all(s.polled for s in self.table.all().values())
@@ -321,24 +315,6 @@ class Runtime:
         if settings is None or not settings.limits:
             return succeed(0.0)
         return self.limits.check(route.name, key, settings.limits)
-
-    def key_status(self, route: Route) -> dict[str, Any]:
-        """Status of ``route``'s keys that have ``limits``: the limits and what each has
-        been admitted and spent, by this process or with workers by the box
-        (docs/design.md §Access)."""
-        spending = self.limits.spending()
-        out: dict[str, Any] = {}
-        for name, key in route.keys.items():
-            if not key.limits:
-                continue
-            s = spending.get((route.name, name))
-            out[name] = {
-                "limits": {k: v for k, v in vars(key.limits).items() if v is not None},
-                "requests_minute": s.requests_minute if s else 0,
-                "tokens_minute": s.tokens_minute if s else 0,
-                "tokens_day": s.tokens_day if s else 0,
-            }
-        return out
 
     def spend(self, route: str, key: str, tokens: int) -> None:
         """Client key ``key`` of ``route`` spent ``tokens`` (prompt + generated, as the
