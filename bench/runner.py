@@ -65,15 +65,20 @@ def pss_mib(pid: int) -> float:
     return float("nan")
 
 
-def tree_pss_mib(pid: int) -> float:
-    """PSS summed over ``pid`` and its live descendants, in MiB."""
+def _tree_sum(pid: int, each: Callable[[int], float]) -> float:
+    """``each(p)`` summed over ``pid`` and its live descendants (one that ends meanwhile counts 0)."""
     total = 0.0
     for p in tree(pid):
         try:
-            total += pss_mib(p)
+            total += each(p)
         except OSError:
             pass
     return total
+
+
+def tree_pss_mib(pid: int) -> float:
+    """PSS summed over ``pid`` and its live descendants, in MiB."""
+    return _tree_sum(pid, pss_mib)
 
 
 def tree(pid: int) -> list[int]:
@@ -92,13 +97,7 @@ def tree(pid: int) -> list[int]:
 
 def tree_cpu_seconds(pid: int) -> float:
     """CPU seconds of ``pid`` and its live descendants (workers die only on purpose)."""
-    total = 0.0
-    for p in tree(pid):
-        try:
-            total += cpu_seconds(p)
-        except OSError:
-            pass
-    return total
+    return _tree_sum(pid, cpu_seconds)
 
 
 def tree_rss_mib(pid: int) -> tuple[float, float]:
