@@ -107,9 +107,14 @@ class CountersWhicheverWorkerTests(TestCase):
                 self.assertEqual(response.code, 200)
                 await response.content()
 
-        await send(10)
-        await wait_for(lambda: len(served(proc)) >= 10, 10, "10 log lines")
-        self.assertEqual({e["worker"] for e in served(proc)}, {0, 1}, "both workers served")
+        # The kernel hands each fresh connection to whichever worker accepts first; on a
+        # loaded box one worker may win ten in a row, so send until both have served.
+        sent = 0
+        while sent < 10 or ({e["worker"] for e in served(proc)} != {0, 1} and sent < 80):
+            await send(1)
+            sent += 1
+            await wait_for(lambda: len(served(proc)) >= sent, 10, f"{sent} log lines")
+        self.assertEqual({e["worker"] for e in served(proc)}, {0, 1}, f"both workers served ({sent} sent)")
 
         # Redis goes away once: each worker (an instance of its own) loses it once.
         redis.stop()
@@ -125,12 +130,12 @@ class CountersWhicheverWorkerTests(TestCase):
             return sum(v for (n, ls), v in first.items() if n == name and all(dict(ls).get(k) == w
                                                                           for k, w in labels.items()))
 
-        self.assertEqual(value("crossbar_requests_total", route="r", code="200"), 10)
-        self.assertEqual(value("crossbar_tokens_total", key="k", kind="generated"), 10 * GENERATED)
-        self.assertEqual(value("crossbar_affinity_total", route="r"), 10)
+        self.assertEqual(value("crossbar_requests_total", route="r", code="200"), sent)
+        self.assertEqual(value("crossbar_tokens_total", key="k", kind="generated"), sent * GENERATED)
+        self.assertEqual(value("crossbar_affinity_total", route="r"), sent)
         self.assertEqual(value("crossbar_cluster_lost_total"), 2)
         self.assertEqual(value("crossbar_worker_restarts_total"), 0)
-        self.assertEqual(value("crossbar_key_spent", key="k", window="tokens_day"), 10 * (PROMPT + GENERATED))
+        self.assertEqual(value("crossbar_key_spent", key="k", window="tokens_day"), sent * (PROMPT + GENERATED))
 
         # A worker killed and restarted: what it counted stays counted.
         pids = worker_pids(proc)
@@ -142,12 +147,12 @@ class CountersWhicheverWorkerTests(TestCase):
         await deferLater(reactor, 0.2)
         after = self.assert_same_everywhere(await self.scrape_both(proc))
         self.assert_never_down(first, after)
-        self.assertEqual(sum(v for (n, ls), v in after.items() if n == "crossbar_requests_total"), 14)
+        self.assertEqual(sum(v for (n, ls), v in after.items() if n == "crossbar_requests_total"), sent + 4)
         self.assertEqual(sum(v for (n, ls), v in after.items() if n == "crossbar_cluster_lost_total"), 2)
         self.assertEqual(sum(v for (n, ls), v in after.items() if n == "crossbar_worker_restarts_total"), 1)
-        self.assertEqual(sum(v for (n, ls), v in after.items() if n == "crossbar_affinity_total"), 14)
+        self.assertEqual(sum(v for (n, ls), v in after.items() if n == "crossbar_affinity_total"), sent + 4)
         self.assertEqual(after[("crossbar_key_spent", (("key", "k"), ("route", "r"), ("window", "tokens_day")))],
-                         14 * (PROMPT + GENERATED))
+                         (sent + 4) * (PROMPT + GENERATED))
 
     async def every_worker_says(self, proc: Any, name: str, wanted: float) -> bool:
         said: dict[int, float] = {}
