@@ -24,9 +24,10 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH, IResponse
 
 from crossbar.proxy.attempt import BytesProducer
-from crossbar.upstream.h1client import (
-    MAX_RESPONSE_HEAD, BodyTruncated, H1Agent, H1Connection, H1Pool, H1Response, ResponseHeadTooLarge, UnrelayableStatus,
+from crossbar.upstream.h1answer import (
+    MAX_RESPONSE_HEAD, BodyTruncated, H1Response, ResponseHeadTooLarge, UnrelayableStatus,
 )
+from crossbar.upstream.h1client import H1Agent, H1Connection, H1Pool
 from crossbar.upstream.pools import ConnectTracker, PollAgent, UpstreamEndpoints
 
 URL = b"http://127.0.0.1:8080/v1/chat/completions"

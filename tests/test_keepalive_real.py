@@ -22,7 +22,8 @@ from twisted.internet.task import deferLater
 from twisted.trial.unittest import TestCase
 from twisted.web.http_headers import Headers
 
-from crossbar.upstream.h1client import PEEK_AFTER, H1Agent, H1Pool, keep_alive_timeout, retire_after
+from crossbar.upstream.h1answer import keep_alive_timeout
+from crossbar.upstream.h1client import PEEK_AFTER, H1Agent, H1Pool, retire_after
 from crossbar.upstream.pools import ConnectTracker, UpstreamEndpoints
 from tests.harness import http_client, require_llama_server, start_crossbar
 from tools.llama_server import LlamaServer

@@ -13,32 +13,31 @@ host, port)``); connections are opened through ``UpstreamEndpoints`` (TLS includ
 via the attempt's :class:`crossbar.upstream.pools.ConnectTracker` (for polls:
 :class:`crossbar.upstream.pools.PollAgent`).
 
-The answers are :class:`H1Response` objects (``twisted.web.iweb.IResponse``): the
-``Connection``-control headers are kept out of ``headers`` as Twisted does
-(``Content-Length`` stays for ``HEAD``), ``length`` is the ``Content-Length`` or
-``UNKNOWN_LENGTH``, and ``upstream_connection`` holds the raw ``Connection`` values.
-Failures are Twisted's exception types, so every rule that reads them holds:
+The answers are :class:`crossbar.upstream.h1answer.H1Response` objects
+(``twisted.web.iweb.IResponse``), their heads read and checked by
+:class:`crossbar.upstream.h1answer.AnswerHead` (what an answer says: its module doc);
+this module holds the connection, the request it writes (:func:`request_head`) and the
+pool. Failures are Twisted's exception types, so every rule that reads them holds:
 
 - the connection lost before any answer byte: ``RequestNotSent`` (not written yet),
   ``RequestTransmissionFailed`` (while writing the body) or ``ResponseNeverReceived``
   (after); rule 7 sends a request again on a fresh connection only after the first;
-- a head that cannot be parsed, over :data:`MAX_RESPONSE_HEAD` bytes, a ``101`` or a
+- a head that cannot be parsed, over ``MAX_RESPONSE_HEAD`` bytes, a ``101`` or a
   status outside 100-599: ``ResponseFailed`` (rules 7, 9), the connection aborted;
 - a ``Content-Length`` or chunked body cut short: the body protocol's
   ``connectionLost`` gets ``ResponseFailed([reason, BodyTruncated])`` (never
   ``ResponseDone``); a close-delimited body ends with ``PotentialDataLoss`` when the
   host closed cleanly, and is cut short like the others when the connection was reset.
 
-Interim ``1xx`` answers are skipped; ``HEAD``, ``204`` and ``304`` answers have no body;
-trailer fields are read and dropped (they were never relayed); more than
-:data:`MAX_RESPONSE_HEAD` bytes of chunk framing or trailers with no body byte between
-them is a broken answer, like an oversized head. A connection goes back to the pool only
-after a complete answer that allows it, once the read that completed it is fully parsed:
-a byte after the answer (nobody asked for it) drops the connection instead, so it can
-never be read as the answer to the next request. An answer that ends before the request
-body was all sent aborts the connection (RFC 9112 §9.6): the host will not read the rest.
-An idle pooled connection is retired before the host's advertised keep-alive timeout
-and never reused once its host closed it (:class:`H1Pool`, rule 7).
+More than ``MAX_RESPONSE_HEAD`` bytes of chunk framing or trailers with no body byte
+between them is a broken answer, like an oversized head. A connection goes back to the
+pool only after a complete answer that allows it, once the read that completed it is
+fully parsed: a byte after the answer (nobody asked for it) drops the connection
+instead, so it can never be read as the answer to the next request. An answer that ends
+before the request body was all sent aborts the connection (RFC 9112 §9.6): the host
+will not read the rest. An idle pooled connection is retired before the host's
+advertised keep-alive timeout and never reused once its host closed it
+(:class:`H1Pool`, rule 7).
 """
 
 from __future__ import annotations
@@ -62,19 +61,13 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import UNKNOWN_LENGTH, IAgent, IAgentEndpointFactory, IBodyProducer, IResponse
 from zope.interface import implementer
 
+from crossbar.upstream.h1answer import (
+    MAX_RESPONSE_HEAD, AnswerHead, BodyTruncated, H1Response, ResponseHeadTooLarge, UnrelayableStatus, status_line_cr,
+)
 from crossbar.upstream.tcp import no_delay
 from crossbar.compat.twisted import eager_writes, hold_writes, release_writes
 
-__all__ = [
-    "INLINE_BODY", "KEEP_ALIVE_MARGIN", "MAX_RESPONSE_HEAD", "BodyTruncated", "H1Agent", "H1Connection", "H1Pool",
-    "H1Response", "IInlineBody", "ResponseHeadTooLarge", "UnrelayableStatus", "UnsolicitedAnswer",
-    "keep_alive_timeout",
-]
-
-MAX_RESPONSE_HEAD = 64 * 1024
-"""The most bytes of an upstream answer's head (status lines and headers, interim
-``1xx`` answers included) crossbar reads before giving up on it (docs/design.md §The proxy,
-rule 9); the same bound holds for chunk framing and trailers with no body byte between."""
+__all__ = ["INLINE_BODY", "KEEP_ALIVE_MARGIN", "H1Agent", "H1Connection", "H1Pool", "IInlineBody", "request_head"]
 
 INLINE_BODY = 256 * 1024
 """Bytes: a body of at most this size from an :class:`IInlineBody` producer is written
@@ -91,140 +84,10 @@ that crossbar stops reusing an idle connection to it (docs/design.md rule 7): th
 would close it at N, possibly while a request is on its way."""
 
 
-class ResponseHeadTooLarge(Exception):
-    """An upstream answer's head went over :data:`MAX_RESPONSE_HEAD` bytes."""
-
-
 class IInlineBody(IBodyProducer):
     """An ``IBodyProducer`` that, when its ``length`` is at most :data:`INLINE_BODY`,
     writes its whole body to the consumer inside ``startProducing`` (so the client can
     send it with the request head in one write)."""
-
-_CONNECTION_CONTROL = frozenset({
-    b"content-length", b"connection", b"keep-alive", b"te", b"trailers", b"transfer-encoding", b"upgrade",
-    b"proxy-connection",
-})
-"""Headers kept out of ``IResponse.headers``, as ``twisted.web`` does."""
-
-_NO_BODY_CODES = frozenset({204, 304})
-
-
-class BodyTruncated(Exception):
-    """A ``Content-Length`` or chunked answer body ended before its framing said
-    (docs/design.md rule 7: the client must see a truncated answer)."""
-
-
-class UnsolicitedAnswer(Exception):
-    """The host sent an answer nobody asked for (the connection is dropped)."""
-
-
-class UnrelayableStatus(Exception):
-    """``101 Switching Protocols``, a status outside 100-599, or a transfer-coding
-    other than ``chunked`` (rule 7)."""
-
-
-@implementer(IResponse)
-class H1Response:
-    """One upstream answer (``twisted.web.iweb.IResponse``).
-
-    :ivar code: the status code (int); :ivar phrase: the reason phrase (bytes).
-    :ivar headers: the end-to-end headers (``Headers``, repeated values kept).
-    :ivar length: the ``Content-Length`` in bytes, or ``UNKNOWN_LENGTH``.
-    :ivar upstream_connection: the raw ``Connection`` header values (tuple of bytes).
-    """
-
-    version = (b"HTTP", 1, 1)
-    request = None
-    previousResponse = None
-
-    def __init__(self, code: int, phrase: bytes, headers: Headers, length: Any,
-                 upstream_connection: tuple[bytes, ...], connection: H1Connection | None) -> None:
-        self.code = code
-        self.phrase = phrase
-        self.headers = headers
-        self.length = length
-        self.upstream_connection = upstream_connection
-        self._connection = connection  # None once the body is complete
-        self._receiver: Any = None
-        self._buffer: list[bytes] | None = []
-        self._end: Failure | None = None
-
-    def setPreviousResponse(self, response: IResponse) -> None:
-        self.previousResponse = response
-
-    def deliverBody(self, protocol: Any) -> None:
-        """Hand the body to ``protocol`` (an ``IProtocol``): ``makeConnection`` with a
-        transport that has ``pauseProducing``/``resumeProducing``/``stopProducing``,
-        the chunks buffered so far, then each chunk as it arrives, then
-        ``connectionLost`` (``ResponseDone``, ``PotentialDataLoss`` or a failure)."""
-        if self._receiver is not None:
-            raise RuntimeError("the body was already delivered")
-        self._receiver = protocol
-        protocol.makeConnection(_BodyTransport(self))
-        buffered, self._buffer = self._buffer, None
-        for chunk in buffered or ():
-            if self._receiver is not protocol:
-                return  # it stopped the body while taking the buffered chunks
-            protocol.dataReceived(chunk)
-        if self._end is not None:
-            self._finish_delivery()
-
-    def _data(self, data: bytes) -> None:
-        """A body chunk from the connection (the hot path: no copy)."""
-        receiver = self._receiver
-        if receiver is not None:
-            receiver.dataReceived(data)
-        elif self._buffer is not None:
-            self._buffer.append(data)
-
-    def _ended(self, reason: Failure) -> None:
-        """The body ended (cleanly or not); the connection is done with us."""
-        if self._end is not None:
-            return
-        self._end = reason
-        self._connection = None
-        if self._receiver is not None and self._buffer is None:
-            self._finish_delivery()
-
-    def _finish_delivery(self) -> None:
-        receiver, self._receiver = self._receiver, False  # False: delivered and ended
-        if receiver:
-            assert self._end is not None
-            receiver.connectionLost(self._end)
-
-
-class _BodyTransport:
-    """The transport a body protocol gets: flow control of the upstream connection."""
-
-    __slots__ = ("_response",)
-
-    def __init__(self, response: H1Response) -> None:
-        self._response = response
-
-    def pauseProducing(self) -> None:
-        connection = self._response._connection
-        if connection is not None and connection.transport is not None:
-            connection.paused = True
-            transport: Any = connection.transport  # an IPushProducer too
-            transport.pauseProducing()
-
-    def resumeProducing(self) -> None:
-        connection = self._response._connection
-        if connection is not None and connection.transport is not None:
-            connection.paused = False
-            transport: Any = connection.transport
-            transport.resumeProducing()
-
-    def abortConnection(self) -> None:
-        """The same as :meth:`stopProducing`."""
-        self.stopProducing()
-
-    def stopProducing(self) -> None:
-        """Nobody wants the rest: abort the upstream connection (never pooled)."""
-        connection = self._response._connection
-        if connection is not None:
-            connection.abandon()
-
 
 class State(Enum):
     """Where one :class:`H1Connection` stands."""
@@ -280,8 +143,8 @@ class H1Connection(Protocol):
         self.keep_alive: float | None = None
         self.streamed = False
         self._lost: list[Deferred[None]] | None = []
+        self._head = AnswerHead(self, self.on_body, self.on_message_complete, self._answered)
         self._parser: Any = None
-        self._method = b""
         self._result: Deferred[IResponse] | None = None
         self._response: H1Response | None = None
         self._producer: Any = None
@@ -290,12 +153,6 @@ class H1Connection(Protocol):
         self._start = b""
         self._body_in_read = 0
         self._framing = 0
-        self._phrase = b""
-        self._headers: Headers | None = None
-        self._connection_values: list[bytes] = []
-        self._length: Any = UNKNOWN_LENGTH
-        self._chunked = False
-        self._encodings: list[bytes] = []
         self._close_after = False
 
     def connectionMade(self) -> None:
@@ -319,41 +176,20 @@ class H1Connection(Protocol):
         aborts the connection. ``host``: a ``Host`` value written before ``headers``
         (which then have none), or None."""
         result: Deferred[IResponse] = Deferred(self._cancel)
-        if self.state is not _IDLE or self.transport is None:
-            result.errback(RequestNotSent())
+        length = None if producer is None else producer.length
+        if self.state is not _IDLE or self.transport is None or length is UNKNOWN_LENGTH:
+            result.errback(RequestNotSent())  # and only bodies of known length are sent
             return result
         self.state = _SENDING
-        self._method = method
         self._result = result
         self._head_bytes = 0
         self._got_bytes = False
         self._start = b""
         self._framing = 0
-        self._phrase = b""
         self._response = None
         self._close_after = not self.persistent
-        self._parser = parser = httptools.HttpResponseParser(self)
-        # Content-Length beside chunked: the chunked framing wins (RFC 9112 §6.3); a
-        # space before a chunk extension's ";" is the BWS RFC 9112 §7.1.1 allows.
-        parser.set_dangerous_leniencies(lenient_chunked_length=True, lenient_spaces_after_chunk_size=True)
-        lines = [method, b" ", path, b" HTTP/1.1\r\n"]
-        if host is not None:
-            lines += (b"Host: ", host, b"\r\n")
-        if not self.persistent:
-            lines.append(b"Connection: close\r\n")
-        if producer is not None:
-            length = producer.length
-            if length is UNKNOWN_LENGTH:
-                self.state = _IDLE
-                result.errback(RequestNotSent())  # only bodies of known length are sent
-                return result
-            lines.append(b"Content-Length: %d\r\n" % length)
-        elif method in (b"PUT", b"POST"):
-            lines.append(b"Content-Length: 0\r\n")
-        for name, values in headers.getAllRawHeaders():
-            for value in values:
-                lines += (name, b": ", value, b"\r\n")
-        lines.append(b"\r\n")
+        self._parser = self._head.parser(method)
+        lines = request_head(method, path, headers, host, self.persistent, length)
         transport: Any = self.transport
         if producer is None:
             transport.write(b"".join(lines))
@@ -424,7 +260,7 @@ class H1Connection(Protocol):
             self.abandon()  # bytes on an idle connection: nothing to pair them with
             return
         if not self._got_bytes:
-            data = _status_line_cr(data)
+            data = status_line_cr(data)
         self._got_bytes = True
         if len(self._start) < len(_HTTP_NAME):
             self._start = (self._start + data[:len(_HTTP_NAME)])[:len(_HTTP_NAME)]
@@ -470,59 +306,12 @@ class H1Connection(Protocol):
         else:
             self._fail(Failure(error))
 
-    def on_message_begin(self) -> None:
-        if self.state is not _WAITING and self.state is not _SENDING:
-            raise UnsolicitedAnswer("bytes after a complete answer, with no request")
-        self.keep_alive = None  # what this answer says (the last answer's word counts)
-        self._phrase = b""
-        self._headers = Headers()
-        self._connection_values = []
-        self._length = UNKNOWN_LENGTH
-        self._chunked = False
-        self._encodings = []
-
-    def on_status(self, phrase: bytes) -> None:
-        self._phrase += phrase
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if self.state is _BODY:
-            return  # a trailer field: not relayed (its bytes count as framing)
-        lower = name.lower()
-        if lower in _CONNECTION_CONTROL and not (lower == b"content-length" and self._method == b"HEAD"):
-            if lower == b"connection":
-                self._connection_values.append(value)
-            elif lower == b"content-length":
-                self._length = int(value)  # llhttp checked it: digits, one value
-            elif lower == b"transfer-encoding":
-                self._chunked = True
-                self._encodings.append(value)
-            elif lower == b"keep-alive":
-                self.keep_alive = _keep_alive(value)
-            return
-        assert self._headers is not None
-        self._headers.addRawHeader(name, value)
-
-    def on_headers_complete(self) -> None:
-        code = self._parser.get_status_code()
-        phrase, self._phrase = self._phrase, b""
-        if code == 101 or not 100 <= code <= 599:
-            raise UnrelayableStatus(f"status code crossbar cannot relay: {code}")
-        if code < 200:
-            return  # an interim answer: skipped (its end starts the next message)
-        if self._chunked and b",".join(self._encodings).strip().lower() != b"chunked":
-            raise UnrelayableStatus("a transfer-coding other than chunked")  # as twisted.web refuses
-        version = self._parser.get_http_version()
-        if not version.startswith("1."):
-            raise UnrelayableStatus(f"an HTTP version crossbar cannot relay: {version}")
-        no_body = self._method == b"HEAD" or code in _NO_BODY_CODES
-        if no_body or self._chunked:
-            self._length = 0 if no_body else UNKNOWN_LENGTH
-        if not self._parser.should_keep_alive() or any(
-            b"close" in v.lower() for v in self._connection_values
-        ) or (self._chunked and version == "1.0"):  # faulty framing: close after (RFC 9112 §6.1)
+    def _answered(self, response: H1Response, no_body: bool) -> None:
+        """The final answer's head was read (:class:`AnswerHead`): hand it on."""
+        head = self._head
+        if head.closes:
             self._close_after = True
-        assert self._headers is not None
-        response = H1Response(code, phrase, self._headers, self._length, tuple(self._connection_values), self)
+        self.keep_alive = head.keep_alive
         self._response = response
         self.state = _BODY
         result, self._result = self._result, None
@@ -553,10 +342,10 @@ class H1Connection(Protocol):
         unfinished = self._producer is not None  # an answer before the whole body went
         if unfinished:
             self._kill()  # the host will not read the rest: don't wait to send it
-        elif self._close_after or self._pool is None or (self._chunked and self._pool.closes_after_chunked(self.key)):
+        elif self._close_after or self._pool is None or (self._head.chunked and self._pool.closes_after_chunked(self.key)):
             self._close()
         else:
-            self.streamed = self._chunked
+            self.streamed = self._head.chunked
             self.state = _DONE
             self._pool.put(self)  # may close it (the pool is full)
         if response is not None:
@@ -607,7 +396,7 @@ class H1Connection(Protocol):
             self._pool.forget(self)
         response, self._response = self._response, None
         if response is not None:
-            if response.length is UNKNOWN_LENGTH and not self._chunked and reason.check(ConnectionDone):
+            if response.length is UNKNOWN_LENGTH and not self._head.chunked and reason.check(ConnectionDone):
                 response._ended(Failure(PotentialDataLoss()))  # close-delimited: a clean close ends it
             else:
                 response._ended(Failure(ResponseFailed([reason, Failure(BodyTruncated())])))
@@ -623,16 +412,26 @@ class H1Connection(Protocol):
             result.errback(ResponseNeverReceived([reason]))
 
 
-def _status_line_cr(data: bytes) -> bytes:
-    """``data`` with any bare CR in its first (status) line made a space: twisted.web
-    read such a reason phrase as text (and crossbar does not relay it, RFC 9112 §4)
-    where llhttp refuses the answer; a CR there never ends the line (no header can be
-    slipped in through it)."""
-    end = data.find(b"\n")
-    line_end = end - 1 if end > 0 and data[end - 1] == 13 else (end if end >= 0 else len(data))
-    if data.find(b"\r", 0, line_end) < 0:
-        return data
-    return data[:line_end].replace(b"\r", b" ") + data[line_end:]
+def request_head(method: bytes, path: bytes, headers: Headers, host: bytes | None, persistent: bool,
+                 length: int | None) -> list[bytes]:
+    """The pieces of one request's head (bytes, to be joined): the request line, ``Host``
+    when ``host`` is given (``headers`` then have none), ``Connection: close`` unless
+    ``persistent``, the body's ``Content-Length`` (``length``, bytes; 0 for a ``PUT``
+    or ``POST`` without a body: None) and ``headers`` as they are, repeated values kept."""
+    lines = [method, b" ", path, b" HTTP/1.1\r\n"]
+    if host is not None:
+        lines += (b"Host: ", host, b"\r\n")
+    if not persistent:
+        lines.append(b"Connection: close\r\n")
+    if length is not None:
+        lines.append(b"Content-Length: %d\r\n" % length)
+    elif method in (b"PUT", b"POST"):
+        lines.append(b"Content-Length: 0\r\n")
+    for name, values in headers.getAllRawHeaders():
+        for value in values:
+            lines += (name, b": ", value, b"\r\n")
+    lines.append(b"\r\n")
+    return lines
 
 
 class _Collect:
@@ -795,22 +594,6 @@ class H1Pool:
         return done
 
 
-_KEEP_ALIVE_SEEN: dict[bytes, float | None] = {}
-
-
-def _keep_alive(value: bytes) -> float | None:
-    """:func:`keep_alive_timeout`, remembered per header value (a host sends the same
-    one on every answer; a host that varies it cannot grow the memory past 64)."""
-    try:
-        return _KEEP_ALIVE_SEEN[value]
-    except KeyError:
-        pass
-    if len(_KEEP_ALIVE_SEEN) >= 64:
-        _KEEP_ALIVE_SEEN.clear()
-    timeout = _KEEP_ALIVE_SEEN[value] = keep_alive_timeout(value)
-    return timeout
-
-
 _INLINE_TYPES: dict[type, bool] = {}
 
 
@@ -821,18 +604,6 @@ def _inline(producer: IBodyProducer) -> bool:
     if inline is None:
         inline = _INLINE_TYPES[kind] = IInlineBody.implementedBy(kind)
     return inline
-
-
-def keep_alive_timeout(value: bytes) -> float | None:
-    """The ``timeout`` parameter of a ``Keep-Alive`` header value (seconds, e.g.
-    llama-server's ``timeout=5, max=100`` gives 5.0), or None when it has none or it is
-    not a whole number."""
-    for part in value.split(b","):
-        name, _, number = part.partition(b"=")
-        if name.strip().lower() == b"timeout":
-            number = number.strip()
-            return float(int(number)) if number.isdigit() and len(number) < 10 else None
-    return None
 
 
 def retire_after(keep_alive: float) -> float:

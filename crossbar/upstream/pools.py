@@ -27,7 +27,8 @@ from twisted.web.iweb import IAgent, IAgentEndpointFactory, IBodyProducer, IPoli
 from zope.interface import implementer
 
 from crossbar.config import Config
-from crossbar.upstream.h1client import MAX_RESPONSE_HEAD, H1Agent, H1Pool, ResponseHeadTooLarge
+from crossbar.upstream.h1answer import MAX_RESPONSE_HEAD, ResponseHeadTooLarge
+from crossbar.upstream.h1client import H1Agent, H1Pool
 from crossbar.upstream.tls import HandshakeFirstEndpoint, HostTLS
 
 __all__ = [
