@@ -38,7 +38,8 @@ from treq.client import HTTPClient
 from zope.interface import implementer
 
 from crossbar.config import MAX_WORKERS, ConfigError, load_config, parse_config, usable_cpus
-from crossbar.process.supervisor import STALL, Supervisor, WorkerTimings, relay_log_line
+from crossbar.process.supervisor import STALL, Supervisor, WorkerTimings
+from crossbar.process.workerlog import relay_log_line
 from crossbar.process.heartbeat import HEARTBEAT
 from tests.harness import FakeLlama, listen, port_of, wait_for
 from tests.process import START, ClientStream, Twistd, start_twistd
@@ -1056,8 +1057,8 @@ class SupervisorRuleTests(SynchronousTestCase):
         os.makedirs(runtime)
         supervisor = Supervisor(self.config(), reactor, environ={"RUNTIME_DIRECTORY": runtime}, handle_signals=False)
         supervisor.startService()
-        self.addCleanup(shutil.rmtree, supervisor.directory, True)
-        self.assertEqual(os.path.dirname(supervisor.directory), runtime)  # systemd's RuntimeDirectory=
+        self.addCleanup(shutil.rmtree, supervisor.files.directory, True)
+        self.assertEqual(os.path.dirname(supervisor.files.directory), runtime)  # systemd's RuntimeDirectory=
         self.assertEqual([w is not None for w in supervisor.workers], [False, False])
         reactor.advance(0.5)  # the first retry of each fails too
         self.assertEqual([w is not None for w in supervisor.workers], [False, False])
@@ -1094,10 +1095,10 @@ class SupervisorRuleTests(SynchronousTestCase):
         supervisor = Supervisor(self.config(), _SpawnReactor(failures=0), environ={"RUNTIME_DIRECTORY": runtime},
                                 handle_signals=False)
         supervisor.startService()
-        self.addCleanup(shutil.rmtree, supervisor.directory, True)
+        self.addCleanup(shutil.rmtree, supervisor.files.directory, True)
         self.assertEqual(sorted(os.listdir(runtime)), sorted([os.path.basename(live),
-                                                              os.path.basename(supervisor.directory)]))
-        self.assertIsNone(owner_gone(supervisor.directory))  # held: not a leftover while it lives
+                                                              os.path.basename(supervisor.files.directory)]))
+        self.assertIsNone(owner_gone(supervisor.files.directory))  # held: not a leftover while it lives
         [said] = [formatEvent(e) for e in log.events if e.get("directory") == dead]
         self.assertEqual(said, f"removed {dead}, left by a supervisor that is gone (pid {dead_pid})")
         supervisor._clean_up(None)  # as its stop ends
@@ -1110,7 +1111,7 @@ class SupervisorRuleTests(SynchronousTestCase):
         reactor = _SpawnReactor(failures=0)
         supervisor = Supervisor(self.config(), reactor, environ={}, handle_signals=False)
         supervisor.startService()
-        self.addCleanup(shutil.rmtree, supervisor.directory, True)
+        self.addCleanup(shutil.rmtree, supervisor.files.directory, True)
         talking, silent = supervisor.workers
         assert talking is not None and silent is not None
         for _ in range(int(STALL / HEARTBEAT) + 2):
@@ -1132,7 +1133,7 @@ class SupervisorRuleTests(SynchronousTestCase):
         supervisor = Supervisor(self.config(), reactor, environ={}, handle_signals=False,
                                 timings=WorkerTimings.with_stall(6.0))
         supervisor.startService()
-        self.addCleanup(shutil.rmtree, supervisor.directory, True)
+        self.addCleanup(shutil.rmtree, supervisor.files.directory, True)
         talking, silent = supervisor.workers
         assert talking is not None and silent is not None
         reactor.advance(30)  # one late check, five periods after the last

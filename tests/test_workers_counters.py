@@ -188,9 +188,9 @@ class DeadWorkerSharesTests(SynchronousTestCase):
         config = load_config(path)
         supervisor = Supervisor(config, _SpawnReactor(failures=0), environ={}, handle_signals=False)
         supervisor.startService()
-        self.addCleanup(shutil.rmtree, supervisor.directory, True)
+        self.addCleanup(shutil.rmtree, supervisor.files.directory, True)
         assert supervisor.counts is not None
-        shared = os.path.join(supervisor.directory, "counts")
+        shared = os.path.join(supervisor.files.directory, "counts")
         w0, w1 = (WorkerCounts(SharedCounts(shared, 3, row), config) for row in (0, 1))
         generated = token_cell("h", "a", "generated")
         for counts, n in ((w0, 1), (w1, 2)):

@@ -34,23 +34,15 @@ workers: Twisted's unix port of a worker that stops unlinks the socket's path an
 shuts the shared socket down for every worker.
 
 Every worker polls every host itself: the poll load is N x 2 requests per host per
-``health.interval``. Workers' log lines reach this process's log without being logged
-again here, as its log allows: with the JSON logger each worker writes its lines to the
-same standard output; with twistd's text log each worker formats its own text lines
-(``[namespace#level worker=N]``) and writes them to the same standard output, or, for a
-``--logfile``, this process appends them to the file unread, as they come in batches
-(twistd's ``LogFile``, so rotation goes on; touchpoint 11 finds it). Otherwise (no twistd, or the touchpoint's
-fallback) they come as JSON and are logged here with a ``worker`` field
-(:func:`relay_log_line`: ~65 µs of this process's CPU per proxied request, measured with bench/cpu_probe.py --workers 2).
+``health.interval``. How workers' log lines reach this process's log:
+:mod:`crossbar.process.workerlog`; the directory of the files shared with them (counts,
+limits, metrics, the config snapshot): :mod:`crossbar.process.workerfiles`.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
 import sys
-import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -59,24 +51,22 @@ from twisted.application.service import MultiService
 from twisted.internet.defer import Deferred, TimeoutError
 from twisted.internet.protocol import ProcessProtocol
 from twisted.internet.task import LoopingCall
-from twisted.logger import Logger, LogLevel, InvalidLogLevelError
+from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.python.logfile import BaseLogFile
 
-from crossbar.config import Config, ConfigError, one_line
+from crossbar.config import Config, ConfigError
 from crossbar.state.worker_counts import WorkerCounts, check_capacity
 from crossbar.process.reload import REFUSED, SIGHUPReload, catch_second_stop_signal, next_config
 from crossbar.state.drains import HostDrains
-from crossbar.state.box_limits import BoxLimits, check_limit_room, limit_slots_for
-from crossbar.state.shared import SharedCounts
+from crossbar.state.box_limits import check_limit_room, limit_slots_for
 from crossbar.ops.systemd import Notifier, SystemdNotifier, watchdog_interval
 from crossbar.waiting import Condition
-from crossbar.process.leftovers import PREFIX as LEFTOVER_PREFIX, claim, remove_leftovers
 from crossbar.process.listen import WorkerListeners
-from crossbar.compat.twisted import emit_flattened, text_log_file
 from crossbar.process.heartbeat import HEARTBEAT, host_line, parse_host_line
+from crossbar.process.workerfiles import WorkerFiles
+from crossbar.process.workerlog import WorkerLog
 
-__all__ = ["Supervisor", "WorkerTimings", "WorkerProcess", "make_supervisor", "relay_log_line"]
+__all__ = ["Supervisor", "WorkerTimings", "WorkerProcess", "make_supervisor"]
 
 _log = Logger(namespace="crossbar.supervisor")
 
@@ -114,63 +104,6 @@ class WorkerTimings:
         return cls(stall=stall, heartbeat=stall / 6)
 
 
-def relay_log_line(line: bytes, worker: int) -> None:
-    """Log one line of a worker's JSON log (:mod:`crossbar.ops.jsonlog`) as this process's
-    own event: the worker's message, namespace, level and fields, plus ``worker``
-    (its index). The text log shows ``[namespace#level worker=N]``; the JSON log has
-    ``"worker": N``. A line that is not a JSON object is logged as the message.
-
-    A line of Twisted's legacy logging (``twisted.python.log.msg``: namespace
-    ``log_legacy``, which names no source) keeps its system as twistd's text log shows
-    it: ``[- worker=N]``, ``[HTTPChannel,0,127.0.0.1 worker=N]``, under the namespace
-    ``crossbar.worker``."""
-    text = line.decode("utf-8", "replace").rstrip("\r")
-    if not text:
-        return
-    try:
-        doc = json.loads(text)
-    except ValueError:
-        doc = None
-    if not isinstance(doc, dict):
-        doc = {"message": text}
-    try:
-        level = LogLevel.levelWithName(str(doc.pop("level", "info")))
-    except InvalidLogLevelError:
-        level = LogLevel.info
-    namespace = str(doc.pop("namespace", "") or _WORKER)
-    system = doc.pop("system", None)
-    message = str(doc.pop("message", ""))
-    # The worker's traceback (a string): into the message, so the text log shows it; never
-    # as a "failure" field, which legacy observers take for a Failure object.
-    failure = doc.pop("failure", None)
-    if isinstance(failure, str) and failure and failure not in message:
-        message = f"{message}\n{failure.rstrip()}"
-    doc.pop("time", None)  # the time it is relayed, within milliseconds
-    event = {k: v for k, v in doc.items() if isinstance(k, str) and not k.startswith("log_") and k != "format"}
-    event["worker"] = worker
-    logger = _relay_loggers.get(namespace)
-    if logger is None:
-        logger = Logger(namespace=_WORKER if namespace == _LEGACY else namespace)
-        if len(_relay_loggers) < 256:
-            _relay_loggers[namespace] = logger
-    # The worker's message is already formatted: escaped, it is a format without fields,
-    # whose flattened values are none (``{}``): shown as it is, without string.Formatter.
-    if namespace == _LEGACY:
-        event["log_system"] = f"{one_line(str(system or '-'))} worker={worker}"
-    else:
-        event["log_system"] = f"{namespace}#{level.name} worker={worker}"
-    emit_flattened(logger, level, message.replace("{", "{{").replace("}", "}}"), {}, event)
-
-
-_WORKER = "crossbar.worker"
-"""The namespace of a relayed line that names none of its own."""
-_LEGACY = "log_legacy"
-"""Twisted's namespace for events of its legacy ``log.msg`` (it names no source)."""
-
-_relay_loggers: dict[str, Logger] = {}
-"""A Logger per relayed namespace (at most 256 kept)."""
-
-
 class WorkerProcess(ProcessProtocol):
     """The supervisor's end of one worker: its log, its readiness, its end.
 
@@ -198,18 +131,12 @@ class WorkerProcess(ProcessProtocol):
                 pass  # it is exiting
 
     def childDataReceived(self, childFD: int, data: bytes) -> None:
-        if childFD == 1 and self.supervisor.log_file is not None:  # text lines: appended as they are
-            data = self._buffers[1] + data
-            end = data.rfind(b"\n") + 1
-            if end:
-                self.supervisor.write_log(data[:end])
-            self._buffers[1] = data[end:]
+        if childFD == 1:
+            self._buffers[1] = self.supervisor.log.received(self._buffers[1] + data, self.index)
             return
         *lines, self._buffers[childFD] = (self._buffers.get(childFD, b"") + data).split(b"\n")
         for line in lines:
-            if childFD == 1:
-                relay_log_line(line, self.index)
-            elif childFD == 2:
+            if childFD == 2:
                 if line.strip():
                     _log.warn("worker {worker}: {line}", worker=self.index, line=line.decode("utf-8", "replace"))
             elif childFD == 4:
@@ -226,9 +153,8 @@ class WorkerProcess(ProcessProtocol):
                         self.supervisor.drain_host(*drained)
 
     def processEnded(self, reason: Failure) -> None:
-        if self._buffers[1] and self.supervisor.log_file is not None:
-            self.supervisor.write_log(self._buffers[1] + b"\n")  # its last line, cut short
-            self._buffers[1] = b""
+        rest, self._buffers[1] = self._buffers[1], b""
+        self.supervisor.log.ended(rest)  # its last line, cut short
         self.ended = True
         self.ready = False
         self.supervisor.worker_ended(self, reason)
@@ -244,14 +170,9 @@ class Supervisor(MultiService):
         directory) are read (default ``os.environ``).
     :param handle_signals: install the SIGHUP handler, and during a drain the
         second-signal handler (the twistd plugin does).
-    :param log_through: this process logs JSON lines to its standard output
-        (``twistd --logger crossbar.ops.jsonlog.observer``, as the systemd unit does): the
-        workers then write theirs to the same output directly, and nothing is relayed
-        (relaying costs the supervisor ~80 µs of CPU per request).
-    :param text_log: this process logs twistd's text lines (no ``--logger``, no
-        ``--syslog``): workers write theirs in the same format, to the same standard
-        output or through a pipe whose bytes this process appends to the log file
-        unread (see the module doc); else their JSON lines are relayed.
+    :param log_through: whether this process logs JSON lines to its standard output.
+    :param text_log: whether it logs twistd's text lines (what either means for the
+        workers' lines: :class:`~crossbar.process.workerlog.WorkerLog`).
     :raises ConfigError: ``listen`` is not a valid endpoint, is ``ssl:`` (a worker
         adopts a plain socket: terminate TLS in front of crossbar, or run one worker)
         or a unix socket (see the module doc), or the config needs more shared
@@ -266,12 +187,8 @@ class Supervisor(MultiService):
     ) -> None:
         super().__init__()
         self.timings = timings
-        self.log_through = log_through
-        self.text_log = text_log
-        self.log_file: Any = None
-        """twistd's log file (a ``LogFile``) workers' text lines are appended to, unread."""
-        self._worker_stdout: int | str = 1 if log_through else "r"
-        self._worker_log = "json"
+        self.log = WorkerLog(log_through, text_log)
+        """Where the workers' standard output goes (chosen at start)."""
         self._environ = os.environ if environ is None else environ
 
         kind = config.listen.split(":", 1)[0].lower()
@@ -292,16 +209,10 @@ class Supervisor(MultiService):
         self._young_deaths = [0] * self.count
         self._stopping = False
         self._hurried = False
-        # The shared counts and metrics live in a directory made once the listener is
-        # open (startService): a start-up that fails leaves nothing behind.
-        self.directory = ""
-        self._owner: int | None = None  # the descriptor holding the directory's owner lock
-        self._shared_path = ""
-        self._limits_path = ""
-        self._snapshot_path = ""
+        self.files = WorkerFiles()
+        """The files shared with the workers, made once the listener is open."""
         self._stall_check: LoopingCall | None = None
         self._folded: Counter[str] = Counter()  # dead workers' shares of the counter cells
-        self.metrics_directory = ""
         self.drains = HostDrains(lambda: self.config.hosts)
         """Hosts drained at run time (every worker is told; see :meth:`drain_host`)."""
         self.counts: WorkerCounts | None = None
@@ -324,55 +235,13 @@ class Supervisor(MultiService):
 
     # -- start -----------------------------------------------------------------------
 
-    def _choose_worker_log(self) -> None:
-        """How workers log (see the module doc): decided once twistd's log is running."""
-        if self.log_through or not self.text_log:
-            return
-        out = text_log_file()
-        if isinstance(out, BaseLogFile):
-            self.log_file, self._worker_log = out, "batched-text"
-            return
-        try:
-            fd = out.fileno() if out is not None else None
-        except (AttributeError, OSError, ValueError):
-            fd = None
-        if isinstance(fd, int):
-            self._worker_stdout, self._worker_log = fd, "text"
-
-    def write_log(self, data: bytes) -> None:
-        """Append whole text lines of a worker to twistd's log file (:attr:`log_file`)."""
-        try:
-            self.log_file.write(data)
-            self.log_file.flush()
-        except (OSError, ValueError):
-            pass  # the log file closed at exit: nothing can be written anywhere
-
     def startService(self) -> None:
-        self._choose_worker_log()
+        self.log.choose()
         super().startService()
         # systemd's RuntimeDirectory= (contrib/systemd): never aged out by tmp cleaners
         runtime = self._environ.get("RUNTIME_DIRECTORY", "").split(":")[0] or None
-        for path, pid in remove_leftovers(runtime or tempfile.gettempdir()):
-            _log.info("removed {directory}, left by a supervisor that is gone (pid {pid})", directory=path, pid=pid)
-        self.directory = tempfile.mkdtemp(prefix=LEFTOVER_PREFIX, dir=runtime)
-        try:
-            self._owner = claim(self.directory)  # held while this process lives: not a leftover
-            self._shared_path = os.path.join(self.directory, "counts")
-            SharedCounts.create(self._shared_path, self.count + 1)
-            self.counts = WorkerCounts(SharedCounts(self._shared_path, self.count + 1, self.count), self.config)
-            self._limits_path = os.path.join(self.directory, "limits")
-            BoxLimits.create(self._limits_path, self.count + 1, self.limit_slots)
-            self.metrics_directory = os.path.join(self.directory, "metrics")
-            os.mkdir(self.metrics_directory)
-            self._snapshot_path = os.path.join(self.directory, "config.yaml")
-            self._write_snapshot(self.config)
-        except OSError as e:
-            shutil.rmtree(self.directory, ignore_errors=True)
-            if self._owner is not None:
-                os.close(self._owner)
-                self._owner = None
-            raise ConfigError(self.config.source, "workers",
-                              f"cannot make the workers' shared files in {self.directory}: {e.strerror or e}") from None
+        shared = self.files.make(self.config, runtime, self.count + 1, self.limit_slots)
+        self.counts = WorkerCounts(shared, self.config)
         for index in range(self.count):
             self._spawn(index)
         self._stall_check = LoopingCall.withCount(self._kill_stalled)
@@ -399,18 +268,6 @@ class Supervisor(MultiService):
             except Exception:
                 pass  # it has just exited
 
-    def _write_snapshot(self, config: Config) -> None:
-        """Make ``config``'s text the one workers load (replaced atomically).
-
-        :raises OSError: it cannot be written."""
-        if not self._snapshot_path:
-            return  # not started: workers are given the snapshot when it starts
-        temporary = self._snapshot_path + ".new"
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(config.text)
-        os.replace(temporary, self._snapshot_path)
-
     def _spawn(self, index: int) -> None:
         if self._stopping or not self.web.running:
             return
@@ -418,19 +275,19 @@ class Supervisor(MultiService):
         process.started_at = process.heard_at = self.reactor.seconds()
         env = dict(os.environ)
         env.pop("NOTIFY_SOCKET", None)  # the supervisor speaks for the set
-        env["PROMETHEUS_MULTIPROC_DIR"] = self.metrics_directory
+        env["PROMETHEUS_MULTIPROC_DIR"] = self.files.metrics
         argv = [
             sys.executable, "-m", "crossbar.process.worker", "--config", self.config.source,
-            "--snapshot", self._snapshot_path,
-            "--row", str(index), "--rows", str(self.count + 1), "--shared", self._shared_path,
-            "--limits", self._limits_path,
+            "--snapshot", self.files.snapshot,
+            "--row", str(index), "--rows", str(self.count + 1), "--shared", self.files.counts,
+            "--limits", self.files.limits,
             "--heartbeat", str(self.timings.heartbeat),
-            "--log", self._worker_log,
+            "--log", self.log.mode,
         ] + (["--shared-listener"] if self.web.shared else [])
         try:
             self.reactor.spawnProcess(
                 process, sys.executable, argv, env=env,
-                childFDs={0: "w", 1: self._worker_stdout, 2: "r", 3: self.web.fileno(index), 4: "r"},
+                childFDs={0: "w", 1: self.log.stdout, 2: "r", 3: self.web.fileno(index), 4: "r"},
             )
         except Exception as e:  # e.g. the interpreter gone after an upgrade, no file descriptors left
             self.workers[index] = None
@@ -536,11 +393,7 @@ class Supervisor(MultiService):
     def _clean_up(self, result: object) -> object:
         if self.systemd is not None:
             self.systemd.notifier.close()
-        if self.directory:
-            shutil.rmtree(self.directory, ignore_errors=True)
-        if self._owner is not None:
-            os.close(self._owner)
-            self._owner = None
+        self.files.remove()
         return result
 
     def hurry(self) -> None:
@@ -567,7 +420,7 @@ class Supervisor(MultiService):
         if new is None:
             return False
         try:
-            self._write_snapshot(new)
+            self.files.write_snapshot(new)
         except OSError as e:
             _log.error(REFUSED, error=f"cannot write the workers' snapshot: {e.strerror or e}")
             return False
