@@ -94,6 +94,20 @@ class LayoutTests(SynchronousTestCase):
                  for name in _imports(path) if not name.startswith(f"crossbar.{FLOOR}")]
         self.assertEqual(found, [])
 
+    def test_no_class_over_300_lines(self) -> None:
+        """A class holds one idea: none in ``crossbar/`` runs over 300 lines (from its
+        ``class`` line to its last, docstring included); a longer one is cut along a
+        seam, the way ``H1Connection`` (its answers' heads: ``AnswerHead``) and
+        ``Supervisor`` (its workers' log and files) were."""
+        long = []
+        for path in sorted(ROOT.rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.ClassDef) and node.end_lineno is not None:
+                    lines = node.end_lineno - node.lineno + 1
+                    if lines > 300:
+                        long.append(f"{path.relative_to(ROOT)}: {node.name} ({lines} lines)")
+        self.assertEqual(long, [])
+
     def test_every_package_is_installed(self) -> None:
         """A regular ``pip install .`` (CI's, bench's and production's) ships every
         package: ``pyproject.toml`` lists them by hand, and a missing one made twistd
