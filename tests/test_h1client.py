@@ -17,7 +17,7 @@ from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.client import (
-    RequestTransmissionFailed, ResponseDone, ResponseFailed, ResponseNeverReceived,
+    RequestNotSent, RequestTransmissionFailed, ResponseDone, ResponseFailed, ResponseNeverReceived,
 )
 from twisted.web.http import PotentialDataLoss
 from twisted.web.http_headers import Headers
@@ -27,7 +27,7 @@ from crossbar.proxy.attempt import BytesProducer
 from crossbar.upstream.h1answer import (
     MAX_RESPONSE_HEAD, BodyTruncated, H1Response, ResponseHeadTooLarge, UnrelayableStatus,
 )
-from crossbar.upstream.h1client import H1Agent, H1Connection, H1Pool
+from crossbar.upstream.h1client import H1Agent, H1Connection, H1Pool, request_head
 from crossbar.upstream.pools import ConnectTracker, PollAgent, UpstreamEndpoints
 
 URL = b"http://127.0.0.1:8080/v1/chat/completions"
@@ -621,6 +621,36 @@ class HeadRuleTests(SynchronousTestCase):
         self.assertEqual(b"".join(body.chunks), b"a" * size)
         self.assertTrue(body.reason is not None and body.reason.check(ResponseDone))
         self.assertFalse(self.transport.disconnecting)
+
+
+class RequestHeadTests(SynchronousTestCase):
+    """What :func:`request_head` writes, and a body of unknown length never sent."""
+
+    def test_the_head_in_order(self) -> None:
+        headers = Headers({b"X-A": [b"1", b"2"]})
+        self.assertEqual(b"".join(request_head(b"POST", b"/v1/x", headers, b"h:1", False, 12)),
+                         b"POST /v1/x HTTP/1.1\r\nHost: h:1\r\nConnection: close\r\nContent-Length: 12\r\n"
+                         b"X-A: 1\r\nX-A: 2\r\n\r\n")
+
+    def test_an_empty_post_or_put_says_length_0(self) -> None:
+        for method, expected in ((b"PUT", b"Content-Length: 0\r\n"), (b"POST", b"Content-Length: 0\r\n"), (b"GET", b"")):
+            self.assertEqual(b"".join(request_head(method, b"/", Headers(), None, True, None)),
+                             method + b" / HTTP/1.1\r\n" + expected + b"\r\n")
+
+    def test_a_body_of_unknown_length_is_not_sent(self) -> None:
+        """``RequestNotSent``, nothing written, and the connection is as it was: a
+        later request goes out, and its close fails only that one."""
+        connection = H1Connection(None, (b"http", b"upstream", 80), True)
+        transport = _Transport()
+        connection.makeConnection(transport)
+        producer = BytesProducer(b"x")
+        producer.length = UNKNOWN_LENGTH
+        self.failureResultOf(connection.send(b"POST", b"/", Headers(), producer), RequestNotSent)
+        self.assertEqual(transport.value(), b"")
+        d = connection.send(b"GET", b"/", Headers(), None)
+        self.assertTrue(transport.value().startswith(b"GET / HTTP/1.1\r\n"))
+        connection.connectionLost(Failure(ConnectionDone()))
+        self.failureResultOf(d, ResponseNeverReceived)
 
 
 class PollAgentTests(_ClientCase):

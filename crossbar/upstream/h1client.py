@@ -340,12 +340,13 @@ class H1Connection(Protocol):
         abort it when the request body was not all sent."""
         response, self._response = self._response, None
         unfinished = self._producer is not None  # an answer before the whole body went
+        chunked = self._head.chunked
         if unfinished:
             self._kill()  # the host will not read the rest: don't wait to send it
-        elif self._close_after or self._pool is None or (self._head.chunked and self._pool.closes_after_chunked(self.key)):
+        elif self._close_after or self._pool is None or (chunked and self._pool.closes_after_chunked(self.key)):
             self._close()
         else:
-            self.streamed = self._head.chunked
+            self.streamed = chunked
             self.state = _DONE
             self._pool.put(self)  # may close it (the pool is full)
         if response is not None:
