@@ -184,9 +184,11 @@ class AnswerHead:
     ``httptools.HttpResponseParser``), the checks of the module doc, and the
     :class:`H1Response` of each final answer.
 
-    It is the parser's protocol object. The body's callbacks (``on_body``,
-    ``on_message_complete``) are the connection's own methods, kept here under those
-    names: the parser calls them with no layer between (once per streamed event).
+    It is the parser's protocol object, its callbacks attributes bound once per
+    connection (the parser, made per request, reads them by name: no bound method is
+    made per request): the head's are its own methods; the body's (``on_body``,
+    ``on_message_complete``) are the connection's, called by the parser with no layer
+    between (once per streamed event).
 
     :param connection: the connection the answers come on (each ``H1Response``'s flow
         control).
@@ -201,12 +203,17 @@ class AnswerHead:
     """
 
     __slots__ = (
-        "on_body", "on_message_complete", "chunked", "closes", "keep_alive", "_connection", "_answered", "_parser",
-        "_method", "_final", "_phrase", "_headers", "_connection_values", "_length", "_encodings",
+        "on_message_begin", "on_status", "on_header", "on_headers_complete", "on_body", "on_message_complete",
+        "chunked", "closes", "keep_alive", "_connection", "_answered", "_parser", "_method", "_final", "_phrase",
+        "_headers", "_connection_values", "_length", "_encodings",
     )
 
     def __init__(self, connection: Upstream, on_body: Callable[[bytes], None], on_message_complete: Callable[[], None],
                  answered: Callable[[H1Response, bool], None]) -> None:
+        self.on_message_begin = self._begin  # llhttp's callbacks, by the names httptools reads
+        self.on_status = self._status
+        self.on_header = self._header
+        self.on_headers_complete = self._headers_complete
         self.on_body = on_body
         self.on_message_complete = on_message_complete
         self._connection = connection
@@ -228,14 +235,13 @@ class AnswerHead:
         ``method`` request."""
         self._method = method
         self._final = False
-        self._phrase = b""
         self._parser = parser = httptools.HttpResponseParser(self)
         # Content-Length beside chunked: the chunked framing wins (RFC 9112 §6.3); a
         # space before a chunk extension's ";" is the BWS RFC 9112 §7.1.1 allows.
         parser.set_dangerous_leniencies(lenient_chunked_length=True, lenient_spaces_after_chunk_size=True)
         return parser
 
-    def on_message_begin(self) -> None:
+    def _begin(self) -> None:
         if self._final:
             raise UnsolicitedAnswer("bytes after a complete answer, with no request")
         self.keep_alive = None  # what this answer says (the last answer's word counts)
@@ -246,10 +252,10 @@ class AnswerHead:
         self.chunked = False
         self._encodings = []
 
-    def on_status(self, phrase: bytes) -> None:
+    def _status(self, phrase: bytes) -> None:
         self._phrase += phrase
 
-    def on_header(self, name: bytes, value: bytes) -> None:
+    def _header(self, name: bytes, value: bytes) -> None:
         if self._final:
             return  # a trailer field: not relayed (its bytes count as framing)
         lower = name.lower()
@@ -266,7 +272,7 @@ class AnswerHead:
             return
         self._headers.addRawHeader(name, value)
 
-    def on_headers_complete(self) -> None:
+    def _headers_complete(self) -> None:
         parser = self._parser
         code = parser.get_status_code()
         phrase, self._phrase = self._phrase, b""
