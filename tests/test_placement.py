@@ -230,6 +230,24 @@ class RuntimeTests(SynchronousTestCase):
         self.runtime.placement.polled(first.host, self.runtime.table.get(first.host), started=0.5)  # type: ignore[arg-type]
         self.assertEqual(self.runtime.placement.loading, {})
 
+    def test_a_load_waiting_in_the_hosts_queue_keeps_the_mark(self) -> None:
+        """llama-server lists a model unloaded while a request for it waits in the host's
+        own queue for a place: while crossbar has such a request in flight, the model
+        still counts as loading there (rule 1); once none is, the poll ends the mark."""
+        first = self.runtime.choose(self.route, "x", None, [])
+        assert isinstance(first, Chosen)
+        in_flight = {(first.host, "x"): 1}
+        self.clock.advance(1)
+        placement = self.runtime.placement
+        status = self.runtime.table.get(first.host)
+        assert status is not None
+        placement.polled(first.host, status, started=0.5, in_use=lambda h, m: in_flight.get((h, m), 0))
+        self.assertIn((first.host, "x"), placement.loading)
+        self.assertEqual(self.runtime.choose(self.route, "x", None, []).host, first.host)  # type: ignore[union-attr]
+        in_flight.clear()  # the host answered it (a failed load ends its waiters with an error)
+        placement.polled(first.host, status, started=0.5, in_use=lambda h, m: in_flight.get((h, m), 0))
+        self.assertEqual(placement.loading, {})
+
     def test_the_mark_expires_after_first_byte(self) -> None:
         self.runtime.choose(self.route, "x", None, [])
         self.clock.advance(59)

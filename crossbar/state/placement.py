@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 from crossbar.hosts.health import HostStatus
-from crossbar.hosts.placement import model_id, with_loading
+from crossbar.hosts.placement import InUse, model_id, with_loading
 from crossbar.state.placement_share import PlacementShare
 
 __all__ = ["Load", "Move", "PlacementState", "REASONS"]
@@ -164,13 +164,17 @@ class PlacementState:
         if self.on_move is not None:
             self.on_move(host, model, "unload", reason)
 
-    def polled(self, host: str, status: HostStatus, started: float, linger: float = 0.0) -> None:
+    def polled(self, host: str, status: HostStatus, started: float, linger: float = 0.0,
+               in_use: InUse | None = None) -> None:
         """A good poll of ``host`` that started at clock second ``started`` listed
         ``status``: a load it shows loaded is done (its time observed; the other
         processes see it loading ``linger`` seconds more, until their polls show it
         loaded); one it shows neither loaded nor loading (failed, or back to unloaded)
-        ended, if the poll started after the load did (rule 1). Models seen loaded for
-        the first time start their idle time (rule 4)."""
+        ended, if the poll started after the load did and no request crossbar sent for
+        the model is still in flight there (``in_use``, when given: llama-server lists a
+        model unloaded while requests for it wait in its own queue for a place; a load
+        that failed ends them with an error) (rule 1). Models seen loaded for the first
+        time start their idle time (rule 4)."""
         now = self.now()
         for model in status.loaded:
             self._seen.setdefault((host, model), now)
@@ -181,7 +185,7 @@ class PlacementState:
                 self.drop(h, model, linger)
                 if self.on_loaded is not None:
                     self.on_loaded(host, model, max(0.0, now - load.since))
-            elif model not in status.loading and started >= load.since:
+            elif model not in status.loading and started >= load.since and not (in_use and in_use(h, model)):
                 self.drop(h, model)
         for key in [k for k in self._seen if k[0] == host and k[1] not in status.loaded]:
             del self._seen[key]

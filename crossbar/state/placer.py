@@ -58,7 +58,8 @@ class Placer:
         status = runtime.table.get(host)
         if ok and status is not None:
             health = runtime.config.health  # the others' polls show the load within a round
-            runtime.placement.polled(host, status, self.clock.seconds() - took, health.interval + health.timeout)
+            runtime.placement.polled(host, status, self.clock.seconds() - took, health.interval + health.timeout,
+                                     runtime.inflight.host_model)
         self.act(host)
 
     def act(self, polled: str | None = None) -> None:
