@@ -105,6 +105,8 @@ class Placer:
             status = runtime.placement.overlay(runtime.table.all()).get(name)
             evicts = None if status is None else evicted(name, host, status, runtime.placement.last_use)
             runtime.placement.started(name, model, reason, evicts)
+        else:
+            runtime.placement.unloading_started(name, model)
         self._log.info("host {host}: {action} {model} ({reason})", host=name, action=action, model=one_line(model),
                        reason=reason)
         try:
@@ -126,6 +128,8 @@ class Placer:
                                host=name, action=action, model=one_line(model), reason=one_line(reason_text))
                 if action == "load":
                     runtime.placement.drop(name, model)
+                else:
+                    runtime.placement.unloading_ended(name, model)
                 self._cooling.add(name)
                 runtime.queues.wake()
 
