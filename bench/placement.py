@@ -2,27 +2,31 @@
 """Where models live (issue 31): one mixed-model workload replayed through crossbar with a
 route's ``placement`` on, and through the same route without it.
 
-    .venv/bin/python bench/placement.py [--seconds 60] [--rate 6] [--hosts 3] [--load-time 2]
-                                        [--seed 31] [--real] [--json FILE]
+    .venv/bin/python bench/placement.py [--seconds 60] [--rate 6] [--hosts 4] [--load-time 2]
+                                        [--seed 31] [--warm N] [--max-inflight 2]
+                                        [--spread-after 5] [--real] [--json FILE]
 
-The fleet: ``--hosts`` router-mode hosts (``models_max: 2``, ``max_inflight: 4``) listing
-8 models ``m0``..``m7`` of skewed popularity (weights 30, 20, 12, 8, 4, 3, 2, 1: a few hot,
-a long tail), plus bursts (every 10 s, 8 requests at once for one tail model). Each
-request is a streamed chat completion of 10 events 50 ms apart (0.5 s of generation).
-By default the hosts are in-process fakes (tests/fake_router.py: a load takes
-``--load-time`` seconds, ``--models-max`` and LRU eviction as llama-server does); with
-``--real`` they are real llama-servers in router mode (tools/llama_server.py, tiny
-models tiny-a and tiny-b only: loads take milliseconds, so the figures say little more
-than "it works").
+The fleet: ``--hosts`` router-mode hosts (``models_max: 2``, ``max_inflight``
+``--max-inflight``) listing 8 models ``m0``..``m7`` of skewed popularity (weights 50, 15,
+10, 8, 6, 5, 4, 2: a hot one, a long tail), Poisson arrivals at ``--rate`` plus bursts
+(every 6 s, 12 requests at once for one tail model). Each request is a streamed chat
+completion of 10 events 50 ms apart (0.5 s of generation). By default the hosts are
+in-process fakes (tests/fake_router.py: a load takes ``--load-time`` seconds;
+``--models-max``, eviction of the least recently used idle model and the host's own
+queue as llama-server 0.7.0 does them); with ``--real`` they are real llama-servers in
+router mode (tools/llama_server.py, tiny models tiny-a and tiny-b only: loads take
+milliseconds, so the figures say little more than "it works").
 
 The workload (arrival times, models, bursts) is drawn once from ``--seed`` and replayed
 against a fresh crossbar and fresh hosts twice: ``off`` (no ``placement``) then ``on``
-(``placement: {spread_after: 2}``). Then, on each, a burst of 20 requests for a model
-loaded nowhere. Per run: requests, loads per 1,000 requests (loads the hosts started,
-by a request or a command), 503s, p50/p95 time to first token (from the request sent to
-crossbar to its first body byte, waits included), the time requests spent at a host
-waiting for their model to load (sum and per request), and in the final burst the number
-of hosts that loaded its model.
+(``placement: {spread_after: --spread-after}``). Then, on each, a burst of 20 requests
+for a model loaded nowhere. Per run: requests, loads per 1,000 requests (loads the hosts
+started, by a request or a command), 503s, other errors, streams cut short, p50/p95 time
+to first token (from the request sent to crossbar to its first body byte, waits
+included), also per kind of request (``hot``: the hot model; ``steady``: the others'
+Poisson arrivals; ``burst``), the time requests spent at a host waiting for their model
+(a place and the load; sum and per request), the fakes' loads and evictions per model,
+and in the final burst the number of hosts that loaded its model.
 
 crossbar, the hosts and the load generator share one process and reactor (the figures
 are seconds of loading and waiting, not CPU).
@@ -60,20 +64,21 @@ WEIGHTS = [50, 15, 10, 8, 6, 5, 4, 2]
 
 
 def workload(seconds: float, rate: float, seed: int, models: list[str], burst: int = 12,
-             burst_every: int = 6) -> list[tuple[float, str]]:
-    """(send time in s from the start, model) for every request, sorted."""
+             burst_every: int = 6) -> list[tuple[float, str, str]]:
+    """(send time in s from the start, model, ``steady`` or ``burst``) for every request,
+    sorted."""
     rng = random.Random(seed)
     weights = WEIGHTS[:len(models)]
-    out: list[tuple[float, str]] = []
+    out: list[tuple[float, str, str]] = []
     t = 0.0
     while True:
         t += rng.expovariate(rate)
         if t >= seconds:
             break
-        out.append((t, rng.choices(models, weights)[0]))
+        out.append((t, rng.choices(models, weights)[0], "steady"))
     for start in range(3, int(seconds), burst_every):  # bursts for a tail model
         model = rng.choice(models[len(models) // 2:])
-        out += [(start + i * 0.01, model) for i in range(burst)]
+        out += [(start + i * 0.01, model, "burst") for i in range(burst)]
     return sorted(out)
 
 
@@ -91,6 +96,8 @@ class Run:
         self.name, self.args, self.models = name, args, models
         self.routers: list[FakeRouter] = []
         self.ttft: list[float] = []
+        self.ttft_by: dict[str, list[float]] = {}
+        self.truncated = 0
         self.codes: list[int] = []
         self.servers: list[Any] = []
         self.real_urls: list[str] = []
@@ -139,7 +146,7 @@ class Run:
             else:
                 server.stop()
 
-    async def one(self, model: str, stream: bool = True) -> None:
+    async def one(self, model: str, stream: bool = True, kind: str = "") -> None:
         doc: dict[str, Any] = {"model": model, "messages": [{"role": "user", "content": "hi"}], "stream": stream,
                                "max_tokens": 10}
         if not self.args.real:  # the fake host's pace: 10 events 50 ms apart
@@ -150,6 +157,7 @@ class Run:
                                             Headers({b"content-type": [b"application/json"]}),
                                             FileBodyProducer(io.BytesIO(body)))
         first: list[float] = []
+        ended: list[bytes] = []
         if response.code == 200:
             done: defer.Deferred[None] = defer.Deferred()
             from twisted.internet.protocol import Protocol
@@ -158,6 +166,7 @@ class Run:
                 def dataReceived(self, data: bytes) -> None:
                     if not first:
                         first.append(time.monotonic())
+                    ended[:] = [(ended[0] if ended else b"")[-16:] + data]
 
                 def connectionLost(self, reason: Any = None) -> None:
                     done.callback(None)
@@ -169,15 +178,18 @@ class Run:
         self.codes.append(response.code)
         if first:
             self.ttft.append(first[0] - sent)
+            self.ttft_by.setdefault(kind, []).append(first[0] - sent)
+        if response.code == 200 and stream and not (ended and ended[0].rstrip().endswith(b"[DONE]")):
+            self.truncated += 1  # a stream cut short (the host cut it, or crossbar did)
 
-    async def replay(self, plan: list[tuple[float, str]]) -> None:
+    async def replay(self, plan: list[tuple[float, str, str]]) -> None:
         start = time.monotonic()
         pending = []
-        for at, model in plan:
+        for at, model, kind in plan:
             delay = start + at - time.monotonic()
             if delay > 0:
                 await task.deferLater(reactor, delay)
-            pending.append(defer.ensureDeferred(self.one(model)))
+            pending.append(defer.ensureDeferred(self.one(model, kind="hot" if model == self.models[0] else kind)))
         await defer.DeferredList(pending)
 
     def loads(self, model: str | None = None) -> int:
@@ -232,7 +244,7 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
         for model in models[:args.warm]:
             await run.one(model, stream=False)
         await task.deferLater(reactor, 1.5)
-        run.codes, run.ttft = [], []
+        run.codes, run.ttft, run.ttft_by, run.truncated = [], [], {}, 0
         base_loads, base_wait = run.loads(), run.load_wait()
         t0 = time.monotonic()
         await run.replay(plan)
@@ -247,10 +259,16 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
             "other_errors": sum(1 for c in run.codes if c not in (200, 503)),
             "ttft_p50_s": round(pct(run.ttft, 0.50), 3),
             "ttft_p95_s": round(pct(run.ttft, 0.95), 3),
+            "ttft_p50_p95_by_kind_s": {kind: [len(v), round(pct(v, 0.5), 3), round(pct(v, 0.95), 3)]
+                                       for kind, v in sorted(run.ttft_by.items())},
+            "truncated": run.truncated,
             "load_wait_s": round(run.load_wait() - base_wait, 1),
             "load_wait_per_request_s": round((run.load_wait() - base_wait) / n, 3) if n else None,
             "seconds": round(took, 1),
         }
+        if run.routers:  # which models were loaded (and evicted) how often, over the hosts
+            results[name]["loads_by_model"] = {m: sum(r.loads.count(m) for r in run.routers) for m in models}
+            results[name]["evictions_by_model"] = {m: sum(r.evictions.count(m) for r in run.routers) for m in models}
         results[name]["burst_hosts_loading"] = await run.final_burst()
         metrics = run.service.metrics.render().decode()
         results[name]["loads_by_reason"] = {
@@ -264,12 +282,16 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
 
 def table(results: dict[str, Any]) -> str:
     rows = [("requests", "requests"), ("loads per 1,000 requests", "loads_per_1000"), ("503s", "503s"),
+            ("other errors", "other_errors"), ("streams cut short", "truncated"),
             ("TTFT p50 (s)", "ttft_p50_s"), ("TTFT p95 (s)", "ttft_p95_s"),
             ("waiting for a load, total (s)", "load_wait_s"), ("... per request (s)", "load_wait_per_request_s"),
             ("burst of 20, model loaded nowhere: hosts that load it", "burst_hosts_loading")]
     out = ["| | placement off | placement on |", "|---|---:|---:|"]
     for label, key in rows:
         out.append(f"| {label} | {results['off'][key]} | {results['on'][key]} |")
+    for kind in sorted(results["off"]["ttft_p50_p95_by_kind_s"]):
+        off, on = (results[r]["ttft_p50_p95_by_kind_s"].get(kind, ["-"] * 3) for r in ("off", "on"))
+        out.append(f"| TTFT p50 / p95 (s), {kind} ({off[0]}) | {off[1]} / {off[2]} | {on[1]} / {on[2]} |")
     return "\n".join(out)
 
 

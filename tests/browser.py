@@ -21,7 +21,7 @@ from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
-__all__ = ["Browser", "artifacts_dir", "require_chromium"]
+__all__ = ["Browser", "artifacts_dir", "require_chromium", "table_rows"]
 
 T = TypeVar("T")
 
@@ -62,6 +62,23 @@ def artifacts_dir() -> str:
     path = os.path.abspath(os.path.join(root, "dashboard"))
     os.makedirs(path, exist_ok=True)
     return path
+
+
+_ROWS = """
+var key = arguments[1];
+return Array.from(document.querySelectorAll(arguments[0])).map(function (tr) {
+  return [key ? tr.getAttribute(key) : null,
+          Array.from(tr.cells).map(function (td) { return td.innerText.trim(); })];
+});"""
+
+
+def table_rows(driver: Any, selector: str, key: str | None = None) -> list[tuple[str | None, list[str]]]:
+    """The rows ``selector`` finds, each as its ``key`` attribute (None without one) and
+    its cells' text, read in one script call. The page redraws live: a look of one
+    WebDriver call per cell outlasted a redraw on a loaded machine, and every look then
+    ended on a stale element."""
+    found: list[list[Any]] = driver.execute_script(_ROWS, selector, key)
+    return [(k, cells) for k, cells in found]
 
 
 class Browser:

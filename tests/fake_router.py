@@ -1,21 +1,31 @@
 """A loopback stand-in for llama-server in router mode (``--models-dir``, ``--models-max N``):
 the shapes crossbar reads and sends, with a model's loading time, the ``--models-max``
-bound and LRU eviction modelled.
+bound and eviction modelled as llama-server 0.7.0 does them (measured against the real
+server, see bench/README.md §Where models live):
 
 - ``GET /health`` → 200; ``GET /v1/models`` (and ``/models``) lists every model with
-  ``"status": {"value": "loaded" | "loading" | "unloaded"}``;
-- ``POST /models/load {"model": M}`` → ``{"success": true}`` at once and M loads in the
-  background (``load_time`` seconds), evicting the least recently used loaded model when
-  ``models_max`` are loaded or loading; 400 ``model is already running`` when M is
-  loaded or loading, 404 for a model it does not list (as llama-server answers);
-- ``POST /models/unload {"model": M}`` → ``{"success": true}`` (M unloads), 400
-  ``model is not found`` for a model it does not list;
-- ``POST /v1/chat/completions`` naming M: loads M if needed (as the router does), waits
-  for it, then answers (streamed when asked: ``n`` events ``delay`` s apart); 400 when M
-  is not listed.
+  ``"status": {"value": "loaded" | "loading" | "unloaded"}`` (a model waiting at the host
+  for a place is still ``unloaded``);
+- ``POST /v1/chat/completions`` naming M: a loaded M answers at once (streamed when asked:
+  ``n`` events ``delay`` s apart); else the request joins the host's queue (one entry per
+  model, first come first loaded, one load at a time). Only the front entry loads, and
+  only with a place free (loaded + loading < ``models_max``); places are freed by evicting
+  *idle* models (no request in flight, none queued for them), least recently used first
+  (last request served), as many as the queue needs. A model with a request in flight is
+  never evicted: the queue waits until one falls idle. 400 when M is not listed;
+- ``POST /models/load {"model": M}`` → ``{"success": true}`` and M loads in the background
+  (``load_time`` seconds), evicting the least recently used idle model when full; 500
+  ``model limit reached, try again later`` when full and every model is in use; 400
+  ``model is already running`` when M is loaded or loading, 404 for a model it does not
+  list;
+- ``POST /models/unload {"model": M}`` → ``{"success": true}``: M unloads, and answers in
+  flight on it are cut (the connection aborted, as the real server's stopped child ends
+  them); 400 ``model is not found`` for a model it does not list.
 
 :ivar loads: every load the host started, in order (model ids); :ivar evictions: likewise.
-:ivar load_wait: seconds requests spent at the host waiting for their model to load (summed).
+:ivar load_wait: seconds requests spent at the host waiting for their model (a place and
+    its load; summed).
+:ivar cut: answers cut by an unload.
 """
 
 from __future__ import annotations
@@ -47,40 +57,72 @@ class FakeRouter(Resource):
         self.clock = clock if clock is not None else reactor
         self.state: dict[str, str] = {m: "unloaded" for m in models}
         self.used: dict[str, float] = {}
+        self.busy: dict[str, int] = {}
+        self.queue: list[str] = []
         self.waiting: dict[str, list[Deferred[None]]] = {}
+        self.answering: dict[str, list[Request]] = {}
         self.loads: list[str] = []
         self.evictions: list[str] = []
         self.commands: list[tuple[str, str]] = []
         self.completions: list[str] = []
         self.inflight = 0
+        self.cut = 0
         self.calls: list[Any] = []
         self.load_wait = 0.0
         self.up = True
 
     # -- the router's own behaviour ----------------------------------------------------------
 
+    def held(self) -> list[str]:
+        """The models loaded or loading (they take a place)."""
+        return [m for m, s in self.state.items() if s in ("loaded", "loading")]
+
+    def victim(self) -> str | None:
+        """The model a load evicts: the least recently used loaded one with no request in
+        flight and none queued for it; None when every loaded model is in use."""
+        idle = [m for m, s in self.state.items()
+                if s == "loaded" and not self.busy.get(m) and m not in self.queue]
+        return min(idle, key=lambda m: (self.used.get(m, 0.0), m)) if idle else None
+
+    def full(self) -> bool:
+        return bool(self.models_max) and len(self.held()) >= self.models_max
+
     def load(self, model: str) -> None:
-        """Start loading ``model`` (evicting the least recently used loaded one when full)."""
-        if self.state.get(model) != "unloaded":
-            return
-        held = [m for m, s in self.state.items() if s in ("loaded", "loading")]
-        if self.models_max and len(held) >= self.models_max:
-            loaded = [m for m in held if self.state[m] == "loaded"]
-            if loaded:
-                victim = min(loaded, key=lambda m: self.used.get(m, 0.0))
-                self.state[victim] = "unloaded"
-                self.evictions.append(victim)
+        """Start loading ``model`` now (a place must be free)."""
         self.state[model] = "loading"
         self.loads.append(model)
         self.calls = [c for c in self.calls if c.active()] + [self.clock.callLater(self.load_time, self._loaded, model)]
+
+    def evict(self, model: str) -> None:
+        self.state[model] = "unloaded"
+        self.evictions.append(model)
+
+    def schedule(self) -> None:
+        """The host's queue: evict idle models while the queue needs places, and load its
+        front entry when a place is free (one load at a time)."""
+        needed = [m for m in self.queue if self.state[m] == "unloaded"]
+        if self.models_max:
+            free = self.models_max - len(self.held())
+            while free < len(needed):
+                victim = self.victim()
+                if victim is None:
+                    break
+                self.evict(victim)
+                free += 1
+        if self.queue and self.state[self.queue[0]] == "unloaded" and not self.full() \
+                and not any(self.state[m] == "loading" for m in self.queue):
+            self.load(self.queue[0])
 
     def _loaded(self, model: str) -> None:
         if self.state.get(model) != "loading":
             return
         self.state[model] = "loaded"
-        self.used.setdefault(model, self.clock.seconds())
+        self.used[model] = self.clock.seconds()
+        if model in self.queue:
+            self.queue.remove(model)
         for d in self.waiting.pop(model, []):
             d.callback(None)
+        self.schedule()
 
     def stop(self) -> None:
         """Cancel the loads under way (the end of a test)."""
@@ -118,52 +160,70 @@ class FakeRouter(Resource):
             doc = {}
         model = doc.get("model") if isinstance(doc, dict) else None
         if path in (b"/models/load", b"/models/unload"):
-            action = path.decode().rsplit("/", 1)[1]
-            self.commands.append((action, str(model)))
-            if model not in self.state:
-                if action == "load":
-                    request.setResponseCode(404)
-                    return b'{"error":{"message":"File Not Found","type":"not_found_error","code":404}}'
-                request.setResponseCode(400)
-                return b'{"error":{"code":400,"message":"model is not found","type":"invalid_request_error"}}'
-            if action == "load":
-                if self.state[model] != "unloaded":
-                    request.setResponseCode(400)
-                    return b'{"error":{"code":400,"message":"model is already running","type":"invalid_request_error"}}'
-                self.load(model)
-            else:
-                self.state[model] = "unloaded"
-            return b'{"success":true}'
+            return self._command(request, path.decode().rsplit("/", 1)[1], model)
         if path == b"/v1/chat/completions":
             if model not in self.state:
                 request.setResponseCode(400)
                 return b'{"error":{"code":400,"message":"model not found","type":"invalid_request_error"}}'
             self.completions.append(model)
             self.inflight += 1
-            self.used[model] = self.clock.seconds()
-            self.load(model)
             if self.state[model] == "loaded":
                 self._answer(request, model, doc)
-            else:
-                d: Deferred[None] = Deferred()
-                self.waiting.setdefault(model, []).append(d)
-                arrived = self.clock.seconds()
+                return NOT_DONE_YET
+            d: Deferred[None] = Deferred()
+            self.waiting.setdefault(model, []).append(d)
+            if model not in self.queue:
+                self.queue.append(model)
+            arrived = self.clock.seconds()
 
-                def loaded(_: object) -> None:
-                    self.load_wait += self.clock.seconds() - arrived
-                    self._answer(request, model, doc)
+            def ready(_: object) -> None:
+                self.load_wait += self.clock.seconds() - arrived
+                if request._disconnected:  # the client left while it waited
+                    self.inflight -= 1
+                    return
+                self._answer(request, model, doc)
 
-                d.addCallback(loaded)
+            d.addCallback(ready)
+            self.schedule()
             return NOT_DONE_YET
         request.setResponseCode(404)
         return b'{"error":{"code":404,"message":"File Not Found","type":"not_found_error"}}'
 
+    def _command(self, request: Request, action: str, model: Any) -> bytes:
+        self.commands.append((action, str(model)))
+        if model not in self.state:
+            if action == "load":
+                request.setResponseCode(404)
+                return b'{"error":{"code":404,"message":"File Not Found","type":"not_found_error"}}'
+            request.setResponseCode(400)
+            return b'{"error":{"code":400,"message":"model is not found","type":"invalid_request_error"}}'
+        if action == "unload":
+            self.state[model] = "unloaded"
+            for cut in self.answering.pop(model, []):
+                self.cut += 1
+                cut.channel.transport.abortConnection()  # type: ignore[union-attr]
+            self.schedule()
+            return b'{"success":true}'
+        if self.state[model] != "unloaded":
+            request.setResponseCode(400)
+            return b'{"error":{"code":400,"message":"model is already running","type":"invalid_request_error"}}'
+        if self.full():
+            victim = self.victim()
+            if victim is None:
+                request.setResponseCode(500)
+                return b'{"error":{"code":500,"message":"model limit reached, try again later","type":"server_error"}}'
+            self.evict(victim)
+        self.load(model)
+        return b'{"success":true}'
+
     def _answer(self, request: Request, model: str, doc: dict[str, Any]) -> None:
         self.used[model] = self.clock.seconds()
+        self.busy[model] = self.busy.get(model, 0) + 1
+        self.answering.setdefault(model, []).append(request)
         if not doc.get("stream"):
             request.write(json.dumps({"object": "chat.completion", "model": model, "choices": [
                 {"index": 0, "message": {"role": "assistant", "content": "hi"}}]}).encode())
-            self._end(request)
+            self._end(request, model)
             return
         request.setHeader(b"content-type", b"text/event-stream")
         events, delay = int(doc.get("n", 3)), float(doc.get("delay", 0.0))
@@ -172,7 +232,7 @@ class FakeRouter(Resource):
 
         def tick() -> None:
             if state["gone"]:
-                self.inflight -= 1
+                self._end(request, model, finish=False)
                 return
             if state["i"] < events:
                 request.write(sse_event(state["i"]))
@@ -180,10 +240,18 @@ class FakeRouter(Resource):
                 self.clock.callLater(delay, tick)
             else:
                 request.write(b"data: [DONE]\n\n")
-                self._end(request)
+                self._end(request, model)
 
         tick()
 
-    def _end(self, request: Request) -> None:
+    def _end(self, request: Request, model: str, finish: bool = True) -> None:
+        """An answer ended (``finish``: completely): its model may fall idle."""
         self.inflight -= 1
-        request.finish()
+        self.busy[model] -= 1
+        answering = self.answering.get(model, [])
+        if request in answering:
+            answering.remove(request)
+        if finish:
+            request.finish()
+        if not self.busy[model]:
+            self.schedule()

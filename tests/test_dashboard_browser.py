@@ -23,7 +23,7 @@ from twisted.trial.unittest import TestCase
 from crossbar.config import parse_config
 from crossbar.process.service import CrossbarService, make_service
 from crossbar.ops.recent import token_figures
-from tests.browser import Browser, require_chromium
+from tests.browser import Browser, require_chromium, table_rows
 from tests.harness import FakeLlama, http_client, listen, require_llama_server, start_crossbar
 from tools.llama_server import LlamaServer, model_path
 
@@ -59,8 +59,7 @@ def _host_class(name: str) -> Any:
 
 
 def _recent_rows(d: Any) -> list[list[str]]:
-    rows = d.find_elements(*_by("#recent tbody tr"))
-    return [[td.text for td in row.find_elements(*_by("td"))] for row in rows]
+    return [cells for _, cells in table_rows(d, "#recent tbody tr")]
 
 
 async def _chat(http: Any, base: str, model: str = "tiny-a", headers: dict[str, str] | None = None) -> int:
@@ -331,10 +330,8 @@ class ReadmePictureTests(TestCase):
             await treq.content(await http.post(base + "/_crossbar/hosts/gpu-a/drain",
                                                headers={"Authorization": f"Bearer {TOKEN}"}))
             await browser.wait(lambda d: "draining" in _host_class("gpu-a")(d).split(), 10, "gpu-a draining")
-            script = ("return Array.from(document.querySelectorAll('#recent tbody tr'))"
-                      ".map(function (tr) { return Array.from(tr.cells).map(function (td) { return td.textContent; }); });")
             rows = await browser.wait(lambda d: (lambda r: r if len(r) == len(sent) else None)(
-                [row for row in d.execute_script(script) if row[1] == "opencode"]), 10, "every request listed")
+                [row for row in _recent_rows(d) if row[1] == "opencode"]), 10, "every request listed")
             # Each row's model as sent (an alias with its target), tokens
             # (processed+cached/generated) and tok/s, as the real hosts said.
             self.assertEqual([row[3] for row in rows], [

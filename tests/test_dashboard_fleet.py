@@ -3,8 +3,8 @@ the dashboard, and §Several crossbars): two in-process crossbar instances over 
 ``redis-server`` (tests/redis_server.py) and one loopback host whose answers carry
 llama-server's ``timings``.
 
-A request answered by instance A is in the data instance B serves within 2 s, whether
-the page was open before or not; the per-host tokens/s figure and the chart agree on
+A request answered by instance A is in the data instance B serves, whether the page
+was open before or not (within 2 s on crossbar's own clock: FleetWrites); the per-host tokens/s figure and the chart agree on
 both; nobody looking puts no display entry into Redis, only the token figures; Redis
 gone, the data falls back to the instance's own and says so."""
 
@@ -15,20 +15,22 @@ import time
 from typing import Any
 
 import treq
-from twisted.internet import reactor
-from twisted.internet.task import deferLater
 from twisted.trial.unittest import TestCase
 from twisted.web.server import Request
 
 from crossbar.ops.fleet_recent import PREFIX
-from crossbar.ops.recent import BUCKET
+from crossbar.ops.recent import BUCKET, TICK, WATCH_TTL
 from crossbar.process.service import CrossbarService
+from crossbar.state import cluster as cluster_module
 from tests.harness import FakeLlama, http_client, listen, start_crossbar, wait_for
 from tests.redis_server import start_redis
 
 TOKEN = "fleet-dash-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 GENERATED = 42
+LIVE = 10.0
+"""Real seconds an update may take to show in the other instance's data here (the
+design's 2 s is tested on crossbar's own clock, in FleetWrites)."""
 
 
 def answer_with_timings(request: Request, body: bytes) -> bytes:
@@ -66,6 +68,9 @@ class FleetDashboard(TestCase):
         await treq.content(response)
 
     async def test_request_on_a_in_b_data_and_the_same_figures(self) -> None:
+        # What is shared is under test, not the fallback when Redis is slow: a reply
+        # bound of 1 s, so on a loaded machine a late reply does not send an instance alone.
+        self.patch(cluster_module, "BOUND", 1.0)
         redis = start_redis(self)
         host = FakeLlama(["tiny-a"])
         host.handlers[b"/v1/chat/completions"] = answer_with_timings
@@ -85,29 +90,31 @@ class FleetDashboard(TestCase):
         bucket = f"{PREFIX}tok:{int(time.time() // BUCKET * BUCKET)}"
         await wait_for(lambda: redis.command("HGET", bucket, "h\0gpu-a") is not None
                        or redis.command("HGET", f"{PREFIX}tok:{int(time.time() // BUCKET * BUCKET) - BUCKET}",
-                                        "h\0gpu-a") is not None, 3, "A's tokens in Redis")
+                                        "h\0gpu-a") is not None, 10, "A's tokens in Redis")
         self.assertEqual(redis.command("LLEN", f"{PREFIX}recent"), 0)
 
-        # B's page opens: A's earlier request is in B's data within 2 s.
+        # B's page opens: A's earlier request is in B's data. The design's 2 s is kept
+        # on crossbar's own clock (FleetWrites); here one loaded reactor runs both
+        # instances and the client, so real time is given LIVE s.
         opened = time.monotonic()
 
         async def in_b(n: int) -> Any:
             doc = await self.data(http, base_b)
             return doc if [e for e in doc["recent"] if e["host"] == "gpu-a" and e["route"] == "chat"][n - 1:] else None
 
-        doc = await wait_for(lambda: in_b(1), 2.0, "A's request in B's data", step=0.1)
-        self.assertLess(time.monotonic() - opened, 2.0)
+        doc = await wait_for(lambda: in_b(1), LIVE, "A's request in B's data", step=0.1)
+        self.assertLess(time.monotonic() - opened, LIVE)
         self.assertEqual(doc["view"], {"shared": "fleet", "note": None})
         entry = doc["recent"][0]
         self.assertEqual(entry["tokens"], {"prompt": 10.0, "cached": 20.0, "generated": float(GENERATED),
                                            "tps": 61.5})
         self.assertEqual(len(b.recent.entries), 0)  # B answered nothing: the entry came from Redis
 
-        # While B's page is open, a new request on A is there within 2 s too.
+        # While B's page is open, a new request on A is there too.
         sent = time.monotonic()
         await self.chat(http, base_a, 2)
-        await wait_for(lambda: in_b(2), 2.0, "A's second request in B's data", step=0.1)
-        self.assertLess(time.monotonic() - sent, 2.0)
+        await wait_for(lambda: in_b(2), LIVE, "A's second request in B's data", step=0.1)
+        self.assertLess(time.monotonic() - sent, LIVE)
         text = json.dumps(await self.data(http, base_b))
         for secret in ("secret-", "body-", TOKEN):
             self.assertNotIn(secret, text)
@@ -119,7 +126,7 @@ class FleetDashboard(TestCase):
             doc = await self.data(http, base)
             return [h["tps"] for h in doc["hosts"] if h["name"] == "gpu-a"][0], sum(doc["chart"]["hosts"]["gpu-a"])
 
-        await wait_for(lambda: _equal(figures, base_a, base_b, expected), 3, "the same tokens/s on A and B")
+        await wait_for(lambda: _equal(figures, base_a, base_b, expected), LIVE, "the same tokens/s on A and B")
         tps_a, chart_a = await figures(base_a)
         tps_b, chart_b = await figures(base_b)
         self.assertEqual((tps_a, tps_b), (expected, expected))
@@ -137,9 +144,12 @@ class FleetDashboard(TestCase):
         self.assertIn("Redis", doc["view"]["note"])
         self.assertEqual([e for e in doc["recent"] if e["route"] == "chat"], [])  # B's own: none
         await self.chat(http, base_a, 3)
-        await deferLater(reactor, 0.6)
-        doc = await self.data(http, base_a)
-        self.assertEqual(len([e for e in doc["recent"] if e["route"] == "chat"]), 3)  # A's own, all three
+
+        async def all_three_on_a() -> bool:
+            doc = await self.data(http, base_a)
+            return len([e for e in doc["recent"] if e["route"] == "chat"]) == 3
+
+        await wait_for(all_three_on_a, LIVE, "A's own three in A's data")  # after A's next tick
 
 
 async def _equal(figures: Any, base_a: str, base_b: str, expected: float) -> bool:
@@ -213,6 +223,31 @@ class FleetWrites(TestCase):
         clock.advance(2)
         recent.tick()
         self.assertEqual(len(redis.calls), 4)
+
+    def test_a_look_reaches_an_instance_holding_requests_within_2_s(self) -> None:
+        """§Operations, the dashboard: the page shows a request of any instance within
+        2 s. An instance holding a request nobody looked at asks every ASK_EVERY s (on
+        its TICK timer) whether someone looks; whenever the look starts, it pushes the
+        entry within 2 - TICK s, so that the page's next read (TICK s later at most)
+        lists it within 2 s. On crossbar's own clock, for looks starting anywhere in
+        the asking cycle (the real-time test above cannot hold 2 s on a loaded box)."""
+        for offset in [i * 0.05 for i in range(1, 40)]:  # 0.05 .. 1.95 s after the first ask
+            recent, redis, (clock, record) = self.make()
+            recent.observe(record(host="a", route="r", tokens={"generated": 5}))
+            recent.tick()  # the tokens written, the question asked: nobody looks
+            self.assertEqual(len(redis.calls), 1)
+            look = clock.seconds() + offset
+            pushed_at = None
+            while pushed_at is None and clock.seconds() < look + 10:
+                clock.advance(TICK)
+                if clock.seconds() >= look:
+                    redis.reply = int(WATCH_TTL * 1000)  # the page's read marked the fleet watched
+                before = len(redis.calls)
+                recent.tick()
+                if any(int(args[3]) > 0 for _, args in redis.calls[before:]):
+                    pushed_at = clock.seconds()
+            assert pushed_at is not None, offset
+            self.assertLessEqual(pushed_at - look, 2.0 - TICK, offset)  # the page's next read: TICK later
 
     def test_alone_keeps_tokens_for_the_chart_only(self) -> None:
         recent, redis, (clock, record) = self.make()

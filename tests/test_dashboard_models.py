@@ -12,7 +12,7 @@ from twisted.internet.defer import Deferred, ensureDeferred
 from twisted.trial.unittest import TestCase
 
 from crossbar.process.service import CrossbarService
-from tests.browser import Browser, require_chromium
+from tests.browser import Browser, require_chromium, table_rows
 from tests.fake_router import FakeRouter
 from tests.harness import http_client, listen, start_crossbar, wait_for
 
@@ -63,11 +63,8 @@ class ModelsViewTests(TestCase):
             self.addCleanup(lambda: ensureDeferred(browser.close()))
             await browser.get(base + "/_crossbar/")
 
-            def rows(d: Any) -> dict[str, list[str]]:
-                out = {}
-                for tr in d.find_elements(By.CSS_SELECTOR, "#models tbody tr"):
-                    out[tr.get_attribute("data-host")] = [td.text for td in tr.find_elements(By.CSS_SELECTOR, "td")]
-                return out
+            def rows(d: Any) -> dict[str | None, list[str]]:
+                return dict(table_rows(d, "#models tbody tr", "data-host"))
 
             await browser.wait(lambda d: len(rows(d)) == 2, 10, "the models table")
             # The page redraws live: each look is retried when an element was replaced under it.

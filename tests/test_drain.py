@@ -4,7 +4,11 @@ Timeline of :meth:`DrainTests.test_sigterm_drains`: three long streams from a lo
 upstream are in flight when SIGTERM arrives. During ``drain.delay`` readiness says 503
 and crossbar still serves; after it a new connection is refused; the streams that end
 within ``drain.grace`` end intact; the one that does not is cut; the process exits
-within delay + grace + 2 s.
+within delay + grace + 5 s.
+
+The delay and grace leave each stream seconds either side of its mark: under a loaded
+machine the fake host's events come late, and a 2 s delay and 4 s grace left the
+medium stream too little room to end before the cut.
 """
 
 from __future__ import annotations
@@ -25,8 +29,8 @@ from tests.harness import FakeLlama, http_client, listen, port_of, start_routes
 from tests.process import ClientStream, start_twistd
 from tests.raw import parse_responses, raw_exchange, request_bytes
 
-DELAY = 2.0
-GRACE = 4.0
+DELAY = 3.0
+GRACE = 6.0
 
 
 def _config(upstream: str, delay: float = DELAY, grace: float = GRACE) -> str:
@@ -53,13 +57,13 @@ class DrainTests(TestCase):
             target = proc.base + "/r/v1/chat/completions"
             # short: ends during the delay; medium: ends during the grace; long: cut.
             short = ClientStream(http, target, n=10, delay=0.2)      # ~2 s
-            medium = ClientStream(http, target, n=22, delay=0.2)     # ~4.4 s
+            medium = ClientStream(http, target, n=25, delay=0.2)     # ~5 s
             long = ClientStream(http, target, n=300, delay=0.2)      # ~60 s
             for s in (short, medium, long):
                 await s.first
             sent = reactor.seconds()
             proc.signal("TERM")
-            await proc.line(lambda line: "draining" in line, timeout=DELAY)
+            await proc.line(lambda line: "draining" in line, timeout=10)
 
             # readiness is 503 at once, while liveness and the proxy still answer.
             probe = http_client(self)
@@ -81,7 +85,7 @@ class DrainTests(TestCase):
                 await TCP4ClientEndpoint(reactor, "127.0.0.1", proc.port).connect(Factory.forProtocol(Protocol))
 
             # streams ending within the grace end intact; the other is cut.
-            for s, n in ((short, 10), (medium, 22)):
+            for s, n in ((short, 10), (medium, 25)):
                 how, body = await s.done
                 self.assertEqual(how, "complete")
                 self.assertEqual(ClientStream.events(body), list(range(n)))
@@ -97,7 +101,9 @@ class DrainTests(TestCase):
 
             code, sig = await proc.ended
             took = (proc.ended_at or 0) - sent
-            self.assertLess(took, DELAY + GRACE + 2.0, proc.text())
+            # promptly after the grace (a loaded machine takes seconds to end a Python
+            # process and tell this one; a second grace would be 6 s more)
+            self.assertLess(took, DELAY + GRACE + 5.0, proc.text())
             self.assertTrue(code == 0 or sig == signal.SIGTERM, (code, sig, proc.text()))
             self.assertIn("aborting requests still in flight: 1", proc.text())
             self.assertNotIn("Traceback", proc.text())

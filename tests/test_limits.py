@@ -19,10 +19,11 @@ from twisted.web.server import Request
 from crossbar.config import Config, KeyLimits, ConfigError, load_config, parse_config
 from crossbar.process.service import CrossbarService
 from crossbar.process.supervisor import Supervisor
+from crossbar.state import cluster as cluster_module
 from crossbar.state.box_limits import LIMIT_SLOTS, MAX_LIMIT_SLOTS, BoxLimits, limit_slot_map, limit_slots_for
 from crossbar.state.limits import KeyLimiter, retry_after_header
 from tests.harness import FakeLlama, http_client, listen, start_crossbar, wait_for
-from tests.redis_server import start_redis
+from tests.redis_server import RedisServer, start_redis
 from tests.test_workers import ask_worker, fresh, metric, served, start_workers
 
 NOON = calendar.timegm((2026, 12, 1, 12, 0, 0))
@@ -138,6 +139,14 @@ class ThroughCrossbar(TestCase):
             await wait_for(lambda: all(s.cluster is not None and s.cluster.joined for s, _ in out), what="joined")
         return out
 
+    def shared_redis(self) -> RedisServer:
+        """A Redis whose counts are under test, not the fallback when it is slow: a
+        reply bound of 1 s instead of 50 ms, so on a loaded machine a late reply does
+        not send an instance alone (it then counts by itself, and a fleet-wide 429
+        comes as a 200)."""
+        self.patch(cluster_module, "BOUND", 1.0)
+        return start_redis(self)
+
     async def call(self, base: str) -> tuple[int, str | None]:
         client = http_client(self)
         response = await client.post(base + "/r/v1/chat/completions", json={"model": "m"},
@@ -177,7 +186,7 @@ class ThroughCrossbar(TestCase):
 
     async def test_fleet_wide(self) -> None:
         """Two instances over one Redis share every limit of the key."""
-        redis = start_redis(self)
+        redis = self.shared_redis()
         clock = Clock()
         (a, base_a), (b, base_b) = await self.instances(2, redis.url, clock)
         for base in (base_a, base_b, base_a):
@@ -224,7 +233,7 @@ class ThroughCrossbar(TestCase):
         """What an instance admitted and spent while Redis was away is written to Redis
         when it rejoins: the other instance then refuses what the key's minute no longer
         allows (before, it admitted as if nothing had happened)."""
-        redis = start_redis(self)
+        redis = self.shared_redis()
         clock = Clock()
         (a, base_a), (b, base_b) = await self.instances(2, redis.url, clock)
         assert a.cluster is not None and b.cluster is not None

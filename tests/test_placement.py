@@ -230,12 +230,62 @@ class RuntimeTests(SynchronousTestCase):
         self.runtime.placement.polled(first.host, self.runtime.table.get(first.host), started=0.5)  # type: ignore[arg-type]
         self.assertEqual(self.runtime.placement.loading, {})
 
+    def test_a_load_waiting_in_the_hosts_queue_keeps_the_mark(self) -> None:
+        """llama-server lists a model unloaded while a request for it waits in the host's
+        own queue for a place: while crossbar has such a request in flight, the model
+        still counts as loading there (rule 1); once none is, the poll ends the mark."""
+        first = self.runtime.choose(self.route, "x", None, [])
+        assert isinstance(first, Chosen)
+        in_flight = {(first.host, "x"): 1}
+        self.clock.advance(1)
+        placement = self.runtime.placement
+        status = self.runtime.table.get(first.host)
+        assert status is not None
+        placement.polled(first.host, status, started=0.5, in_use=lambda h, m: in_flight.get((h, m), 0))
+        self.assertIn((first.host, "x"), placement.loading)
+        self.assertEqual(self.runtime.choose(self.route, "x", None, []).host, first.host)  # type: ignore[union-attr]
+        in_flight.clear()  # the host answered it (a failed load ends its waiters with an error)
+        placement.polled(first.host, status, started=0.5, in_use=lambda h, m: in_flight.get((h, m), 0))
+        self.assertEqual(placement.loading, {})
+
     def test_the_mark_expires_after_first_byte(self) -> None:
         self.runtime.choose(self.route, "x", None, [])
         self.clock.advance(59)
         self.assertEqual(self.runtime.placement.expire(60), [])
         self.clock.advance(1)
         self.assertEqual(len(self.runtime.placement.expire(60)), 1)
+
+    def test_a_model_being_unloaded_gets_no_request_there(self) -> None:
+        """Rule 4: from the unload command until a later poll shows the model gone, the
+        host counts it as not loaded: a request for it goes to another host holding it
+        (not into the unload, which would cut it), and the mark ends with that poll."""
+        for h in "ab":
+            self.runtime.table.record_success(h, _listed(x="loaded", y="unloaded"))
+        placement = self.runtime.placement
+        self.clock.advance(1)
+        placement.unloading_started("a", "x")
+        for _ in range(4):
+            chosen = self.runtime.choose(self.route, "x", None, [])
+            self.assertEqual(chosen.host, "b")  # type: ignore[union-attr]
+        self.clock.advance(0.1)
+        placement.unloaded("a", "x", "idle")  # the command succeeded at 1.1
+        status = self.runtime.table.get("a")
+        assert status is not None
+        placement.polled("a", status, started=1.05)  # a poll from before it ended says nothing
+        self.assertIn(("a", "x"), placement.unloading)
+        self.runtime.table.record_success("a", _listed(x="unloaded", y="unloaded"))
+        placement.polled("a", self.runtime.table.get("a"), started=1.2)  # type: ignore[arg-type]
+        self.assertEqual(placement.unloading, {})
+
+    def test_a_failed_unload_or_the_bound_ends_the_unloading_mark(self) -> None:
+        placement = self.runtime.placement
+        placement.unloading_started("a", "x")
+        placement.unloading_ended("a", "x")
+        self.assertEqual(placement.unloading, {})
+        placement.unloading_started("a", "x")
+        self.clock.advance(60)
+        placement.expire(60)
+        self.assertEqual(placement.unloading, {})
 
 
 def _listed(**states: str) -> Any:

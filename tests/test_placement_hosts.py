@@ -1,6 +1,6 @@
 """Where models live, end to end against fake router-mode hosts (tests/fake_router.py:
-loading time, ``--models-max``, LRU eviction, ``/models/load`` and ``/models/unload`` as
-llama-server answers them) (docs/design.md §Where models live, rules 1-7)."""
+loading time, ``--models-max``, eviction of the least recently used idle model, the host's
+queue, ``/models/load`` and ``/models/unload`` as llama-server answers them) (docs/design.md §Where models live, rules 1-7)."""
 
 from __future__ import annotations
 
@@ -39,6 +39,38 @@ class CommandTests(TestCase):
             await commands.send(host, "unload", "m1")
             self.assertEqual(router.commands, [("load", "m1"), ("load", "m1"), ("load", "nope"), ("unload", "m1")])
             self.assertEqual(router.state["m1"], "unloaded")
+        return ensureDeferred(go())
+
+    async def post(self, url: str, model: str, **extra: Any) -> Any:
+        response = await http_client(self).post(url, json={"model": model, "messages": [], **extra})
+        return response.code, await treq.content(response)
+
+    def test_a_model_in_use_is_never_evicted(self) -> Deferred[None]:
+        """As llama-server 0.7.0 does (tests/test_placement_real.py pins the real one): a
+        request for another model waits at the host until the model in use falls idle;
+        ``/models/load`` then is 500; ``/models/unload`` cuts the answers in flight."""
+        async def go() -> None:
+            router = FakeRouter(MODELS, models_max=1, load_time=0.05)
+            self.addCleanup(router.stop)
+            router.state.update(m1="loaded")
+            url = await listen(self, router)
+            stream = ensureDeferred(self.post(url + "/v1/chat/completions", "m1", stream=True, n=10, delay=0.05))
+            await wait_for(lambda: router.inflight == 1, what="the stream")
+            other = ensureDeferred(self.post(url + "/v1/chat/completions", "m2"))
+            await wait_for(lambda: router.queue == ["m2"], what="m2 waiting at the host")
+            self.assertEqual(await self.post(url + "/models/load", "m3"), (
+                500, b'{"error":{"code":500,"message":"model limit reached, try again later","type":"server_error"}}'))
+            self.assertEqual(router.state, {"m1": "loaded", "m2": "unloaded", "m3": "unloaded", "m4": "unloaded"})
+            code, body = await stream
+            self.assertEqual((code, body.endswith(b"data: [DONE]\n\n")), (200, True))  # not cut
+            self.assertEqual((await other)[0], 200)
+            self.assertEqual((router.loads, router.evictions, router.loaded()), (["m2"], ["m1"], ["m2"]))
+            cut = ensureDeferred(self.post(url + "/v1/chat/completions", "m2", stream=True, n=40, delay=0.05))
+            await wait_for(lambda: router.inflight == 1, what="a stream on m2")
+            self.assertEqual(await self.post(url + "/models/unload", "m2"), (200, b'{"success":true}'))
+            await self.assertFailure(cut, Exception)
+            self.assertEqual(router.cut, 1)
+            await wait_for(lambda: router.inflight == 0, what="the cut answer's end")
         return ensureDeferred(go())
 
 

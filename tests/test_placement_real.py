@@ -1,7 +1,8 @@
 """Where models live against real llama-servers in router mode (``--models-max``), with
 the tiny models (docs/design.md §Where models live): a burst for a model loaded nowhere
 makes exactly one host load it; a spread after ``spread_after``; an idle unload;
-``keep_loaded`` after start and after the host restarts.
+``keep_loaded`` after start and after the host restarts; and what tests/fake_router.py
+copies of the host itself: a load never evicts a model with a request in flight.
 
 Skipped when no llama-server can be had (``python tools/llama_server.py provision``),
 except under CI (env ``CI=true``), where that is a failure.
@@ -16,6 +17,7 @@ from typing import Any
 import treq
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred, DeferredList, ensureDeferred
+from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import TestCase
 
@@ -139,14 +141,42 @@ class RouterPlacementTests(TestCase):
 
         return ensureDeferred(go())
 
+    def test_the_host_never_evicts_a_model_in_use(self) -> Deferred[None]:
+        """llama-server's router (``--models-max 1``) keeps a model with a request in
+        flight: a request for another model waits at the host, the model it will evict
+        listed loaded, until the first one's answer ends (tests/fake_router.py does the
+        same; bench/README.md §Where models live)."""
+        (server,) = self.start_servers(1, 1)
 
-def stall(port: int) -> socket.socket:
-    """A client that asks crossbar for a long streamed answer (token probabilities) and
-    reads none of it, with a tiny receive window: its host's slot stays taken."""
+        async def go() -> None:
+            await treq.content(await http_client(self).post(server.url + "/v1/chat/completions", json={
+                "model": "tiny-a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}))
+            stalled = await deferToThread(stall, server.port, b"/completion")
+            self.addCleanup(stalled.close)
+            other = http_client(self).post(server.url + "/v1/chat/completions", json={
+                "model": "tiny-b", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}, timeout=120)
+            waited: list[bool] = []
+            other.addBoth(lambda r: (waited.append(True), r)[1])
+            for _ in range(10):  # 2 s: tiny-b would load in milliseconds were tiny-a evicted
+                await deferLater(reactor, 0.2)
+                self.assertEqual(await self.states(server), {"tiny-a": "loaded", "tiny-b": "unloaded"})
+            self.assertEqual(waited, [])
+            stalled.close()
+            response = await other
+            self.assertEqual(response.code, 200, await treq.content(response))
+            self.assertEqual(await self.states(server), {"tiny-a": "unloaded", "tiny-b": "loaded"})
+
+        return ensureDeferred(go())
+
+
+def stall(port: int, path: bytes = b"/r/completion") -> socket.socket:
+    """A client that asks crossbar (or a host: ``path`` ``/completion``) for a long
+    streamed answer (token probabilities) of tiny-a and reads none of it, with a tiny
+    receive window: its host's slot stays taken."""
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
     sock.connect(("127.0.0.1", port))
     body = json.dumps({"model": "tiny-a", "prompt": "hi", "n_predict": 480, "n_probs": 100, "stream": True}).encode()
-    sock.sendall(b"POST /r/completion HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                  b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
     return sock

@@ -38,7 +38,7 @@ from treq.client import HTTPClient
 from zope.interface import implementer
 
 from crossbar.config import MAX_WORKERS, ConfigError, load_config, parse_config, usable_cpus
-from crossbar.process.supervisor import STALL, Supervisor, WorkerTimings
+from crossbar.process.supervisor import STALL, STARTUP, Supervisor, WorkerTimings
 from crossbar.process.workerlog import relay_log_line
 from crossbar.process.heartbeat import HEARTBEAT
 from tests.harness import FakeLlama, listen, port_of, wait_for
@@ -1114,6 +1114,8 @@ class SupervisorRuleTests(SynchronousTestCase):
         self.addCleanup(shutil.rmtree, supervisor.files.directory, True)
         talking, silent = supervisor.workers
         assert talking is not None and silent is not None
+        for worker in (talking, silent):
+            worker.childDataReceived(4, b"ready\n")
         for _ in range(int(STALL / HEARTBEAT) + 2):
             reactor.advance(HEARTBEAT)
             talking.childDataReceived(4, b"alive\n")
@@ -1124,6 +1126,26 @@ class SupervisorRuleTests(SynchronousTestCase):
         silent.processEnded(Failure(ProcessTerminated(signal=9)))
         reactor.advance(30)
         self.assertIsNot(supervisor.workers[1], silent)  # restarted
+
+    def test_a_start_is_judged_by_its_own_bound(self) -> None:
+        """A worker says nothing before its reactor runs (its imports and config first:
+        over 30 s on a loaded machine): not ready, it is killed only STARTUP seconds
+        after its start, whatever ``--worker-stall`` says; ready, the stall applies."""
+        reactor = _SpawnReactor(failures=0)
+        supervisor = Supervisor(self.config(), reactor, environ={}, handle_signals=False,
+                                timings=WorkerTimings.with_stall(6.0))
+        supervisor.startService()
+        self.addCleanup(shutil.rmtree, supervisor.files.directory, True)
+        starting, ready = supervisor.workers
+        assert starting is not None and ready is not None
+        ready.childDataReceived(4, b"ready\n")
+        for _ in range(int(STARTUP - 2)):  # the checks run on time: every second
+            reactor.advance(1)
+        self.assertEqual(ready.transport.signals, ["KILL"])  # silent 6 s once ready  # type: ignore[union-attr]
+        self.assertEqual(starting.transport.signals, [])  # still starting  # type: ignore[union-attr]
+        for _ in range(3):
+            reactor.advance(1)
+        self.assertEqual(starting.transport.signals, ["KILL"])  # type: ignore[union-attr]
 
     def test_a_late_supervisor_judges_no_worker_until_it_has_read_them(self) -> None:
         """When the supervisor's own reactor ran late (a loaded machine, a paused VM),
@@ -1136,6 +1158,8 @@ class SupervisorRuleTests(SynchronousTestCase):
         self.addCleanup(shutil.rmtree, supervisor.files.directory, True)
         talking, silent = supervisor.workers
         assert talking is not None and silent is not None
+        for worker in (talking, silent):
+            worker.childDataReceived(4, b"ready\n")
         reactor.advance(30)  # one late check, five periods after the last
         self.assertEqual((talking.transport.signals, silent.transport.signals), ([], []))  # type: ignore[union-attr]
         talking.childDataReceived(4, b"alive\n")  # read now

@@ -46,7 +46,7 @@ def make_daemon(config: Config, twistd: Mapping[str, Any] | None = None, stall: 
     signal handling, or with ``workers`` > 1 a :class:`~crossbar.process.supervisor.Supervisor`
     of that many (docs/design.md §Workers). ``twistd`` is twistd's own options: when its
     ``--logger`` is :func:`crossbar.ops.jsonlog.observer`, workers log straight to the same
-    standard output. ``stall``: seconds a worker may be silent before it is killed (the
+    standard output. ``stall``: seconds a ready worker may be silent before it is killed (the
     plugin's ``--worker-stall``; default :data:`~crossbar.process.supervisor.STALL`).
 
     :raises ConfigError: as :func:`~crossbar.process.service.make_service` and :class:`~crossbar.process.supervisor.Supervisor`.

@@ -12,7 +12,9 @@ one socket and stays shared by every worker. It only supervises:
   it admitted under a key's ``limits`` keeps counting for the box, and the supervisor
   keeps its share of every counter: affinity, tokens, Redis losses). A
   worker silent for :data:`STALL` seconds (:class:`WorkerTimings`; no ``alive`` line:
-  its reactor wedged, or the process stopped) is killed, and so restarted;
+  its reactor wedged, or the process stopped) is killed, and so restarted; so is one
+  not ready :data:`STARTUP` seconds after it was started (a start is judged by its own
+  bound: on a loaded machine it takes longer than a wedged reactor is allowed);
 - SIGTERM drains every worker at once (each runs its own drain: readiness 503,
   ``drain.delay``, ``drain.grace``); a second SIGTERM or Ctrl-C ends every drain now;
 - a host drained through one worker (``POST /_crossbar/hosts/<name>/drain``) is
@@ -75,15 +77,21 @@ STOP_MARGIN = 15.0
 is killed."""
 
 STALL = 30.0
-"""Seconds without a line from a worker's reactor (it sends ``alive`` every
+"""Seconds without a line from a ready worker's reactor (it sends ``alive`` every
 :data:`crossbar.process.heartbeat.HEARTBEAT`) after which the supervisor kills it."""
+
+STARTUP = 120.0
+"""Seconds a worker may take from its start to its ``ready`` line before the supervisor
+kills it (its imports and config come before its reactor says anything: a start on a
+loaded 2-core machine took over 30 s, and killing it only starts the same again)."""
 
 
 @dataclass(frozen=True)
 class WorkerTimings:
     """The supervisor's waits, in seconds; the defaults are production's.
 
-    :ivar stall: silence after which a worker is killed (:data:`STALL`).
+    :ivar stall: silence after which a ready worker is killed (:data:`STALL`).
+    :ivar startup: time to ``ready`` after which a starting worker is killed (:data:`STARTUP`).
     :ivar heartbeat: how often a worker says ``alive`` (:data:`~crossbar.process.heartbeat.HEARTBEAT`).
     :ivar stop_margin: :data:`STOP_MARGIN`.
     :ivar young: a worker that dies sooner after its start is restarted after a
@@ -91,6 +99,7 @@ class WorkerTimings:
     """
 
     stall: float = STALL
+    startup: float = STARTUP
     heartbeat: float = HEARTBEAT
     stop_margin: float = STOP_MARGIN
     young: float = 10.0
@@ -100,7 +109,7 @@ class WorkerTimings:
     @classmethod
     def with_stall(cls, stall: float) -> WorkerTimings:
         """Production's timings with ``stall`` seconds (a worker says ``alive`` six
-        times a ``stall``, as in production)."""
+        times a ``stall``, as in production; a start keeps production's bound)."""
         return cls(stall=stall, heartbeat=stall / 6)
 
 
@@ -249,7 +258,9 @@ class Supervisor(MultiService):
         self._stall_check.start(self.timings.stall / 6, now=False)
 
     def _kill_stalled(self, intervals: int) -> None:
-        """Kill every worker silent for ``timings.stall`` seconds (it is then restarted).
+        """Kill every ready worker silent for ``timings.stall`` seconds, and every
+        starting one not ready ``timings.startup`` seconds after its start (it is then
+        restarted).
 
         ``intervals``: check periods since the last check. More than one: this process
         was not running either (a loaded machine, a paused VM) and has not read what
@@ -258,11 +269,17 @@ class Supervisor(MultiService):
             return
         now = self.reactor.seconds()
         for process in self.workers:
-            if process is None or process.ended or process.killed or now - process.heard_at < self.timings.stall:
+            if process is None or process.ended or process.killed:
+                continue
+            if process.ready and now - process.heard_at >= self.timings.stall:
+                _log.error("worker {worker} sent nothing for {seconds:.0f}s (wedged or stopped): killing it",
+                           worker=process.index, seconds=now - process.heard_at)
+            elif not process.ready and now - process.started_at >= self.timings.startup:
+                _log.error("worker {worker} not ready {seconds:.0f}s after its start (wedged or stopped): "
+                           "killing it", worker=process.index, seconds=now - process.started_at)
+            else:
                 continue
             process.killed = True
-            _log.error("worker {worker} sent nothing for {seconds:.0f}s (wedged or stopped): killing it",
-                       worker=process.index, seconds=now - process.heard_at)
             try:
                 process.transport.signalProcess("KILL")  # type: ignore[union-attr]
             except Exception:

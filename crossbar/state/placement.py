@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping
 
 from crossbar.hosts.health import HostStatus
-from crossbar.hosts.placement import model_id, with_loading
+from crossbar.hosts.placement import InUse, model_id, with_loading
 from crossbar.state.placement_share import PlacementShare
 
 __all__ = ["Load", "Move", "PlacementState", "REASONS"]
@@ -54,6 +54,8 @@ class PlacementState:
 
     :param now: clock seconds (``reactor.seconds``).
     :ivar loading: (host, model) -> the :class:`Load` under way (rule 1).
+    :ivar unloading: (host, model) -> clock seconds an unload crossbar sent started or
+        ended (rule 4): counted as not loaded until a later poll shows it gone.
     :ivar last_load: host -> its last load; :ivar last_unload: host -> its last unload.
     :ivar on_move: called with (host, model, ``load``/``unload``, reason) for every
         load and unload crossbar causes (the metrics).
@@ -74,6 +76,7 @@ class PlacementState:
         self.on_loaded: Callable[[str, str, float], None] | None = None
         self.share: PlacementShare | None = None
         self._lingering: dict[tuple[str, str], float] = {}
+        self.unloading: dict[tuple[str, str], float] = {}
 
     def last_use(self, host: str, model: str) -> float | None:
         """Clock seconds of the last request crossbar (any process sharing, rule 7) sent
@@ -101,7 +104,7 @@ class PlacementState:
                     mid = model_id(status, model)
                     if status.router and mid in status.available and self.share.loading(host, mid):
                         shared.append((host, mid))
-        if not self.loading and not shared:
+        if not self.loading and not shared and not self.unloading:
             return statuses
         by_host: dict[str, tuple[list[str], list[str]]] = {}
         for host, model in shared:
@@ -111,6 +114,8 @@ class PlacementState:
             loading.append(model)
             if load.evicts is not None:
                 evicting.append(load.evicts)
+        for host, model in self.unloading:
+            by_host.setdefault(host, ([], []))[1].append(model)
         out = dict(statuses)
         for host, (loading, evicting) in by_host.items():
             if host in out:
@@ -156,21 +161,40 @@ class PlacementState:
         if self.on_move is not None:
             self.on_move(host, model, "load", reason)
 
+    def unloading_started(self, host: str, model: str) -> None:
+        """crossbar is telling ``host`` to unload ``model`` (rule 4): from now until a poll
+        that started after the command ended shows it gone (or the command failed, or
+        ``timeouts.first_byte`` passed) it counts as not loaded there, so no request is
+        sent to it on that host while the host stops it (a request caught by the unload
+        would be cut, and a cut answer marks the host down)."""
+        self.unloading[(host, model)] = self.now()
+
+    def unloading_ended(self, host: str, model: str) -> None:
+        """The unload of ``model`` on ``host`` failed: it counts as loaded again."""
+        self.unloading.pop((host, model), None)
+
     def unloaded(self, host: str, model: str, reason: str) -> None:
-        """crossbar told ``host`` to unload ``model`` now (rule 4)."""
+        """``host`` unloaded ``model`` as crossbar told it (rule 4); it stays counted as
+        not loaded until a poll that starts from now shows it gone."""
+        if (host, model) in self.unloading:
+            self.unloading[(host, model)] = self.now()
         self.drop(host, model)
         self._seen.pop((host, model), None)
         self.last_unload[host] = Move(model, reason, self.now())
         if self.on_move is not None:
             self.on_move(host, model, "unload", reason)
 
-    def polled(self, host: str, status: HostStatus, started: float, linger: float = 0.0) -> None:
+    def polled(self, host: str, status: HostStatus, started: float, linger: float = 0.0,
+               in_use: InUse | None = None) -> None:
         """A good poll of ``host`` that started at clock second ``started`` listed
         ``status``: a load it shows loaded is done (its time observed; the other
         processes see it loading ``linger`` seconds more, until their polls show it
         loaded); one it shows neither loaded nor loading (failed, or back to unloaded)
-        ended, if the poll started after the load did (rule 1). Models seen loaded for
-        the first time start their idle time (rule 4)."""
+        ended, if the poll started after the load did and no request crossbar sent for
+        the model is still in flight there (``in_use``, when given: llama-server lists a
+        model unloaded while requests for it wait in its own queue for a place; a load
+        that failed ends them with an error) (rule 1). Models seen loaded for the first
+        time start their idle time (rule 4)."""
         now = self.now()
         for model in status.loaded:
             self._seen.setdefault((host, model), now)
@@ -181,10 +205,13 @@ class PlacementState:
                 self.drop(h, model, linger)
                 if self.on_loaded is not None:
                     self.on_loaded(host, model, max(0.0, now - load.since))
-            elif model not in status.loading and started >= load.since:
+            elif model not in status.loading and started >= load.since and not (in_use and in_use(h, model)):
                 self.drop(h, model)
         for key in [k for k in self._seen if k[0] == host and k[1] not in status.loaded]:
             del self._seen[key]
+        for (h, model), since in list(self.unloading.items()):
+            if h == host and started >= since and model not in status.loaded:
+                del self.unloading[(h, model)]
 
     def expire(self, bound: float) -> list[tuple[str, str]]:
         """Drop the loads older than ``bound`` seconds (``timeouts.first_byte``, rule 1),
@@ -194,6 +221,8 @@ class PlacementState:
         gone = [k for k, load in self.loading.items() if now - load.since >= bound]
         for key in gone:
             self.drop(*key)
+        for key in [k for k, since in self.unloading.items() if now - since >= bound]:
+            del self.unloading[key]
         for key in [k for k, until in self._lingering.items() if until <= now]:
             del self._lingering[key]
             if self.share is not None and key not in self.loading:
@@ -205,6 +234,8 @@ class PlacementState:
         keep = set(hosts)
         for key in [k for k in self.loading if k[0] not in keep]:
             self.drop(*key)
+        for key in [k for k in self.unloading if k[0] not in keep]:
+            del self.unloading[key]
         for table in (self._used, self._seen):
             for key in [k for k in table if k[0] not in keep]:
                 del table[key]

@@ -58,7 +58,8 @@ class Placer:
         status = runtime.table.get(host)
         if ok and status is not None:
             health = runtime.config.health  # the others' polls show the load within a round
-            runtime.placement.polled(host, status, self.clock.seconds() - took, health.interval + health.timeout)
+            runtime.placement.polled(host, status, self.clock.seconds() - took, health.interval + health.timeout,
+                                     runtime.inflight.host_model)
         self.act(host)
 
     def act(self, polled: str | None = None) -> None:
@@ -104,6 +105,8 @@ class Placer:
             status = runtime.placement.overlay(runtime.table.all()).get(name)
             evicts = None if status is None else evicted(name, host, status, runtime.placement.last_use)
             runtime.placement.started(name, model, reason, evicts)
+        else:
+            runtime.placement.unloading_started(name, model)
         self._log.info("host {host}: {action} {model} ({reason})", host=name, action=action, model=one_line(model),
                        reason=reason)
         try:
@@ -125,6 +128,8 @@ class Placer:
                                host=name, action=action, model=one_line(model), reason=one_line(reason_text))
                 if action == "load":
                     runtime.placement.drop(name, model)
+                else:
+                    runtime.placement.unloading_ended(name, model)
                 self._cooling.add(name)
                 runtime.queues.wake()
 

@@ -16,7 +16,7 @@ class Options(usage.Options):
     optParameters = [
         ["config", "c", "crossbar.yaml", "Path to the crossbar YAML configuration."],
         ["worker-stall", None, None,
-         "With workers: seconds a worker may send nothing before it is killed and restarted (default 30).",
+         "With workers: seconds a ready worker may send nothing before it is killed and restarted (default 30).",
          float],
     ]
     optFlags = [["check", None, "Validate the configuration, print one line and exit (0: valid, 1: not)."]]
