@@ -291,6 +291,49 @@ class FallbackTests(SynchronousTestCase):
         self.assertFalse(self.module.log_fallback(Logger(namespace="crossbar", observer=events.append)))
 
 
+class SwitchedOffTests(FallbackTests):
+    """``CROSSBAR_TWISTED_OFF`` (:data:`OFF`), for measurement: a touchpoint switched off
+    does exactly what it does under the fallback; the others stay on."""
+
+    def setUp(self) -> None:
+        import crossbar.compat.twisted as module
+
+        self.module = module
+        self.patch(module, "OFF", frozenset(range(1, 12)))
+
+    def test_said_once_at_start_up(self) -> None:
+        from twisted.logger import Logger
+
+        events: list[dict[str, Any]] = []
+        self.patch(self.module, "OFF", frozenset({5, 8}))
+        self.assertFalse(self.module.log_fallback(Logger(namespace="crossbar", observer=events.append)))
+        self.assertEqual([e["off"] for e in events], ["5,8"])
+
+    def test_one_at_a_time(self) -> None:
+        self.patch(self.module, "OFF", frozenset({8}))
+        self.assertTrue(self.module.hold_writes())  # touchpoint 5 is on
+        self.module.release_writes()
+        answer, _ = BodyWriterTouchpointTests("test_names_exist")._answer(b"GET /r HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertEqual(body_writer(answer), answer.write)
+        self.patch(self.module, "OFF", frozenset({5}))
+        self.assertFalse(self.module.hold_writes())
+        self.assertNotEqual(body_writer(answer), answer.write)
+
+    def test_read_from_the_environment_at_import(self) -> None:
+        import subprocess
+        import sys
+
+        code = "import crossbar.compat.twisted as t; print(sorted(t.OFF), t.FALLBACK)"
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        for value, printed in (("5,8", "[5, 8] None"), ("", "[] None"), (" 11 ", "[11] None")):
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                 env=dict(os.environ, CROSSBAR_TWISTED_OFF=value, PYTHONPATH=root))
+            self.assertEqual(out.stdout.strip(), printed)
+        self.assertEqual(self.module.switched_off("9, 6"), frozenset({6, 9}))
+        for wrong in ("12", "0", "five", "5;8"):
+            self.assertRaises(ValueError, self.module.switched_off, wrong)
+
+
 class PortLoggerTouchpointTests(_Private):
     def test_port_logs_accept_errors_through_its_logger(self) -> None:
         """Touchpoint 3: ``tcp.Port._logger`` is a ``Logger`` and ``doRead`` logs accept

@@ -85,6 +85,7 @@ from __future__ import annotations
 
 import errno
 import math
+import os
 import time
 from typing import Any, Callable, cast
 
@@ -95,7 +96,7 @@ from twisted.logger import Logger, LogLevel
 from twisted.web.http import HTTPChannel
 from twisted.web.server import Request
 
-__all__ = ["CHECKED", "FALLBACK", "BadRequestHook", "QuietClientService", "body_writer", "cache_log_timestamps", "client_is_paused",
+__all__ = ["CHECKED", "FALLBACK", "OFF", "BadRequestHook", "QuietClientService", "body_writer", "cache_log_timestamps", "client_is_paused",
            "eager_writes", "emit_flattened", "flattened_line", "lean_dispatch", "log_fallback", "moved",
            "hold_writes", "pending_write_bytes", "per_second", "release_writes", "text_log_file", "version_checked", "wrap_port_logger"]
 
@@ -108,6 +109,27 @@ def version_checked(major: int, minor: int) -> bool:
     """Whether Twisted ``major.minor`` is within :data:`CHECKED` (compared as numbers:
     26.1 is older than 26.10)."""
     return within(CHECKED, major, minor)
+
+
+def switched_off(text: str) -> frozenset[int]:
+    """The touchpoints named in ``text`` (``CROSSBAR_TWISTED_OFF``'s value: numbers
+    separated by commas, e.g. ``"5,8"``; empty for none). Raises ``ValueError`` for
+    anything else, so that a mistyped measurement fails rather than measures nothing."""
+    off = frozenset(int(n) for n in text.replace(" ", "").split(",") if n)
+    if not off <= set(range(1, 12)):
+        raise ValueError(f"CROSSBAR_TWISTED_OFF={text!r}: touchpoints are numbered 1 to 11")
+    return off
+
+
+OFF: frozenset[int] = switched_off(os.environ.get("CROSSBAR_TWISTED_OFF", ""))
+"""Touchpoints switched off for measurement (``CROSSBAR_TWISTED_OFF=5,8``, read at
+import; bench/README.md): each does exactly what it does under :data:`FALLBACK`."""
+
+
+def _off(touchpoint: int) -> bool:
+    """Whether ``touchpoint`` must do what Twisted does: under :data:`FALLBACK`, or
+    switched off (:data:`OFF`)."""
+    return FALLBACK is not None or touchpoint in OFF
 
 
 def moved() -> list[str]:
@@ -165,7 +187,11 @@ def _fallback() -> str | None:
 
 def log_fallback(log: Logger) -> bool:
     """Log, as a warning on ``log``, that the touchpoints fall back to Twisted's own
-    behaviour and why; True when they do (the daemon's start-up says it once)."""
+    behaviour and why; True when they do (the daemon's start-up says it once). Touchpoints
+    switched off (:data:`OFF`) are named in a warning of their own."""
+    if OFF:
+        log.warn("Twisted touchpoints {off} switched off (CROSSBAR_TWISTED_OFF): Twisted's own behaviour there",
+                 off=",".join(map(str, sorted(OFF))))
     if FALLBACK is None:
         return False
     log.warn("{why}: using Twisted's own behaviour where crossbar would reach into it (slower, same answers)",
@@ -182,7 +208,7 @@ class BadRequestHook:
         raise NotImplementedError
 
     def _respondToBadRequestAndDisconnect(self) -> None:
-        if FALLBACK is not None:
+        if _off(1):
             super()._respondToBadRequestAndDisconnect()  # type: ignore[misc]  # Twisted's bare 400
             return
         self.respond_to_bad_request()
@@ -191,7 +217,7 @@ class BadRequestHook:
 def client_is_paused(request: Request) -> bool:
     """Whether the client connection of ``request`` is already full, i.e. a producer
     registered now would not be told to pause (touchpoint 2)."""
-    return FALLBACK is None and bool(getattr(request.channel, "_waitingForTransport", False))
+    return not _off(2) and bool(getattr(request.channel, "_waitingForTransport", False))
 
 
 def wrap_port_logger(port: object, wrap: Callable[[Any], Any]) -> bool:
@@ -199,7 +225,7 @@ def wrap_port_logger(port: object, wrap: Callable[[Any], Any]) -> bool:
     through ``wrap(its observer)`` (touchpoint 3); returns False, changing nothing, for
     a port without a ``_logger`` (another kind of listener)."""
     logger = getattr(port, "_logger", None)
-    if FALLBACK is not None or not isinstance(logger, Logger):
+    if _off(3) or not isinstance(logger, Logger):
         return False
     setattr(port, "_logger", Logger(namespace=logger.namespace, source=logger.source, observer=wrap(logger.observer)))
     return True
@@ -209,7 +235,7 @@ def pending_write_bytes(request: Request) -> int | None:
     """Bytes written to the client connection of ``request`` that its transport still
     holds (not yet taken by the kernel), or None when the transport does not say
     (touchpoint 4). A TLS connection's bytes are counted on the TCP transport under it."""
-    transport: Any = getattr(request.channel, "transport", None) if FALLBACK is None else None
+    transport: Any = getattr(request.channel, "transport", None) if not _off(4) else None
     for _ in range(3):  # the channel's transport, or a TLS protocol's TCP transport
         if transport is None:
             return None
@@ -227,7 +253,7 @@ def eager_writes(transport: Any) -> bool:
     and every write made while bytes are waiting, goes through Twisted's own ``write``
     (its buffer, its producer pausing, its error handling in ``doWrite``). Returns
     False, changing nothing, for a transport that is not a ``tcp.Connection``."""
-    if FALLBACK is not None:
+    if _off(5):
         return False
     for _ in range(2):
         if isinstance(transport, Connection):
@@ -279,7 +305,7 @@ def hold_writes() -> bool:
     a small answer's head and body in one ``send``. True when this call started the
     holding (it must then release it); False when it was already on."""
     global _held
-    if _held is not None or FALLBACK is not None:
+    if _held is not None or FALLBACK is not None or 5 in OFF:  # touchpoint 5's
         return False
     _held = {}
     return True
@@ -304,7 +330,7 @@ def body_writer(request: Request) -> Callable[[bytes], None]:
     yet, or the answer has no body (a HEAD's, a 204 or 304: Twisted made its ``write`` a
     no-op) or is encoded, or a class on the way overrides a ``write`` this skips."""
     channel: Any = getattr(request, "channel", None)
-    if (FALLBACK is not None or type(request).write is not Request.write
+    if (_off(8) or type(request).write is not Request.write
             or "write" in vars(request)  # HEAD, 204, 304: Twisted made it a no-op with the head
             or not request.startedWriting or request._encoder is not None or request._inFakeHead
             or not isinstance(channel, HTTPChannel) or channel.transport is None
@@ -354,7 +380,7 @@ def lean_dispatch(reactor: Any, clock: Callable[[], float] = time.monotonic) -> 
     from twisted.internet.tcp import Client
     from twisted.python import context, log
 
-    if (FALLBACK is not None or not isinstance(reactor, EPollReactor) or "doIteration" in vars(reactor)
+    if (_off(9) or not isinstance(reactor, EPollReactor) or "doIteration" in vars(reactor)
             or type(reactor).doIteration is not EPollReactor.doPoll):
         return False
     poll = reactor._poller.poll
@@ -453,7 +479,7 @@ def cache_log_timestamps() -> bool:
     from twisted.logger import _file
 
     original = getattr(_file, "formatTime", None)
-    if FALLBACK is not None or not callable(original) or getattr(original, "crossbar_per_second", False):
+    if _off(6) or not callable(original) or getattr(original, "crossbar_per_second", False):
         return False
     setattr(_file, "formatTime", per_second(original))
     return True
@@ -471,7 +497,7 @@ def emit_flattened(logger: Logger, level: LogLevel, log_format: str, flattened: 
     (touchpoint 7): the same ``log_*`` keys :meth:`Logger.emit` sets, to the same
     observer, without its per-call scan of every ``LogLevel`` constant. ``event`` (the
     fields) becomes the event itself."""
-    if FALLBACK is not None:
+    if _off(7):
         logger.emit(level, log_format, **event)
         return
     event["log_logger"], event["log_level"], event["log_namespace"] = logger, level, logger.namespace
@@ -488,7 +514,7 @@ def text_log_file(publisher: Any = None) -> Any:
     than one."""
     from twisted.logger import FileLogObserver, globalLogPublisher
 
-    if FALLBACK is not None:
+    if _off(11):
         return None
     observers = getattr(globalLogPublisher if publisher is None else publisher, "_observers", ())
     found = [o for o in observers if isinstance(o, FileLogObserver)]
@@ -504,7 +530,7 @@ def _quiet_client_service() -> type:
     from twisted.application.internet import ClientService
     from twisted.logger import LogPublisher
 
-    if FALLBACK is not None:
+    if _off(10):
         return ClientService
 
     class QuietClientService(ClientService):
