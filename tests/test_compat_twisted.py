@@ -261,7 +261,6 @@ class FallbackTests(SynchronousTestCase):
 
     def test_reactor_and_log_touchpoints_change_nothing(self) -> None:
         from twisted.internet.epollreactor import EPollReactor
-        from twisted.logger import Logger, LogLevel
         from twisted.logger import _file
 
         r = EPollReactor()
@@ -275,10 +274,6 @@ class FallbackTests(SynchronousTestCase):
         from twisted.logger import LogPublisher, textFileLogObserver
 
         self.assertIsNone(self.module.text_log_file(LogPublisher(textFileLogObserver(io.StringIO()))))
-        events: list[dict[str, Any]] = []
-        log = Logger(namespace="t", observer=events.append)
-        self.module.emit_flattened(log, LogLevel.info, "{line}", self.module.flattened_line("x"), {"line": "x"})
-        self.assertEqual([(e["log_format"], e["line"], e["log_level"]) for e in events], [("{line}", "x", LogLevel.info)])
 
     def test_said_once_at_start_up(self) -> None:
         from twisted.logger import Logger
@@ -330,7 +325,7 @@ class SwitchedOffTests(FallbackTests):
                                  env=dict(os.environ, CROSSBAR_TWISTED_OFF=value, PYTHONPATH=root))
             self.assertEqual(out.stdout.strip(), printed)
         self.assertEqual(self.module.switched_off("9, 6"), frozenset({6, 9}))
-        for wrong in ("12", "0", "five", "5;8"):
+        for wrong in ("12", "0", "7", "five", "5;8"):  # 7 was dropped
             self.assertRaises(ValueError, self.module.switched_off, wrong)
 
 
@@ -550,29 +545,6 @@ class LogTimestampTouchpointTests(_Private):
         self.assertFalse(cache_log_timestamps(), "replaced once only")
         self.assertTrue(getattr(_file.formatTime, "crossbar_per_second", False))
         self.assertEqual(lines(), plain)
-
-
-# -- touchpoint 7: log_flattened as twisted.logger._flatten.flattenEvent writes it ----------
-
-
-class FlattenedLineTouchpointTests(_Private):
-    def test_same_as_flatten_event_and_formatted_the_same(self) -> None:
-        from twisted.logger import formatEvent
-        from twisted.logger import _flatten
-
-        from crossbar.compat.twisted import flattened_line
-
-        flatten = self.require_attribute(_flatten, "flattenEvent", 7)
-        for line in ("POST /r/v1/x -> a 200 12B ttfb=1.0ms 2.0ms", "{not a field} 100% {{", ""):
-            event = {"log_format": "{line}", "line": line}
-            flatten(event)
-            if event.get("log_flattened") != flattened_line(line):
-                self.fail(moved("twisted.logger._flatten.flattenEvent", 7,
-                                f"it flattens {{line}} as {event.get('log_flattened')!r}"))
-            ours = {"log_format": "{line}", "line": line, "log_flattened": flattened_line(line)}
-            self.assertEqual(formatEvent(ours), line)
-        # a format without fields (a worker's message relayed by the supervisor): no values
-        self.assertEqual(formatEvent({"log_format": "odd {{braces}} 100%", "log_flattened": {}}), "odd {braces} 100%")
 
 
 # -- touchpoint 8: a body chunk written past server.Request.write and http.Request.write ----

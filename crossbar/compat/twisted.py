@@ -45,12 +45,12 @@ stamps): crossbar works, only slower. :func:`log_fallback` says so once at start
    a second. The replacement gives the same text, formatted once per second; twistd
    offers no other way to choose its observer's time format cheaply (``--logger``
    replaces ``--logfile`` and ``--syslog`` handling altogether).
-7. :func:`flattened_line` writes a one-field event's ``log_flattened`` as
-   ``twisted.logger._flatten.flattenEvent`` would (keys ``"line!s:"`` and ``"line!:"``,
-   ``KeyFlattener``'s convention), and the supervisor relays a worker's line as a format
-   without fields whose flattened values are ``{}``; :func:`emit_flattened` hands either to
-   the logger's observer as ``Logger.emit`` builds events: Twisted formats a flattened
-   event without ``string.Formatter`` (~11k instructions per request's log line).
+7. Dropped: the request's log line came with ``log_flattened`` written as
+   ``twisted.logger._flatten.flattenEvent`` writes it, so that twistd's text observer
+   formatted it without ``string.Formatter``; switched off it cost 0.2% of a request
+   (within the count's noise) and nothing per event (bench/README.md, "Each Twisted
+   touchpoint, one at a time"). What stays, building the event without ``Logger.emit``
+   (:func:`crossbar.ops.emit.emit`), reaches into nothing private.
 8. :func:`body_writer` reads ``Request.chunked``, ``_disconnected``, ``_encoder`` and
    ``_inFakeHead`` and adds to ``sentLength``: once an answer's head is out, each relayed
    body chunk went through ``server.Request.write``, ``http.Request.write``, ``toChunk``,
@@ -92,12 +92,12 @@ from typing import Any, Callable, cast
 from twisted.internet.tcp import Connection
 
 from crossbar.compat import start_up_check, within
-from twisted.logger import Logger, LogLevel
+from twisted.logger import Logger
 from twisted.web.http import HTTPChannel
 from twisted.web.server import Request
 
-__all__ = ["CHECKED", "FALLBACK", "OFF", "BadRequestHook", "QuietClientService", "body_writer", "cache_log_timestamps", "client_is_paused",
-           "eager_writes", "emit_flattened", "flattened_line", "lean_dispatch", "log_fallback", "moved",
+__all__ = ["CHECKED", "FALLBACK", "OFF", "TOUCHPOINTS", "BadRequestHook", "QuietClientService", "body_writer", "cache_log_timestamps", "client_is_paused",
+           "eager_writes", "lean_dispatch", "log_fallback", "moved",
            "hold_writes", "pending_write_bytes", "per_second", "release_writes", "text_log_file", "version_checked", "wrap_port_logger"]
 
 CHECKED = ((25, 5), (26, 10))
@@ -111,13 +111,18 @@ def version_checked(major: int, minor: int) -> bool:
     return within(CHECKED, major, minor)
 
 
+TOUCHPOINTS = frozenset({1, 2, 3, 4, 5, 6, 8, 9, 10, 11})
+"""The touchpoints of this module, by their number in its docstring (7 was dropped)."""
+
+
 def switched_off(text: str) -> frozenset[int]:
     """The touchpoints named in ``text`` (``CROSSBAR_TWISTED_OFF``'s value: numbers
     separated by commas, e.g. ``"5,8"``; empty for none). Raises ``ValueError`` for
-    anything else, so that a mistyped measurement fails rather than measures nothing."""
+    anything else (a number that is not in :data:`TOUCHPOINTS`), so that a mistyped
+    measurement fails rather than measures nothing."""
     off = frozenset(int(n) for n in text.replace(" ", "").split(",") if n)
-    if not off <= set(range(1, 12)):
-        raise ValueError(f"CROSSBAR_TWISTED_OFF={text!r}: touchpoints are numbered 1 to 11")
+    if not off <= TOUCHPOINTS:
+        raise ValueError(f"CROSSBAR_TWISTED_OFF={text!r}: the touchpoints are {sorted(TOUCHPOINTS)}")
     return off
 
 
@@ -137,7 +142,7 @@ def moved() -> list[str]:
     the installed Twisted, each as ``"touchpoint N: name (what)"``; empty when all are.
     Cheap (attribute look-ups, one flattened event): it runs at import."""
     from twisted.internet import abstract, epollreactor, tcp
-    from twisted.logger import _file, _flatten
+    from twisted.logger import _file
     from twisted.web import http, server
 
     found: list[str] = []
@@ -154,12 +159,6 @@ def moved() -> list[str]:
     for name in ("dataBuffer", "offset", "_tempDataLen", "_writeDisconnected"):
         need(hasattr(fd, name), 5, f"FileDescriptor.{name}")
     need(callable(getattr(_file, "formatTime", None)), 6, "twisted.logger._file.formatTime")
-    event: dict[str, Any] = {"log_format": "{line}", "line": "x"}
-    flatten = getattr(_flatten, "flattenEvent", None)
-    if callable(flatten):
-        flatten(event)
-    need(event.get("log_flattened") == flattened_line("x"), 7, "twisted.logger._flatten.flattenEvent",
-         "keys flattened otherwise")
     for name in ("chunked", "_disconnected", "sentLength", "startedWriting", "finished"):
         need(hasattr(http.Request, name), 8, f"http.Request.{name}")
     for name in ("_encoder", "_inFakeHead"):
@@ -483,27 +482,6 @@ def cache_log_timestamps() -> bool:
         return False
     setattr(_file, "formatTime", per_second(original))
     return True
-
-
-def flattened_line(line: str) -> dict[str, str]:
-    """The ``log_flattened`` of an event whose format is ``"{line}"`` (touchpoint 7), as
-    ``flattenEvent`` makes it: the field's text for ``{line}`` and its value."""
-    return {"line!s:": line, "line!:": line}
-
-
-def emit_flattened(logger: Logger, level: LogLevel, log_format: str, flattened: dict[str, Any],
-                   event: dict[str, Any]) -> None:
-    """``logger.emit(level, log_format, **event)`` with ``event`` already flattened
-    (touchpoint 7): the same ``log_*`` keys :meth:`Logger.emit` sets, to the same
-    observer, without its per-call scan of every ``LogLevel`` constant. ``event`` (the
-    fields) becomes the event itself."""
-    if _off(7):
-        logger.emit(level, log_format, **event)
-        return
-    event["log_logger"], event["log_level"], event["log_namespace"] = logger, level, logger.namespace
-    event["log_source"], event["log_format"], event["log_time"] = logger.source, log_format, time.time()
-    event["log_flattened"] = flattened
-    logger.observer(event)
 
 
 def text_log_file(publisher: Any = None) -> Any:
