@@ -12,6 +12,11 @@ expected; otherwise it says why, and every touchpoint does what Twisted itself d
 (its bare 400, ``request.write``, its buffered writes, its dispatch loop, its log time
 stamps): crossbar works, only slower. :func:`log_fallback` says so once at start-up.
 
+Each touchpoint is kept only where the bench shows what it buys (~3% or more of a
+request or of an event; 1-4 and 10 are behaviour, not speed). To measure one,
+``CROSSBAR_TWISTED_OFF=5,8`` (:data:`OFF`, read at import) switches those touchpoints to
+their fallback alone (bench/README.md, "Each Twisted touchpoint, one at a time").
+
 1. :class:`BadRequestHook` overrides ``HTTPChannel._respondToBadRequestAndDisconnect``:
    Twisted's answer to a request it cannot parse is a bare ``400``; crossbar's errors
    are JSON and logged (rules 8-9).
@@ -38,16 +43,17 @@ stamps): crossbar works, only slower. :func:`log_fallback` says so once at start
    upstream read is handled (:func:`hold_writes`, :func:`release_writes`) the writes
    it causes are held and sent together at its end: a small answer's head and body
    (and a chunked answer's last chunk) in one ``send`` instead of two or three.
+   Switched off: +10% instructions per request, +79% per event.
 6. :func:`cache_log_timestamps` replaces ``twisted.logger._file.formatTime``, the module
    global that twistd's text log observer (``textFileLogObserver``) calls for every
-   line: it builds a time zone and a ``datetime`` and runs ``strftime`` each time (~60k
-   instructions, 4% of a proxied request's CPU), though its text changes once
+   line: it builds a time zone and a ``datetime`` and runs ``strftime`` each time (switched
+   off: +60k instructions, 4.5% of a proxied request), though its text changes once
    a second. The replacement gives the same text, formatted once per second; twistd
    offers no other way to choose its observer's time format cheaply (``--logger``
    replaces ``--logfile`` and ``--syslog`` handling altogether).
 7. Dropped: the request's log line came with ``log_flattened`` written as
    ``twisted.logger._flatten.flattenEvent`` writes it, so that twistd's text observer
-   formatted it without ``string.Formatter``; switched off it cost 0.2% of a request
+   formatted it without ``string.Formatter``; switched off it cost 0.8% of a request
    (within the count's noise) and nothing per event (bench/README.md, "Each Twisted
    touchpoint, one at a time"). What stays, building the event without ``Logger.emit``
    (:func:`crossbar.ops.emit.emit`), reaches into nothing private.
@@ -55,14 +61,14 @@ stamps): crossbar works, only slower. :func:`log_fallback` says so once at start
    ``_inFakeHead`` and adds to ``sentLength``: once an answer's head is out, each relayed
    body chunk went through ``server.Request.write``, ``http.Request.write``, ``toChunk``,
    ``HTTPChannel.writeSequence`` and the transport's ``writeSequence`` (a join): six
-   Python calls per streamed event (CPU per event). The writer frames the chunk
-   as ``toChunk`` does and hands it to the connection's ``write`` in one call.
+   Python calls per streamed event. The writer frames the chunk as ``toChunk`` does
+   and hands it to the connection's ``write`` in one call (switched off: +6% per event).
 9. :func:`lean_dispatch` replaces an ``EPollReactor``'s ``doIteration`` (an instance
    attribute over the class's ``doPoll``) and reads its ``_poller``, ``_selectables`` and
    ``_doReadOrWrite``, and the reactor thread's ``twisted.python.context`` stack: Twisted
    dispatches every ready descriptor through ``log.callWithLogger``, whose four layers of
-   ``*args`` calls and dict copies cost ~16k instructions per read, ~30% of a relayed
-   event (bench/instructions.sh). The replacement pushes the same log context (the descriptor's
+   ``*args`` calls and dict copies cost ~7k instructions per read (switched off: +12%
+   of a relayed event). The replacement pushes the same log context (the descriptor's
    ``logPrefix()`` as ``system``), logs an escaping error as ``callWithLogger`` does, and
    handles ``epoll_wait`` as ``doPoll`` does, in one loop. That loop also orders a turn:
    upstream connections first, then clients' descriptors within a time budget (the rest
@@ -76,8 +82,8 @@ stamps): crossbar works, only slower. :func:`log_fallback` says so once at start
    output) writes to. With ``workers: N`` each worker formats its own text lines, and
    the supervisor appends them to that file as they come (twistd's ``LogFile`` keeps
    rotating by size and on SIGUSR1), or workers write to standard output themselves,
-   instead of the supervisor decoding and logging every worker line again (~65 µs of
-   the supervisor's CPU per proxied request, bench/cpu_probe.py --workers 2). Under the fallback (or when no
+   instead of the supervisor decoding and logging every worker line again (switched
+   off: +155k of the supervisor's instructions per proxied request, ~65 µs of its CPU). Under the fallback (or when no
    single text observer is found) the supervisor relays each line as an event, as before.
 """
 
