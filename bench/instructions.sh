@@ -2,8 +2,8 @@
 # bench/instructions.sh SRC TAG [N]: user-space instructions per request of the crossbar in
 # checkout SRC (PYTHONPATH), under valgrind's callgrind: instrumentation off during start-up,
 # switched on after 50 warm-up requests, N (default 400) sequential keep-alive requests of
-# bench (a), dumped, divided. The machine's load does not move the count (bench/HISTORY.md,
-# "Second pass"). Needs valgrind, curl, bench/.venv (bench/run makes it) and twistd in PY's dir.
+# bench (a), dumped, divided. The machine's load moves the count little (bench/HISTORY.md,
+# "Second pass"): ~1% on a busy machine, where what runs by the clock is counted longer. Needs valgrind, curl, bench/.venv (bench/run makes it) and twistd in PY's dir.
 # EVENTS=1: instructions per streamed event instead: after the warm-up, one stream of 100
 # events and one of N+100 (2 ms apart: meant to be a read each), each its own dump; the
 # difference divided by N leaves out what a request costs besides its events. GAP=20: the
