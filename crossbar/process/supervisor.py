@@ -75,7 +75,8 @@ from crossbar.ops.systemd import Notifier, SystemdNotifier, watchdog_interval
 from crossbar.waiting import Condition
 from crossbar.process.leftovers import PREFIX as LEFTOVER_PREFIX, claim, remove_leftovers
 from crossbar.process.listen import WorkerListeners
-from crossbar.compat.twisted import emit_flattened, text_log_file
+from crossbar.compat.twisted import text_log_file
+from crossbar.ops.emit import emit
 from crossbar.process.heartbeat import HEARTBEAT, host_line, parse_host_line
 
 __all__ = ["Supervisor", "WorkerTimings", "WorkerProcess", "make_supervisor", "relay_log_line"]
@@ -163,12 +164,12 @@ def relay_log_line(line: bytes, worker: int) -> None:
         if len(_relay_loggers) < 256:
             _relay_loggers[namespace] = logger
     # The worker's message is already formatted: escaped, it is a format without fields,
-    # whose flattened values are none (``{}``): shown as it is, without string.Formatter.
+    # shown as it is.
     if namespace == _LEGACY:
         event["log_system"] = f"{one_line(str(system or '-'))} worker={worker}"
     else:
         event["log_system"] = f"{namespace}#{level.name} worker={worker}"
-    emit_flattened(logger, level, message.replace("{", "{{").replace("}", "}}"), {}, event)
+    emit(logger, level, message.replace("{", "{{").replace("}", "}}"), event)
 
 
 _WORKER = "crossbar.worker"
