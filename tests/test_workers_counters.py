@@ -14,9 +14,7 @@ from collections import defaultdict
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
-from twisted.internet import reactor
 from twisted.internet.defer import ensureDeferred
-from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.server import Request
@@ -143,8 +141,9 @@ class CountersWhicheverWorkerTests(TestCase):
         await wait_for(lambda: sum('"message": "worker 1 is ready"' in line for line in proc.out) == 2,
                        timeout=60, what="worker 1 ready again")
         await wait_for(lambda: redis.command("ZCARD", "crossbar:live") >= 2, timeout=20, what="worker 1 rejoined")
+        logged = len(served(proc))
         await send(4)
-        await deferLater(reactor, 0.2)
+        await wait_for(lambda: len(served(proc)) >= logged + 4, 10, "their 4 log lines")  # counted by then
         after = self.assert_same_everywhere(await self.scrape_both(proc))
         self.assert_never_down(first, after)
         self.assertEqual(sum(v for (n, ls), v in after.items() if n == "crossbar_requests_total"), sent + 4)
