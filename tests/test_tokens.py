@@ -131,20 +131,32 @@ class FleetLedgerTests(SynchronousTestCase):
             ledger = TokenLedger(clock.seconds, tuple(config.hosts), tuple(config.routes))
             ledger.attach(WorkerCounts(SharedCounts(path, 3, row), config))
             ledgers.append(ledger)
+
+        def advance(seconds: float) -> None:  # each worker's timer runs
+            clock.advance(seconds)
+            for ledger in ledgers:
+                ledger.tick()
+
         ledgers[0].add("r", "a", 10, 90, 30)
-        clock.advance(10)
+        advance(10)
         ledgers[1].add("r", "a", 0, 100, 30)
         ledgers[1].add("r", "b", 20, 0, 6)
+        generated_a = token_cell("h", "a", "generated")
         for ledger in ledgers:
             window = ledger.window()
-            self.assertEqual(window.seconds, 10)
-            self.assertEqual(window.generated_per_second("a"), 6.0)
-            self.assertAlmostEqual(window.cached_share("r", "r") or 0, 190 / 220)
+            self.assertEqual(window.seconds, 60)
+            self.assertEqual(window.generated_per_second("a"), 1.0)  # 60 tokens over the minute
+            self.assertEqual(window.cached_share("r", "r"), round(190 / 220, 4))
             self.assertEqual(window.cached_share("h", "b"), 0.0)
-        # a minute later without tokens: the window is empty
-        for _ in range(14):
-            clock.advance(5)
-            ledgers[0].sample()
+            buckets = ledger.buckets()
+            self.assertEqual((buckets[1000][generated_a], buckets[1010][generated_a]), (30, 30))
+        # the first bucket leaves the minute a second at a time: half of it at 1065
+        advance(55)
+        self.assertEqual([ledger.window().generated_per_second("a") for ledger in ledgers], [0.75, 0.75])
+        advance(10)
+        self.assertEqual(ledgers[1].window().generated_per_second("a"), 0.25)
+        # a minute after the last tokens the window is empty
+        advance(15)
         self.assertEqual(ledgers[0].window().generated_per_second("a"), 0.0)
         self.assertIsNone(ledgers[0].window().cached_share("r", "r"))
 
@@ -170,7 +182,8 @@ class FleetLedgerTests(SynchronousTestCase):
 
 class WorkersTests(TestCase):
     """``workers: 2`` (real processes): the token metrics and status are the fleet's,
-    whichever worker answers (docs/design.md §Workers)."""
+    whichever worker answers (docs/design.md §Workers), and status and the dashboard
+    show the same tokens/s and cached share."""
 
     timeout = 120
 
@@ -196,8 +209,18 @@ class WorkersTests(TestCase):
                                             model="tiny-a"), per * n, text)
                 worker, _, body = await deferToThread(ask_worker, proc, "/_crossbar/status")
                 doc = json.loads(body)
-                self.assertAlmostEqual(doc["routes"]["r"]["cached_share"], 3 / 7, places=3)
+                self.assertEqual(doc["routes"]["r"]["cached_share"], round(3 / 7, 4))
+                self.assertEqual(doc["hosts"]["a"]["cached_share"], round(3 / 7, 4))
+                self.assertEqual(doc["hosts"]["a"]["tokens_per_s"], round(5 * n / 60, 2))
                 answered.append(worker)
+                # the dashboard's data, from whichever worker: the same figures
+                _, _, body = await deferToThread(ask_worker, proc, "/_crossbar/dashboard.json")
+                data = json.loads(body)
+                self.assertEqual([h["tps"] for h in data["hosts"] if h["name"] == "a"],
+                                 [doc["hosts"]["a"]["tokens_per_s"]])
+                self.assertEqual([r["cached_share"] for r in data["routes"] if r["name"] == "r"],
+                                 [doc["routes"]["r"]["cached_share"]])
+                self.assertGreater(sum(data["chart"]["hosts"]["a"][-7:]), 0)
                 if min(answered.count(0), answered.count(1)) >= 2:
                     break
             self.assertGreaterEqual(min(answered.count(0), answered.count(1)), 2, answered)

@@ -27,6 +27,7 @@ from crossbar.ops.metrics import FleetCounters, LiveCollector, Metrics
 from crossbar.ops.app import OpsApp
 from crossbar.ops.fleet_recent import FleetRecent
 from crossbar.ops.recent import TICK, RecentRequests
+from crossbar.state.token_share import RedisTokens
 from crossbar.hosts.commands import HTTPModelCommands
 from crossbar.state.placer import TICK as PLACER_TICK, Placer
 from crossbar.hosts.poller import HealthPoller, HTTPProbe
@@ -74,11 +75,19 @@ def _join_cluster(config: Config, reactor: Any, runtime: Runtime, metrics: Metri
     runtime.own_counters[CLUSTER_SLOW] = lambda: cluster.slow_checks.count
     runtime.join(cluster)
     runtime.limits.fleet = RedisLimits(cluster)
+    RedisTokens(runtime.tokens, cluster, reactor.seconds)  # the fleet's token figures
     metrics.watch(FleetCounters(ClusterCollector(cluster), {
         "crossbar_cluster_lost": lambda: runtime.counter(CLUSTER_LOST),
         "crossbar_cluster_slow": lambda: runtime.counter(CLUSTER_SLOW),
     }))
     return cluster
+
+
+def _both(first: Callable[[], None], second: Callable[[], None]) -> None:
+    """One timer for the dashboard's entries and the token store (docs/design.md
+    §Operations, §What the answers say)."""
+    first()
+    second()
 
 
 class CrossbarService(MultiService):
@@ -143,7 +152,7 @@ class CrossbarService(MultiService):
             RecentRequests(reactor.seconds, directory, row) if self.cluster is None
             else FleetRecent(reactor.seconds, self.cluster, directory, row))
         self.requests.observers.append(self.recent.observe)
-        self._recent_tick = LoopingCall(self.recent.tick)
+        self._recent_tick = LoopingCall(_both, self.recent.tick, runtime.tokens.tick)
         self._recent_tick.clock = reactor
         tls = HostTLS.from_config(config)
         self.pools = UpstreamPools(reactor, config.timeouts.connect, tls=tls)
