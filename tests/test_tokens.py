@@ -23,7 +23,8 @@ from tests.logs import LogCapture
 from crossbar.config import parse_config
 from crossbar.state.shared import SharedCounts
 from crossbar.state.tokens import TokenLedger
-from crossbar.state.worker_counts import WorkerCounts, token_cell
+from crossbar.state.cells import token_cell
+from crossbar.state.worker_counts import WorkerCounts
 
 TIMINGS = {"cache_n": 3, "prompt_n": 4, "predicted_n": 5, "predicted_per_second": 50.0}
 
@@ -115,6 +116,12 @@ class ThroughCrossbarTests(TestCase):
         return ensureDeferred(go())
 
 
+def _attach(ledger: TokenLedger, fleet: WorkerCounts) -> None:
+    """The ledger of a worker whose counts are ``fleet`` (what ``Runtime.attach`` does)."""
+    ledger.counts.fleet = fleet
+    ledger.attach()
+
+
 class FleetLedgerTests(SynchronousTestCase):
     """Two workers' ledgers over one shared file: the same totals and last minute
     whichever worker is asked (docs/design.md §Workers)."""
@@ -129,7 +136,7 @@ class FleetLedgerTests(SynchronousTestCase):
         ledgers = []
         for row in (1, 2):
             ledger = TokenLedger(clock.seconds, tuple(config.hosts), tuple(config.routes))
-            ledger.attach(WorkerCounts(SharedCounts(path, 3, row), config))
+            _attach(ledger, WorkerCounts(SharedCounts(path, 3, row), config))
             ledgers.append(ledger)
 
         def advance(seconds: float) -> None:  # each worker's timer runs
@@ -171,9 +178,9 @@ class FleetLedgerTests(SynchronousTestCase):
         alone.add("r", "a", 10, 90, 30)
         self.assertEqual(alone.totals()[token_cell("h", "a", "generated")], 30)
         alone.add("r", "a", 1, 2, 3)  # pending again when the fleet comes
-        alone.attach(WorkerCounts(SharedCounts(path, 3, 1), config))
+        _attach(alone, WorkerCounts(SharedCounts(path, 3, 1), config))
         other = TokenLedger(clock.seconds, ("a",), ("r",))
-        other.attach(WorkerCounts(SharedCounts(path, 3, 2), config))
+        _attach(other, WorkerCounts(SharedCounts(path, 3, 2), config))
         totals = other.totals()
         self.assertEqual((totals[token_cell("h", "a", "prompt")], totals[token_cell("h", "a", "cached")],
                           totals[token_cell("h", "a", "generated")], totals[token_cell("r", "r", "cached")]),

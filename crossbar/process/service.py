@@ -21,7 +21,8 @@ from twisted.internet.task import LoopingCall, deferLater
 from twisted.logger import Logger
 
 from crossbar.config import Config
-from crossbar.state.worker_counts import AFFINITY_OUTCOMES, CLUSTER_LOST, CLUSTER_SLOW, WorkerCounts
+from crossbar.state.cells import CLUSTER_LOST, CLUSTER_SLOW, RESTARTS
+from crossbar.state.worker_counts import AFFINITY_OUTCOMES, WorkerCounts
 from crossbar.hosts.health import HealthTable
 from crossbar.ops.metrics import FleetCounters, LiveCollector, Metrics
 from crossbar.ops.app import OpsApp
@@ -137,7 +138,7 @@ class CrossbarService(MultiService):
             lambda: _inflight_series(runtime), runtime.table.all,
             lambda: {name: runtime.queued(name) for name in runtime.config.routes},
             lambda: {(r, o): runtime.affinity(r, o) for r in runtime.config.routes for o in AFFINITY_OUTCOMES},
-            restarts=worker_counts.restarts if worker_counts is not None else None,
+            restarts=(lambda: runtime.counter(RESTARTS)) if worker_counts is not None else None,
             draining=lambda: runtime.drained,
         ))
         self.cluster = _join_cluster(config, reactor, runtime, self.metrics, self._cluster_changed)

@@ -26,9 +26,9 @@ from typing import Callable, Protocol
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 
-from crossbar.state.cells import token_cell
+from crossbar.state.cells import TOKENS, token_cell
+from crossbar.state.counts import Counts
 from crossbar.state.token_window import BUCKET, KEEP, Buckets, Window, bucket_start, window
-from crossbar.state.worker_counts import WorkerCounts
 
 __all__ = ["Cells", "HOST_KINDS", "ROUTE_KINDS", "TokenLedger", "TokenShare"]
 
@@ -76,13 +76,15 @@ class TokenLedger:
     :param now: POSIX seconds (``reactor.seconds``: bucket starts are the same in every
         process and instance).
     :param hosts: host names; :param routes: route names (see :meth:`configure`).
-    :ivar fleet: with workers, the shared counts (:meth:`attach`); else None.
+    :param counts: where the totals are published and read (with workers: every
+        worker's, :class:`~crossbar.state.counts.Counts`).
     :ivar share: with ``cluster.redis``, the fleet's buckets in Redis; else None.
     """
 
-    def __init__(self, now: Callable[[], float], hosts: tuple[str, ...] = (), routes: tuple[str, ...] = ()) -> None:
+    def __init__(self, now: Callable[[], float], hosts: tuple[str, ...] = (), routes: tuple[str, ...] = (),
+                 counts: Counts | None = None) -> None:
         self.now = now
-        self.fleet: WorkerCounts | None = None
+        self.counts = counts if counts is not None else Counts()
         self.share: TokenShare | None = None
         self._mine: Totals = {}
         self._names: tuple[str, ...] = ()
@@ -109,10 +111,9 @@ class TokenLedger:
         self._samples = {bucket_start(now): self.totals()}
         self._next_sample = bucket_start(now) + BUCKET
 
-    def attach(self, fleet: WorkerCounts) -> None:
-        """Publish to and read from ``fleet`` from now on; the history starts again from
-        the box's totals."""
-        self.fleet = fleet
+    def attach(self) -> None:
+        """The :attr:`counts` are the workers' from now on: this process's totals are
+        published there, and the history starts again from the box's totals."""
         self.republish()
         self._restart()
 
@@ -130,11 +131,10 @@ class TokenLedger:
         return mine
 
     def republish(self) -> None:
-        """Write every total of this process into the fleet (after a reload)."""
+        """Write every total of this process where it is shared (after a reload)."""
         self._fold()
-        if self.fleet is not None:
-            for name, value in self._mine.items():
-                self.fleet.publish_tokens(name, value)
+        for name, value in self._mine.items():
+            self.counts.publish(TOKENS, name, value)
 
     def cells(self, route: str, host: str) -> Cells:
         """The :class:`Cells` an answer of ``route`` from ``host`` adds to (for
@@ -158,8 +158,8 @@ class TokenLedger:
         are published at once."""
         if self.now() >= self._next_sample:
             self.sample()
-        fleet = self.fleet
-        if fleet is None:
+        counts = self.counts
+        if counts.fleet is None:  # nothing shared: a fold when read does
             pending = cells.pending
             pending[0] += prompt
             pending[1] += cached
@@ -169,7 +169,7 @@ class TokenLedger:
         for name, n in zip(cells.names, (prompt, cached, generated, prompt, cached)):
             if n:
                 value = mine[name] = mine.get(name, 0) + n
-                fleet.publish_tokens(name, value)
+                counts.publish(TOKENS, name, value)
 
     def own(self) -> Totals:
         """This process's totals, whatever the config names (what it writes to Redis);
@@ -178,11 +178,8 @@ class TokenLedger:
 
     def totals(self) -> Totals:
         """Every configured total (the box's with workers)."""
-        if self.fleet is not None:
-            fleet = self.fleet
-            return {name: fleet.tokens(name) for name in self._names}
-        mine = self._fold()
-        return {name: mine.get(name, 0) for name in self._names}
+        mine, counts = self._fold(), self.counts
+        return {name: counts.read(TOKENS, name, mine.get(name, 0)) for name in self._names}
 
     def sample(self) -> None:
         """Keep a sample of the totals if a bucket started since the last one, dropping
