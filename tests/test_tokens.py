@@ -167,6 +167,48 @@ class FleetLedgerTests(SynchronousTestCase):
         self.assertEqual(ledgers[0].window().generated_per_second("a"), 0.0)
         self.assertIsNone(ledgers[0].window().cached_share("r", "r"))
 
+    def test_a_restarted_worker_takes_the_boxs_history_back(self) -> None:
+        """A worker's samples go to its row's file; the worker restarted in that row
+        reads them back: its buckets, last minute and chart are its sibling's."""
+        from crossbar.state.token_history import TokenHistory
+
+        config = parse_config("listen: 'tcp:0'\nhosts: {a: 'http://127.0.0.1:1'}\nroutes: {r: {hosts: [a]}}\n",
+                              "t.yaml")
+        path = os.path.join(tempfile.mkdtemp(prefix="crossbar-tokens-"), "shared")
+        SharedCounts.create(path, 3)
+        clock = Clock()
+        clock.advance(10_000)
+
+        def worker(row: int) -> TokenLedger:
+            ledger = TokenLedger(clock.seconds, ("a",), ("r",))
+            ledger.counts.fleet = WorkerCounts(SharedCounts(path, 3, row), config)
+            ledger.attach(TokenHistory.of_row(path, row))
+            return ledger
+
+        dying, sibling = worker(1), worker(2)
+        for _ in range(12):  # two minutes of answers, both workers' timers running
+            dying.add("r", "a", 1, 2, 30)
+            sibling.add("r", "a", 0, 0, 10)
+            clock.advance(10)
+            dying.tick()
+            sibling.tick()
+        # worker 1 dies: the supervisor keeps its share of the counters, its row is cleared
+        supervisor = WorkerCounts(SharedCounts(path, 3, 0), config)
+        for name in supervisor.counter_cells():
+            supervisor.publish(name, supervisor.of_row(name, 1))
+        supervisor.shared.clear_row(1)
+        clock.advance(3)
+        restarted = worker(1)
+        self.assertEqual(restarted.buckets(), sibling.buckets())
+        self.assertEqual(restarted.window().generated_per_second("a"), sibling.window().generated_per_second("a"))
+        self.assertEqual(restarted.window().generated_per_second("a"), round((0.7 * 40 + 5 * 40) / 60, 2))
+        # the file stays bounded: rewritten with what is still needed
+        for _ in range(300):
+            clock.advance(10)
+            restarted.tick()
+        with open(TokenHistory.of_row(path, 1).path) as f:
+            self.assertLessEqual(len(f.readlines()), 2 * (15 * 60 // 10 + 3))
+
     def test_tokens_counted_before_the_fleet_are_published_with_it(self) -> None:
         """In one process an answer's tokens wait in its cells; attaching the fleet (a
         worker's start, a reload) publishes them with the rest."""

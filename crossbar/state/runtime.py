@@ -29,6 +29,7 @@ from crossbar.state.placement import PlacementState
 from crossbar.state.placement_share import ClusterShare, WorkerShare
 from crossbar.state.queue import RouteQueues
 from crossbar.state.standing import RuntimeStanding
+from crossbar.state.token_history import TokenHistory
 from crossbar.state.tokens import TokenLedger
 from crossbar.waiting import Condition
 from crossbar.state.cells import AFFINITY, KEY_INFLIGHT, QUEUED, QUEUED_SINCE, Kind
@@ -144,7 +145,7 @@ class Runtime:
         if fleet.limits is not None:  # key limits per box (docs/design.md §Access)
             self.limits.counts = fleet.limits
         self.republish()
-        self.tokens.attach()
+        self.tokens.attach(TokenHistory.of_row(fleet.shared.path, fleet.shared.row))
 
     def join(self, cluster: ClusterView) -> None:
         """Share this process's in-flight counts (per host, per client key) with the

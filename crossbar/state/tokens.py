@@ -12,7 +12,8 @@ The history is a sample of the (box) totals at every bucket start (a multiple of
 runs twice a second, and an answer or a read after a bucket start takes it first); a
 bucket's tokens are the difference between its sample and the next (the last one's:
 the totals now). With workers every worker samples the same shared totals, so each
-holds the box's history (a restarted worker from its restart on). With
+holds the box's history (a restarted worker takes it back from its row's file,
+:mod:`crossbar.state.token_history`). With
 ``cluster.redis`` the fleet's buckets are read from Redis instead
 (:attr:`TokenLedger.share`, :mod:`crossbar.state.token_share`), this box's standing
 in while Redis is away. :func:`~crossbar.state.token_window.window` and
@@ -28,6 +29,7 @@ from twisted.logger import Logger
 
 from crossbar.state.cells import TOKENS, token_cell
 from crossbar.state.counts import Counts
+from crossbar.state.token_history import TokenHistory
 from crossbar.state.token_window import BUCKET, KEEP, Buckets, Window, bucket_start, window
 
 __all__ = ["Cells", "HOST_KINDS", "ROUTE_KINDS", "TokenLedger", "TokenShare"]
@@ -79,6 +81,7 @@ class TokenLedger:
     :param counts: where the totals are published and read (with workers: every
         worker's, :class:`~crossbar.state.counts.Counts`).
     :ivar share: with ``cluster.redis``, the fleet's buckets in Redis; else None.
+    :ivar history: with workers, where this worker's samples are kept on disk; else None.
     """
 
     def __init__(self, now: Callable[[], float], hosts: tuple[str, ...] = (), routes: tuple[str, ...] = (),
@@ -86,6 +89,7 @@ class TokenLedger:
         self.now = now
         self.counts = counts if counts is not None else Counts()
         self.share: TokenShare | None = None
+        self.history: TokenHistory | None = None
         self._mine: Totals = {}
         self._names: tuple[str, ...] = ()
         self._samples: dict[int, Totals] = {}  # bucket start -> the totals then, oldest first
@@ -98,23 +102,36 @@ class TokenLedger:
         history of names still configured are kept, a new name's history starts now."""
         self._names = tuple(token_cell("h", h, k) for h in hosts for k in HOST_KINDS) + tuple(
             token_cell("r", r, k) for r in routes for k in ROUTE_KINDS)
+        if self._samples:
+            self._fill()
+        else:
+            self._restart()
+
+    def _fill(self) -> None:
+        """A name missing from a sample had its total now then (its history starts now)."""
         totals = self.totals()
         for sample in self._samples.values():
             for name, value in totals.items():
                 sample.setdefault(name, value)
-        if not self._samples:
-            self._restart()
 
     def _restart(self) -> None:
-        """Start the history now, from the totals now."""
+        """Start the history now: from what :attr:`history` kept, and the totals now."""
         now = self.now()
-        self._samples = {bucket_start(now): self.totals()}
-        self._next_sample = bucket_start(now) + BUCKET
+        start = bucket_start(now)
+        kept = self.history.load(now - KEEP - 2 * BUCKET) if self.history is not None else {}
+        self._samples = {s: totals for s, totals in kept.items() if s < start}
+        totals = self._samples[start] = self.totals()
+        self._next_sample = start + BUCKET
+        self._fill()
+        if self.history is not None:
+            self.history.append(start, totals, self._samples)
 
-    def attach(self) -> None:
+    def attach(self, history: TokenHistory | None = None) -> None:
         """The :attr:`counts` are the workers' from now on: this process's totals are
-        published there, and the history starts again from the box's totals."""
+        published there, and the history starts again from the box's totals (and what
+        ``history``, this worker's row's file, kept of it)."""
         self.republish()
+        self.history = history
         self._restart()
 
     def _fold(self) -> Totals:
@@ -188,11 +205,13 @@ class TokenLedger:
         if now < self._next_sample:
             return
         start = bucket_start(now)
-        self._samples[start] = self.totals()
+        totals = self._samples[start] = self.totals()
         self._next_sample = start + BUCKET
         oldest = now - KEEP - 2 * BUCKET
         for old in [s for s in self._samples if s < oldest]:
             del self._samples[old]
+        if self.history is not None:
+            self.history.append(start, totals, self._samples)
 
     def tick(self) -> None:
         """The timer (twice a second): :meth:`sample`, and with a :attr:`share` write
