@@ -42,6 +42,7 @@ class Inflight:
         self._by_host_model: Counter[tuple[str, str]] = Counter()
         self.on_release = on_release
         self.counts = counts if counts is not None else Counts()
+        self._names: dict[tuple[str, str], tuple[str, str]] = {}  # (route, host) -> its two count names
         self.models_share: PlacementShare | None = None
 
     def host(self, host: str) -> int:
@@ -107,14 +108,21 @@ class Inflight:
         self._by_host[host] += 1
         self._by_route_host[(route, host)] += 1
         counts = self.counts
-        counts.publish(ROUTE_HOST_INFLIGHT, ROUTE_HOST_INFLIGHT.cell(route, host), self._by_route_host[(route, host)])
+        pair, name = self._names_of(route, host)
+        counts.publish(ROUTE_HOST_INFLIGHT, pair, self._by_route_host[(route, host)])
         lease = Lease(self, route, host)
-        name = HOST_INFLIGHT.cell(host)
         if limit is not None:
             lease.taken = counts.take(HOST_INFLIGHT, name, self._by_host[host], limit)
         else:
             counts.publish(HOST_INFLIGHT, name, self._by_host[host])
         return lease
+
+    def _names_of(self, route: str, host: str) -> tuple[str, str]:
+        """The names of the counts of (``route``, ``host``) and of ``host`` (built once)."""
+        names = self._names.get((route, host))
+        if names is None:
+            names = self._names[(route, host)] = (ROUTE_HOST_INFLIGHT.cell(route, host), HOST_INFLIGHT.cell(host))
+        return names
 
     def _leave(self, route: str, host: str, model: str | None = None) -> None:
         if model is not None and self._by_host_model.get((host, model), 0) > 0:
@@ -130,8 +138,9 @@ class Inflight:
         if self._by_route_host.get((route, host), 0) > 0:
             self._by_route_host[(route, host)] -= 1
         counts = self.counts
-        counts.publish(ROUTE_HOST_INFLIGHT, ROUTE_HOST_INFLIGHT.cell(route, host), self._by_route_host[(route, host)])
-        counts.publish(HOST_INFLIGHT, HOST_INFLIGHT.cell(host), self._by_host.get(host, 0))
+        pair, name = self._names_of(route, host)
+        counts.publish(ROUTE_HOST_INFLIGHT, pair, self._by_route_host[(route, host)])
+        counts.publish(HOST_INFLIGHT, name, self._by_host.get(host, 0))
         if self.on_release is not None:
             self.on_release()
 
