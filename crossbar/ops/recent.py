@@ -34,8 +34,6 @@ __all__ = ["RECENT", "TICK", "WATCH_TTL", "RecentRequests", "entry", "token_figu
 
 RECENT = 300
 """Entries kept per process (the page shows the newest of every process's)."""
-RING = 4096
-"""Raw records the ring holds (the newest :data:`RECENT` are ever shown)."""
 TICK = 0.5
 """Seconds between the timer's runs (while watched, writes of the worker's file)."""
 WATCH_TTL = 10.0
@@ -97,7 +95,7 @@ class RecentRequests:
 
     def __init__(self, now: Callable[[], float], directory: str | None = None, row: int = 0) -> None:
         self._now = now
-        self._ring: deque[tuple[float, RequestRecord]] = deque(maxlen=RING)
+        self._ring: deque[tuple[float, RequestRecord]] = deque(maxlen=RECENT)
         self._appended = 0
         self._made = 0
         self.entries: deque[dict[str, Any]] = deque(maxlen=RECENT)

@@ -13,7 +13,9 @@ runs twice a second, and an answer or a read after a bucket start takes it first
 bucket's tokens are the difference between its sample and the next (the last one's:
 the totals now). With workers every worker samples the same shared totals, so each
 holds the box's history (a restarted worker takes it back from its row's file,
-:mod:`crossbar.state.token_history`). With
+:mod:`crossbar.state.token_history`); their timers run apart by up to half a second, so
+an answer ending just after a bucket start may sit in either bucket of two workers,
+which moves only the part of the oldest bucket the last minute counts. With
 ``cluster.redis`` the fleet's buckets are read from Redis instead
 (:attr:`TokenLedger.share`, :mod:`crossbar.state.token_share`), this box's standing
 in while Redis is away. :func:`~crossbar.state.token_window.window` and
