@@ -21,7 +21,7 @@ from typing import Any
 from crossbar.ops.hostview import host_view, leaving, leaving_view
 from crossbar.ops.recent import RecentRequests
 from crossbar.state.runtime import Runtime
-from crossbar.state.token_window import BUCKET, chart, chart_starts, window
+from crossbar.state.token_window import BUCKET, chart_starts
 from crossbar.state.worker_counts import AFFINITY_OUTCOMES
 
 __all__ = ["CSP", "MAX_MODEL_COLUMNS", "STATIC", "load_static", "models_view", "snapshot"]
@@ -99,8 +99,7 @@ def snapshot(runtime: Runtime, recent: RecentRequests, limit: int = 200) -> dict
     now = runtime.now()
     config = runtime.config
     entries = recent.view()
-    buckets = runtime.tokens.buckets()  # what status reads too (§What the answers say)
-    last_minute = window(buckets, now)
+    last_minute = runtime.tokens.window()  # what status reads too (§What the answers say)
     hosts = []
     for name, s in runtime.table.all().items():
         hosts.append({
@@ -133,5 +132,5 @@ def snapshot(runtime: Runtime, recent: RecentRequests, limit: int = 200) -> dict
         "recent": entries[:limit],
         "view": recent.scope(),
         "chart": {"start": chart_starts(now)[0], "step": BUCKET,
-                  "hosts": chart(buckets, [str(h["name"]) for h in hosts], now)},
+                  "hosts": runtime.tokens.chart([str(h["name"]) for h in hosts])},
     }

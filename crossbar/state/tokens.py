@@ -24,7 +24,7 @@ in while Redis is away. :func:`~crossbar.state.token_window.window` and
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Callable, Iterable, Protocol
 
 from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
@@ -32,7 +32,7 @@ from twisted.logger import Logger
 from crossbar.state.cells import TOKENS, token_cell
 from crossbar.state.counts import Counts
 from crossbar.state.token_history import TokenHistory
-from crossbar.state.token_window import BUCKET, KEEP, Buckets, Window, bucket_start, window
+from crossbar.state.token_window import BUCKET, KEEP, WINDOW, Buckets, Window, bucket_start, chart, window
 
 __all__ = ["Cells", "HOST_KINDS", "ROUTE_KINDS", "TokenLedger", "TokenShare"]
 
@@ -225,24 +225,33 @@ class TokenLedger:
         except Exception:
             _log.failure("token figures not sampled")
 
-    def box_buckets(self) -> Buckets:
-        """This box's buckets (this process's, or every worker's), from the samples."""
+    def box_buckets(self, since: float | None = None, names: Iterable[str] | None = None) -> Buckets:
+        """This box's buckets (this process's, or every worker's), from the samples;
+        with ``since`` (POSIX s) only those reaching past it, with ``names`` only those
+        cells."""
         self.sample()
         samples = list(self._samples.items())
+        if since is not None:
+            first = len(samples) - 1
+            while first > 0 and samples[first][0] > since:
+                first -= 1
+            samples = samples[first:]
         upto = [totals for _, totals in samples[1:]] + [self.totals()]
+        wanted = list(names) if names is not None else None
         out: dict[int, dict[str, float]] = {}
         for (start, base), after in zip(samples, upto):
-            cells = {name: float(value - base.get(name, 0)) for name, value in after.items()
-                     if value > base.get(name, 0)}
+            pairs = after.items() if wanted is None else ((name, after.get(name, 0)) for name in wanted)
+            cells = {name: float(value - base.get(name, 0)) for name, value in pairs if value > base.get(name, 0)}
             if cells:
                 out[start] = cells
         return out
 
-    def buckets(self) -> Buckets:
+    def buckets(self, since: float | None = None, names: Iterable[str] | None = None) -> Buckets:
         """The buckets status and the dashboard read: the fleet's from Redis while they
-        stand for it (:attr:`share`), else this box's."""
+        stand for it (:attr:`share`), else this box's (with ``since`` and ``names``, at
+        least those reaching past it, of those cells: :meth:`box_buckets`)."""
         fleet = self.share.view() if self.share is not None else None
-        return fleet if fleet is not None else self.box_buckets()
+        return fleet if fleet is not None else self.box_buckets(since, names)
 
     def fresh(self) -> Deferred[None]:
         """Fires when :meth:`buckets` is as fresh as it gets: at once, or with
@@ -251,4 +260,11 @@ class TokenLedger:
 
     def window(self) -> Window:
         """The last minute of :meth:`buckets` (:func:`~crossbar.state.token_window.window`)."""
-        return window(self.buckets(), self.now())
+        now = self.now()
+        return window(self.buckets(now - WINDOW), now)
+
+    def chart(self, hosts: list[str]) -> dict[str, list[float]]:
+        """host -> tokens generated per second per bucket over the last 15 minutes
+        (:func:`~crossbar.state.token_window.chart`) of :meth:`buckets`."""
+        now = self.now()
+        return chart(self.buckets(names=[token_cell("h", h, "generated") for h in hosts]), hosts, now)
