@@ -2,11 +2,16 @@
 # bench/instructions.sh SRC TAG [N]: user-space instructions per request of the crossbar in
 # checkout SRC (PYTHONPATH), under valgrind's callgrind: instrumentation off during start-up,
 # switched on after 50 warm-up requests, N (default 400) sequential keep-alive requests of
-# bench (a), dumped, divided. The machine's load does not move the count (bench/HISTORY.md,
-# "Second pass"). Needs valgrind, curl, bench/.venv (bench/run makes it) and twistd in PY's dir.
+# bench (a), dumped, divided. The machine's load moves the count little (bench/HISTORY.md,
+# "Second pass"): ~1% on a busy machine, where what runs by the clock is counted longer. Needs valgrind, curl, bench/.venv (bench/run makes it) and twistd in PY's dir.
 # EVENTS=1: instructions per streamed event instead: after the warm-up, one stream of 100
-# events and one of N+100 (2 ms apart, so each is its own read), each its own dump; the
-# difference divided by N leaves out what a request costs besides its events.
+# events and one of N+100 (2 ms apart: meant to be a read each), each its own dump; the
+# difference divided by N leaves out what a request costs besides its events. GAP=20: the
+# events 20 ms apart instead of 2: under callgrind on a loaded machine 2 ms apart lets
+# 10-40% of them share a read, which moves the count by up to +-10%; 20 ms apart almost
+# none do (runs of one tree within ~1%), and the count is that of an event in a read of
+# its own (~57k against ~46k). CROSSBAR_TWISTED_OFF=N,...: with those Twisted touchpoints
+# switched off (crossbar/compat/twisted.py; bench/README.md, "Each Twisted touchpoint").
 # WORKERS=2: crossbar runs with workers: 2 and the count is the supervisor's alone (its
 # workers are not under callgrind) per request the workers served: what the supervisor
 # pays per request (issue 33). LOGFILE=0: twistd logs to its standard output instead.
@@ -43,7 +48,7 @@ for _ in $(seq 1 600); do curl -s -o /dev/null -m 2 "http://127.0.0.1:$PORT/_cro
 stream() {  # one SSE stream of $1 events through the route, read to its end
     curl -s -N -o /dev/null -m 600 -H 'Content-Type: application/json' \
         -d "{\"model\":\"bench\",\"stream\":true,\"messages\":[{\"role\":\"user\",\"content\":\"hi\"}]}" \
-        "http://127.0.0.1:$PORT/bench/v1/chat/completions?stream=1&n=$1&d=2"
+        "http://127.0.0.1:$PORT/bench/v1/chat/completions?stream=1&n=$1&d=${GAP:-2}"
 }
 if [ -n "${EVENTS:-}" ]; then
     stream 20

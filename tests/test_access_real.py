@@ -15,8 +15,6 @@ import urllib.error
 import urllib.request
 from typing import Any
 
-from twisted.internet import reactor
-from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThread
 from twisted.trial import unittest
 
@@ -133,7 +131,8 @@ class RealKeysTests(unittest.TestCase):
         self.assertEqual(set(refused.body), set(theirs))
         self.assertEqual(refused.body["message"], "invalid api key")
         # Polls succeed: several more rounds keep the host healthy, its model listed.
-        await deferLater(reactor, 1.2)  # two more poll rounds (interval 0.5 s)
+        await wait_for(lambda: (s := service.table.get("gpu")) is not None and s.consecutive >= 3, 10,
+                       "two more poll rounds")  # (interval 0.5 s; later on a loaded machine)
         self.assertTrue(service.table.is_healthy("gpu"))
         status = service.table.get("gpu")
         assert status is not None

@@ -53,7 +53,7 @@ class InflightOverCluster(SynchronousTestCase):
         cluster = FakeCluster(instances=3)
         view: ClusterView = cluster
         inflight = Inflight()
-        inflight.cluster = view
+        inflight.counts.cluster = view
         cluster.totals["h\0a"] = 4
         self.assertEqual(inflight.host("a"), 4)
         lease = inflight.enter("r", "a")
@@ -103,7 +103,7 @@ class ReadyOnceSettled(SynchronousTestCase):
         call), with this instance's new count and the limit; refused when full."""
         cluster = FakeCluster()
         inflight = Inflight()
-        inflight.cluster = cluster
+        inflight.counts.cluster = cluster
         cluster.totals["h\0a"] = 1
         lease = inflight.enter("r", "a", limit=2)
         self.assertEqual(cluster.taken, [("h\0a", 1, 2)])

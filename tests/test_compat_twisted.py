@@ -261,7 +261,6 @@ class FallbackTests(SynchronousTestCase):
 
     def test_reactor_and_log_touchpoints_change_nothing(self) -> None:
         from twisted.internet.epollreactor import EPollReactor
-        from twisted.logger import Logger, LogLevel
         from twisted.logger import _file
 
         r = EPollReactor()
@@ -275,10 +274,6 @@ class FallbackTests(SynchronousTestCase):
         from twisted.logger import LogPublisher, textFileLogObserver
 
         self.assertIsNone(self.module.text_log_file(LogPublisher(textFileLogObserver(io.StringIO()))))
-        events: list[dict[str, Any]] = []
-        log = Logger(namespace="t", observer=events.append)
-        self.module.emit_flattened(log, LogLevel.info, "{line}", self.module.flattened_line("x"), {"line": "x"})
-        self.assertEqual([(e["log_format"], e["line"], e["log_level"]) for e in events], [("{line}", "x", LogLevel.info)])
 
     def test_said_once_at_start_up(self) -> None:
         from twisted.logger import Logger
@@ -289,6 +284,49 @@ class FallbackTests(SynchronousTestCase):
         self.assertIn("Twisted 99.1 is outside the range", events[0]["why"])
         self.patch(self.module, "FALLBACK", None)
         self.assertFalse(self.module.log_fallback(Logger(namespace="crossbar", observer=events.append)))
+
+
+class SwitchedOffTests(FallbackTests):
+    """``CROSSBAR_TWISTED_OFF`` (:data:`OFF`), for measurement: a touchpoint switched off
+    does exactly what it does under the fallback; the others stay on."""
+
+    def setUp(self) -> None:
+        import crossbar.compat.twisted as module
+
+        self.module = module
+        self.patch(module, "OFF", frozenset(range(1, 12)))
+
+    def test_said_once_at_start_up(self) -> None:
+        from twisted.logger import Logger
+
+        events: list[dict[str, Any]] = []
+        self.patch(self.module, "OFF", frozenset({5, 8}))
+        self.assertFalse(self.module.log_fallback(Logger(namespace="crossbar", observer=events.append)))
+        self.assertEqual([e["off"] for e in events], ["5,8"])
+
+    def test_one_at_a_time(self) -> None:
+        self.patch(self.module, "OFF", frozenset({8}))
+        self.assertTrue(self.module.hold_writes())  # touchpoint 5 is on
+        self.module.release_writes()
+        answer, _ = BodyWriterTouchpointTests("test_names_exist")._answer(b"GET /r HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertEqual(body_writer(answer), answer.write)
+        self.patch(self.module, "OFF", frozenset({5}))
+        self.assertFalse(self.module.hold_writes())
+        self.assertNotEqual(body_writer(answer), answer.write)
+
+    def test_read_from_the_environment_at_import(self) -> None:
+        import subprocess
+        import sys
+
+        code = "import crossbar.compat.twisted as t; print(sorted(t.OFF), t.FALLBACK)"
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        for value, printed in (("5,8", "[5, 8] None"), ("", "[] None"), (" 11 ", "[11] None")):
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                                 env=dict(os.environ, CROSSBAR_TWISTED_OFF=value, PYTHONPATH=root))
+            self.assertEqual(out.stdout.strip(), printed)
+        self.assertEqual(self.module.switched_off("9, 6"), frozenset({6, 9}))
+        for wrong in ("12", "0", "7", "five", "5;8"):  # 7 was dropped
+            self.assertRaises(ValueError, self.module.switched_off, wrong)
 
 
 class PortLoggerTouchpointTests(_Private):
@@ -507,29 +545,6 @@ class LogTimestampTouchpointTests(_Private):
         self.assertFalse(cache_log_timestamps(), "replaced once only")
         self.assertTrue(getattr(_file.formatTime, "crossbar_per_second", False))
         self.assertEqual(lines(), plain)
-
-
-# -- touchpoint 7: log_flattened as twisted.logger._flatten.flattenEvent writes it ----------
-
-
-class FlattenedLineTouchpointTests(_Private):
-    def test_same_as_flatten_event_and_formatted_the_same(self) -> None:
-        from twisted.logger import formatEvent
-        from twisted.logger import _flatten
-
-        from crossbar.compat.twisted import flattened_line
-
-        flatten = self.require_attribute(_flatten, "flattenEvent", 7)
-        for line in ("POST /r/v1/x -> a 200 12B ttfb=1.0ms 2.0ms", "{not a field} 100% {{", ""):
-            event = {"log_format": "{line}", "line": line}
-            flatten(event)
-            if event.get("log_flattened") != flattened_line(line):
-                self.fail(moved("twisted.logger._flatten.flattenEvent", 7,
-                                f"it flattens {{line}} as {event.get('log_flattened')!r}"))
-            ours = {"log_format": "{line}", "line": line, "log_flattened": flattened_line(line)}
-            self.assertEqual(formatEvent(ours), line)
-        # a format without fields (a worker's message relayed by the supervisor): no values
-        self.assertEqual(formatEvent({"log_format": "odd {{braces}} 100%", "log_flattened": {}}), "odd {braces} 100%")
 
 
 # -- touchpoint 8: a body chunk written past server.Request.write and http.Request.write ----

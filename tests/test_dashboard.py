@@ -24,7 +24,8 @@ from twisted.trial.unittest import SynchronousTestCase, TestCase
 
 from crossbar.hosts.balance import Chosen, Rotation, Verdict, choose
 from crossbar.ops.dashboard import STATIC, load_static
-from crossbar.ops.recent import BUCKET, RecentRequests, entry, token_figures
+from crossbar.ops.recent import RecentRequests, entry, token_figures
+from crossbar.state.token_window import BUCKET
 from crossbar.ops.record import RequestRecord
 from tests.test_balance import NAMES, cases
 from tests.harness import FakeLlama, http_client, listen, start_crossbar, wait_for
@@ -403,27 +404,21 @@ class RecentTests(SynchronousTestCase):
         e = entry(1.0, _record()._replace(model="tiny-a", resolved="tiny-a"))  # a default_model
         self.assertEqual((e["model"], e["resolved"]), ("", "tiny-a"))
 
-    def test_one_append_per_request_then_folded_on_the_tick(self) -> None:
+    def test_one_append_per_request_entries_only_for_a_look(self) -> None:
         clock = Clock()
         clock.advance(10_000)
         recent = RecentRequests(clock.seconds)
         recent.observe(_record(tokens={"generated": 50, "prompt": 10, "cached": 30}))
-        self.assertEqual(recent.host_tokens, {})  # nothing done per request but the append
         recent.tick()
-        self.assertEqual(recent.host_tokens, {10_000 // BUCKET * BUCKET: {"a": 50.0}})
-        self.assertEqual(recent.route_prompt, {10_000 // BUCKET * BUCKET: {"r": [10.0, 30.0]}})
         self.assertEqual(list(recent.entries), [])  # entries only for someone who looks
-        entries, _, _ = recent.view()
+        entries = recent.view()
         self.assertEqual([e["tokens"]["generated"] for e in entries], [50.0])
         for i in range(400):
             recent.observe(_record(host=f"h{i}"))
         recent.tick()
-        entries, _, _ = recent.view()
+        entries = recent.view()
         self.assertEqual(len(entries), 300)  # bounded: the newest first
         self.assertEqual((entries[0]["host"], entries[-1]["host"]), ("h399", "h100"))
-        clock.advance(15 * 60 + 2 * BUCKET)
-        recent.tick()
-        self.assertEqual(recent.host_tokens, {})  # older than the chart: dropped
 
     def test_workers_see_every_workers_requests(self) -> None:
         clock = Clock()
@@ -437,14 +432,13 @@ class RecentTests(SynchronousTestCase):
         second.tick()
         # Nobody looked yet: no file written.
         self.assertEqual(sorted(os.listdir(directory)), [])
-        entries, hosts, _ = first.view()  # a look: its own file now, the other's on its tick
+        entries = first.view()  # a look: its own file now, the other's on its tick
         self.assertEqual([e["host"] for e in entries], ["a"])
         clock.advance(1.0)  # a worker looks at the watch file once a second
         second.tick()
-        entries, hosts, _ = first.view()
+        entries = first.view()
         self.assertEqual(sorted(e["host"] for e in entries), ["a", "b"])
-        self.assertEqual(sum(h.get("a", 0) for h in hosts.values()), 7)
-        # A restarted worker takes its history back from its file.
+        # A restarted worker takes its entries back from its file.
         again = RecentRequests(clock.seconds, directory, 1)
         self.assertEqual([e["host"] for e in again.entries], ["b"])
 

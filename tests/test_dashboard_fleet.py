@@ -4,9 +4,10 @@ the dashboard, and §Several crossbars): two in-process crossbar instances over 
 llama-server's ``timings``.
 
 A request answered by instance A is in the data instance B serves, whether the page
-was open before or not (within 2 s on crossbar's own clock: FleetWrites); the per-host tokens/s figure and the chart agree on
-both; nobody looking puts no display entry into Redis, only the token figures; Redis
-gone, the data falls back to the instance's own and says so."""
+was open before or not (within 2 s on crossbar's own clock: FleetWrites); the per-host tokens/s figure, the cached share and the
+chart agree on both, and with status on both (one store, summed through Redis:
+crossbar.state.token_share); nobody looking puts no display entry into Redis, only the
+token figures; Redis gone, the data falls back to the instance's own and says so."""
 
 from __future__ import annotations
 
@@ -19,7 +20,10 @@ from twisted.trial.unittest import TestCase
 from twisted.web.server import Request
 
 from crossbar.ops.fleet_recent import PREFIX
-from crossbar.ops.recent import BUCKET, TICK, WATCH_TTL
+from crossbar.state.cells import token_cell
+from crossbar.state.token_share import PREFIX as TOKENS
+from crossbar.state.token_window import BUCKET
+from crossbar.ops.recent import TICK, WATCH_TTL
 from crossbar.process.service import CrossbarService
 from crossbar.state import cluster as cluster_module
 from tests.harness import FakeLlama, http_client, listen, start_crossbar, wait_for
@@ -87,10 +91,10 @@ class FleetDashboard(TestCase):
         # Nobody looks: A's request puts its token figures into Redis (the chart and the
         # per-minute figures are right when someone opens the page), no display entry.
         await self.chat(http, base_a, 1)
-        bucket = f"{PREFIX}tok:{int(time.time() // BUCKET * BUCKET)}"
-        await wait_for(lambda: redis.command("HGET", bucket, "h\0gpu-a") is not None
-                       or redis.command("HGET", f"{PREFIX}tok:{int(time.time() // BUCKET * BUCKET) - BUCKET}",
-                                        "h\0gpu-a") is not None, 10, "A's tokens in Redis")
+        generated = token_cell("h", "gpu-a", "generated")
+        await wait_for(lambda: any(redis.command("HGET", f"{TOKENS}{int(time.time() // BUCKET * BUCKET) - back}",
+                                                 generated) is not None for back in (0, BUCKET)),
+                       LIVE, "A's tokens in Redis")
         self.assertEqual(redis.command("LLEN", f"{PREFIX}recent"), 0)
 
         # B's page opens: A's earlier request is in B's data. The design's 2 s is kept
@@ -119,20 +123,24 @@ class FleetDashboard(TestCase):
         for secret in ("secret-", "body-", TOKEN):
             self.assertNotIn(secret, text)
 
-        # The per-host tokens/s (last minute) and the chart agree on both instances.
-        expected = round(2 * GENERATED / 60.0, 2)
+        # The per-host tokens/s and cached share (last minute) agree on both instances,
+        # in the dashboard's data and in status; the chart shows them.
+        expected = (round(2 * GENERATED / 60.0, 2), round(20 / 30, 4))
 
         async def figures(base: str) -> Any:
             doc = await self.data(http, base)
-            return [h["tps"] for h in doc["hosts"] if h["name"] == "gpu-a"][0], sum(doc["chart"]["hosts"]["gpu-a"])
+            status = await treq.json_content(await http.get(base + "/_crossbar/status", headers=AUTH))
+            return ([h["tps"] for h in doc["hosts"] if h["name"] == "gpu-a"][0],
+                    [r["cached_share"] for r in doc["routes"] if r["name"] == "chat"][0],
+                    status["hosts"]["gpu-a"]["tokens_per_s"], status["routes"]["chat"]["cached_share"],
+                    sum(doc["chart"]["hosts"]["gpu-a"]))
 
         await wait_for(lambda: _equal(figures, base_a, base_b, expected), LIVE, "the same tokens/s on A and B")
-        tps_a, chart_a = await figures(base_a)
-        tps_b, chart_b = await figures(base_b)
-        self.assertEqual((tps_a, tps_b), (expected, expected))
-        self.assertGreater(chart_a, 0)
-        self.assertGreater(chart_b, 0)
-        self.assertEqual(b.recent.host_tokens, {})  # B's own buckets are empty: its figures came from Redis
+        for base in (base_a, base_b):
+            *shown, chart = await figures(base)
+            self.assertEqual(shown, [*expected, *expected])
+            self.assertGreater(chart, 0)
+        self.assertEqual(b.runtime.tokens.box_buckets(), {})  # B counted none: its figures came from Redis
         # The list in Redis holds both display entries, nothing else.
         self.assertEqual(redis.command("LLEN", f"{PREFIX}recent"), 2)
 
@@ -150,11 +158,15 @@ class FleetDashboard(TestCase):
             return len([e for e in doc["recent"] if e["route"] == "chat"]) == 3
 
         await wait_for(all_three_on_a, LIVE, "A's own three in A's data")  # after A's next tick
+        doc = await self.data(http, base_a)
+        self.assertEqual([h["tps"] for h in doc["hosts"]], [round(3 * GENERATED / 60, 2)])  # A's own tokens
+        doc = await self.data(http, base_b)
+        self.assertEqual([h["tps"] for h in doc["hosts"]], [0.0])  # B's own: none
 
 
-async def _equal(figures: Any, base_a: str, base_b: str, expected: float) -> bool:
+async def _equal(figures: Any, base_a: str, base_b: str, expected: tuple[float, float]) -> bool:
     fa, fb = await figures(base_a), await figures(base_b)
-    return bool(fa[0] == fb[0] == expected)
+    return bool(fa[:4] == fb[:4] == (*expected, *expected))
 
 
 class FakeRedisCommands:
@@ -174,12 +186,6 @@ class FakeRedisCommands:
         return fail(self.reply) if isinstance(self.reply, Exception) else succeed(self.reply)
 
 
-def _tokens_sent(args: list[Any]) -> dict[tuple[int, str], float]:
-    n = int(args[3])
-    rest = args[5 + n:]
-    return {(int(rest[i]), str(rest[i + 1])): float(rest[i + 2]) for i in range(0, len(rest), 3)}
-
-
 class FleetWrites(TestCase):
     """What an instance writes, decided without a Redis (the fake answers as the
     script would)."""
@@ -195,29 +201,30 @@ class FleetWrites(TestCase):
         redis = FakeRedisCommands()
         return FleetRecent(clock.seconds, redis, None), redis, (clock, _record)  # type: ignore[arg-type]
 
-    def test_tokens_always_entries_only_while_watched_failures_kept(self) -> None:
+    def test_entries_only_while_watched(self) -> None:
         recent, redis, (clock, record) = self.make()
         recent.tick()
         self.assertEqual(redis.calls, [])  # idle: nothing written
         recent.observe(record(host="a", route="r", tokens={"generated": 50, "prompt": 10, "cached": 30}))
         recent.tick()
-        start = 1_000_000 // BUCKET * BUCKET
-        self.assertEqual(len(redis.calls), 1)
+        self.assertEqual(len(redis.calls), 1)  # does anyone look?
         keys, args = redis.calls[-1]
-        self.assertEqual(args[3], 0)  # nobody looks: no display entry
-        self.assertEqual(_tokens_sent(args), {(start, "h\0a"): 50.0, (start, "p\0r"): 10.0, (start, "c\0r"): 30.0})
-        # Redis fails the next write: its tokens go again with the one after.
+        self.assertEqual(args[1], 0)  # nobody looks: no display entry
+        # Redis fails the next question: asked again a second later.
         redis.reply = RuntimeError("timeout")
         recent.observe(record(host="a", tokens={"generated": 5}))
         recent.tick()
+        self.assertEqual(len(redis.calls), 1)  # not again within the second
+        clock.advance(1)
+        recent.tick()
         redis.reply = 9000  # someone looks (the watch key lives 9 s more)
         recent.observe(record(host="a", tokens={"generated": 7}))
+        clock.advance(1)
         recent.tick()
-        sent = [_tokens_sent(args) for _, args in redis.calls[2:]]
-        self.assertEqual(sent[0], {(start, "h\0a"): 12.0})
         # Learning that someone looks, it pushes its newest requests (all three) at once.
         self.assertEqual(len(redis.calls), 4)
-        entries = [json.loads(e) for e in redis.calls[3][1][4:4 + int(redis.calls[3][1][3])]]
+        args = redis.calls[3][1]
+        entries = [json.loads(e) for e in args[2:2 + int(args[1])]]
         self.assertEqual([e["tokens"]["generated"] for e in entries], [50.0, 5.0, 7.0])
         # Nothing new and everything shown: nothing more is written.
         clock.advance(2)
@@ -234,7 +241,7 @@ class FleetWrites(TestCase):
         for offset in [i * 0.05 for i in range(1, 40)]:  # 0.05 .. 1.95 s after the first ask
             recent, redis, (clock, record) = self.make()
             recent.observe(record(host="a", route="r", tokens={"generated": 5}))
-            recent.tick()  # the tokens written, the question asked: nobody looks
+            recent.tick()  # the question asked: nobody looks
             self.assertEqual(len(redis.calls), 1)
             look = clock.seconds() + offset
             pushed_at = None
@@ -244,18 +251,80 @@ class FleetWrites(TestCase):
                     redis.reply = int(WATCH_TTL * 1000)  # the page's read marked the fleet watched
                 before = len(redis.calls)
                 recent.tick()
-                if any(int(args[3]) > 0 for _, args in redis.calls[before:]):
+                if any(int(args[1]) > 0 for _, args in redis.calls[before:]):
                     pushed_at = clock.seconds()
             assert pushed_at is not None, offset
             self.assertLessEqual(pushed_at - look, 2.0 - TICK, offset)  # the page's next read: TICK later
 
-    def test_alone_keeps_tokens_for_the_chart_only(self) -> None:
-        recent, redis, (clock, record) = self.make()
+
+class TokenWrites(TestCase):
+    """What an instance writes of its tokens and reads of the fleet's
+    (crossbar.state.token_share), decided without a Redis."""
+
+    def make(self) -> tuple[Any, Any, FakeRedisCommands, Any]:
+        from twisted.internet.task import Clock
+
+        from crossbar.state.token_share import RedisTokens
+        from crossbar.state.tokens import TokenLedger
+
+        clock = Clock()
+        clock.advance(1_000_000)
+        redis = FakeRedisCommands()
+        ledger = TokenLedger(clock.seconds, ("a",), ("r",))
+        return ledger, RedisTokens(ledger, redis, clock.seconds), redis, clock  # type: ignore[arg-type]
+
+    def test_tokens_written_on_the_tick_failures_kept(self) -> None:
+        ledger, share, redis, clock = self.make()
+        ledger.tick()
+        self.assertEqual(redis.calls, [])  # idle: nothing written
+        ledger.add("r", "a", 10, 30, 50)
+        self.assertEqual(redis.calls, [])  # nothing on the request path
+        ledger.tick()
+        start = 1_000_000 // BUCKET * BUCKET
+        self.assertEqual(_tokens_sent(redis.calls[-1][1]), {
+            (start, token_cell("h", "a", "prompt")): 10, (start, token_cell("h", "a", "cached")): 30,
+            (start, token_cell("h", "a", "generated")): 50, (start, token_cell("r", "r", "prompt")): 10,
+            (start, token_cell("r", "r", "cached")): 30})
+        # Redis fails the next write: its tokens go again with the one after.
+        redis.reply = RuntimeError("timeout")
+        ledger.add("r", "a", 0, 0, 5)
+        ledger.tick()
+        redis.reply = 1
+        ledger.add("r", "a", 0, 0, 7)
+        clock.advance(0.5)
+        ledger.tick()
+        self.assertEqual(_tokens_sent(redis.calls[-1][1]), {(start, token_cell("h", "a", "generated")): 12})
+        self.assertEqual(len(redis.calls), 3)
+
+    def test_alone_kept_for_the_chart_only(self) -> None:
+        ledger, share, redis, clock = self.make()
         redis.joined = False
-        recent.observe(record(host="a", tokens={"generated": 5}))
-        recent.tick()
+        ledger.add("r", "a", 0, 0, 5)
+        ledger.tick()
         self.assertEqual(redis.calls, [])
-        self.assertEqual(sum(recent.added.values()), 5)
+        self.assertEqual(sum(share.unwritten.values()), 5)
+        self.assertEqual(ledger.window().generated_per_second("a"), round(5 / 60, 2))  # this box's own
         clock.advance(15 * 60 + 3 * BUCKET)
-        recent.tick()
-        self.assertEqual(recent.added, {})  # older than the chart: dropped
+        ledger.tick()
+        self.assertEqual(share.unwritten, {})  # older than the chart: dropped
+
+    def test_the_fleets_buckets_while_fresh(self) -> None:
+        ledger, share, redis, clock = self.make()
+        ledger.add("r", "a", 0, 0, 6)
+        start = 1_000_000 // BUCKET * BUCKET
+        cell = token_cell("h", "a", "generated")
+        redis.reply = json.dumps({str(start): [cell, "120"], str(start - BUCKET): [cell, "60"]})
+        fired: list[object] = []
+        ledger.fresh().addCallback(fired.append)
+        self.assertEqual(fired, [None])
+        self.assertEqual(ledger.window().generated_per_second("a"), 3.0)  # the fleet's 180 tokens
+        clock.advance(3.5)  # the read is stale: this box's own
+        self.assertEqual(ledger.window().generated_per_second("a"), 0.1)
+        redis.reply = RuntimeError("timeout")
+        ledger.fresh()
+        self.assertEqual(ledger.window().generated_per_second("a"), 0.1)
+
+
+def _tokens_sent(args: list[Any]) -> dict[tuple[int, str], int]:
+    rest = args[2:]
+    return {(int(rest[i]), str(rest[i + 1])): int(rest[i + 2]) for i in range(0, len(rest), 3)}

@@ -333,8 +333,8 @@ class RuntimeStandingTests(SynchronousTestCase):
         runtime.key_inflight[("r", "ci")] = 2
 
         class Fleet:
-            def key(self, route: str, key: str) -> int:
-                return 7
+            def total(self, name: str) -> int:
+                return 7 if name == "k\0r\0ci" else 0
 
         class Cluster:
             joined = True
@@ -342,7 +342,7 @@ class RuntimeStandingTests(SynchronousTestCase):
             def others(self, name: str) -> int:
                 return 5 if name == "k\0r\0ci" else 0
 
-        runtime.fleet = Fleet()  # type: ignore[assignment]
+        runtime.counts.fleet = Fleet()  # type: ignore[assignment]
         self.assertEqual(standing.requests("r", "ci"), 7)
-        runtime.cluster = Cluster()  # type: ignore[assignment]
+        runtime.counts.cluster = Cluster()  # type: ignore[assignment]
         self.assertEqual(standing.requests("r", "ci"), 2 + 5)

@@ -1,7 +1,7 @@
 """Issue 11 item 4: a second SIGTERM or Ctrl-C (SIGINT) during a drain ends it at once
 (docs/design.md §Operations), with a real ``twistd`` process: one log line about it, the
 stream still in flight aborted (its client sees a truncated answer), a clean exit
-within a couple of seconds although ``drain.delay`` + ``drain.grace`` is 30 s, and no
+within seconds (10 s allowed on a loaded machine) although ``drain.delay`` + ``drain.grace`` is 30 s, and no
 ``ReactorNotRunning`` traceback."""
 
 from __future__ import annotations
@@ -47,7 +47,9 @@ class SecondSignalTests(TestCase):
 
         code, signum = await proc.ended
         took = (proc.ended_at or 0) - second
-        self.assertLess(took, 2.5, "the second signal did not end the drain:\n" + proc.text())
+        # at once, not after delay + grace (30 s): a loaded machine takes seconds to end
+        # a Python process and tell this one
+        self.assertLess(took, 10.0, "the second signal did not end the drain:\n" + proc.text())
         # twistd ends a signalled run by re-raising that signal (or exits 0).
         self.assertTrue(code == 0 or signum == sig, (code, signum, proc.text()))
         how, body = await stream.done

@@ -10,6 +10,10 @@ import random
 from twisted.trial.unittest import SynchronousTestCase
 
 from crossbar.config import parse_config
+from crossbar.state.cells import (
+    AFFINITY, HOST_INFLIGHT, KEY_INFLIGHT, QUEUED, QUEUED_SINCE, RESTARTS, ROUTE_HOST_INFLIGHT,
+)
+from crossbar.state.counts import Counts
 from crossbar.state.worker_counts import WorkerCounts
 from crossbar.state.inflight import Inflight
 from crossbar.state.shared import CELLS, SharedCounts, cell_map
@@ -114,63 +118,75 @@ class FleetTests(SynchronousTestCase):
         self.supervisor = WorkerCounts(SharedCounts(path, 3, 2), self.config)
 
     def test_inflight_summed_over_workers(self) -> None:
-        self.one.publish_inflight("r", "b", 1, 2)
-        self.one.publish_inflight("s", "b", 1, 2)
-        self.two.publish_inflight("r", "b", 3, 3)
-        self.assertEqual(self.supervisor.host("b"), 5)
-        self.assertEqual(self.one.route_host("r", "b"), 4)
-        self.assertEqual(self.two.route_host("s", "b"), 1)
-        self.assertEqual(self.one.host("a"), 0)
-        self.assertEqual(self.one.host("unknown"), 0)
+        one, two, supervisor = (_counts(f) for f in (self.one, self.two, self.supervisor))
+        for counts, route, pair, total in ((one, "r", 1, 2), (one, "s", 1, 2), (two, "r", 3, 3)):
+            counts.publish(ROUTE_HOST_INFLIGHT, ROUTE_HOST_INFLIGHT.cell(route, "b"), pair)
+            counts.publish(HOST_INFLIGHT, HOST_INFLIGHT.cell("b"), total)
+        self.assertEqual(supervisor.read(HOST_INFLIGHT, HOST_INFLIGHT.cell("b"), 0), 5)
+        self.assertEqual(one.read(ROUTE_HOST_INFLIGHT, ROUTE_HOST_INFLIGHT.cell("r", "b"), 0), 4)
+        self.assertEqual(two.read(ROUTE_HOST_INFLIGHT, ROUTE_HOST_INFLIGHT.cell("s", "b"), 0), 1)
+        self.assertEqual(one.read(HOST_INFLIGHT, HOST_INFLIGHT.cell("a"), 0), 0)
+        self.assertEqual(one.read(HOST_INFLIGHT, HOST_INFLIGHT.cell("unknown"), 7), 0)  # no cell: none shared
 
     def test_inflight_series_of_a_worker_that_served_none(self) -> None:
         """The kernel may hand every connection to one worker: the other's metrics
         still report the fleet's in-flight requests, for every pair of the config."""
-        busy, idle = Inflight(), Inflight()
-        busy.fleet, idle.fleet = self.one, self.two
+        busy, idle = Inflight(counts=_counts(self.one)), Inflight(counts=_counts(self.two))
         busy.enter("r", "a")
         busy.enter("r", "a")
         self.assertEqual(idle.by_route_host(), {("r", "a"): 2, ("r", "b"): 0, ("s", "b"): 0})
         self.assertEqual(idle.host("a"), 2)
 
     def test_queue_and_oldest(self) -> None:
-        self.one.publish_queue("r", 2, 5000)
-        self.two.publish_queue("r", 1, 4000)
-        self.assertEqual(self.one.queued("r"), 3)
-        self.assertEqual(self.one.oldest_queued_ms("r"), 4000)
-        self.two.publish_queue("r", 0, 0)
-        self.assertEqual(self.two.oldest_queued_ms("r"), 5000)
-        self.assertIsNone(self.two.oldest_queued_ms("s"))
+        one, two = _counts(self.one), _counts(self.two)
+        for counts, queued, since in ((one, 2, 5000), (two, 1, 4000)):
+            counts.publish(QUEUED, QUEUED.cell("r"), queued)
+            counts.publish(QUEUED_SINCE, QUEUED_SINCE.cell("r"), since)
+        self.assertEqual(one.read(QUEUED, QUEUED.cell("r"), 0), 3)
+        self.assertEqual(one.smallest(QUEUED_SINCE, QUEUED_SINCE.cell("r"), None), 4000)
+        two.publish(QUEUED_SINCE, QUEUED_SINCE.cell("r"), 0)
+        self.assertEqual(two.smallest(QUEUED_SINCE, QUEUED_SINCE.cell("r"), None), 5000)
+        self.assertIsNone(two.smallest(QUEUED_SINCE, QUEUED_SINCE.cell("s"), None))
 
     def test_affinity_and_restarts(self) -> None:
-        self.one.publish_affinity("r", "home", 4)
-        self.two.publish_affinity("r", "home", 1)
-        self.two.publish_affinity("r", "spill", 2)
-        self.assertEqual(self.supervisor.affinity("r", "home"), 5)
-        self.assertEqual(self.supervisor.affinity("r", "spill"), 2)
-        self.supervisor.publish_restarts(3)
-        self.assertEqual(self.one.restarts(), 3)
+        one, two, supervisor = (_counts(f) for f in (self.one, self.two, self.supervisor))
+        one.publish(AFFINITY, AFFINITY.cell("r", "home"), 4)
+        two.publish(AFFINITY, AFFINITY.cell("r", "home"), 1)
+        two.publish(AFFINITY, AFFINITY.cell("r", "spill"), 2)
+        self.assertEqual(supervisor.read(AFFINITY, AFFINITY.cell("r", "home"), 0), 5)
+        self.assertEqual(supervisor.read(AFFINITY, AFFINITY.cell("r", "spill"), 0), 2)
+        self.supervisor.publish(RESTARTS.cell(), 3)
+        self.assertEqual(one.read(RESTARTS, RESTARTS.cell(), 0), 3)
 
     def test_client_keys_summed_over_workers(self) -> None:
-        self.one.publish_key("s", "ci", 1)
-        self.two.publish_key("s", "ci", 2)
-        self.assertEqual(self.supervisor.key("s", "ci"), 3)
-        self.assertEqual(self.one.key("r", "ci"), 0)  # not a key of route r: no cell
+        one, two, supervisor = (_counts(f) for f in (self.one, self.two, self.supervisor))
+        one.publish(KEY_INFLIGHT, KEY_INFLIGHT.cell("s", "ci"), 1)
+        two.publish(KEY_INFLIGHT, KEY_INFLIGHT.cell("s", "ci"), 2)
+        self.assertEqual(supervisor.read(KEY_INFLIGHT, KEY_INFLIGHT.cell("s", "ci"), 0), 3)
+        self.assertEqual(one.read(KEY_INFLIGHT, KEY_INFLIGHT.cell("r", "ci"), 0), 0)  # not a key of route r: no cell
 
     def test_dead_worker_row_cleared(self) -> None:
-        self.one.publish_inflight("r", "a", 2, 2)
-        self.two.publish_inflight("r", "a", 1, 1)
+        self.one.publish(HOST_INFLIGHT.cell("a"), 2)
+        self.two.publish(HOST_INFLIGHT.cell("a"), 1)
         self.supervisor.shared.clear_row(0)
-        self.assertEqual(self.two.host("a"), 1)
+        self.assertEqual(self.two.total(HOST_INFLIGHT.cell("a")), 1)
 
     def test_reload_same_names_same_cells(self) -> None:
         """Two workers that loaded the same file in either order address the same
         cells; a reload clears only this worker's row (it publishes again)."""
-        self.one.publish_inflight("r", "a", 1, 1)
-        self.two.publish_inflight("r", "a", 1, 1)
+        a = HOST_INFLIGHT.cell("a")
+        self.one.publish(a, 1)
+        self.two.publish(a, 1)
         reordered = parse_config(_CONFIG.replace("  a: http://127.0.0.1:1\n  b: http://127.0.0.1:2\n",
                                                  "  b: http://127.0.0.1:2\n  a: http://127.0.0.1:1\n"), "test.yaml")
         self.two.configure(reordered)
-        self.assertEqual(self.one.host("a"), 1)
-        self.two.publish_inflight("r", "a", 1, 1)
-        self.assertEqual(self.one.host("a"), 2)
+        self.assertEqual(self.one.total(a), 1)
+        self.two.publish(a, 1)
+        self.assertEqual(self.one.total(a), 2)
+
+
+def _counts(fleet: WorkerCounts) -> Counts:
+    """A worker's way to the shared counts (:class:`~crossbar.state.counts.Counts`)."""
+    counts = Counts()
+    counts.fleet = fleet
+    return counts

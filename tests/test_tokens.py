@@ -23,7 +23,8 @@ from tests.logs import LogCapture
 from crossbar.config import parse_config
 from crossbar.state.shared import SharedCounts
 from crossbar.state.tokens import TokenLedger
-from crossbar.state.worker_counts import WorkerCounts, token_cell
+from crossbar.state.cells import token_cell
+from crossbar.state.worker_counts import WorkerCounts
 
 TIMINGS = {"cache_n": 3, "prompt_n": 4, "predicted_n": 5, "predicted_per_second": 50.0}
 
@@ -115,6 +116,12 @@ class ThroughCrossbarTests(TestCase):
         return ensureDeferred(go())
 
 
+def _attach(ledger: TokenLedger, fleet: WorkerCounts) -> None:
+    """The ledger of a worker whose counts are ``fleet`` (what ``Runtime.attach`` does)."""
+    ledger.counts.fleet = fleet
+    ledger.attach()
+
+
 class FleetLedgerTests(SynchronousTestCase):
     """Two workers' ledgers over one shared file: the same totals and last minute
     whichever worker is asked (docs/design.md §Workers)."""
@@ -129,24 +136,78 @@ class FleetLedgerTests(SynchronousTestCase):
         ledgers = []
         for row in (1, 2):
             ledger = TokenLedger(clock.seconds, tuple(config.hosts), tuple(config.routes))
-            ledger.attach(WorkerCounts(SharedCounts(path, 3, row), config))
+            _attach(ledger, WorkerCounts(SharedCounts(path, 3, row), config))
             ledgers.append(ledger)
+
+        def advance(seconds: float) -> None:  # each worker's timer runs
+            clock.advance(seconds)
+            for ledger in ledgers:
+                ledger.tick()
+
         ledgers[0].add("r", "a", 10, 90, 30)
-        clock.advance(10)
+        advance(10)
         ledgers[1].add("r", "a", 0, 100, 30)
         ledgers[1].add("r", "b", 20, 0, 6)
+        generated_a = token_cell("h", "a", "generated")
         for ledger in ledgers:
             window = ledger.window()
-            self.assertEqual(window.seconds, 10)
-            self.assertEqual(window.generated_per_second("a"), 6.0)
-            self.assertAlmostEqual(window.cached_share("r", "r") or 0, 190 / 220)
+            self.assertEqual(window.seconds, 60)
+            self.assertEqual(window.generated_per_second("a"), 1.0)  # 60 tokens over the minute
+            self.assertEqual(window.cached_share("r", "r"), round(190 / 220, 4))
             self.assertEqual(window.cached_share("h", "b"), 0.0)
-        # a minute later without tokens: the window is empty
-        for _ in range(14):
-            clock.advance(5)
-            ledgers[0].sample()
+            buckets = ledger.buckets()
+            self.assertEqual((buckets[1000][generated_a], buckets[1010][generated_a]), (30, 30))
+        # the first bucket leaves the minute a second at a time: half of it at 1065
+        advance(55)
+        self.assertEqual([ledger.window().generated_per_second("a") for ledger in ledgers], [0.75, 0.75])
+        advance(10)
+        self.assertEqual(ledgers[1].window().generated_per_second("a"), 0.25)
+        # a minute after the last tokens the window is empty
+        advance(15)
         self.assertEqual(ledgers[0].window().generated_per_second("a"), 0.0)
         self.assertIsNone(ledgers[0].window().cached_share("r", "r"))
+
+    def test_a_restarted_worker_takes_the_boxs_history_back(self) -> None:
+        """A worker's samples go to its row's file; the worker restarted in that row
+        reads them back: its buckets, last minute and chart are its sibling's."""
+        from crossbar.state.token_history import TokenHistory
+
+        config = parse_config("listen: 'tcp:0'\nhosts: {a: 'http://127.0.0.1:1'}\nroutes: {r: {hosts: [a]}}\n",
+                              "t.yaml")
+        path = os.path.join(tempfile.mkdtemp(prefix="crossbar-tokens-"), "shared")
+        SharedCounts.create(path, 3)
+        clock = Clock()
+        clock.advance(10_000)
+
+        def worker(row: int) -> TokenLedger:
+            ledger = TokenLedger(clock.seconds, ("a",), ("r",))
+            ledger.counts.fleet = WorkerCounts(SharedCounts(path, 3, row), config)
+            ledger.attach(TokenHistory.of_row(path, row))
+            return ledger
+
+        dying, sibling = worker(1), worker(2)
+        for _ in range(12):  # two minutes of answers, both workers' timers running
+            dying.add("r", "a", 1, 2, 30)
+            sibling.add("r", "a", 0, 0, 10)
+            clock.advance(10)
+            dying.tick()
+            sibling.tick()
+        # worker 1 dies: the supervisor keeps its share of the counters, its row is cleared
+        supervisor = WorkerCounts(SharedCounts(path, 3, 0), config)
+        for name in supervisor.counter_cells():
+            supervisor.publish(name, supervisor.of_row(name, 1))
+        supervisor.shared.clear_row(1)
+        clock.advance(3)
+        restarted = worker(1)
+        self.assertEqual(restarted.buckets(), sibling.buckets())
+        self.assertEqual(restarted.window().generated_per_second("a"), sibling.window().generated_per_second("a"))
+        self.assertEqual(restarted.window().generated_per_second("a"), round((0.7 * 40 + 5 * 40) / 60, 2))
+        # the file stays bounded: rewritten with what is still needed
+        for _ in range(300):
+            clock.advance(10)
+            restarted.tick()
+        with open(TokenHistory.of_row(path, 1).path) as f:
+            self.assertLessEqual(len(f.readlines()), 2 * (15 * 60 // 10 + 3))
 
     def test_tokens_counted_before_the_fleet_are_published_with_it(self) -> None:
         """In one process an answer's tokens wait in its cells; attaching the fleet (a
@@ -159,9 +220,9 @@ class FleetLedgerTests(SynchronousTestCase):
         alone.add("r", "a", 10, 90, 30)
         self.assertEqual(alone.totals()[token_cell("h", "a", "generated")], 30)
         alone.add("r", "a", 1, 2, 3)  # pending again when the fleet comes
-        alone.attach(WorkerCounts(SharedCounts(path, 3, 1), config))
+        _attach(alone, WorkerCounts(SharedCounts(path, 3, 1), config))
         other = TokenLedger(clock.seconds, ("a",), ("r",))
-        other.attach(WorkerCounts(SharedCounts(path, 3, 2), config))
+        _attach(other, WorkerCounts(SharedCounts(path, 3, 2), config))
         totals = other.totals()
         self.assertEqual((totals[token_cell("h", "a", "prompt")], totals[token_cell("h", "a", "cached")],
                           totals[token_cell("h", "a", "generated")], totals[token_cell("r", "r", "cached")]),
@@ -170,7 +231,8 @@ class FleetLedgerTests(SynchronousTestCase):
 
 class WorkersTests(TestCase):
     """``workers: 2`` (real processes): the token metrics and status are the fleet's,
-    whichever worker answers (docs/design.md §Workers)."""
+    whichever worker answers (docs/design.md §Workers), and status and the dashboard
+    show the same tokens/s and cached share."""
 
     timeout = 120
 
@@ -196,8 +258,18 @@ class WorkersTests(TestCase):
                                             model="tiny-a"), per * n, text)
                 worker, _, body = await deferToThread(ask_worker, proc, "/_crossbar/status")
                 doc = json.loads(body)
-                self.assertAlmostEqual(doc["routes"]["r"]["cached_share"], 3 / 7, places=3)
+                self.assertEqual(doc["routes"]["r"]["cached_share"], round(3 / 7, 4))
+                self.assertEqual(doc["hosts"]["a"]["cached_share"], round(3 / 7, 4))
+                self.assertEqual(doc["hosts"]["a"]["tokens_per_s"], round(5 * n / 60, 2))
                 answered.append(worker)
+                # the dashboard's data, from whichever worker: the same figures
+                _, _, body = await deferToThread(ask_worker, proc, "/_crossbar/dashboard.json")
+                data = json.loads(body)
+                self.assertEqual([h["tps"] for h in data["hosts"] if h["name"] == "a"],
+                                 [doc["hosts"]["a"]["tokens_per_s"]])
+                self.assertEqual([r["cached_share"] for r in data["routes"] if r["name"] == "r"],
+                                 [doc["routes"]["r"]["cached_share"]])
+                self.assertGreater(sum(data["chart"]["hosts"]["a"][-7:]), 0)
                 if min(answered.count(0), answered.count(1)) >= 2:
                     break
             self.assertGreaterEqual(min(answered.count(0), answered.count(1)), 2, answered)

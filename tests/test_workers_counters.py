@@ -14,9 +14,7 @@ from collections import defaultdict
 from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
-from twisted.internet import reactor
 from twisted.internet.defer import ensureDeferred
-from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import SynchronousTestCase, TestCase
 from twisted.web.server import Request
@@ -143,8 +141,9 @@ class CountersWhicheverWorkerTests(TestCase):
         await wait_for(lambda: sum('"message": "worker 1 is ready"' in line for line in proc.out) == 2,
                        timeout=60, what="worker 1 ready again")
         await wait_for(lambda: redis.command("ZCARD", "crossbar:live") >= 2, timeout=20, what="worker 1 rejoined")
+        logged = len(served(proc))
         await send(4)
-        await deferLater(reactor, 0.2)
+        await wait_for(lambda: len(served(proc)) >= logged + 4, 10, "their 4 log lines")  # counted by then
         after = self.assert_same_everywhere(await self.scrape_both(proc))
         self.assert_never_down(first, after)
         self.assertEqual(sum(v for (n, ls), v in after.items() if n == "crossbar_requests_total"), sent + 4)
@@ -179,7 +178,8 @@ class DeadWorkerSharesTests(SynchronousTestCase):
         from crossbar.config import load_config
         from crossbar.process.supervisor import Supervisor
         from crossbar.state.shared import SharedCounts
-        from crossbar.state.worker_counts import CLUSTER_LOST, WorkerCounts, token_cell
+        from crossbar.state.cells import AFFINITY, CLUSTER_LOST, HOST_INFLIGHT, token_cell
+        from crossbar.state.worker_counts import WorkerCounts
         from tests.test_workers import _SpawnReactor
 
         path = self.mktemp()
@@ -192,27 +192,27 @@ class DeadWorkerSharesTests(SynchronousTestCase):
         assert supervisor.counts is not None
         shared = os.path.join(supervisor.files.directory, "counts")
         w0, w1 = (WorkerCounts(SharedCounts(shared, 3, row), config) for row in (0, 1))
-        generated = token_cell("h", "a", "generated")
+        generated, lost, none = token_cell("h", "a", "generated"), CLUSTER_LOST.cell(), AFFINITY.cell("r", "none")
         for counts, n in ((w0, 1), (w1, 2)):
-            counts.publish_counter(CLUSTER_LOST, n)
-            counts.publish_tokens(generated, 100 * n)
-            counts.publish_affinity("r", "none", 10 * n)
-            counts.publish_inflight("r", "a", n, n)
+            counts.publish(lost, n)
+            counts.publish(generated, 100 * n)
+            counts.publish(none, 10 * n)
+            counts.publish(HOST_INFLIGHT.cell("a"), n)
         fleet = supervisor.counts
-        before = (fleet.counter(CLUSTER_LOST), fleet.tokens(generated), fleet.affinity("r", "none"))
+        before = (fleet.total(lost), fleet.total(generated), fleet.total(none))
         self.assertEqual(before, (3, 300, 30))
         worker = supervisor.workers[1]
         assert worker is not None
         worker.processEnded(Failure(ProcessTerminated(signal=9)))
-        self.assertEqual((fleet.counter(CLUSTER_LOST), fleet.tokens(generated), fleet.affinity("r", "none")), before)
-        self.assertEqual(fleet.host("a"), 1)  # its in-flight requests are gone with it
+        self.assertEqual((fleet.total(lost), fleet.total(generated), fleet.total(none)), before)
+        self.assertEqual(fleet.total(HOST_INFLIGHT.cell("a")), 1)  # its in-flight requests are gone with it
         # the restarted worker starts its own share from 0, on top of the kept one
         w1.shared.clear_row()
-        w1.publish_counter(CLUSTER_LOST, 1)
-        self.assertEqual(fleet.counter(CLUSTER_LOST), 4)
+        w1.publish(lost, 1)
+        self.assertEqual(fleet.total(lost), 4)
         # and a reload (which clears the supervisor's row) keeps the dead worker's share
         self.assertTrue(supervisor.reload())
-        self.assertEqual(fleet.counter(CLUSTER_LOST), 4)
+        self.assertEqual(fleet.total(lost), 4)
 
 
 class FleetCountersTests(SynchronousTestCase):
@@ -227,7 +227,8 @@ class FleetCountersTests(SynchronousTestCase):
         from crossbar.ops.metrics import FleetCounters
         from crossbar.state.runtime import Runtime
         from crossbar.state.shared import SharedCounts
-        from crossbar.state.worker_counts import CLUSTER_LOST, WorkerCounts
+        from crossbar.state.cells import CLUSTER_LOST
+        from crossbar.state.worker_counts import WorkerCounts
 
         config = parse_config("listen: tcp:0\nhosts: {a: 'http://h:1'}\nroutes: {r: {hosts: [a]}}\n", "c.yaml", {})
         path = self.mktemp()

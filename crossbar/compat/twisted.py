@@ -12,6 +12,11 @@ expected; otherwise it says why, and every touchpoint does what Twisted itself d
 (its bare 400, ``request.write``, its buffered writes, its dispatch loop, its log time
 stamps): crossbar works, only slower. :func:`log_fallback` says so once at start-up.
 
+Each touchpoint is kept only where the bench shows what it buys (~3% or more of a
+request or of an event; 1-4 and 10 are behaviour, not speed). To measure one,
+``CROSSBAR_TWISTED_OFF=5,8`` (:data:`OFF`, read at import) switches those touchpoints to
+their fallback alone (bench/README.md, "Each Twisted touchpoint, one at a time").
+
 1. :class:`BadRequestHook` overrides ``HTTPChannel._respondToBadRequestAndDisconnect``:
    Twisted's answer to a request it cannot parse is a bare ``400``; crossbar's errors
    are JSON and logged (rules 8-9).
@@ -38,31 +43,32 @@ stamps): crossbar works, only slower. :func:`log_fallback` says so once at start
    upstream read is handled (:func:`hold_writes`, :func:`release_writes`) the writes
    it causes are held and sent together at its end: a small answer's head and body
    (and a chunked answer's last chunk) in one ``send`` instead of two or three.
+   Switched off: +10% instructions per request, +79% per event.
 6. :func:`cache_log_timestamps` replaces ``twisted.logger._file.formatTime``, the module
    global that twistd's text log observer (``textFileLogObserver``) calls for every
-   line: it builds a time zone and a ``datetime`` and runs ``strftime`` each time (~60k
-   instructions, 4% of a proxied request's CPU), though its text changes once
+   line: it builds a time zone and a ``datetime`` and runs ``strftime`` each time (switched
+   off: +60k instructions, 4.5% of a proxied request), though its text changes once
    a second. The replacement gives the same text, formatted once per second; twistd
    offers no other way to choose its observer's time format cheaply (``--logger``
    replaces ``--logfile`` and ``--syslog`` handling altogether).
-7. :func:`flattened_line` writes a one-field event's ``log_flattened`` as
-   ``twisted.logger._flatten.flattenEvent`` would (keys ``"line!s:"`` and ``"line!:"``,
-   ``KeyFlattener``'s convention), and the supervisor relays a worker's line as a format
-   without fields whose flattened values are ``{}``; :func:`emit_flattened` hands either to
-   the logger's observer as ``Logger.emit`` builds events: Twisted formats a flattened
-   event without ``string.Formatter`` (~11k instructions per request's log line).
+7. Dropped: the request's log line came with ``log_flattened`` written as
+   ``twisted.logger._flatten.flattenEvent`` writes it, so that twistd's text observer
+   formatted it without ``string.Formatter``; switched off it cost 0.8% of a request
+   (within the count's noise) and nothing per event (bench/README.md, "Each Twisted
+   touchpoint, one at a time"). What stays, building the event without ``Logger.emit``
+   (:func:`crossbar.ops.emit.emit`), reaches into nothing private.
 8. :func:`body_writer` reads ``Request.chunked``, ``_disconnected``, ``_encoder`` and
    ``_inFakeHead`` and adds to ``sentLength``: once an answer's head is out, each relayed
    body chunk went through ``server.Request.write``, ``http.Request.write``, ``toChunk``,
    ``HTTPChannel.writeSequence`` and the transport's ``writeSequence`` (a join): six
-   Python calls per streamed event (CPU per event). The writer frames the chunk
-   as ``toChunk`` does and hands it to the connection's ``write`` in one call.
+   Python calls per streamed event. The writer frames the chunk as ``toChunk`` does
+   and hands it to the connection's ``write`` in one call (switched off: +6% per event).
 9. :func:`lean_dispatch` replaces an ``EPollReactor``'s ``doIteration`` (an instance
    attribute over the class's ``doPoll``) and reads its ``_poller``, ``_selectables`` and
    ``_doReadOrWrite``, and the reactor thread's ``twisted.python.context`` stack: Twisted
    dispatches every ready descriptor through ``log.callWithLogger``, whose four layers of
-   ``*args`` calls and dict copies cost ~16k instructions per read, ~30% of a relayed
-   event (bench/instructions.sh). The replacement pushes the same log context (the descriptor's
+   ``*args`` calls and dict copies cost ~7k instructions per read (switched off: +12%
+   of a relayed event). The replacement pushes the same log context (the descriptor's
    ``logPrefix()`` as ``system``), logs an escaping error as ``callWithLogger`` does, and
    handles ``epoll_wait`` as ``doPoll`` does, in one loop. That loop also orders a turn:
    upstream connections first, then clients' descriptors within a time budget (the rest
@@ -76,8 +82,8 @@ stamps): crossbar works, only slower. :func:`log_fallback` says so once at start
    output) writes to. With ``workers: N`` each worker formats its own text lines, and
    the supervisor appends them to that file as they come (twistd's ``LogFile`` keeps
    rotating by size and on SIGUSR1), or workers write to standard output themselves,
-   instead of the supervisor decoding and logging every worker line again (~65 µs of
-   the supervisor's CPU per proxied request, bench/cpu_probe.py --workers 2). Under the fallback (or when no
+   instead of the supervisor decoding and logging every worker line again (switched
+   off: +155k of the supervisor's instructions per proxied request, ~65 µs of its CPU). Under the fallback (or when no
    single text observer is found) the supervisor relays each line as an event, as before.
 """
 
@@ -85,18 +91,19 @@ from __future__ import annotations
 
 import errno
 import math
+import os
 import time
 from typing import Any, Callable, cast
 
 from twisted.internet.tcp import Connection
 
 from crossbar.compat import start_up_check, within
-from twisted.logger import Logger, LogLevel
+from twisted.logger import Logger
 from twisted.web.http import HTTPChannel
 from twisted.web.server import Request
 
-__all__ = ["CHECKED", "FALLBACK", "BadRequestHook", "QuietClientService", "body_writer", "cache_log_timestamps", "client_is_paused",
-           "eager_writes", "emit_flattened", "flattened_line", "lean_dispatch", "log_fallback", "moved",
+__all__ = ["CHECKED", "FALLBACK", "OFF", "TOUCHPOINTS", "BadRequestHook", "QuietClientService", "body_writer", "cache_log_timestamps", "client_is_paused",
+           "eager_writes", "lean_dispatch", "log_fallback", "moved",
            "hold_writes", "pending_write_bytes", "per_second", "release_writes", "text_log_file", "version_checked", "wrap_port_logger"]
 
 CHECKED = ((25, 5), (26, 10))
@@ -110,12 +117,38 @@ def version_checked(major: int, minor: int) -> bool:
     return within(CHECKED, major, minor)
 
 
+TOUCHPOINTS = frozenset({1, 2, 3, 4, 5, 6, 8, 9, 10, 11})
+"""The touchpoints of this module, by their number in its docstring (7 was dropped)."""
+
+
+def switched_off(text: str) -> frozenset[int]:
+    """The touchpoints named in ``text`` (``CROSSBAR_TWISTED_OFF``'s value: numbers
+    separated by commas, e.g. ``"5,8"``; empty for none). Raises ``ValueError`` for
+    anything else (a number that is not in :data:`TOUCHPOINTS`), so that a mistyped
+    measurement fails rather than measures nothing."""
+    off = frozenset(int(n) for n in text.replace(" ", "").split(",") if n)
+    if not off <= TOUCHPOINTS:
+        raise ValueError(f"CROSSBAR_TWISTED_OFF={text!r}: the touchpoints are {sorted(TOUCHPOINTS)}")
+    return off
+
+
+OFF: frozenset[int] = switched_off(os.environ.get("CROSSBAR_TWISTED_OFF", ""))
+"""Touchpoints switched off for measurement (``CROSSBAR_TWISTED_OFF=5,8``, read at
+import; bench/README.md): each does exactly what it does under :data:`FALLBACK`."""
+
+
+def _off(touchpoint: int) -> bool:
+    """Whether ``touchpoint`` must do what Twisted does: under :data:`FALLBACK`, or
+    switched off (:data:`OFF`)."""
+    return FALLBACK is not None or touchpoint in OFF
+
+
 def moved() -> list[str]:
     """The private Twisted names the touchpoints rely on that are not as expected in
     the installed Twisted, each as ``"touchpoint N: name (what)"``; empty when all are.
     Cheap (attribute look-ups, one flattened event): it runs at import."""
     from twisted.internet import abstract, epollreactor, tcp
-    from twisted.logger import _file, _flatten
+    from twisted.logger import _file
     from twisted.web import http, server
 
     found: list[str] = []
@@ -132,12 +165,6 @@ def moved() -> list[str]:
     for name in ("dataBuffer", "offset", "_tempDataLen", "_writeDisconnected"):
         need(hasattr(fd, name), 5, f"FileDescriptor.{name}")
     need(callable(getattr(_file, "formatTime", None)), 6, "twisted.logger._file.formatTime")
-    event: dict[str, Any] = {"log_format": "{line}", "line": "x"}
-    flatten = getattr(_flatten, "flattenEvent", None)
-    if callable(flatten):
-        flatten(event)
-    need(event.get("log_flattened") == flattened_line("x"), 7, "twisted.logger._flatten.flattenEvent",
-         "keys flattened otherwise")
     for name in ("chunked", "_disconnected", "sentLength", "startedWriting", "finished"):
         need(hasattr(http.Request, name), 8, f"http.Request.{name}")
     for name in ("_encoder", "_inFakeHead"):
@@ -165,7 +192,11 @@ def _fallback() -> str | None:
 
 def log_fallback(log: Logger) -> bool:
     """Log, as a warning on ``log``, that the touchpoints fall back to Twisted's own
-    behaviour and why; True when they do (the daemon's start-up says it once)."""
+    behaviour and why; True when they do (the daemon's start-up says it once). Touchpoints
+    switched off (:data:`OFF`) are named in a warning of their own."""
+    if OFF:
+        log.warn("Twisted touchpoints {off} switched off (CROSSBAR_TWISTED_OFF): Twisted's own behaviour there",
+                 off=",".join(map(str, sorted(OFF))))
     if FALLBACK is None:
         return False
     log.warn("{why}: using Twisted's own behaviour where crossbar would reach into it (slower, same answers)",
@@ -182,7 +213,7 @@ class BadRequestHook:
         raise NotImplementedError
 
     def _respondToBadRequestAndDisconnect(self) -> None:
-        if FALLBACK is not None:
+        if _off(1):
             super()._respondToBadRequestAndDisconnect()  # type: ignore[misc]  # Twisted's bare 400
             return
         self.respond_to_bad_request()
@@ -191,7 +222,7 @@ class BadRequestHook:
 def client_is_paused(request: Request) -> bool:
     """Whether the client connection of ``request`` is already full, i.e. a producer
     registered now would not be told to pause (touchpoint 2)."""
-    return FALLBACK is None and bool(getattr(request.channel, "_waitingForTransport", False))
+    return not _off(2) and bool(getattr(request.channel, "_waitingForTransport", False))
 
 
 def wrap_port_logger(port: object, wrap: Callable[[Any], Any]) -> bool:
@@ -199,7 +230,7 @@ def wrap_port_logger(port: object, wrap: Callable[[Any], Any]) -> bool:
     through ``wrap(its observer)`` (touchpoint 3); returns False, changing nothing, for
     a port without a ``_logger`` (another kind of listener)."""
     logger = getattr(port, "_logger", None)
-    if FALLBACK is not None or not isinstance(logger, Logger):
+    if _off(3) or not isinstance(logger, Logger):
         return False
     setattr(port, "_logger", Logger(namespace=logger.namespace, source=logger.source, observer=wrap(logger.observer)))
     return True
@@ -209,7 +240,7 @@ def pending_write_bytes(request: Request) -> int | None:
     """Bytes written to the client connection of ``request`` that its transport still
     holds (not yet taken by the kernel), or None when the transport does not say
     (touchpoint 4). A TLS connection's bytes are counted on the TCP transport under it."""
-    transport: Any = getattr(request.channel, "transport", None) if FALLBACK is None else None
+    transport: Any = getattr(request.channel, "transport", None) if not _off(4) else None
     for _ in range(3):  # the channel's transport, or a TLS protocol's TCP transport
         if transport is None:
             return None
@@ -227,7 +258,7 @@ def eager_writes(transport: Any) -> bool:
     and every write made while bytes are waiting, goes through Twisted's own ``write``
     (its buffer, its producer pausing, its error handling in ``doWrite``). Returns
     False, changing nothing, for a transport that is not a ``tcp.Connection``."""
-    if FALLBACK is not None:
+    if _off(5):
         return False
     for _ in range(2):
         if isinstance(transport, Connection):
@@ -279,7 +310,7 @@ def hold_writes() -> bool:
     a small answer's head and body in one ``send``. True when this call started the
     holding (it must then release it); False when it was already on."""
     global _held
-    if _held is not None or FALLBACK is not None:
+    if _held is not None or FALLBACK is not None or 5 in OFF:  # touchpoint 5's
         return False
     _held = {}
     return True
@@ -304,7 +335,7 @@ def body_writer(request: Request) -> Callable[[bytes], None]:
     yet, or the answer has no body (a HEAD's, a 204 or 304: Twisted made its ``write`` a
     no-op) or is encoded, or a class on the way overrides a ``write`` this skips."""
     channel: Any = getattr(request, "channel", None)
-    if (FALLBACK is not None or type(request).write is not Request.write
+    if (_off(8) or type(request).write is not Request.write
             or "write" in vars(request)  # HEAD, 204, 304: Twisted made it a no-op with the head
             or not request.startedWriting or request._encoder is not None or request._inFakeHead
             or not isinstance(channel, HTTPChannel) or channel.transport is None
@@ -354,7 +385,7 @@ def lean_dispatch(reactor: Any, clock: Callable[[], float] = time.monotonic) -> 
     from twisted.internet.tcp import Client
     from twisted.python import context, log
 
-    if (FALLBACK is not None or not isinstance(reactor, EPollReactor) or "doIteration" in vars(reactor)
+    if (_off(9) or not isinstance(reactor, EPollReactor) or "doIteration" in vars(reactor)
             or type(reactor).doIteration is not EPollReactor.doPoll):
         return False
     poll = reactor._poller.poll
@@ -453,31 +484,10 @@ def cache_log_timestamps() -> bool:
     from twisted.logger import _file
 
     original = getattr(_file, "formatTime", None)
-    if FALLBACK is not None or not callable(original) or getattr(original, "crossbar_per_second", False):
+    if _off(6) or not callable(original) or getattr(original, "crossbar_per_second", False):
         return False
     setattr(_file, "formatTime", per_second(original))
     return True
-
-
-def flattened_line(line: str) -> dict[str, str]:
-    """The ``log_flattened`` of an event whose format is ``"{line}"`` (touchpoint 7), as
-    ``flattenEvent`` makes it: the field's text for ``{line}`` and its value."""
-    return {"line!s:": line, "line!:": line}
-
-
-def emit_flattened(logger: Logger, level: LogLevel, log_format: str, flattened: dict[str, Any],
-                   event: dict[str, Any]) -> None:
-    """``logger.emit(level, log_format, **event)`` with ``event`` already flattened
-    (touchpoint 7): the same ``log_*`` keys :meth:`Logger.emit` sets, to the same
-    observer, without its per-call scan of every ``LogLevel`` constant. ``event`` (the
-    fields) becomes the event itself."""
-    if FALLBACK is not None:
-        logger.emit(level, log_format, **event)
-        return
-    event["log_logger"], event["log_level"], event["log_namespace"] = logger, level, logger.namespace
-    event["log_source"], event["log_format"], event["log_time"] = logger.source, log_format, time.time()
-    event["log_flattened"] = flattened
-    logger.observer(event)
 
 
 def text_log_file(publisher: Any = None) -> Any:
@@ -488,7 +498,7 @@ def text_log_file(publisher: Any = None) -> Any:
     than one."""
     from twisted.logger import FileLogObserver, globalLogPublisher
 
-    if FALLBACK is not None:
+    if _off(11):
         return None
     observers = getattr(globalLogPublisher if publisher is None else publisher, "_observers", ())
     found = [o for o in observers if isinstance(o, FileLogObserver)]
@@ -504,7 +514,7 @@ def _quiet_client_service() -> type:
     from twisted.application.internet import ClientService
     from twisted.logger import LogPublisher
 
-    if FALLBACK is not None:
+    if _off(10):
         return ClientService
 
     class QuietClientService(ClientService):

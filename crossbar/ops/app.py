@@ -17,7 +17,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from klein import Klein
-from twisted.internet.defer import Deferred, succeed
+from twisted.internet.defer import Deferred, gatherResults, succeed
 from twisted.internet.task import LoopingCall
 from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource
@@ -37,10 +37,6 @@ __all__ = ["EVENT_INTERVAL", "OpsApp", "rfc3339"]
 
 EVENT_INTERVAL = 1.0
 """Seconds between two events of the dashboard's stream (docs/design.md: at least every 2 s)."""
-
-
-def _share(share: float | None) -> float | None:
-    return None if share is None else round(share, 4)
 
 
 def rfc3339(seconds: float | None) -> str | None:
@@ -107,10 +103,14 @@ class OpsApp:
         return scheme.lower() == b"bearer" and ok
 
     @app.route("/status", methods=["GET"])
-    def status(self, request: IRequest) -> bytes:
-        """``GET /_crossbar/status``: hosts and routes as JSON (token required when set)."""
+    def status(self, request: IRequest) -> bytes | Deferred[bytes]:
+        """``GET /_crossbar/status``: hosts and routes as JSON (token required when set;
+        with ``cluster.redis`` after a read of the fleet's token figures, bounded)."""
         if not self._authorized(request):
             return self._unauthorized(request)
+        return self._runtime.tokens.fresh().addCallback(lambda _: self._status(request))
+
+    def _status(self, request: IRequest) -> bytes:
         runtime = self._runtime
         config = runtime.config
         window = runtime.tokens.window()  # §What the answers say: the last minute
@@ -124,8 +124,8 @@ class OpsApp:
                 "consecutive": s.consecutive,
                 "failures": s.failures,
                 "weight": host.weight if host is not None else None,
-                "tokens_per_s": round(window.generated_per_second(name), 2),
-                "cached_share": _share(window.cached_share("h", name)),
+                "tokens_per_s": window.generated_per_second(name),
+                "cached_share": window.cached_share("h", name),
                 **_placement(runtime, name, host, s),
             }
         for name, n in sorted(leaving(runtime).items()):
@@ -143,7 +143,7 @@ class OpsApp:
                 "primary": route.primary,
                 "queued": runtime.queued(name),
                 "oldest_wait_s": None if oldest is None else round(oldest, 3),
-                "cached_share": _share(window.cached_share("r", name)),
+                "cached_share": window.cached_share("r", name),
                 "affinity": {
                     "key": route.affinity.key,
                     "balance": route.affinity.balance,
@@ -225,6 +225,12 @@ class OpsApp:
         """The dashboard's icon."""
         return self._page(request, "favicon.svg")
 
+    def _fresh(self) -> Deferred[None]:
+        """Fires when the dashboard's recent entries and the token figures are as fresh
+        as they get (with ``cluster.redis``: both read from Redis, side by side)."""
+        both = gatherResults([self._recent.fresh(), self._runtime.tokens.fresh()])
+        return both.addCallback(lambda _: None)
+
     def _snapshot_bytes(self) -> bytes:
         return json.dumps(snapshot(self._runtime, self._recent), separators=(",", ":")).encode("utf-8")
 
@@ -236,7 +242,7 @@ class OpsApp:
             return self._unauthorized(request)
         request.setHeader(b"Content-Type", b"application/json")
         request.setHeader(b"Cache-Control", b"no-store")
-        return self._recent.fresh().addCallback(lambda _: self._snapshot_bytes())
+        return self._fresh().addCallback(lambda _: self._snapshot_bytes())
 
     @app.route("/events", methods=["GET"])
     def events(self, request: IRequest) -> Any:
@@ -264,7 +270,7 @@ class OpsApp:
                 stop()
                 done.callback(None)
                 return succeed(None)
-            return self._recent.fresh().addCallback(write)
+            return self._fresh().addCallback(write)
 
         def write(_: object) -> None:
             if not loop.running:

@@ -19,8 +19,9 @@ from importlib import resources
 from typing import Any
 
 from crossbar.ops.hostview import host_view, leaving, leaving_view
-from crossbar.ops.recent import BUCKET, KEEP, RecentRequests
+from crossbar.ops.recent import RecentRequests
 from crossbar.state.runtime import Runtime
+from crossbar.state.token_window import BUCKET, chart_starts
 from crossbar.state.worker_counts import AFFINITY_OUTCOMES
 
 __all__ = ["CSP", "MAX_MODEL_COLUMNS", "STATIC", "load_static", "models_view", "snapshot"]
@@ -49,17 +50,6 @@ def load_static() -> dict[str, tuple[bytes, str]]:
     :raises OSError: a file is missing (a broken install)."""
     folder = resources.files("crossbar.ops").joinpath("dashboard")
     return {path: (folder.joinpath(name).read_bytes(), kind) for path, (name, kind) in STATIC.items()}
-
-
-def _rate(buckets: dict[int, dict[str, float]], now: float, seconds: float) -> dict[str, float]:
-    """Generated tokens per second per host over the last ``seconds``."""
-    since = now - seconds
-    sums: dict[str, float] = {}
-    for start, per_host in buckets.items():
-        if start + BUCKET > since:
-            for host, n in per_host.items():
-                sums[host] = sums.get(host, 0.0) + n
-    return {h: round(n / seconds, 2) for h, n in sums.items()}
 
 
 def _move(move: Any) -> dict[str, Any] | None:
@@ -108,28 +98,22 @@ def snapshot(runtime: Runtime, recent: RecentRequests, limit: int = 200) -> dict
     :param limit: recent requests to include, newest first."""
     now = runtime.now()
     config = runtime.config
-    entries, host_buckets, route_buckets = recent.view()
-    rates = _rate(host_buckets, now, 60.0)
+    entries = recent.view()
+    last_minute = runtime.tokens.window()  # what status reads too (§What the answers say)
     hosts = []
     for name, s in runtime.table.all().items():
         hosts.append({
             "name": name, **host_view(runtime, name, s), "polled": s.polled, "last_ok": s.last_ok,
-            "tps": rates.get(name, 0.0),
+            "tps": last_minute.generated_per_second(name),
         })
     for name, n in sorted(leaving(runtime).items()):
         hosts.append({
-            "name": name, **leaving_view(n), "polled": True, "last_ok": None, "tps": rates.get(name, 0.0),
+            "name": name, **leaving_view(n), "polled": True, "last_ok": None,
+            "tps": last_minute.generated_per_second(name),
         })
-    prompt: dict[str, list[float]] = {}
-    for per_route in route_buckets.values():
-        for route_name, (processed, cached) in per_route.items():
-            sums = prompt.setdefault(route_name, [0.0, 0.0])
-            sums[0] += processed
-            sums[1] += cached
     routes = []
     for name, route in config.routes.items():
         oldest = runtime.oldest_wait(name)
-        processed, cached = prompt.get(name, (0.0, 0.0))
         routes.append({
             "name": name,
             "hosts": list(route.hosts),
@@ -137,17 +121,8 @@ def snapshot(runtime: Runtime, recent: RecentRequests, limit: int = 200) -> dict
             "oldest_wait_s": None if oldest is None else round(oldest, 3),
             "affinity": {"key": route.affinity.key,
                          **{outcome: runtime.affinity(name, outcome) for outcome in AFFINITY_OUTCOMES}},
-            "cached_share": None if processed + cached == 0 else round(cached / (processed + cached), 4),
+            "cached_share": last_minute.cached_share("r", name),
         })
-    first = int((now - KEEP) // BUCKET * BUCKET) + BUCKET
-    starts = list(range(first, int(now // BUCKET * BUCKET) + 1, BUCKET))
-    series: dict[str, list[float]] = {}
-    for name in [str(h["name"]) for h in hosts]:
-        points = []
-        for start in starts:
-            span = min(BUCKET, max(1.0, now - start))  # the bucket still filling
-            points.append(round(host_buckets.get(start, {}).get(name, 0.0) / span, 2))
-        series[name] = points
     return {
         "now": now,
         "actions": config.ops.token is not None,
@@ -156,5 +131,6 @@ def snapshot(runtime: Runtime, recent: RecentRequests, limit: int = 200) -> dict
         "models": models_view(runtime),
         "recent": entries[:limit],
         "view": recent.scope(),
-        "chart": {"start": first, "step": BUCKET, "hosts": series},
+        "chart": {"start": chart_starts(now)[0], "step": BUCKET,
+                  "hosts": runtime.tokens.chart([str(h["name"]) for h in hosts])},
     }

@@ -1,37 +1,29 @@
-"""The dashboard's recent requests and token figures for several crossbars, through the
-Redis of ``cluster.redis`` (docs/design.md §Operations, the dashboard, and §Several
-crossbars): the same view whichever instance (or worker) answers.
+"""The dashboard's recent requests for several crossbars, through the Redis of
+``cluster.redis`` (docs/design.md §Operations, the dashboard, and §Several crossbars):
+the same list whichever instance (or worker) answers. (Its token figures come from the
+token store, which sums the fleet's through Redis too: :mod:`crossbar.state.token_share`.)
 
-What goes to Redis, always in one script call per instance from the timer
+What goes to Redis, in one script call per instance from the timer
 (:meth:`FleetRecent.tick`, every :data:`~crossbar.ops.recent.TICK` seconds), never on the
-request path and never with anything waiting for it:
+request path and never with anything waiting for it: **display entries**
+(:func:`~crossbar.ops.recent.entry`: no body, query string or secret) only while someone
+looks, pushed onto one capped list (``crossbar:dash:recent``, the newest
+:data:`KEEP_ENTRIES`). The instance serving the page sets ``crossbar:dash:watch``
+(expiring after :data:`~crossbar.ops.recent.WATCH_TTL` s) with each read; every write's
+reply says how long it still lives. When an instance learns that someone looks it
+pushes the newest of its ring it has not pushed yet (up to
+:data:`~crossbar.ops.recent.RECENT`), so a request answered before the page opened is
+listed too. An instance holding requests it has not pushed asks at most once every
+:data:`ASK_EVERY` seconds, for :data:`UNSHOWN` seconds after its last request.
 
-- **token figures**, whether or not anyone looks (so the per-minute figures and the
-  chart's 15 minutes are right the moment someone opens the page): the tokens each
-  instance folded since its last write, added into one hash per 10-second bucket
-  (``crossbar:dash:tok:<start>``, fields ``h``/``p``/``c`` + NUL + host or route) that
-  expires after the chart's 15 minutes. An instance with no new request writes nothing.
-  A write that fails is kept and added again with the next one (a bucket older than the
-  chart is dropped);
-- **display entries** (:func:`~crossbar.ops.recent.entry`: no body, query string or
-  secret) only while someone looks: pushed onto one capped list
-  (``crossbar:dash:recent``, the newest :data:`KEEP_ENTRIES`). The instance serving the
-  page sets ``crossbar:dash:watch`` (expiring after
-  :data:`~crossbar.ops.recent.WATCH_TTL` s) with each read; every write's reply says
-  how long it still lives. When an instance learns that someone looks it pushes the
-  newest of its ring it has not pushed yet (up to :data:`~crossbar.ops.recent.RECENT`),
-  so a request answered before the page opened is listed too. An instance holding
-  requests it has not pushed asks at most once every :data:`ASK_EVERY` seconds, for
-  :data:`~crossbar.ops.recent.KEEP` seconds after its last request.
+So with nobody looking, the cost per request is the append that runs anyway, and at most
+one small write per instance per second while requests come.
 
-So with nobody looking, the cost per request is the fold that runs anyway, and at most
-one small write per instance per tick while requests come.
-
-The page's data (:meth:`FleetRecent.view`) is the last read of Redis (one script call:
-the list and the chart's buckets), made while someone looks at most every
-:data:`~crossbar.ops.recent.TICK` s and bounded by :data:`READ_BOUND`. When Redis does
-not answer (or the cluster goes on alone), the view falls back to this crossbar's own
-(this process's, or every worker's through their files) and :meth:`scope` says so.
+The page's list (:meth:`FleetRecent.view`) is the last read of Redis (one script call),
+made while someone looks at most every :data:`~crossbar.ops.recent.TICK` s and bounded
+by :data:`READ_BOUND`. When Redis does not answer (or the cluster goes on alone), the
+view falls back to this crossbar's own (this process's, or every worker's through their
+files) and :meth:`scope` says so.
 """
 
 from __future__ import annotations
@@ -43,10 +35,10 @@ from twisted.internet.defer import Deferred, succeed
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from crossbar.ops.recent import BUCKET, KEEP, TICK, WATCH_TTL, RecentRequests
+from crossbar.ops.recent import TICK, WATCH_TTL, RecentRequests
 from crossbar.state.cluster import RedisCluster
 
-__all__ = ["ASK_EVERY", "KEEP_ENTRIES", "PREFIX", "READ_BOUND", "STALE", "FleetRecent"]
+__all__ = ["ASK_EVERY", "KEEP_ENTRIES", "PREFIX", "READ_BOUND", "STALE", "UNSHOWN", "FleetRecent"]
 
 _log = Logger(namespace="crossbar.ops")
 
@@ -64,42 +56,31 @@ STALE = 3.0
 ASK_EVERY = 1.0
 """Seconds between two "does anyone look?" questions of an instance holding requests
 it has not pushed."""
+UNSHOWN = 15 * 60
+"""Seconds after its last request an instance holding requests it has not pushed
+still asks."""
 _LIST_TTL = 3600
 """Seconds the fleet's list outlives its last push."""
 
 _PUSH = """
-local n = tonumber(ARGV[4])
+local n = tonumber(ARGV[2])
 if n > 0 then
-  redis.call('LPUSH', KEYS[1], unpack(ARGV, 5, 4 + n))
-  redis.call('LTRIM', KEYS[1], 0, tonumber(ARGV[3]) - 1)
-  redis.call('EXPIRE', KEYS[1], ARGV[5 + n])
-end
-for i = 6 + n, #ARGV, 3 do
-  local key = ARGV[1] .. ARGV[i]
-  redis.call('HINCRBYFLOAT', key, ARGV[i + 1], ARGV[i + 2])
-  redis.call('EXPIRE', key, ARGV[2])
+  redis.call('LPUSH', KEYS[1], unpack(ARGV, 3, 2 + n))
+  redis.call('LTRIM', KEYS[1], 0, tonumber(ARGV[1]) - 1)
+  redis.call('EXPIRE', KEYS[1], ARGV[3 + n])
 end
 return redis.call('PTTL', KEYS[2])
 """
-"""KEYS: list, watch; ARGV: bucket prefix, bucket ttl s, list length, n, n entries
-(oldest first), list ttl s, then (bucket start, field, tokens) triples. Returns the
-watch key's milliseconds to live (negative: nobody looks)."""
+"""KEYS: list, watch; ARGV: list length, n, n entries (oldest first), list ttl s.
+Returns the watch key's milliseconds to live (negative: nobody looks)."""
 
 _READ = """
-redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
-local entries = redis.call('LRANGE', KEYS[1], 0, tonumber(ARGV[3]) - 1)
-local buckets = {}
-for s = tonumber(ARGV[4]), tonumber(ARGV[5]), tonumber(ARGV[6]) do
-  local flat = redis.call('HGETALL', ARGV[1] .. string.format('%d', s))
-  if #flat > 0 then buckets[string.format('%d', s)] = flat end
-end
-return '{"recent":[' .. table.concat(entries, ',') .. '],"buckets":' .. cjson.encode(buckets) .. '}'
+redis.call('SET', KEYS[2], '1', 'PX', ARGV[1])
+local entries = redis.call('LRANGE', KEYS[1], 0, tonumber(ARGV[2]) - 1)
+return '{"recent":[' .. table.concat(entries, ',') .. ']}'
 """
-"""KEYS: list, watch; ARGV: bucket prefix, watch ttl ms, entries, first start, last
-start, step. Marks the fleet watched; returns one JSON text (one string: see
-:mod:`crossbar.state.cluster` on array replies)."""
-
-Buckets = tuple[dict[int, dict[str, float]], dict[int, dict[str, list[float]]]]
+"""KEYS: list, watch; ARGV: watch ttl ms, entries. Marks the fleet watched; returns
+one JSON text (one string: see :mod:`crossbar.state.cluster` on array replies)."""
 
 
 class FleetRecent(RecentRequests):
@@ -116,10 +97,8 @@ class FleetRecent(RecentRequests):
                  row: int = 0) -> None:
         super().__init__(now, directory, row)
         self.cluster = cluster
-        self.added = {}
         self._list = PREFIX + "recent"
         self._watch = PREFIX + "watch"
-        self._buckets = PREFIX + "tok:"
         self._pushed = 0  # entries (self.made) pushed so far
         self._asked_upto = 0  # records (appended) covered by the last write
         self._asked_at = -1e18
@@ -129,14 +108,13 @@ class FleetRecent(RecentRequests):
         self._reading: Deferred[None] | None = None
         self._waiting: list[Deferred[None]] = []
         self._read_at = -1e18
-        self._fleet: tuple[list[dict[str, Any]], dict[int, dict[str, float]], dict[int, dict[str, list[float]]]] \
-            | None = None
+        self._fleet: list[dict[str, Any]] | None = None
         self._note: str | None = "not read from Redis yet"
 
     # -- writing --------------------------------------------------------------------
 
     def tick(self) -> None:
-        """Fold (see the base class), then write what there is to Redis. Never raises."""
+        """The base class's tick, then write what there is to Redis. Never raises."""
         super().tick()
         try:
             self.push()
@@ -147,16 +125,11 @@ class FleetRecent(RecentRequests):
         return self._now() < self._watched_until
 
     def push(self) -> None:
-        """One write of the new tokens, the unpushed entries while someone looks, and
-        the question whether someone looks (see the module doc); at most one at a time."""
+        """One write of the unpushed entries while someone looks, and the question
+        whether someone looks (see the module doc); at most one at a time."""
         now = self._now()
-        added = self.added
-        assert added is not None
-        oldest = now - KEEP - BUCKET
-        for cell in [c for c in added if c[0] < oldest]:  # older than the chart: dropped
-            del added[cell]
         if self._writing or not self.cluster.joined:
-            return  # kept for the next write (at most the chart's 15 minutes of it)
+            return
         appended = self._appended
         if appended != self._asked_upto:
             self._last_record = now
@@ -165,25 +138,19 @@ class FleetRecent(RecentRequests):
             self.make_entries()
             new = min(self.made - self._pushed, len(self.entries))
             entries = [self.entries[i] for i in range(len(self.entries) - new, len(self.entries))]
-        new_records = appended != self._asked_upto
         unshown = appended > self._made or self._pushed < self.made
-        ask = unshown and now - self._last_record < KEEP and now - self._asked_at >= ASK_EVERY
-        if not (entries or added or new_records or ask):
+        ask = unshown and now - self._last_record < UNSHOWN and now - self._asked_at >= ASK_EVERY
+        if not (entries or ask):
             return
-        tokens = dict(added)
-        added.clear()
         made = self.made
-        args: list[Any] = [self._buckets, int(KEEP + 2 * BUCKET), KEEP_ENTRIES, len(entries)]
+        args: list[Any] = [KEEP_ENTRIES, len(entries)]
         args += [json.dumps(e, separators=(",", ":")) for e in entries]
         args.append(_LIST_TTL)
-        for (start, field), n in tokens.items():
-            args += [start, field, repr(n)]
         self._writing = True
         self._asked_at = now
         self._asked_upto = appended
         d = self.cluster.command("eval", _PUSH, [self._list, self._watch], args, bound=READ_BOUND)
-        d.addCallbacks(self._pushed_ok, self._push_failed, callbackArgs=(made if entries else None,),
-                       errbackArgs=(tokens,))
+        d.addCallbacks(self._pushed_ok, self._push_failed, callbackArgs=(made if entries else None,))
 
     def _pushed_ok(self, reply: Any, made: int | None) -> None:
         self._writing = False
@@ -198,12 +165,8 @@ class FleetRecent(RecentRequests):
         if self._fleet_watched() and not was:
             self.push()  # someone looks now: this instance's newest requests at once
 
-    def _push_failed(self, failure: Failure, tokens: dict[tuple[int, str], float]) -> None:
+    def _push_failed(self, failure: Failure) -> None:
         self._writing = False
-        added = self.added
-        assert added is not None
-        for cell, n in tokens.items():  # added again with the next write
-            added[cell] = added.get(cell, 0.0) + n
 
     # -- reading --------------------------------------------------------------------
 
@@ -221,9 +184,7 @@ class FleetRecent(RecentRequests):
     def _read(self) -> None:
         now = self._now()
         self._watched_until = now + WATCH_TTL  # this instance's own requests go out on its tick
-        first = int((now - KEEP) // BUCKET * BUCKET)
-        last = int(now // BUCKET * BUCKET)
-        args = [self._buckets, int(WATCH_TTL * 1000), READ, first, last, BUCKET]
+        args = [int(WATCH_TTL * 1000), READ]
         d: Deferred[Any] = self.cluster.command("eval", _READ, [self._list, self._watch], args, bound=READ_BOUND)
         self._reading = d
         d.addCallbacks(self._got, self._read_failed)
@@ -233,21 +194,7 @@ class FleetRecent(RecentRequests):
         doc = json.loads(reply)
         entries = [e for e in doc.get("recent", ()) if isinstance(e, dict)]
         entries.sort(key=lambda e: e.get("t", 0) if isinstance(e.get("t"), (int, float)) else 0, reverse=True)
-        hosts: dict[int, dict[str, float]] = {}
-        routes: dict[int, dict[str, list[float]]] = {}
-        buckets = doc.get("buckets")
-        for start_text, flat in (buckets.items() if isinstance(buckets, dict) else ()):
-            start = int(start_text)
-            for j in range(0, len(flat) - 1, 2):
-                kind, _, name = str(flat[j]).partition("\0")
-                n = float(flat[j + 1])
-                if kind == "h":
-                    per_host = hosts.setdefault(start, {})
-                    per_host[name] = per_host.get(name, 0.0) + n
-                elif kind in ("p", "c"):
-                    sums = routes.setdefault(start, {}).setdefault(name, [0.0, 0.0])
-                    sums[0 if kind == "p" else 1] += n
-        self._fleet = (entries, hosts, routes)
+        self._fleet = entries
         self._read_at = self._now()
         self._note = None
 
@@ -264,13 +211,12 @@ class FleetRecent(RecentRequests):
         for d in waiting:
             d.callback(None)
 
-    def _fleet_view(self) -> tuple[list[dict[str, Any]], dict[int, dict[str, float]],
-                                   dict[int, dict[str, list[float]]]] | None:
+    def _fleet_view(self) -> list[dict[str, Any]] | None:
         if self._fleet is None or not self.cluster.joined or self._now() - self._read_at > STALE:
             return None
         return self._fleet
 
-    def view(self) -> tuple[list[dict[str, Any]], dict[int, dict[str, float]], dict[int, dict[str, list[float]]]]:
+    def view(self) -> list[dict[str, Any]]:
         """The fleet's view as last read from Redis (a new read is started when it is
         older than :data:`TICK`); this crossbar's own when that is older than
         :data:`STALE` s or Redis is away."""

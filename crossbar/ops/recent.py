@@ -1,20 +1,20 @@
-"""The dashboard's memory: the recent requests and tokens/s per host over the last
-15 minutes (docs/design.md §Operations, the dashboard).
+"""The dashboard's memory: the recent requests (docs/design.md §Operations, the
+dashboard). Its token figures -- tokens/s, cached share, the 15-minute chart -- are not
+kept here but read from the one store status reads too
+(:class:`~crossbar.state.tokens.TokenLedger`).
 
 On the request path this costs one append to a bounded ring
 (:meth:`RecentRequests.observe`, a :class:`~crossbar.ops.record.RequestLog` observer):
-nothing is formatted, parsed or summed per request. A timer (:meth:`RecentRequests.tick`,
-every :data:`TICK` seconds) adds the new records' tokens into 10-second buckets per host
-and per route (the chart's history must be there when someone opens the page). Display
-entries are made only while someone looks, from the newest records of the ring.
+nothing is formatted or parsed per request. Display entries are made only while someone
+looks, from the newest records of the ring.
 
 With workers, the view must be the same whichever worker answers: each worker writes
-its own entries and buckets to a small file in the workers' state directory
+its own entries to a small file in the workers' state directory
 (``dashboard-<row>.json``, replaced atomically), and the worker serving the dashboard
 reads every worker's file and merges them. A worker writes its file only while someone
 looks: the serving worker touches ``dashboard-watch`` in the same directory, and a
 worker whose last look at that file is older than :data:`WATCH_TTL` seconds writes
-nothing. A worker that restarts takes its row's file back (its history survives).
+nothing. A worker that restarts takes its row's file back (its entries survive).
 """
 
 from __future__ import annotations
@@ -30,18 +30,12 @@ from twisted.logger import Logger
 
 from crossbar.ops.record import RequestRecord
 
-__all__ = ["BUCKET", "KEEP", "RECENT", "TICK", "WATCH_TTL", "RecentRequests", "entry", "token_figures"]
+__all__ = ["RECENT", "TICK", "WATCH_TTL", "RecentRequests", "entry", "token_figures"]
 
 RECENT = 300
 """Entries kept per process (the page shows the newest of every process's)."""
-RING = 4096
-"""Raw records the ring holds between two ticks (more per tick are only partly counted)."""
 TICK = 0.5
-"""Seconds between folds of the ring (and, while watched, writes of the worker's file)."""
-BUCKET = 10
-"""Seconds per bucket of the tokens/s chart."""
-KEEP = 15 * 60
-"""Seconds of buckets kept: the chart's 15 minutes."""
+"""Seconds between the timer's runs (while watched, writes of the worker's file)."""
 WATCH_TTL = 10.0
 """Seconds a look at the dashboard keeps the workers writing their files."""
 _TEXT_MAX = 200  # characters of any text field shown (model ids, why, paths)
@@ -92,8 +86,7 @@ def entry(at: float, record: RequestRecord) -> dict[str, Any]:
 
 
 class RecentRequests:
-    """Recent requests and token buckets of this process, and (with workers) every
-    worker's.
+    """Recent requests of this process, and (with workers) every worker's.
 
     :param now: POSIX seconds (``reactor.seconds``).
     :param directory: with workers, the workers' state directory; None for one process.
@@ -102,23 +95,14 @@ class RecentRequests:
 
     def __init__(self, now: Callable[[], float], directory: str | None = None, row: int = 0) -> None:
         self._now = now
-        self._ring: deque[tuple[float, RequestRecord]] = deque(maxlen=RING)
+        self._ring: deque[tuple[float, RequestRecord]] = deque(maxlen=RECENT)
         self._appended = 0
-        self._folded = 0
         self._made = 0
         self.entries: deque[dict[str, Any]] = deque(maxlen=RECENT)
-        # bucket start (POSIX s) -> host -> generated tokens; route -> [processed, cached]
-        self.host_tokens: dict[int, dict[str, float]] = {}
-        self.route_prompt: dict[int, dict[str, list[float]]] = {}
         self.directory = directory
         self.row = row
         self.made = 0
         """Display entries made so far (a count that only grows)."""
-        self.added: dict[tuple[int, str], float] | None = None
-        """When not None, the tokens :meth:`fold` adds, by (bucket start, cell): ``h`` +
-        NUL + host (generated), ``p``/``c`` + NUL + route (processed / cached prompt
-        tokens) -- for a subclass that publishes them elsewhere
-        (:mod:`crossbar.ops.fleet_recent`)."""
         self._dirty = True
         self._watch_checked = -1e18
         self._watched_until = -1e18
@@ -136,16 +120,14 @@ class RecentRequests:
     # -- the timer -------------------------------------------------------------------
 
     def tick(self) -> None:
-        """Fold the records appended since the last tick into the buckets; with
-        workers, while someone looks, make their entries and write this worker's file.
-        Never raises."""
+        """With workers, while someone looks, make the new records' entries and write
+        this worker's file. Never raises."""
         try:
-            self.fold()
             if self.directory is not None and self._watched():
                 self.make_entries()
                 self._write_own()
         except Exception:
-            _log.failure("dashboard figures not updated")
+            _log.failure("dashboard entries not updated")
 
     def make_entries(self) -> None:
         """Display entries for the newest records not made yet (at most :data:`RECENT`)."""
@@ -156,41 +138,6 @@ class RecentRequests:
             self.made += new
             ring = self._ring
             self.entries.extend(entry(*ring[i]) for i in range(len(ring) - new, len(ring)))
-
-    def fold(self) -> None:
-        """Add the new records' tokens into the buckets; drop old buckets."""
-        new = min(self._appended - self._folded, len(self._ring))
-        self._folded = self._appended
-        if new:
-            ring = self._ring
-            for i in range(len(ring) - new, len(ring)):
-                at, record = ring[i]
-                tokens = token_figures(record)
-                if tokens is None:
-                    continue
-                self._dirty = True
-                start = int(at // BUCKET * BUCKET)
-                added = self.added
-                if record.host and tokens["generated"]:
-                    hosts = self.host_tokens.setdefault(start, {})
-                    hosts[record.host] = hosts.get(record.host, 0.0) + tokens["generated"]
-                    if added is not None:
-                        cell = (start, "h\0" + record.host)
-                        added[cell] = added.get(cell, 0.0) + tokens["generated"]
-                if tokens["prompt"] is not None or tokens["cached"] is not None:
-                    sums = self.route_prompt.setdefault(start, {}).setdefault(record.route, [0.0, 0.0])
-                    sums[0] += tokens["prompt"] or 0.0
-                    sums[1] += tokens["cached"] or 0.0
-                    if added is not None:
-                        for kind, n in (("p", tokens["prompt"]), ("c", tokens["cached"])):
-                            if n:
-                                cell = (start, kind + "\0" + record.route)
-                                added[cell] = added.get(cell, 0.0) + n
-        oldest = self._now() - KEEP - BUCKET
-        for buckets in (self.host_tokens, self.route_prompt):
-            for start in [s for s in buckets if s < oldest]:
-                del buckets[start]
-                self._dirty = True
 
     # -- the fleet's view -------------------------------------------------------------
 
@@ -206,33 +153,20 @@ class RecentRequests:
         says why the view is narrower than it should be, or None."""
         return {"shared": "instance" if self.directory is None else "workers", "note": None}
 
-    def view(self) -> tuple[list[dict[str, Any]], dict[int, dict[str, float]], dict[int, dict[str, list[float]]]]:
-        """Every process's recent entries (newest first), host token buckets and route
-        prompt buckets, merged. With workers this also says that someone looks (the
-        workers start writing their files within :data:`TICK` seconds)."""
-        self.fold()
+    def view(self) -> list[dict[str, Any]]:
+        """Every process's recent entries, newest first. With workers this also says that
+        someone looks (the workers start writing their files within :data:`TICK`
+        seconds)."""
         self.make_entries()
         if self.directory is None:
-            return list(reversed(self.entries)), self.host_tokens, self.route_prompt
+            return list(reversed(self.entries))
         self._touch_watch()
         self._write_own()
         entries: list[dict[str, Any]] = []
-        hosts: dict[int, dict[str, float]] = {}
-        routes: dict[int, dict[str, list[float]]] = {}
         for doc in self._read_all():
             entries.extend(e for e in doc.get("recent", ()) if isinstance(e, dict))
-            for start, per_host in doc.get("hosts", {}).items():
-                into = hosts.setdefault(int(start), {})
-                for host, n in per_host.items():
-                    into[host] = into.get(host, 0.0) + float(n)
-            for start, per_route in doc.get("routes", {}).items():
-                into_r = routes.setdefault(int(start), {})
-                for route, pair in per_route.items():
-                    sums = into_r.setdefault(route, [0.0, 0.0])
-                    sums[0] += float(pair[0])
-                    sums[1] += float(pair[1])
         entries.sort(key=lambda e: e.get("t", 0), reverse=True)
-        return entries, hosts, routes
+        return entries
 
     # -- the workers' files -------------------------------------------------------------
 
@@ -265,11 +199,7 @@ class RecentRequests:
             _log.warn("dashboard: cannot mark the workers' view as watched: {error}", error=e.strerror or str(e))
 
     def _document(self) -> dict[str, Any]:
-        return {
-            "recent": list(self.entries),
-            "hosts": {str(s): v for s, v in self.host_tokens.items()},
-            "routes": {str(s): v for s, v in self.route_prompt.items()},
-        }
+        return {"recent": list(self.entries)}
 
     def _write_own(self) -> None:
         if not self._dirty:
@@ -305,7 +235,3 @@ class RecentRequests:
         if not isinstance(doc, dict):
             return
         self.entries.extend(e for e in doc.get("recent", ()) if isinstance(e, dict))
-        for start, per_host in doc.get("hosts", {}).items():
-            self.host_tokens[int(start)] = {str(h): float(n) for h, n in per_host.items()}
-        for start, per_route in doc.get("routes", {}).items():
-            self.route_prompt[int(start)] = {str(r): [float(p[0]), float(p[1])] for r, p in per_route.items()}

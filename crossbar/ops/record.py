@@ -14,10 +14,10 @@ from typing import Any, Callable, NamedTuple
 
 from twisted.logger import Logger, LogLevel
 
+from crossbar.ops.emit import emit
 from crossbar.ops.figures import Figures
 from crossbar.ops.metrics import Metrics, adder, observer
 from crossbar.state.tokens import Cells, TokenLedger
-from crossbar.compat.twisted import emit_flattened, flattened_line
 
 __all__ = ["ENDINGS", "NO_ROUTE", "OTHER_MODEL", "RequestLog", "RequestRecord"]
 
@@ -150,8 +150,8 @@ class RequestLog:
         ended_text = "" if record.ended == "complete" else f" ended={record.ended}"
         line = (f"{record.method} {record.target} -> {host} {status} {record.bytes}B{queued} ttfb={ttfb_text} "
                 f"{ms}ms{why}{key_text}{tokens_text}{ended_text}")
-        # as _log.info("{line}", ...) builds the event, already flattened: one per request
-        emit_flattened(_log, _INFO, "{line}", flattened_line(line), dict(
+        # as _log.info("{line}", ...) builds the event: one per request
+        emit(_log, _INFO, "{line}", dict(
             line=line,
             route=route, host=host, method=record.method, path=record.path,
             target=record.target, status=status, bytes=record.bytes, ttfb_ms=ttfb_ms, ms=ms,

@@ -21,12 +21,14 @@ from twisted.internet.task import LoopingCall, deferLater
 from twisted.logger import Logger
 
 from crossbar.config import Config
-from crossbar.state.worker_counts import AFFINITY_OUTCOMES, CLUSTER_LOST, CLUSTER_SLOW, WorkerCounts
+from crossbar.state.cells import CLUSTER_LOST, CLUSTER_SLOW, RESTARTS
+from crossbar.state.worker_counts import AFFINITY_OUTCOMES, WorkerCounts
 from crossbar.hosts.health import HealthTable
 from crossbar.ops.metrics import FleetCounters, LiveCollector, Metrics
 from crossbar.ops.app import OpsApp
 from crossbar.ops.fleet_recent import FleetRecent
 from crossbar.ops.recent import TICK, RecentRequests
+from crossbar.state.token_share import RedisTokens
 from crossbar.hosts.commands import HTTPModelCommands
 from crossbar.state.placer import TICK as PLACER_TICK, Placer
 from crossbar.hosts.poller import HealthPoller, HTTPProbe
@@ -74,11 +76,19 @@ def _join_cluster(config: Config, reactor: Any, runtime: Runtime, metrics: Metri
     runtime.own_counters[CLUSTER_SLOW] = lambda: cluster.slow_checks.count
     runtime.join(cluster)
     runtime.limits.fleet = RedisLimits(cluster)
+    RedisTokens(runtime.tokens, cluster, reactor.seconds)  # the fleet's token figures
     metrics.watch(FleetCounters(ClusterCollector(cluster), {
         "crossbar_cluster_lost": lambda: runtime.counter(CLUSTER_LOST),
         "crossbar_cluster_slow": lambda: runtime.counter(CLUSTER_SLOW),
     }))
     return cluster
+
+
+def _both(first: Callable[[], None], second: Callable[[], None]) -> None:
+    """One timer for the dashboard's entries and the token store (docs/design.md
+    §Operations, §What the answers say)."""
+    first()
+    second()
 
 
 class CrossbarService(MultiService):
@@ -128,7 +138,7 @@ class CrossbarService(MultiService):
             lambda: _inflight_series(runtime), runtime.table.all,
             lambda: {name: runtime.queued(name) for name in runtime.config.routes},
             lambda: {(r, o): runtime.affinity(r, o) for r in runtime.config.routes for o in AFFINITY_OUTCOMES},
-            restarts=worker_counts.restarts if worker_counts is not None else None,
+            restarts=(lambda: runtime.counter(RESTARTS)) if worker_counts is not None else None,
             draining=lambda: runtime.drained,
         ))
         self.cluster = _join_cluster(config, reactor, runtime, self.metrics, self._cluster_changed)
@@ -143,7 +153,7 @@ class CrossbarService(MultiService):
             RecentRequests(reactor.seconds, directory, row) if self.cluster is None
             else FleetRecent(reactor.seconds, self.cluster, directory, row))
         self.requests.observers.append(self.recent.observe)
-        self._recent_tick = LoopingCall(self.recent.tick)
+        self._recent_tick = LoopingCall(_both, self.recent.tick, runtime.tokens.tick)
         self._recent_tick.clock = reactor
         tls = HostTLS.from_config(config)
         self.pools = UpstreamPools(reactor, config.timeouts.connect, tls=tls)

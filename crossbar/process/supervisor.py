@@ -57,6 +57,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from crossbar.config import Config, ConfigError
+from crossbar.state.cells import RESTARTS
 from crossbar.state.worker_counts import WorkerCounts, check_capacity
 from crossbar.process.reload import REFUSED, SIGHUPReload, catch_second_stop_signal, next_config
 from crossbar.state.drains import HostDrains
@@ -370,9 +371,9 @@ class Supervisor(MultiService):
     def _publish_own(self) -> None:
         """This process's row: restarts, and the counters of dead workers."""
         if self.counts is not None:
-            self.counts.publish_restarts(self.restarts)
+            self.counts.publish(RESTARTS.cell(), self.restarts)
             for name, count in self._folded.items():
-                self.counts.publish_counter(name, count)
+                self.counts.publish(name, count)
 
     # -- stop --------------------------------------------------------------------------
 

@@ -19,8 +19,9 @@ from typing import Any
 from twisted.logger import InvalidLogLevelError, Logger, LogLevel
 from twisted.python.logfile import BaseLogFile
 
-from crossbar.compat.twisted import emit_flattened, text_log_file
+from crossbar.compat.twisted import text_log_file
 from crossbar.config import one_line
+from crossbar.ops.emit import emit
 
 __all__ = ["WorkerLog", "relay_log_line"]
 
@@ -136,12 +137,12 @@ def relay_log_line(line: bytes, worker: int) -> None:
         if len(_relay_loggers) < 256:
             _relay_loggers[namespace] = logger
     # The worker's message is already formatted: escaped, it is a format without fields,
-    # whose flattened values are none (``{}``): shown as it is, without string.Formatter.
+    # shown as it is.
     if namespace == _LEGACY:
         event["log_system"] = f"{one_line(str(system or '-'))} worker={worker}"
     else:
         event["log_system"] = f"{namespace}#{level.name} worker={worker}"
-    emit_flattened(logger, level, message.replace("{", "{{").replace("}", "}}"), {}, event)
+    emit(logger, level, message.replace("{", "{{").replace("}", "}}"), event)
 
 
 _WORKER = "crossbar.worker"

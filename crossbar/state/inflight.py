@@ -15,12 +15,11 @@ from typing import TYPE_CHECKING, Callable
 
 from twisted.internet.defer import Deferred
 
-from crossbar.state.cells import host_cell
+from crossbar.state.cells import HOST_INFLIGHT, ROUTE_HOST_INFLIGHT
+from crossbar.state.counts import Counts
 
 if TYPE_CHECKING:
     from crossbar.state.placement_share import PlacementShare
-    from crossbar.state.worker_counts import WorkerCounts
-    from crossbar.state.cluster import ClusterView
 
 __all__ = ["Inflight", "Lease"]
 
@@ -30,48 +29,40 @@ class Inflight:
 
     :param on_release: called (no arguments) whenever a lease is released or moved
         away from a host: a slot freed (the route queues listen here).
-    :ivar fleet: with workers, where this worker's counts are published and the
-        fleet's are read (docs/design.md §Workers); None for one process.
-    :ivar cluster: with ``cluster.redis``, the other instances' counts and where this
-        one's go (docs/design.md §Several crossbars); None without.
+    :param counts: where this process's counts go and the shared ones are read
+        (:class:`~crossbar.state.counts.Counts`: the workers' with workers, every
+        instance's with ``cluster.redis``).
     :ivar models_share: with workers or ``cluster.redis``, where the counts per (host,
         model) go and the others' come from (docs/design.md §Where models live, rule 7).
     """
 
-    def __init__(self, on_release: Callable[[], None] | None = None) -> None:
+    def __init__(self, on_release: Callable[[], None] | None = None, counts: Counts | None = None) -> None:
         self._by_host: Counter[str] = Counter()
         self._by_route_host: Counter[tuple[str, str]] = Counter()
         self._by_host_model: Counter[tuple[str, str]] = Counter()
         self.on_release = on_release
-        self.fleet: WorkerCounts | None = None
-        self.cluster: ClusterView | None = None
+        self.counts = counts if counts is not None else Counts()
+        self._names: dict[tuple[str, str], tuple[str, str]] = {}  # (route, host) -> its two count names
         self.models_share: PlacementShare | None = None
 
     def host(self, host: str) -> int:
         """Requests in flight to ``host`` over every route (0 for an unknown host),
         from every worker when there are several, from every instance with a cluster
-        that answers (each worker is an instance of its own there)."""
-        cluster = self.cluster
-        if cluster is not None and cluster.joined:
-            # A count, not a guess (status shows it): room under a max_inflight is
-            # taken in Redis when a request goes (enter's ``limit``).
-            return self._by_host.get(host, 0) + cluster.others(host_cell(host))
-        if self.fleet is not None:
-            return self.fleet.host(host)
-        return self._by_host.get(host, 0)
+        that answers (each worker is an instance of its own there). A count, not a
+        guess (status shows it): room under a max_inflight is taken in Redis when a
+        request goes (enter's ``limit``)."""
+        return self.counts.read(HOST_INFLIGHT, HOST_INFLIGHT.cell(host), self._by_host.get(host, 0))
 
     def publish(self) -> None:
-        """Write every count of this process to :attr:`fleet` (after a reload) and to
-        :attr:`cluster` (and :attr:`models_share`)."""
+        """Write every count of this process again (after a reload, or on joining a
+        cluster), and to :attr:`models_share`."""
         if self.models_share is not None:
             for (host, model), n in self._by_host_model.items():
                 self.models_share.publish_inflight(host, model, n)
-        if self.cluster is not None:
-            for host, n in self._by_host.items():
-                self.cluster.set(host_cell(host), n)
-        if self.fleet is not None:
-            for (route, host), n in self._by_route_host.items():
-                self.fleet.publish_inflight(route, host, n, self._by_host.get(host, 0))
+        for host, n in self._by_host.items():
+            self.counts.publish(HOST_INFLIGHT, HOST_INFLIGHT.cell(host), n)
+        for (route, host), n in self._by_route_host.items():
+            self.counts.publish(ROUTE_HOST_INFLIGHT, ROUTE_HOST_INFLIGHT.cell(route, host), n)
 
     def by_host(self) -> dict[str, int]:
         """host -> requests in flight to it (hosts with none may be absent)."""
@@ -82,10 +73,12 @@ class Inflight:
         (so a metric once seen reads 0 rather than vanishing); fleet-wide with
         workers, for every pair of the config and any this process still counts (a
         worker that served none of a pair's requests still reports the others')."""
-        if self.fleet is not None:
-            pairs = dict.fromkeys(self.fleet.pairs) | dict.fromkeys(self._by_route_host)
-            return {(r, h): self.fleet.route_host(r, h) for r, h in pairs}
-        return dict(self._by_route_host)
+        fleet = self.counts.fleet
+        if fleet is None:
+            return dict(self._by_route_host)
+        pairs = dict.fromkeys(fleet.pairs) | dict.fromkeys(self._by_route_host)
+        return {(r, h): self.counts.read(ROUTE_HOST_INFLIGHT, ROUTE_HOST_INFLIGHT.cell(r, h),
+                                         self._by_route_host.get((r, h), 0)) for r, h in pairs}
 
     def host_model(self, host: str, model: str) -> int:
         """Requests for ``model`` (the id the host lists it under) in flight to ``host``
@@ -107,22 +100,29 @@ class Inflight:
 
     def enter(self, route: str, host: str, limit: int | None = None) -> Lease:
         """Count one request of ``route`` against ``host``; returns its lease. With a
-        :attr:`cluster` and the host's ``max_inflight`` in force (``limit``), the place
-        is taken in Redis (docs/design.md §Several crossbars): the lease's
+        joined cluster and the host's ``max_inflight`` in force (``limit``), the place
+        is taken in Redis (:meth:`Counts.take <crossbar.state.counts.Counts.take>`,
+        docs/design.md §Several crossbars): the lease's
         :attr:`Lease.taken` says whether it may go (False: the fleet has the host full;
         release the lease and choose again)."""
         self._by_host[host] += 1
         self._by_route_host[(route, host)] += 1
-        if self.fleet is not None:
-            self.fleet.publish_inflight(route, host, self._by_route_host[(route, host)], self._by_host[host])
+        counts = self.counts
+        pair, name = self._names_of(route, host)
+        counts.publish(ROUTE_HOST_INFLIGHT, pair, self._by_route_host[(route, host)])
         lease = Lease(self, route, host)
-        cluster = self.cluster
-        if cluster is not None:
-            if limit is not None and cluster.joined:
-                lease.taken = cluster.take(host_cell(host), self._by_host[host], limit)
-            else:
-                cluster.set(host_cell(host), self._by_host[host])
+        if limit is not None:
+            lease.taken = counts.take(HOST_INFLIGHT, name, self._by_host[host], limit)
+        else:
+            counts.publish(HOST_INFLIGHT, name, self._by_host[host])
         return lease
+
+    def _names_of(self, route: str, host: str) -> tuple[str, str]:
+        """The names of the counts of (``route``, ``host``) and of ``host`` (built once)."""
+        names = self._names.get((route, host))
+        if names is None:
+            names = self._names[(route, host)] = (ROUTE_HOST_INFLIGHT.cell(route, host), HOST_INFLIGHT.cell(host))
+        return names
 
     def _leave(self, route: str, host: str, model: str | None = None) -> None:
         if model is not None and self._by_host_model.get((host, model), 0) > 0:
@@ -137,10 +137,10 @@ class Inflight:
                 del self._by_host[host]
         if self._by_route_host.get((route, host), 0) > 0:
             self._by_route_host[(route, host)] -= 1
-        if self.fleet is not None:
-            self.fleet.publish_inflight(route, host, self._by_route_host[(route, host)], self._by_host.get(host, 0))
-        if self.cluster is not None:
-            self.cluster.set(host_cell(host), self._by_host.get(host, 0))
+        counts = self.counts
+        pair, name = self._names_of(route, host)
+        counts.publish(ROUTE_HOST_INFLIGHT, pair, self._by_route_host[(route, host)])
+        counts.publish(HOST_INFLIGHT, name, self._by_host.get(host, 0))
         if self.on_release is not None:
             self.on_release()
 

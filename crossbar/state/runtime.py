@@ -29,9 +29,11 @@ from crossbar.state.placement import PlacementState
 from crossbar.state.placement_share import ClusterShare, WorkerShare
 from crossbar.state.queue import RouteQueues
 from crossbar.state.standing import RuntimeStanding
+from crossbar.state.token_history import TokenHistory
 from crossbar.state.tokens import TokenLedger
 from crossbar.waiting import Condition
-from crossbar.state.cells import key_cell
+from crossbar.state.cells import AFFINITY, KEY_INFLIGHT, QUEUED, QUEUED_SINCE, Kind
+from crossbar.state.counts import Counts
 from crossbar.state.drains import HostDrains
 
 __all__ = ["Runtime"]
@@ -49,14 +51,14 @@ class Runtime:
     :ivar rotation: where round-robin among exact ties stands, per route.
     :ivar affinity_counts: (route, ``home``/``spill``/``none``) -> requests dispatched.
     :ivar key_inflight: (route, client key name) -> requests in flight or waiting.
-    :ivar tokens: token totals per host and route, and their last minute (status).
-    :ivar fleet: with workers, the fleet-wide counts (:meth:`attach`); else None.
-    :ivar cluster: with ``cluster.redis``, the other instances' counts (:meth:`join`).
-    :ivar own_counters: counters this process keeps outside the runtime, by shared cell
-        name (e.g. :data:`~crossbar.state.worker_counts.CLUSTER_LOST`: the times its
-        link to Redis was lost) -> how to read this process's value; with workers they
-        are published to the fleet (:meth:`publish_counters`) and read summed
-        (:meth:`counter`).
+    :ivar tokens: token totals per host and route and their history: the one store of
+        tokens/s and the cached share (status and the dashboard).
+    :ivar counts: where this process's shared counts go and are read from (the one
+        place deciding this process / workers / Redis, :mod:`crossbar.state.counts`).
+    :ivar own_counters: counters this process keeps outside the runtime, by kind
+        (e.g. :data:`~crossbar.state.cells.CLUSTER_LOST`: the times its link to Redis
+        was lost) -> how to read this process's value; with workers they are published
+        to the fleet (:meth:`publish_counters`) and read summed (:meth:`counter`).
     :ivar limits: the client keys' request and token limits (docs/design.md §Access).
     :ivar active: the requests being handled (proxy exchanges), until each ends.
     :ivar draining: a drain has started (docs/design.md §Operations).
@@ -75,14 +77,13 @@ class Runtime:
         health = config.health
         self.table = HealthTable(config.hosts, health.recovery_polls, health.failure_threshold, now)
         self.queues = RouteQueues(now, RuntimeStanding(self))  # fair order (§Access)
-        self.inflight = Inflight(on_release=self.queues.wake)
+        self.counts = Counts()
+        self.inflight = Inflight(on_release=self.queues.wake, counts=self.counts)
         self.rotation = Rotation()
         self.affinity_counts: Counter[tuple[str, str]] = Counter()
         self.key_inflight: Counter[tuple[str, str]] = Counter()
-        self.tokens = TokenLedger(now, tuple(config.hosts), tuple(config.routes))
-        self.fleet: WorkerCounts | None = None
-        self.cluster: ClusterView | None = None
-        self.own_counters: dict[str, Callable[[], int]] = {}
+        self.tokens = TokenLedger(now, tuple(config.hosts), tuple(config.routes), self.counts)
+        self.own_counters: dict[Kind, Callable[[], int]] = {}
         self.limits = KeyLimiter(now)
         self.active: set[Any] = set()
         self.draining = False
@@ -124,24 +125,32 @@ class Runtime:
                 verdict = verdict._replace(model=mid)
         return verdict
 
-    # -- counts that are fleet-wide with workers (docs/design.md §Workers) ------------------
+    # -- shared counts (docs/design.md §Workers, §Several crossbars: crossbar.state.counts) --
+
+    @property
+    def fleet(self) -> WorkerCounts | None:
+        """With workers, the box's shared counts (:meth:`attach`); else None."""
+        return self.counts.fleet
+
+    @property
+    def cluster(self) -> ClusterView | None:
+        """With ``cluster.redis``, the instances' counts (:meth:`join`); else None."""
+        return self.counts.cluster
 
     def attach(self, fleet: WorkerCounts) -> None:
         """Publish this process's counts to ``fleet`` and read the fleet's from now on."""
-        self.fleet = fleet
-        self.inflight.fleet = fleet
+        self.counts.fleet = fleet
         self.placement.share = self.inflight.models_share = WorkerShare(fleet)  # §Where models live
         self.queues.on_change = self._publish_queue
-        self.tokens.fleet = fleet
         if fleet.limits is not None:  # key limits per box (docs/design.md §Access)
             self.limits.counts = fleet.limits
         self.republish()
+        self.tokens.attach(TokenHistory.of_row(fleet.shared.path, fleet.shared.row))
 
     def join(self, cluster: ClusterView) -> None:
         """Share this process's in-flight counts (per host, per client key) with the
         other instances of ``cluster`` and count theirs (docs/design.md §Several crossbars)."""
-        self.cluster = cluster
-        self.inflight.cluster = cluster
+        self.counts.cluster = cluster
         self.placement.share = self.inflight.models_share = ClusterShare(cluster)  # §Where models live
         cluster.on_drains = self.apply_drains
         self.inflight.publish()
@@ -175,65 +184,53 @@ class Runtime:
         for route in self.config.routes:
             self._publish_queue(route)
         for (route, outcome), n in self.affinity_counts.items():
-            self.fleet.publish_affinity(route, outcome, n)
+            self.counts.publish(AFFINITY, AFFINITY.cell(route, outcome), n)
         for route, key in self.key_inflight:
             self._publish_key(route, key)
         self.publish_counters()
 
     def publish_counters(self) -> None:
-        """Write this process's :attr:`own_counters` to the fleet (with workers; call it
-        whenever one may have grown)."""
-        if self.fleet is not None:
-            for name, read in self.own_counters.items():
-                self.fleet.publish_counter(name, read())
+        """Write this process's :attr:`own_counters` where they are shared (with workers;
+        call it whenever one may have grown)."""
+        for kind, read in self.own_counters.items():
+            self.counts.publish(kind, kind.cell(), read())
 
-    def counter(self, name: str) -> int:
-        """Own counter ``name`` (:attr:`own_counters`): this process's value, or with
+    def counter(self, kind: Kind) -> int:
+        """Own counter ``kind`` (:attr:`own_counters`): this process's value, or with
         workers the sum over every worker, those that died included (the supervisor
         keeps their share), so it never goes down whichever worker answers
         (docs/design.md §Workers)."""
-        if self.fleet is None:
-            read = self.own_counters.get(name)
-            return read() if read is not None else 0
         self.publish_counters()
-        return self.fleet.counter(name)
+        read = self.own_counters.get(kind)
+        return self.counts.read(kind, kind.cell(), read() if read is not None else 0)
 
     def _publish_key(self, route: str, key: str) -> None:
-        if self.cluster is not None:
-            self.cluster.set(key_cell(route, key), self.key_inflight[(route, key)])
-        if self.fleet is not None:
-            self.fleet.publish_key(route, key, self.key_inflight[(route, key)])
+        self.counts.publish(KEY_INFLIGHT, KEY_INFLIGHT.cell(route, key), self.key_inflight[(route, key)])
 
     def _publish_queue(self, route: str) -> None:
-        if self.fleet is not None:
-            since = self.queues.oldest_since(route)
-            self.fleet.publish_queue(route, self.queues.queued(route), 0 if since is None else int(since * 1000) or 1)
+        since = self.queues.oldest_since(route)
+        self.counts.publish(QUEUED, QUEUED.cell(route), self.queues.queued(route))
+        self.counts.publish(QUEUED_SINCE, QUEUED_SINCE.cell(route), 0 if since is None else int(since * 1000) or 1)
 
     def queued(self, route: str) -> int:
         """Requests waiting in ``route``'s queue (every worker's)."""
-        return self.fleet.queued(route) if self.fleet is not None else self.queues.queued(route)
+        return self.counts.read(QUEUED, QUEUED.cell(route), self.queues.queued(route))
 
     def oldest_wait(self, route: str) -> float | None:
         """Seconds the oldest waiting request of ``route`` has waited (every worker's),
         or None when none waits."""
-        now = self.now()
-        if self.fleet is not None:
-            since = self.fleet.oldest_queued_ms(route)
-            return None if since is None else max(0.0, now - since / 1000)
-        since_s = self.queues.oldest_since(route)
-        return None if since_s is None else now - since_s
+        own = self.queues.oldest_since(route)
+        since = self.counts.smallest(QUEUED_SINCE, QUEUED_SINCE.cell(route), None if own is None else own * 1000)
+        return None if since is None else max(0.0, self.now() - since / 1000)
 
     def count_affinity(self, route: str, outcome: str) -> None:
         """One request of ``route`` was dispatched with affinity ``outcome``."""
         self.affinity_counts[(route, outcome)] += 1
-        if self.fleet is not None:
-            self.fleet.publish_affinity(route, outcome, self.affinity_counts[(route, outcome)])
+        self.counts.publish(AFFINITY, AFFINITY.cell(route, outcome), self.affinity_counts[(route, outcome)])
 
     def affinity(self, route: str, outcome: str) -> int:
         """Requests of ``route`` dispatched with affinity ``outcome`` (every worker's)."""
-        if self.fleet is not None:
-            return self.fleet.affinity(route, outcome)
-        return self.affinity_counts[(route, outcome)]
+        return self.counts.read(AFFINITY, AFFINITY.cell(route, outcome), self.affinity_counts[(route, outcome)])
 
     # -- host drain (docs/design.md §Operations) -------------------------------------------
 
@@ -283,28 +280,16 @@ class Runtime:
     def key_admits(self, route: Route, key: str) -> bool:
         """Whether a request with client key ``key`` of ``route`` may start: the key has
         fewer than its ``max_inflight`` requests in flight or waiting (docs/design.md §Access;
-        429 otherwise)."""
+        429 otherwise), counted as :meth:`key_requests` says."""
         settings = route.keys.get(key)
         limit = settings.max_inflight if settings is not None else None
-        if limit is None:
-            return True
-        cluster = self.cluster
-        if cluster is not None and cluster.joined:  # every instance's (§Several crossbars)
-            return self.key_inflight[(route.name, key)] + cluster.others(key_cell(route.name, key)) < limit
-        if self.fleet is not None:  # every worker's requests of this key (§Workers)
-            return self.fleet.key(route.name, key) < limit
-        return self.key_inflight[(route.name, key)] < limit
+        return limit is None or self.key_requests(route.name, key) < limit
 
     def key_requests(self, route: str, key: str) -> int:
         """Requests of configured client key ``key`` of ``route`` in flight or waiting:
         every instance's with ``cluster.redis``, every worker's with workers (what
         :meth:`key_admits` compares with ``max_inflight``; the fair order reads it too)."""
-        cluster = self.cluster
-        if cluster is not None and cluster.joined:
-            return self.key_inflight[(route, key)] + cluster.others(f"k\0{route}\0{key}")
-        if self.fleet is not None:
-            return self.fleet.key(route, key)
-        return self.key_inflight[(route, key)]
+        return self.counts.read(KEY_INFLIGHT, KEY_INFLIGHT.cell(route, key), self.key_inflight[(route, key)])
 
     def check_limits(self, route: Route, key: str) -> Deferred[float]:
         """A key's ``limits`` for a request arriving now (docs/design.md §Access): fires with

@@ -1,35 +1,47 @@
-"""Token totals per host and per route, and their last minute, for ``status``
-(docs/design.md §What the answers say: tokens, speed, cache).
+"""Token totals per host and per route, and their history in 10-second buckets: the
+one store status and the dashboard read (docs/design.md §What the answers say: tokens,
+speed, cache; §Operations: the dashboard's tokens/s and chart).
 
 Each complete answer's figures are added here (prompt tokens processed, prompt tokens
 from cache, tokens generated per host; processed and cached per route). With workers
 the totals are published into this worker's row of the shared counts and read summed
-over every worker (:class:`~crossbar.state.worker_counts.WorkerCounts`), so status gives the
-same figures whichever worker answers.
+over every worker (:class:`~crossbar.state.worker_counts.WorkerCounts`).
 
-The last minute is a difference of totals: :meth:`TokenLedger.sample` keeps a sample of
-the (fleet) totals at most every :data:`SAMPLE_EVERY` seconds, and :meth:`window` reads
-the totals now minus the newest sample at least :data:`WINDOW` seconds old (the oldest
-sample while crossbar is younger than that), over the seconds between them.
+The history is a sample of the (box) totals at every bucket start (a multiple of
+:data:`~crossbar.state.token_window.BUCKET` POSIX seconds: :meth:`TokenLedger.tick`
+runs twice a second, and an answer or a read after a bucket start takes it first); a
+bucket's tokens are the difference between its sample and the next (the last one's:
+the totals now). With workers every worker samples the same shared totals, so each
+holds the box's history (a restarted worker takes it back from its row's file,
+:mod:`crossbar.state.token_history`); their timers run apart by up to half a second, so
+an answer ending just after a bucket start may sit in either bucket of two workers,
+which moves only the part of the oldest bucket the last minute counts. With
+``cluster.redis`` the fleet's buckets are read from Redis instead
+(:attr:`TokenLedger.share`, :mod:`crossbar.state.token_share`), this box's standing
+in while Redis is away. :func:`~crossbar.state.token_window.window` and
+:func:`~crossbar.state.token_window.chart` read the buckets, whoever filled them.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from typing import Callable, Mapping
+from typing import Callable, Iterable, Protocol
 
-from crossbar.state.worker_counts import WorkerCounts, token_cell
+from twisted.internet.defer import Deferred, succeed
+from twisted.logger import Logger
 
-__all__ = ["Cells", "HOST_KINDS", "ROUTE_KINDS", "SAMPLE_EVERY", "TokenLedger", "WINDOW", "Window"]
+from crossbar.state.cells import TOKENS, token_cell
+from crossbar.state.counts import Counts
+from crossbar.state.token_history import TokenHistory
+from crossbar.state.token_window import BUCKET, KEEP, WINDOW, Buckets, Window, bucket_start, chart, window
+
+__all__ = ["Cells", "HOST_KINDS", "ROUTE_KINDS", "TokenLedger", "TokenShare"]
 
 HOST_KINDS = ("prompt", "cached", "generated")
 ROUTE_KINDS = ("prompt", "cached")
-WINDOW = 60.0
-"""Seconds of 'the last minute'."""
-SAMPLE_EVERY = 5.0
-"""Seconds between samples of the totals."""
 
 Totals = dict[str, int]
+
+_log = Logger(namespace="crossbar.ops")
 
 
 class Cells:
@@ -38,7 +50,7 @@ class Cells:
     added since they were last folded into those totals (prompt, cached, generated):
     three list additions per answer instead of five dict updates (CPU per request).
 
-    :ivar names: the five cell names (:func:`~crossbar.state.worker_counts.token_cell`).
+    :ivar names: the five cell names (:func:`~crossbar.state.cells.token_cell`).
     :ivar pending: [prompt, cached, generated] not yet in the totals.
     """
 
@@ -49,63 +61,80 @@ class Cells:
         self.pending = [0, 0, 0]
 
 
-class Window:
-    """Token counts over a span of time.
+class TokenShare(Protocol):
+    """The fleet's buckets kept elsewhere (Redis, :mod:`crossbar.state.token_share`)."""
 
-    :ivar seconds: the span's length.
-    :ivar counts: cell name (:func:`~crossbar.state.worker_counts.token_cell`) -> tokens.
-    """
+    def view(self) -> Buckets | None:
+        """The fleet's buckets as last read, or None when they stand for nothing now."""
 
-    def __init__(self, seconds: float, counts: Mapping[str, int]) -> None:
-        self.seconds = seconds
-        self.counts = counts
+    def fresh(self) -> Deferred[None]:
+        """Fires when :meth:`view` is as fresh as it gets within the share's bound."""
 
-    def _get(self, scope: str, name: str, kind: str) -> int:
-        return self.counts.get(token_cell(scope, name, kind), 0)
-
-    def generated_per_second(self, host: str) -> float:
-        """Tokens ``host`` generated per second over the window (0.0 for an empty one)."""
-        return self._get("h", host, "generated") / self.seconds if self.seconds > 0 else 0.0
-
-    def cached_share(self, scope: str, name: str) -> float | None:
-        """Cached prompt tokens / all prompt tokens of a host (``scope`` "h") or route
-        ("r") over the window; None when it read no prompt token."""
-        cached = self._get(scope, name, "cached")
-        total = cached + self._get(scope, name, "prompt")
-        return cached / total if total > 0 else None
+    def tick(self) -> None:
+        """Write what this process added since the last tick."""
 
 
 class TokenLedger:
-    """This process's token totals (and the fleet's, with workers).
+    """This process's token totals, the box's (with workers) and their history.
 
-    :param now: clock seconds.
+    :param now: POSIX seconds (``reactor.seconds``: bucket starts are the same in every
+        process and instance).
     :param hosts: host names; :param routes: route names (see :meth:`configure`).
+    :param counts: where the totals are published and read (with workers: every
+        worker's, :class:`~crossbar.state.counts.Counts`).
+    :ivar share: with ``cluster.redis``, the fleet's buckets in Redis; else None.
+    :ivar history: with workers, where this worker's samples are kept on disk; else None.
     """
 
-    def __init__(self, now: Callable[[], float], hosts: tuple[str, ...] = (), routes: tuple[str, ...] = ()) -> None:
+    def __init__(self, now: Callable[[], float], hosts: tuple[str, ...] = (), routes: tuple[str, ...] = (),
+                 counts: Counts | None = None) -> None:
         self.now = now
-        self.fleet: WorkerCounts | None = None
+        self.counts = counts if counts is not None else Counts()
+        self.share: TokenShare | None = None
+        self.history: TokenHistory | None = None
         self._mine: Totals = {}
         self._names: tuple[str, ...] = ()
-        self._samples: deque[tuple[float, Totals]] = deque()
+        self._samples: dict[int, Totals] = {}  # bucket start -> the totals then, oldest first
         self._cells: dict[tuple[str, str], Cells] = {}
         self._next_sample = 0.0  # clock seconds from which add() takes a sample
         self.configure(hosts, routes)
 
     def configure(self, hosts: tuple[str, ...], routes: tuple[str, ...]) -> None:
-        """Count for these hosts and routes (at start and after a reload); totals of
-        names still configured are kept."""
+        """Count for these hosts and routes (at start and after a reload); totals and
+        history of names still configured are kept, a new name's history starts now."""
         self._names = tuple(token_cell("h", h, k) for h in hosts for k in HOST_KINDS) + tuple(
             token_cell("r", r, k) for r in routes for k in ROUTE_KINDS)
-        if not self._samples:
-            now = self.now()
-            self._samples.append((now, self.totals()))
-            self._next_sample = now + SAMPLE_EVERY
+        if self._samples:
+            self._fill()
+        else:
+            self._restart()
 
-    def attach(self, fleet: WorkerCounts) -> None:
-        """Publish to and read from ``fleet`` from now on."""
-        self.fleet = fleet
+    def _fill(self) -> None:
+        """A name missing from a sample had its total now then (its history starts now)."""
+        totals = self.totals()
+        for sample in self._samples.values():
+            for name, value in totals.items():
+                sample.setdefault(name, value)
+
+    def _restart(self) -> None:
+        """Start the history now: from what :attr:`history` kept, and the totals now."""
+        now = self.now()
+        start = bucket_start(now)
+        kept = self.history.load(now - KEEP - 2 * BUCKET) if self.history is not None else {}
+        self._samples = {s: totals for s, totals in kept.items() if s < start}
+        totals = self._samples[start] = self.totals()
+        self._next_sample = start + BUCKET
+        self._fill()
+        if self.history is not None:
+            self.history.append(start, totals, self._samples)
+
+    def attach(self, history: TokenHistory | None = None) -> None:
+        """The :attr:`counts` are the workers' from now on: this process's totals are
+        published there, and the history starts again from the box's totals (and what
+        ``history``, this worker's row's file, kept of it)."""
         self.republish()
+        self.history = history
+        self._restart()
 
     def _fold(self) -> Totals:
         """This process's totals, with what :meth:`add_to` kept pending added in."""
@@ -121,11 +150,10 @@ class TokenLedger:
         return mine
 
     def republish(self) -> None:
-        """Write every total of this process into the fleet (after a reload)."""
+        """Write every total of this process where it is shared (after a reload)."""
         self._fold()
-        if self.fleet is not None:
-            for name, value in self._mine.items():
-                self.fleet.publish_tokens(name, value)
+        for name, value in self._mine.items():
+            self.counts.publish(TOKENS, name, value)
 
     def cells(self, route: str, host: str) -> Cells:
         """The :class:`Cells` an answer of ``route`` from ``host`` adds to (for
@@ -149,8 +177,8 @@ class TokenLedger:
         are published at once."""
         if self.now() >= self._next_sample:
             self.sample()
-        fleet = self.fleet
-        if fleet is None:
+        counts = self.counts
+        if counts.fleet is None:  # nothing shared: a fold when read does
             pending = cells.pending
             pending[0] += prompt
             pending[1] += cached
@@ -160,37 +188,83 @@ class TokenLedger:
         for name, n in zip(cells.names, (prompt, cached, generated, prompt, cached)):
             if n:
                 value = mine[name] = mine.get(name, 0) + n
-                fleet.publish_tokens(name, value)
+                counts.publish(TOKENS, name, value)
+
+    def own(self) -> Totals:
+        """This process's totals, whatever the config names (what it writes to Redis);
+        a live view: copy it to keep it."""
+        return self._fold()
 
     def totals(self) -> Totals:
-        """Every configured total (the fleet's with workers)."""
-        if self.fleet is not None:
-            fleet = self.fleet
-            return {name: fleet.tokens(name) for name in self._names}
-        mine = self._fold()
-        return {name: mine.get(name, 0) for name in self._names}
+        """Every configured total (the box's with workers)."""
+        mine, counts = self._fold(), self.counts
+        return {name: counts.read(TOKENS, name, mine.get(name, 0)) for name in self._names}
 
     def sample(self) -> None:
-        """Keep a sample of the totals if the last one is :data:`SAMPLE_EVERY` old,
-        dropping those no window needs any more."""
+        """Keep a sample of the totals if a bucket started since the last one, dropping
+        those older than the chart."""
         now = self.now()
-        samples = self._samples
-        if samples and now - samples[-1][0] < SAMPLE_EVERY:
-            self._next_sample = samples[-1][0] + SAMPLE_EVERY
+        if now < self._next_sample:
             return
-        samples.append((now, self.totals()))
-        self._next_sample = now + SAMPLE_EVERY
-        while len(samples) > 1 and samples[1][0] <= now - WINDOW:
-            samples.popleft()
+        start = bucket_start(now)
+        totals = self._samples[start] = self.totals()
+        self._next_sample = start + BUCKET
+        oldest = now - KEEP - 2 * BUCKET
+        for old in [s for s in self._samples if s < oldest]:
+            del self._samples[old]
+        if self.history is not None:
+            self.history.append(start, totals, self._samples)
+
+    def tick(self) -> None:
+        """The timer (twice a second): :meth:`sample`, and with a :attr:`share` write
+        this process's new tokens there. Never raises (logged)."""
+        try:
+            self.sample()
+            if self.share is not None:
+                self.share.tick()
+        except Exception:
+            _log.failure("token figures not sampled")
+
+    def box_buckets(self, since: float | None = None, names: Iterable[str] | None = None) -> Buckets:
+        """This box's buckets (this process's, or every worker's), from the samples;
+        with ``since`` (POSIX s) only those reaching past it, with ``names`` only those
+        cells."""
+        self.sample()
+        samples = list(self._samples.items())
+        if since is not None:
+            first = len(samples) - 1
+            while first > 0 and samples[first][0] > since:
+                first -= 1
+            samples = samples[first:]
+        upto = [totals for _, totals in samples[1:]] + [self.totals()]
+        wanted = list(names) if names is not None else None
+        out: dict[int, dict[str, float]] = {}
+        for (start, base), after in zip(samples, upto):
+            pairs = after.items() if wanted is None else ((name, after.get(name, 0)) for name in wanted)
+            cells = {name: float(value - base.get(name, 0)) for name, value in pairs if value > base.get(name, 0)}
+            if cells:
+                out[start] = cells
+        return out
+
+    def buckets(self, since: float | None = None, names: Iterable[str] | None = None) -> Buckets:
+        """The buckets status and the dashboard read: the fleet's from Redis while they
+        stand for it (:attr:`share`), else this box's (with ``since`` and ``names``, at
+        least those reaching past it, of those cells: :meth:`box_buckets`)."""
+        fleet = self.share.view() if self.share is not None else None
+        return fleet if fleet is not None else self.box_buckets(since, names)
+
+    def fresh(self) -> Deferred[None]:
+        """Fires when :meth:`buckets` is as fresh as it gets: at once, or with
+        ``cluster.redis`` after a read of Redis (bounded). Never fails."""
+        return self.share.fresh() if self.share is not None else succeed(None)
 
     def window(self) -> Window:
-        """The last minute (see the module docstring)."""
-        self.sample()
+        """The last minute of :meth:`buckets` (:func:`~crossbar.state.token_window.window`)."""
         now = self.now()
-        base_at, base = self._samples[0]
-        for at, totals in self._samples:
-            if at > now - WINDOW:
-                break
-            base_at, base = at, totals
-        current = self.totals()
-        return Window(now - base_at, {name: max(0, value - base.get(name, 0)) for name, value in current.items()})
+        return window(self.buckets(now - WINDOW), now)
+
+    def chart(self, hosts: list[str]) -> dict[str, list[float]]:
+        """host -> tokens generated per second per bucket over the last 15 minutes
+        (:func:`~crossbar.state.token_window.chart`) of :meth:`buckets`."""
+        now = self.now()
+        return chart(self.buckets(names=[token_cell("h", h, "generated") for h in hosts]), hosts, now)

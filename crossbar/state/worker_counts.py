@@ -13,7 +13,9 @@ its row of a :class:`~crossbar.state.shared.SharedCounts`, and reads every worke
 it: room, least-busy, the queue, a key's ``max_inflight``, status and metrics then see
 every worker's requests (a limit may be exceeded by at most N - 1: two workers may take
 the last slot at the same moment). A key's ``limits`` are counted alike, in a file of
-their own (:class:`~crossbar.state.box_limits.BoxLimits`).
+their own (:class:`~crossbar.state.box_limits.BoxLimits`). Which counts go where, and
+what is read, is decided by :class:`~crossbar.state.counts.Counts`; this module only
+holds the names (:func:`_names`, from the config) and their cells.
 """
 
 from __future__ import annotations
@@ -21,27 +23,27 @@ from __future__ import annotations
 from crossbar.config import Config, ConfigError
 from crossbar.state.box_limits import BoxLimits
 from crossbar.state.cells import (
-    CLUSTER_LOST, CLUSTER_SLOW, RESTARTS, affinity_cell, host_cell, is_counter, key_cell, queue_cell, queue_oldest_cell,
-    route_host_cell, token_cell,
+    AFFINITY, CLUSTER_LOST, CLUSTER_SLOW, HOST_INFLIGHT, KEY_INFLIGHT, QUEUED, QUEUED_SINCE, RESTARTS,
+    ROUTE_HOST_INFLIGHT, is_counter, token_cell,
 )
 from crossbar.state.placement_share import share_names
 from crossbar.state.shared import CELLS, SharedCounts, cell_map
 
-__all__ = ["AFFINITY_OUTCOMES", "CLUSTER_LOST", "CLUSTER_SLOW", "RESTARTS", "WorkerCounts", "check_capacity", "token_cell"]
+__all__ = ["AFFINITY_OUTCOMES", "WorkerCounts", "check_capacity"]
 
 AFFINITY_OUTCOMES = ("home", "spill", "none")
 
 
 def _names(config: Config) -> list[str]:
-    names = [RESTARTS, CLUSTER_LOST, CLUSTER_SLOW]
-    names += [host_cell(h) for h in config.hosts]
+    names = [RESTARTS.cell(), CLUSTER_LOST.cell(), CLUSTER_SLOW.cell()]
+    names += [HOST_INFLIGHT.cell(h) for h in config.hosts]
     names += [token_cell("h", h, k) for h in config.hosts for k in ("prompt", "cached", "generated")]
     names += [token_cell("r", r, k) for r in config.routes for k in ("prompt", "cached")]
     for route in config.routes.values():
-        names += [queue_cell(route.name), queue_oldest_cell(route.name)]
-        names += [route_host_cell(route.name, h) for h in route.hosts]
-        names += [affinity_cell(route.name, o) for o in AFFINITY_OUTCOMES]
-        names += [key_cell(route.name, key) for key in route.keys]
+        names += [QUEUED.cell(route.name), QUEUED_SINCE.cell(route.name)]
+        names += [ROUTE_HOST_INFLIGHT.cell(route.name, h) for h in route.hosts]
+        names += [AFFINITY.cell(route.name, o) for o in AFFINITY_OUTCOMES]
+        names += [KEY_INFLIGHT.cell(route.name, key) for key in route.keys]
     placed = {h: None for r in config.routes.values() if r.placement is not None for h in r.hosts}
     names += share_names(list(placed))  # docs/design.md §Where models live, rule 7
     return names
@@ -92,101 +94,31 @@ class WorkerCounts:
         """The shared cell of ``name`` (a name :func:`_names` derives from the config), or None."""
         return self._cells.get(name)
 
-    def _set(self, name: str, value: int) -> None:
+    def publish(self, name: str, value: int) -> None:
+        """This process's count ``name`` (a name :func:`_names` derives from the config;
+        others are ignored) is ``value``."""
         cell = self._cells.get(name)
         if cell is not None:
             self.shared.set(cell, value)
 
-    def _total(self, name: str) -> int:
+    def total(self, name: str) -> int:
+        """Count ``name`` summed over every process (0 for a name not counted); for a
+        counter the supervisor's row holds the shares of workers that died."""
         cell = self._cells.get(name)
         return self.shared.total(cell) if cell is not None else 0
 
-    def publish_inflight(self, route: str, host: str, pair: int, host_total: int) -> None:
-        """This worker has ``pair`` requests of ``route`` and ``host_total`` in all in
-        flight to ``host``."""
-        self._set(route_host_cell(route, host), pair)
-        self._set(host_cell(host), host_total)
-
-    def host(self, host: str) -> int:
-        """Requests in flight to ``host`` from every worker."""
-        return self._total(host_cell(host))
-
-    def route_host(self, route: str, host: str) -> int:
-        """Requests of ``route`` in flight to ``host`` from every worker."""
-        return self._total(route_host_cell(route, host))
-
-    def publish_queue(self, route: str, queued: int, oldest_ms: int) -> None:
-        """This worker has ``queued`` requests waiting on ``route``, the oldest since
-        ``oldest_ms`` (POSIX milliseconds, 0 for none)."""
-        self._set(queue_cell(route), queued)
-        self._set(queue_oldest_cell(route), oldest_ms)
-
-    def queued(self, route: str) -> int:
-        """Requests waiting on ``route`` in every worker."""
-        return self._total(queue_cell(route))
-
-    def oldest_queued_ms(self, route: str) -> int | None:
-        """POSIX milliseconds since which the oldest waiting request (of any worker) of
-        ``route`` waits, or None."""
-        cell = self._cells.get(queue_oldest_cell(route))
+    def smallest(self, name: str) -> int | None:
+        """The smallest non-zero value of ``name`` over every process, or None."""
+        cell = self._cells.get(name)
         return self.shared.smallest(cell) if cell is not None else None
-
-    def publish_affinity(self, route: str, outcome: str, count: int) -> None:
-        """This worker dispatched ``count`` requests of ``route`` with ``outcome``."""
-        self._set(affinity_cell(route, outcome), count)
-
-    def affinity(self, route: str, outcome: str) -> int:
-        """Requests of ``route`` dispatched with ``outcome`` by every worker."""
-        return self._total(affinity_cell(route, outcome))
-
-    def affinity_of_row(self, route: str, outcome: str, row: int) -> int:
-        """What the process of ``row`` published for ``route`` and ``outcome`` (the
-        supervisor keeps a dead worker's share of this counter)."""
-        cell = self._cells.get(affinity_cell(route, outcome))
-        return self.shared.get(cell, row) if cell is not None else 0
-
-    def publish_key(self, route: str, key: str, count: int) -> None:
-        """This worker has ``count`` requests of client key ``key`` on ``route`` in
-        flight or waiting (docs/design.md §Access: a key's ``max_inflight``)."""
-        self._set(key_cell(route, key), count)
-
-    def key(self, route: str, key: str) -> int:
-        """Requests of client key ``key`` on ``route`` in flight or waiting in every
-        worker."""
-        return self._total(key_cell(route, key))
-
-    def publish_tokens(self, name: str, total: int) -> None:
-        """This worker's token total of cell ``name`` (:func:`token_cell`) is ``total``."""
-        self._set(name, total)
-
-    def tokens(self, name: str) -> int:
-        """The token total of cell ``name`` over every worker."""
-        return self._total(name)
-
-    def counter_cells(self) -> list[str]:
-        """The names of the cells that are counters (:func:`_is_counter`): when a worker
-        dies the supervisor keeps its share of each (:meth:`of_row`, :meth:`publish_counter`),
-        so no counter goes down with it."""
-        return [name for name in self._cells if is_counter(name)]
 
     def of_row(self, name: str, row: int) -> int:
         """What the process of ``row`` published in cell ``name`` (0 for a name not counted)."""
         cell = self._cells.get(name)
         return self.shared.get(cell, row) if cell is not None else 0
 
-    def publish_counter(self, name: str, value: int) -> None:
-        """This process's counter ``name`` (e.g. :data:`CLUSTER_LOST`) is ``value``."""
-        self._set(name, value)
-
-    def counter(self, name: str) -> int:
-        """Counter ``name`` summed over every process (the supervisor's row included:
-        the shares of workers that died)."""
-        return self._total(name)
-
-    def restarts(self) -> int:
-        """Worker restarts, as the supervisor counted them."""
-        return self._total(RESTARTS)
-
-    def publish_restarts(self, count: int) -> None:
-        """The supervisor has restarted ``count`` workers (it writes its own row)."""
-        self._set(RESTARTS, count)
+    def counter_cells(self) -> list[str]:
+        """The names of the cells that are counters (:func:`~crossbar.state.cells.is_counter`):
+        when a worker dies the supervisor keeps its share of each (:meth:`of_row`,
+        :meth:`publish`), so no counter goes down with it."""
+        return [name for name in self._cells if is_counter(name)]
