@@ -79,6 +79,17 @@ stamps): crossbar works, only slower. :func:`log_fallback` says so once at start
    instead of the supervisor decoding and logging every worker line again (~65 µs of
    the supervisor's CPU per proxied request, bench/cpu_probe.py --workers 2). Under the fallback (or when no
    single text observer is found) the supervisor relays each line as an event, as before.
+12. :func:`start_answering`, :func:`answering` and :func:`hold_pipelined` set and read
+   ``HTTPChannel._handlingRequest``, ``_savedTimeOut`` and ``_dataBuffer`` as
+   ``HTTPChannel.allContentReceived`` and ``rawDataReceived`` do, for crossbar's channel
+   that parses request heads with ``httptools`` (llhttp, in C) instead of Twisted's line
+   parser (:class:`crossbar.proxy.h1server.H1ServerChannel`): Twisted's own
+   ``requestDone``, ``pauseProducing`` and ``resumeProducing`` then go on working as
+   they do for Twisted's parser (one request answered at a time, pipelined bytes held
+   and replayed, the idle timeout off while answering). Twisted's parser costs tens
+   of Python calls per request head, line by line and header by header
+   (bench/instructions.sh). Under the fallback (:func:`parsed_heads` is False) that
+   channel leaves every byte to Twisted's own parser.
 """
 
 from __future__ import annotations
@@ -97,7 +108,8 @@ from twisted.web.server import Request
 
 __all__ = ["CHECKED", "FALLBACK", "BadRequestHook", "QuietClientService", "body_writer", "cache_log_timestamps", "client_is_paused",
            "eager_writes", "emit_flattened", "flattened_line", "lean_dispatch", "log_fallback", "moved",
-           "hold_writes", "pending_write_bytes", "per_second", "release_writes", "text_log_file", "version_checked", "wrap_port_logger"]
+           "hold_writes", "pending_write_bytes", "per_second", "release_writes", "text_log_file", "version_checked", "wrap_port_logger",
+           "answering", "hold_pipelined", "parsed_heads", "start_answering"]
 
 CHECKED = ((25, 5), (26, 10))
 """The oldest and the newest Twisted (major, minor) the touchpoints were checked against,
@@ -149,6 +161,10 @@ def moved() -> list[str]:
 
     need(isinstance(getattr(LogPublisher(), "_observers", None), list), 11, "LogPublisher._observers", "not a list")
     need(getattr(FileLogObserver(cast(Any, None), str), "_outFile", 0) is None, 11, "FileLogObserver._outFile")
+    channel: Any = HTTPChannel()
+    need(getattr(channel, "_handlingRequest", None) is False, 12, "HTTPChannel._handlingRequest", "not False on a new channel")
+    need(getattr(channel, "_dataBuffer", None) == [], 12, "HTTPChannel._dataBuffer", "not an empty list on a new channel")
+    need(hasattr(HTTPChannel, "_savedTimeOut"), 12, "HTTPChannel._savedTimeOut")
     reactor_class: Any = epollreactor.EPollReactor
     need(callable(getattr(reactor_class, "_doReadOrWrite", None)), 9, "EPollReactor._doReadOrWrite")
     need(getattr(reactor_class, "doIteration", None) is getattr(reactor_class, "doPoll", 0), 9,
@@ -517,3 +533,33 @@ def _quiet_client_service() -> type:
 
 QuietClientService: Any = _quiet_client_service()
 """Twisted's ``ClientService`` without a log line per connection attempt (touchpoint 10)."""
+
+
+def parsed_heads() -> bool:
+    """Whether crossbar's channel may parse request heads itself (touchpoint 12): False
+    under the fallback, and the channel then leaves every byte to Twisted's parser."""
+    return FALLBACK is None
+
+
+def start_answering(channel: HTTPChannel) -> None:
+    """What ``HTTPChannel.allContentReceived`` does to ``channel`` once a request is
+    complete, before it is handed to its ``Request`` (touchpoint 12): the idle timeout
+    saved and switched off, the channel marked as answering (bytes that arrive
+    meanwhile are held, and the transport is not paused by the channel's consumer
+    side); Twisted's ``requestDone`` undoes both."""
+    if channel.timeOut:
+        channel._savedTimeOut = channel.setTimeout(None)
+    channel._handlingRequest = True
+
+
+def answering(channel: HTTPChannel) -> bool:
+    """Whether ``channel`` is answering a request (between :func:`start_answering` and
+    Twisted's ``requestDone``; touchpoint 12)."""
+    return bool(channel._handlingRequest)
+
+
+def hold_pipelined(channel: HTTPChannel, data: bytes) -> None:
+    """Hold ``data`` (bytes after a request, received while it is answered) as
+    ``HTTPChannel.rawDataReceived`` does: Twisted's ``requestDone`` hands them back to
+    ``channel.dataReceived``; over 16 KiB held, the transport is paused (touchpoint 12)."""
+    HTTPChannel.rawDataReceived(channel, data)
