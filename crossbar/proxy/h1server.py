@@ -158,7 +158,7 @@ class H1ServerChannel(HeadDeadlineChannel):
         self._length = self._headers = 0
         try:
             self._parser.feed_data(data[:end])
-        except httptools.HttpParserError:  # refused by llhttp, or _HandOver
+        except (httptools.HttpParserError, httptools.HttpParserUpgrade):  # refused or an upgrade, or _HandOver
             self._hand_over(data)
             return b""
         method, target, version = parts
