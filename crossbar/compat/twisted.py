@@ -10,7 +10,7 @@ The start-up check runs once, when this module is imported: :data:`FALLBACK` is 
 when the installed Twisted is in :data:`CHECKED` and every private name below is as
 expected; otherwise it says why, and every touchpoint does what Twisted itself does
 (its bare 400, ``request.write``, its buffered writes, its dispatch loop, its log time
-stamps): crossbar works, only slower. :func:`log_fallback` says so once at start-up.
+stamps, its request parser): crossbar works, only slower. :func:`log_fallback` says so once at start-up.
 
 1. :class:`BadRequestHook` overrides ``HTTPChannel._respondToBadRequestAndDisconnect``:
    Twisted's answer to a request it cannot parse is a bare ``400``; crossbar's errors
