@@ -126,7 +126,7 @@ class H1ServerChannel(HeadDeadlineChannel):
                     hold_pipelined(self, data)
                 return
             transport: Any = self.transport
-            if transport is None or transport.disconnecting or "dataReceived" in self.__dict__:
+            if transport is None or getattr(transport, "disconnecting", False) or "dataReceived" in self.__dict__:
                 return  # refused (its bytes are dropped from now on), or closed
 
     def _head(self, data: bytes) -> bytes:
@@ -181,7 +181,7 @@ class H1ServerChannel(HeadDeadlineChannel):
             self._disarm_head_deadline()
         request.gotLength(length)
         transport: Any = self.transport
-        if transport is None or transport.disconnecting or "dataReceived" in self.__dict__:
+        if transport is None or getattr(transport, "disconnecting", False) or "dataReceived" in self.__dict__:
             return b""  # refused on the head
         expect = request.requestHeaders.getRawHeaders(b"expect")
         if expect and expect[0].lower() == b"100-continue" and version == b"HTTP/1.1":
