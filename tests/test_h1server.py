@@ -5,8 +5,11 @@ to Twisted's parser; pipelining, pauses and the fallback as Twisted does them.""
 
 from __future__ import annotations
 
+import random
 import re
 from typing import Any
+
+from hypothesis import HealthCheck, given, settings
 
 from twisted.internet.error import ConnectionDone
 from twisted.internet.task import Clock
@@ -19,6 +22,8 @@ from twisted.web.server import NOT_DONE_YET, Request, Site
 import crossbar.compat.twisted as twisted_fence
 from crossbar.proxy.channel import HEAD_DEADLINE, HeadDeadlineChannel
 from crossbar.proxy.h1server import ANSWERING, BODY, HEAD, TWISTED, H1ServerChannel
+from crossbar.proxy.request import CappedRequest
+from tests.test_fuzz import Case, cases
 
 
 class _Echo(Resource):
@@ -61,8 +66,10 @@ def _connect(protocol: type, resource: Resource) -> tuple[Any, StringTransport, 
 _DATE = re.compile(rb"Date: [^\r]*\r\n")
 
 
-def _answer(protocol: type, pieces: list[bytes]) -> tuple[bytes, bool]:
+def _answer(protocol: type, pieces: list[bytes], capped: bool = False) -> tuple[bytes, bool]:
     channel, transport, _ = _connect(protocol, _Echo())
+    if capped:  # crossbar's bodies: refused early (413, 503) with the rest dropped
+        channel.requestFactory = CappedRequest
     for piece in pieces:
         if transport.disconnecting or "dataReceived" in vars(channel):
             break
@@ -126,6 +133,23 @@ class SameAnswersAsTwisted(TestCase):
             expected = _answer(HeadDeadlineChannel, [data])
             for cut in range(1, len(data)):
                 self.assertEqual(_answer(H1ServerChannel, [data[:cut], data[cut:]]), expected, (what, cut))
+
+    def test_random_requests(self) -> None:
+        """tests/test_fuzz.py's random requests (two on one connection), whole and cut
+        in two at a random byte, with crossbar's capped requests."""
+        cut_at = random.Random(7)
+
+        @settings(max_examples=300, deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        @given(cases)
+        def same(case: Case) -> None:
+            data = case.wire() * 2
+            expected = _answer(HeadDeadlineChannel, [data], capped=True)
+            cut = cut_at.randrange(1, len(data))
+            self.assertEqual(_answer(H1ServerChannel, [data], capped=True), expected, data)
+            self.assertEqual(_answer(H1ServerChannel, [data[:cut], data[cut:]], capped=True), expected, (data, cut))
+
+        same()
 
     def test_the_answers_are_answers(self) -> None:
         """The comparison compares something: each input gets an answer or a 400/close."""
