@@ -52,6 +52,7 @@ _MAX_HEADERS = 500  # HTTPChannel.maxHeaders: more goes to Twisted's parser (a 4
 _VERSIONS = frozenset({b"HTTP/1.1", b"HTTP/1.0"})
 _METHODS = frozenset(METHODS)
 _folded = re.compile(rb"\r\n[ \t]").search
+_LOOKED_AT = frozenset({b"connection", b"expect", b"cookie"})  # what Twisted reads once the head is in
 
 # The channel's modes (:attr:`H1ServerChannel.mode`), and the moves between them.
 HEAD = "head"  # reading a request head (none begun, or part of one held)
@@ -78,6 +79,7 @@ class H1ServerChannel(HeadDeadlineChannel):
     _remaining = 0  # bytes of the body still to come
     _length = 0  # the Content-Length of the head being parsed
     _headers = 0  # headers of the head being parsed
+    _plain = True  # the head being parsed has none of the headers in _LOOKED_AT
     _add: Any = None  # its request's requestHeaders.addRawHeader
     _request: Any = None  # the request whose body is read
 
@@ -156,6 +158,7 @@ class H1ServerChannel(HeadDeadlineChannel):
         request = factory(self) if INonQueuedRequestFactory.providedBy(factory) else factory(self, len(self.requests))
         self._add = request.requestHeaders.addRawHeader
         self._length = self._headers = 0
+        self._plain = True
         try:
             self._parser.feed_data(data[:end])
         except (httptools.HttpParserError, httptools.HttpParserUpgrade):  # refused or an upgrade, or _HandOver
@@ -167,8 +170,12 @@ class H1ServerChannel(HeadDeadlineChannel):
         self._te_seen = False
         self.requests.append(request)
         # As HTTPChannel.allHeadersReceived, with HeadDeadlineChannel's deadlines.
-        request.parseCookies()
-        self.persistent = self.checkPersistence(request, version)
+        plain = self._plain
+        if plain:  # what parseCookies and checkPersistence come to without those headers
+            self.persistent = version == b"HTTP/1.1"
+        else:
+            request.parseCookies()
+            self.persistent = self.checkPersistence(request, version)
         length = self._length
         if length:
             timer, self._head_timer = self._head_timer, None
@@ -183,7 +190,7 @@ class H1ServerChannel(HeadDeadlineChannel):
         transport: Any = self.transport
         if transport is None or getattr(transport, "disconnecting", False) or "dataReceived" in self.__dict__:
             return b""  # refused on the head
-        expect = request.requestHeaders.getRawHeaders(b"expect")
+        expect = None if plain else request.requestHeaders.getRawHeaders(b"expect")
         if expect and expect[0].lower() == b"100-continue" and version == b"HTTP/1.1":
             transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         if length:
@@ -207,6 +214,8 @@ class H1ServerChannel(HeadDeadlineChannel):
                 self._length = int(value)  # llhttp checked: digits, and only one
             elif lowered == b"transfer-encoding":
                 raise _HandOver  # a chunked body: Twisted's decoder (and its 400s)
+        elif (size == 6 or size == 10) and name.lower() in _LOOKED_AT:
+            self._plain = False
         self._headers += 1
         if self._headers > _MAX_HEADERS:
             raise _HandOver
