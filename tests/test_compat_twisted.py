@@ -253,6 +253,9 @@ class FallbackTests(SynchronousTestCase):
         answer, _ = BodyWriterTouchpointTests("test_names_exist")._answer(b"GET /r HTTP/1.1\r\nHost: x\r\n\r\n")
         self.assertEqual(body_writer(answer), answer.write)
 
+    def test_heads_are_left_to_twisteds_parser(self) -> None:
+        self.assertFalse(self.module.parsed_heads())
+
     def test_bad_request_is_twisteds_bare_400(self) -> None:
         channel, transport, _ = _serve(_Hooked)
         channel.dataReceived(b"NOT-HTTP\r\n\r\n")
@@ -294,7 +297,7 @@ class SwitchedOffTests(FallbackTests):
         import crossbar.compat.twisted as module
 
         self.module = module
-        self.patch(module, "OFF", frozenset(range(1, 12)))
+        self.patch(module, "OFF", frozenset(module.TOUCHPOINTS))
 
     def test_said_once_at_start_up(self) -> None:
         from twisted.logger import Logger
@@ -325,7 +328,7 @@ class SwitchedOffTests(FallbackTests):
                                  env=dict(os.environ, CROSSBAR_TWISTED_OFF=value, PYTHONPATH=root))
             self.assertEqual(out.stdout.strip(), printed)
         self.assertEqual(self.module.switched_off("9, 6"), frozenset({6, 9}))
-        for wrong in ("12", "0", "7", "five", "5;8"):  # 7 was dropped
+        for wrong in ("13", "0", "7", "five", "5;8"):  # 7 was dropped
             self.assertRaises(ValueError, self.module.switched_off, wrong)
 
 
@@ -633,6 +636,54 @@ class BodyWriterTouchpointTests(_Private):
         dummy = DummyRequest([b"r"])
         dummy.startedWriting = 1
         self.assertEqual(body_writer(dummy), dummy.write)  # type: ignore[arg-type]
+
+
+# -- touchpoint 12: HTTPChannel's answering state, for the channel that parses heads itself ------
+
+
+class AnsweringStateTouchpointTests(_Private):
+    """``start_answering``, ``answering`` and ``hold_pipelined`` leave a channel as
+    Twisted's own parser does once a request is complete, and Twisted's ``requestDone``
+    undoes them and replays the held bytes."""
+
+    def test_names_exist(self) -> None:
+        channel: Any = HTTPChannel()
+        if getattr(channel, "_handlingRequest", None) is not False:
+            self.fail(moved("HTTPChannel._handlingRequest", 12, "not False on a new channel"))
+        if getattr(channel, "_dataBuffer", None) != []:
+            self.fail(moved("HTTPChannel._dataBuffer", 12, "not an empty list on a new channel"))
+        self.require_attribute(HTTPChannel, "_savedTimeOut", 12, kind="attribute")
+        self.require_attribute(HTTPChannel, "rawDataReceived", 12)
+
+    def test_same_state_as_twisteds_parser(self) -> None:
+        from crossbar.compat.twisted import answering, start_answering
+
+        twisted_channel: Any
+        twisted_channel, _, resource = _serve(HTTPChannel)
+        saved = twisted_channel.timeOut
+        twisted_channel.dataReceived(b"GET /1 HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertEqual(len(resource.requests), 1)
+        ours: Any
+        ours, _, _ = _serve(HTTPChannel)
+        self.assertFalse(answering(ours))
+        start_answering(ours)
+        for channel in (twisted_channel, ours):
+            self.assertTrue(answering(channel))
+            self.assertEqual((channel._savedTimeOut, channel.timeOut), (saved, None))
+
+    def test_held_bytes_are_replayed_by_request_done(self) -> None:
+        from crossbar.compat.twisted import hold_pipelined
+
+        channel: Any
+        channel, transport, resource = _serve(HTTPChannel)
+        channel.dataReceived(b"GET /1 HTTP/1.1\r\nHost: x\r\n\r\n")  # Twisted's parser: answering
+        hold_pipelined(channel, b"GET /2 HTTP/1.1\r\nHost: x\r\n\r\n")
+        hold_pipelined(channel, b"y" * 16384)
+        self.assertEqual(transport.producerState, "paused")  # over 16 KiB held
+        self.assertEqual(len(resource.requests), 1)
+        resource.requests[0].finish()
+        self.assertEqual([r.uri for r in resource.requests], [b"/1", b"/2"])
+        self.assertEqual(transport.producerState, "producing")
 
 
 # -- touchpoint 9: the epoll reactor's dispatch without log.callWithLogger -----------------

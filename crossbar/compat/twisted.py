@@ -10,7 +10,7 @@ The start-up check runs once, when this module is imported: :data:`FALLBACK` is 
 when the installed Twisted is in :data:`CHECKED` and every private name below is as
 expected; otherwise it says why, and every touchpoint does what Twisted itself does
 (its bare 400, ``request.write``, its buffered writes, its dispatch loop, its log time
-stamps): crossbar works, only slower. :func:`log_fallback` says so once at start-up.
+stamps, its request parser): crossbar works, only slower. :func:`log_fallback` says so once at start-up.
 
 Each touchpoint is kept only where the bench shows what it buys (~3% or more of a
 request or of an event; 1-4 and 10 are behaviour, not speed). To measure one,
@@ -85,6 +85,17 @@ their fallback alone (bench/README.md, "Each Twisted touchpoint, one at a time")
    instead of the supervisor decoding and logging every worker line again (switched
    off: +155k of the supervisor's instructions per proxied request, ~65 µs of its CPU). Under the fallback (or when no
    single text observer is found) the supervisor relays each line as an event, as before.
+12. :func:`start_answering`, :func:`answering` and :func:`hold_pipelined` set and read
+   ``HTTPChannel._handlingRequest``, ``_savedTimeOut`` and ``_dataBuffer`` as
+   ``HTTPChannel.allContentReceived`` and ``rawDataReceived`` do, for crossbar's channel
+   that parses request heads with ``httptools`` (llhttp, in C) instead of Twisted's line
+   parser (:class:`crossbar.proxy.h1server.H1ServerChannel`): Twisted's own
+   ``requestDone``, ``pauseProducing`` and ``resumeProducing`` then go on working as
+   they do for Twisted's parser (one request answered at a time, pipelined bytes held
+   and replayed, the idle timeout off while answering). Twisted's parser costs tens
+   of Python calls per request head, line by line and header by header
+   (bench/instructions.sh). Under the fallback (:func:`parsed_heads` is False) that
+   channel leaves every byte to Twisted's own parser.
 """
 
 from __future__ import annotations
@@ -104,7 +115,8 @@ from twisted.web.server import Request
 
 __all__ = ["CHECKED", "FALLBACK", "OFF", "TOUCHPOINTS", "BadRequestHook", "QuietClientService", "body_writer", "cache_log_timestamps", "client_is_paused",
            "eager_writes", "lean_dispatch", "log_fallback", "moved",
-           "hold_writes", "pending_write_bytes", "per_second", "release_writes", "text_log_file", "version_checked", "wrap_port_logger"]
+           "hold_writes", "pending_write_bytes", "per_second", "release_writes", "text_log_file", "version_checked", "wrap_port_logger",
+           "answering", "hold_pipelined", "parsed_heads", "start_answering"]
 
 CHECKED = ((25, 5), (26, 10))
 """The oldest and the newest Twisted (major, minor) the touchpoints were checked against,
@@ -117,7 +129,7 @@ def version_checked(major: int, minor: int) -> bool:
     return within(CHECKED, major, minor)
 
 
-TOUCHPOINTS = frozenset({1, 2, 3, 4, 5, 6, 8, 9, 10, 11})
+TOUCHPOINTS = frozenset({1, 2, 3, 4, 5, 6, 8, 9, 10, 11, 12})
 """The touchpoints of this module, by their number in its docstring (7 was dropped)."""
 
 
@@ -176,6 +188,10 @@ def moved() -> list[str]:
 
     need(isinstance(getattr(LogPublisher(), "_observers", None), list), 11, "LogPublisher._observers", "not a list")
     need(getattr(FileLogObserver(cast(Any, None), str), "_outFile", 0) is None, 11, "FileLogObserver._outFile")
+    channel: Any = HTTPChannel()
+    need(getattr(channel, "_handlingRequest", None) is False, 12, "HTTPChannel._handlingRequest", "not False on a new channel")
+    need(getattr(channel, "_dataBuffer", None) == [], 12, "HTTPChannel._dataBuffer", "not an empty list on a new channel")
+    need(hasattr(HTTPChannel, "_savedTimeOut"), 12, "HTTPChannel._savedTimeOut")
     reactor_class: Any = epollreactor.EPollReactor
     need(callable(getattr(reactor_class, "_doReadOrWrite", None)), 9, "EPollReactor._doReadOrWrite")
     need(getattr(reactor_class, "doIteration", None) is getattr(reactor_class, "doPoll", 0), 9,
@@ -527,3 +543,34 @@ def _quiet_client_service() -> type:
 
 QuietClientService: Any = _quiet_client_service()
 """Twisted's ``ClientService`` without a log line per connection attempt (touchpoint 10)."""
+
+
+def parsed_heads() -> bool:
+    """Whether crossbar's channel may parse request heads itself (touchpoint 12): False
+    under the fallback or switched off (:data:`OFF`), and the channel then leaves every
+    byte to Twisted's parser."""
+    return not _off(12)
+
+
+def start_answering(channel: HTTPChannel) -> None:
+    """What ``HTTPChannel.allContentReceived`` does to ``channel`` once a request is
+    complete, before it is handed to its ``Request`` (touchpoint 12): the idle timeout
+    saved and switched off, the channel marked as answering (bytes that arrive
+    meanwhile are held, and the transport is not paused by the channel's consumer
+    side); Twisted's ``requestDone`` undoes both."""
+    if channel.timeOut:
+        channel._savedTimeOut = channel.setTimeout(None)
+    channel._handlingRequest = True
+
+
+def answering(channel: HTTPChannel) -> bool:
+    """Whether ``channel`` is answering a request (between :func:`start_answering` and
+    Twisted's ``requestDone``; touchpoint 12)."""
+    return bool(channel._handlingRequest)
+
+
+def hold_pipelined(channel: HTTPChannel, data: bytes) -> None:
+    """Hold ``data`` (bytes after a request, received while it is answered) as
+    ``HTTPChannel.rawDataReceived`` does: Twisted's ``requestDone`` hands them back to
+    ``channel.dataReceived``; over 16 KiB held, the transport is paused (touchpoint 12)."""
+    HTTPChannel.rawDataReceived(channel, data)

@@ -4,7 +4,8 @@
 ``/_crossbar/...`` to the ops app and every other path to the proxy. Its requests are
 :class:`CrossbarRequest` (bodies capped, no ``Server`` header; the request head built
 once as a :class:`~crossbar.proxy.head.RequestHead` and checked on the head), its
-connections :class:`~crossbar.proxy.channel.HeadDeadlineChannel`.
+connections :class:`~crossbar.proxy.h1server.H1ServerChannel` (request heads parsed in C,
+a :class:`~crossbar.proxy.channel.HeadDeadlineChannel` underneath).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from twisted.web.server import Request, Site
 from crossbar.errors import error_headers, json_error_bytes, phrase
 from crossbar.ops.record import NO_ROUTE, RequestLog, RequestRecord
 from crossbar.proxy.channel import HeadDeadlineChannel
+from crossbar.proxy.h1server import H1ServerChannel
 from crossbar.proxy.connections import OverLimit, connection_limit
 from crossbar.proxy.cors import cors_headers
 from crossbar.proxy.head import METHODS, Refusal, RequestHead, check_on_head
@@ -144,7 +146,7 @@ class CrossbarSite(Site):
 
     displayTracebacks = False
     noisy = False
-    protocol = HeadDeadlineChannel  # type: ignore[assignment]
+    protocol = H1ServerChannel  # type: ignore[assignment]
 
     def __init__(self, root: IResource, runtime: Runtime, requests: RequestLog) -> None:
         super().__init__(root, requestFactory=CrossbarRequest, parsePOSTFormSubmission=False)
