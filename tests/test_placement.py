@@ -315,3 +315,31 @@ class WaitingForTests(SynchronousTestCase):
         queues.remove(waiters[0])
         queues.remove(waiters[0])  # not in it any more: counts nothing
         self.assertEqual(queues.waiting_for("m1"), 1)
+
+
+class PlacerTicksTests(SynchronousTestCase):
+    """The placer's ticks (a spread due, a load expired) run only while some route has
+    ``placement``: a fleet without it pays no timer (each wake-up of the reactor costs
+    CPU), and a reload that adds or removes ``placement`` starts or stops them."""
+
+    def test_ticks_only_with_placement(self) -> None:
+        from crossbar.state.placer import TICK, Placer
+
+        clock = Clock()
+        without = CONFIG.replace("    placement: {spread_after: 5}\n", "")
+        runtime = Runtime(parse_config(without, "c.yaml", {}), clock.seconds)
+        placer = Placer(runtime, commands=None, clock=clock)  # type: ignore[arg-type]
+        placer.start()
+        self.assertEqual(clock.getDelayedCalls(), [])
+        runtime.reconfigure(parse_config(CONFIG, "c.yaml", {}))
+        placer.start()
+        self.assertEqual([round(c.getTime() - clock.seconds(), 6) for c in clock.getDelayedCalls()], [TICK])
+        placer.start()  # again: still one
+        self.assertEqual(len(clock.getDelayedCalls()), 1)
+        runtime.reconfigure(parse_config(without, "c.yaml", {}))
+        placer.start()
+        self.assertEqual(clock.getDelayedCalls(), [])
+        runtime.reconfigure(parse_config(CONFIG, "c.yaml", {}))
+        placer.start()
+        placer.stop()
+        self.assertEqual(clock.getDelayedCalls(), [])

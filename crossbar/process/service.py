@@ -30,7 +30,7 @@ from crossbar.ops.fleet_recent import FleetRecent
 from crossbar.ops.recent import TICK, RecentRequests
 from crossbar.state.token_share import RedisTokens
 from crossbar.hosts.commands import HTTPModelCommands
-from crossbar.state.placer import TICK as PLACER_TICK, Placer
+from crossbar.state.placer import Placer
 from crossbar.hosts.poller import HealthPoller, HTTPProbe
 from crossbar.proxy.resource import ProxyResource
 from crossbar.ops.record import RequestLog
@@ -170,8 +170,6 @@ class CrossbarService(MultiService):
         runtime.placement.on_move = _count_moves(self.metrics)
         runtime.placement.on_loaded = lambda host, model, seconds: self.metrics.model_load_seconds.labels(
             host, model).observe(seconds)
-        self._placer_tick = LoopingCall(self.placer.tick)
-        self._placer_tick.clock = reactor
         self.proxy = ProxyResource(runtime, self.pools, reactor, self.requests)
         self.ops = OpsApp(runtime, self.metrics, self.recent, reactor)
         self.site = CrossbarSite(Root(self.ops.resource(), self.proxy), runtime, self.requests)
@@ -242,7 +240,7 @@ class CrossbarService(MultiService):
         if self._others_wake is not None:
             self._others_wake.start(WORKERS_WAKE_INTERVAL, now=False)
         self._recent_tick.start(TICK, now=False)
-        self._placer_tick.start(PLACER_TICK, now=False)
+        self.placer.start()
         if self.cluster is not None:
             self.cluster.start()
         # Everything loaded so far (Twisted, TLS support, klein, prometheus_client: most of
@@ -261,8 +259,6 @@ class CrossbarService(MultiService):
             self._others_wake.stop()
         if self._recent_tick.running:
             self._recent_tick.stop()
-        if self._placer_tick.running:
-            self._placer_tick.stop()
         self.placer.stop()
         if self.cluster is not None:
             await self.cluster.stop()
@@ -377,6 +373,7 @@ class CrossbarService(MultiService):
         self.pools.reconfigure(new, tls, plan.fresh)
         self.runtime.reconfigure(new)
         self.runtime.placement.forget(h for h in new.hosts if h not in plan.fresh)  # §Where models live
+        self.placer.start()  # its ticks run while some route has placement
         if plan.fresh:
             # A kept-alive poll connection was opened under the old settings (a CA that no
             # longer holds would go on passing): new and changed hosts are polled anew.

@@ -17,6 +17,7 @@ from typing import Any
 
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
+from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
@@ -50,6 +51,17 @@ class Placer:
         self.clock = clock
         self.busy: dict[str, Deferred[None]] = {}
         self._cooling: set[str] = set()
+        self._ticks = LoopingCall(self.tick)
+        self._ticks.clock = clock
+
+    def start(self) -> None:
+        """Run :meth:`tick` every :data:`TICK` s while some route has ``placement`` (after
+        start-up, and again after each reload): a fleet without it pays no timer."""
+        wanted = any(r.placement is not None for r in self.runtime.config.routes.values())
+        if wanted and not self._ticks.running:
+            self._ticks.start(TICK, now=False)
+        elif not wanted and self._ticks.running:
+            self._ticks.stop()
 
     def polled(self, host: str, took: float, ok: bool) -> None:
         """A poll of ``host`` that took ``took`` seconds was recorded (``ok``: a good one)."""
@@ -145,7 +157,9 @@ class Placer:
             runtime.queues.wake()
 
     def stop(self) -> None:
-        """Cancel the commands in flight (crossbar is stopping)."""
+        """Stop the ticks and cancel the commands in flight (crossbar is stopping)."""
+        if self._ticks.running:
+            self._ticks.stop()
         busy, self.busy = self.busy, {}
         for d in busy.values():
             d.cancel()
