@@ -17,12 +17,13 @@ from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 from twisted.trial.unittest import TestCase
 from twisted.web.resource import Resource
-from twisted.web.server import NOT_DONE_YET, Request, Site
+from twisted.web.server import Request, Site
 
 import crossbar.compat.twisted as twisted_fence
 from crossbar.proxy.channel import HEAD_DEADLINE, HeadDeadlineChannel
 from crossbar.proxy.h1server import ANSWERING, BODY, HEAD, TWISTED, H1ServerChannel
 from crossbar.proxy.request import CappedRequest
+from tests.test_channel import _Slow
 from tests.test_fuzz import Case, cases
 
 
@@ -36,20 +37,6 @@ class _Echo(Resource):
         body = request.content.read() if request.content is not None else b""
         request.setHeader(b"x-echo", b"1")
         return repr((request.method, request.uri, request.clientproto, headers, body)).encode()
-
-
-class _Slow(Resource):
-    """Answers only when the test says so."""
-
-    isLeaf = True
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.pending: list[Request] = []
-
-    def render(self, request: Request) -> object:
-        self.pending.append(request)
-        return NOT_DONE_YET
 
 
 def _connect(protocol: type, resource: Resource) -> tuple[Any, StringTransport, Clock]:
