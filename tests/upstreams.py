@@ -149,12 +149,14 @@ class KillReused:
         self.every = every
         self.requests = 0
         self.killed = 0
-        self._served: set[int] = set()
-        self.connections: set[int] = set()
+        # The channels themselves, not their id(): a closed connection's channel is freed,
+        # and a fresh one may be made at the same address (the same id) at once.
+        self._served: set[object] = set()
+        self.connections: set[object] = set()
 
     def __call__(self, request: Request, body: bytes) -> Any:
         self.requests += 1
-        channel = id(request.channel)
+        channel = request.channel
         self.connections.add(channel)
         if channel in self._served or (self.every and self._served):
             self.killed += 1
