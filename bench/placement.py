@@ -2,31 +2,36 @@
 """Where models live (issue 31): one mixed-model workload replayed through crossbar with a
 route's ``placement`` on, and through the same route without it.
 
-    .venv/bin/python bench/placement.py [--seconds 60] [--rate 6] [--hosts 4] [--load-time 2]
-                                        [--seed 31] [--warm N] [--max-inflight 2]
-                                        [--spread-after 5] [--real] [--json FILE]
+    .venv/bin/python bench/placement.py [--seconds 60] [--rate 6] [--hosts 4] [--models 8]
+                                        [--load-time 2] [--seed 31] [--seeds 1] [--modes off,on]
+                                        [--warm N] [--max-inflight 2] [--spread-after 5]
+                                        [--real] [--json FILE]
 
 The fleet: ``--hosts`` router-mode hosts (``models_max: 2``, ``max_inflight``
-``--max-inflight``) listing 8 models ``m0``..``m7`` of skewed popularity (weights 50, 15,
-10, 8, 6, 5, 4, 2: a hot one, a long tail), Poisson arrivals at ``--rate`` plus bursts
-(every 6 s, 12 requests at once for one tail model). Each request is a streamed chat
-completion of 10 events 50 ms apart (0.5 s of generation). By default the hosts are
-in-process fakes (tests/fake_router.py: a load takes ``--load-time`` seconds;
-``--models-max``, eviction of the least recently used idle model and the host's own
-queue as llama-server 0.7.0 does them); with ``--real`` they are real llama-servers in
-router mode (tools/llama_server.py, tiny models tiny-a and tiny-b only: loads take
-milliseconds, so the figures say little more than "it works").
+``--max-inflight``) listing ``--models`` models ``m0``.. of skewed popularity (the first
+N of the weights 50, 15, 10, 8, 6, 5, 4, 2: a hot one, a long tail), Poisson arrivals at
+``--rate`` plus bursts (every 6 s, 12 requests at once for a model of the less popular
+half). Each request is a streamed chat completion of 10 events 50 ms apart (0.5 s of
+generation). By default the hosts are in-process fakes (tests/fake_router.py: a load
+takes ``--load-time`` seconds; ``--models-max``, eviction of the least recently used idle
+model and the host's own queue as llama-server 0.7.0 does them); with ``--real`` they are
+real llama-servers in router mode (tools/llama_server.py, tiny models tiny-a and tiny-b
+only: loads take milliseconds, so the figures say little more than "it works").
 
-The workload (arrival times, models, bursts) is drawn once from ``--seed`` and replayed
-against a fresh crossbar and fresh hosts twice: ``off`` (no ``placement``) then ``on``
-(``placement: {spread_after: --spread-after}``). Then, on each, a burst of 20 requests
-for a model loaded nowhere. Per run: requests, loads per 1,000 requests (loads the hosts
-started, by a request or a command), 503s, other errors, streams cut short, p50/p95 time
-to first token (from the request sent to crossbar to its first body byte, waits
-included), also per kind of request (``hot``: the hot model; ``steady``: the others'
-Poisson arrivals; ``burst``), the time requests spent at a host waiting for their model
-(a place and the load; sum and per request), the fakes' loads and evictions per model,
-and in the final burst the number of hosts that loaded its model.
+A workload (arrival times, models, bursts) is drawn from a seed and replayed against a
+fresh crossbar and fresh hosts once per mode: ``off`` (no ``placement``) then ``on``
+(``placement: {spread_after: --spread-after}``); ``--modes on`` replays only one. Then,
+on each, a burst of 20 requests for a model loaded nowhere. ``--seeds K`` repeats the
+whole pair on the workloads of seeds ``--seed`` .. ``--seed`` + K - 1, one after the
+other. Per run: requests, loads per 1,000 requests (loads the hosts started, by a request
+or a command), 503s, other errors, streams cut short, p50/p95 time to first token (from
+the request sent to crossbar to its first body byte, waits included), also per kind of
+request (``hot``: the hot model; ``steady``: the others' Poisson arrivals; ``burst``), the
+time requests spent at a host waiting for their model (a place and the load; sum and per
+request), the fakes' loads and evictions per model (m0 first), and in the final burst the
+number of hosts that loaded its model. At the end: a line per seed (its main figures and
+on / off ratios), and a table of the medians over the seeds of each figure and of each
+run's on / off ratio (``--json`` writes all of it).
 
 crossbar, the hosts and the load generator share one process and reactor (the figures
 are seconds of loading and waiting, not CPU).
@@ -232,13 +237,15 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-async def main(args: argparse.Namespace) -> dict[str, Any]:
-    models = ["tiny-a", "tiny-b"] if args.real else MODELS
-    plan = workload(args.seconds, args.rate, args.seed, models)
+async def pair(args: argparse.Namespace, seed: int) -> dict[str, Any]:
+    """The workload of ``seed`` replayed with each of ``args.modes`` (``off``, ``on``):
+    mode -> its figures."""
+    models = ["tiny-a", "tiny-b"] if args.real else MODELS[:args.models]
+    plan = workload(args.seconds, args.rate, seed, models)
     results: dict[str, Any] = {}
-    for name, placement in (("off", False), ("on", True)):
+    for name in args.modes:
         run = Run(name, args, models)
-        await run.start(placement)
+        await run.start(name == "on")
         # Warm-up (not counted): the most popular models once each, one after the other,
         # so the replay starts from a fleet where each is loaded on one host.
         for model in models[:args.warm]:
@@ -276,23 +283,93 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
                             if line.startswith("crossbar_model_loads_total{") and f'reason="{reason}"' in line))
             for reason in ("request", "spread", "keep")}
         await run.stop()
-        print(f"{name}: {results[name]}", flush=True)
+        print(f"seed {seed} {name}: {results[name]}", flush=True)
     return results
 
 
-def table(results: dict[str, Any]) -> str:
-    rows = [("requests", "requests"), ("loads per 1,000 requests", "loads_per_1000"), ("503s", "503s"),
-            ("other errors", "other_errors"), ("streams cut short", "truncated"),
-            ("TTFT p50 (s)", "ttft_p50_s"), ("TTFT p95 (s)", "ttft_p95_s"),
-            ("waiting for a load, total (s)", "load_wait_s"), ("... per request (s)", "load_wait_per_request_s"),
-            ("burst of 20, model loaded nowhere: hosts that load it", "burst_hosts_loading")]
-    out = ["| | placement off | placement on |", "|---|---:|---:|"]
-    for label, key in rows:
-        out.append(f"| {label} | {results['off'][key]} | {results['on'][key]} |")
-    for kind in sorted(results["off"]["ttft_p50_p95_by_kind_s"]):
-        off, on = (results[r]["ttft_p50_p95_by_kind_s"].get(kind, ["-"] * 3) for r in ("off", "on"))
-        out.append(f"| TTFT p50 / p95 (s), {kind} ({off[0]}) | {off[1]} / {off[2]} | {on[1]} / {on[2]} |")
+async def main(args: argparse.Namespace) -> dict[str, Any]:
+    """Every seed's pair, then the medians: ``{"runs": [{"seed", "off", "on"}, ...],
+    "median": {mode: {figure: median}}, "ratio": {figure: median of on / off}}``."""
+    runs = []
+    for seed in range(args.seed, args.seed + args.seeds):
+        runs.append({"seed": seed, **await pair(args, seed)})
+    return summarize(runs, args.modes)
+
+
+FIGURES = [("requests", "requests"), ("loads per 1,000 requests", "loads_per_1000"), ("503s", "503s"),
+           ("other errors", "other_errors"), ("streams cut short", "truncated"),
+           ("TTFT p50 (s)", "ttft_p50_s"), ("TTFT p95 (s)", "ttft_p95_s"),
+           ("waiting for a load, total (s)", "load_wait_s"), ("... per request (s)", "load_wait_per_request_s"),
+           ("burst of 20, model loaded nowhere: hosts that load it", "burst_hosts_loading")]
+"""(label, key) of the figures every run has, in the order the tables print them."""
+RATIOS = ["loads_per_1000", "503s", "ttft_p50_s", "ttft_p95_s", "load_wait_s"]
+"""The figures whose on / off ratio is printed (per run, and its median)."""
+
+
+def ratio(on: float | None, off: float | None) -> float | None:
+    """on / off, rounded; None when either is missing, or off is 0 (0 / 0 counts as 1.0:
+    no 503s either way)."""
+    if on is None or off is None:
+        return None
+    if off == 0:
+        return 1.0 if on == 0 else None
+    return round(on / off, 2)
+
+
+def median(values: list[Any]) -> float | None:
+    """The median of the numbers among ``values`` (None when there are none)."""
+    numbers = [v for v in values if isinstance(v, (int, float))]
+    return round(statistics.median(numbers), 3) if numbers else None
+
+
+def summarize(runs: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
+    """Each run's on / off ratios (when both ran), the medians over the runs of each
+    figure and of each ratio."""
+    both = "off" in modes and "on" in modes
+    for run in runs:
+        if both:
+            run["ratio"] = {key: ratio(run["on"][key], run["off"][key]) for key in RATIOS}
+    out: dict[str, Any] = {"runs": runs, "median": {
+        mode: {key: median([run[mode][key] for run in runs]) for _, key in FIGURES} for mode in modes}}
+    if both:
+        out["ratio"] = {key: median([run["ratio"][key] for run in runs]) for key in RATIOS}
+    return out
+
+
+def table(results: dict[str, Any], modes: list[str]) -> str:
+    """One run's figures (``results``: mode -> figures), a column per mode."""
+    out = ["| | " + " | ".join(f"placement {m}" for m in modes) + " |", "|---|" + "---:|" * len(modes)]
+    for label, key in FIGURES:
+        out.append(f"| {label} | " + " | ".join(str(results[m][key]) for m in modes) + " |")
+    for kind in sorted(results[modes[0]]["ttft_p50_p95_by_kind_s"]):
+        cells = [results[m]["ttft_p50_p95_by_kind_s"].get(kind, ["-"] * 3) for m in modes]
+        out.append(f"| TTFT p50 / p95 (s), {kind} ({cells[0][0]}) | "
+                   + " | ".join(f"{c[1]} / {c[2]}" for c in cells) + " |")
+    for key in ("loads_by_model", "evictions_by_model"):
+        if key in results[modes[0]]:
+            out.append(f"| {key.replace('_', ' ')} | "
+                       + " | ".join(" ".join(str(v) for v in results[m][key].values()) for m in modes) + " |")
     return "\n".join(out)
+
+
+def summary(out: dict[str, Any], modes: list[str]) -> str:
+    """A line per run (its main figures and ratios), then the medians over the runs."""
+    lines = []
+    for run in out["runs"]:
+        figures = "; ".join(f"{m} {run[m]['loads_per_1000']} loads/1000, p95 {run[m]['ttft_p95_s']} s, "
+                            f"{run[m]['503s']} 503s, burst on {run[m]['burst_hosts_loading']}" for m in modes)
+        ratios = (", on/off: loads " + str(run["ratio"]["loads_per_1000"]) + ", p95 "
+                  + str(run["ratio"]["ttft_p95_s"])) if "ratio" in run else ""
+        lines.append(f"seed {run['seed']}: {figures}{ratios}")
+    lines += ["", f"medians over {len(out['runs'])} run(s):", "",
+              "| | " + " | ".join(f"placement {m}" for m in modes) + (" | on / off |" if "ratio" in out else " |"),
+              "|---|" + "---:|" * (len(modes) + ("ratio" in out))]
+    for label, key in FIGURES:
+        cells = [str(out["median"][m][key]) for m in modes]
+        if "ratio" in out:
+            cells.append(str(out["ratio"][key]) if key in RATIOS else "")
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
@@ -301,13 +378,20 @@ if __name__ == "__main__":
     parser.add_argument("--rate", type=float, default=6, help="requests/s (Poisson), bursts come on top")
     parser.add_argument("--hosts", type=int, default=4)
     parser.add_argument("--load-time", type=float, default=2.0, help="s a fake host takes to load a model")
-    parser.add_argument("--seed", type=int, default=31)
+    parser.add_argument("--seed", type=int, default=31, help="the first workload's seed")
+    parser.add_argument("--seeds", type=int, default=1, help="workloads (seeds --seed, --seed + 1, ...)")
+    parser.add_argument("--models", type=int, default=8, choices=range(2, 9), metavar="2..8",
+                        help="models m0.. of the skew (the first N weights)")
+    parser.add_argument("--modes", default="off,on", help="which replays, in order: off,on / on / off")
     parser.add_argument("--warm", type=int, default=0, help="models requested once each before the replay")
     parser.add_argument("--max-inflight", type=int, default=2, help="each host's max_inflight (its slots)")
     parser.add_argument("--spread-after", type=float, default=5, help="placement.spread_after of the on run")
     parser.add_argument("--real", action="store_true", help="real llama-servers in router mode (tiny models)")
     parser.add_argument("--json", help="write the figures here too")
     ns = parser.parse_args()
+    ns.modes = [m for m in ns.modes.split(",") if m]
+    if not ns.modes or set(ns.modes) - {"off", "on"}:
+        parser.error("--modes: off, on or off,on")
     out: dict[str, Any] = {}
 
     def run() -> defer.Deferred[None]:
@@ -321,6 +405,9 @@ if __name__ == "__main__":
     reactor.callWhenRunning(run)
     reactor.run()
     if out:
-        print(table(out))
+        for one in out["runs"]:
+            print(f"\nseed {one['seed']}:\n" + table(one, ns.modes))
+        print()
+        print(summary(out, ns.modes))
         if ns.json:
             Path(ns.json).write_text(json.dumps(out, indent=2))

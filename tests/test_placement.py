@@ -58,6 +58,19 @@ class DecisionTests(SynchronousTestCase):
         self.assertEqual(load_tier("ab", HOSTS, statuses, in_use, last), ["b"])
         self.assertEqual(load_tier("a", HOSTS, statuses, in_use, last), [])
 
+    def test_load_tier_evicts_the_model_asked_for_longest_ago(self) -> None:
+        statuses = {h: router(**{f"{h}1": "loaded", f"{h}2": "loaded", "x": "unloaded"}) for h in "abc"}
+        uses = {("a", "a1"): 8.0, ("a", "a2"): 9.0, ("b", "b1"): 3.0, ("b", "b2"): 9.0,
+                ("c", "c1"): 5.0, ("c", "c2"): 6.0}
+        last = lambda h, m: uses.get((h, m))  # noqa: E731
+        self.assertEqual(load_tier("abc", HOSTS, statuses, none_in_use, last), ["b"])
+        busy = lambda h, m: int((h, m) == ("b", "b1"))  # noqa: E731
+        self.assertEqual(load_tier("abc", HOSTS, statuses, busy, last), ["c"])  # b's LRU in use: c's next
+        uses[("a", "a1")] = 5.0  # a tie: both, rule 3 chooses
+        self.assertEqual(load_tier("abc", HOSTS, statuses, busy, last), ["a", "c"])
+        del uses[("c", "c1")]  # never sent a request: the oldest
+        self.assertEqual(load_tier("abc", HOSTS, statuses, busy, last), ["c"])
+
     def test_a_model_with_requests_waiting_is_not_evicted(self) -> None:
         statuses = {"a": router(m1="loaded", m2="loaded", x="unloaded")}
         uses = {("a", "m1"): 1.0, ("a", "m2"): 2.0}

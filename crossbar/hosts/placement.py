@@ -104,20 +104,24 @@ def load_tier(
     last_use: LastUse, kept: Collection[str] = (), waiting: Callable[[str], int] | None = None,
 ) -> list[str]:
     """Rule 2: of ``names`` (hosts that would load the model), those with a free place;
-    else those whose least recently used model has no request in flight, none
+    else, of the hosts whose least recently used model has no request in flight, none
     ``waiting`` for it (when given) and is not ``kept`` (a ``keep_loaded`` model, rule 5:
-    evicting it would only load it again); else none (the request waits: no model in
-    use is evicted). Order kept."""
+    evicting it would only load it again), those whose such model crossbar sent a request
+    to least recently: the load evicts the model of the fleet asked for longest ago, as
+    one box evicts its own least recently used (a model asked for a moment ago would be
+    asked for again soon, and its reload would evict another); else none (the request
+    waits: no model in use is evicted). Order kept."""
     names = list(names)
     free = [h for h in names if has_free_place(hosts[h], statuses[h])]
     if free:
         return free
-    out = []
+    idle: dict[str, float] = {}
     for h in names:
         lru = least_recent(h, statuses[h], last_use)
         if lru is not None and lru not in kept and in_use(h, lru) == 0 and not (waiting and waiting(lru)):
-            out.append(h)
-    return out
+            idle[h] = _seconds(last_use(h, lru))
+    oldest = min(idle.values(), default=None)
+    return [h for h in idle if idle[h] == oldest]
 
 
 def idle_models(
