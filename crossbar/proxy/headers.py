@@ -38,6 +38,11 @@ _REPLACED_UPSTREAM = frozenset(
 _CLIENT_KEY_HEADERS = frozenset({b"authorization", b"x-api-key"})
 """Where a client presents a keyed route's key; neither reaches a host (docs/design.md §Access)."""
 
+_DROP_UPSTREAM = HOP_BY_HOP | _REPLACED_UPSTREAM
+_DROP_UPSTREAM_KEYED = _DROP_UPSTREAM | _CLIENT_KEY_HEADERS
+"""The client headers never forwarded, on a route without and with ``keys``, when the
+client's ``Connection`` names none (made once: no set built per request)."""
+
 _NO_BODY_CODES = (204, 304)
 
 
@@ -46,13 +51,19 @@ def hop_by_hop_names(headers: Headers, connection: Iterable[bytes] = ()) -> froz
     :data:`HOP_BY_HOP` and those listed in ``Connection`` -- the values in ``headers``
     and, for an upstream answer (whose ``Connection`` Twisted keeps out of
     ``IResponse.headers``), the raw values in ``connection``."""
-    named = {
-        token.strip().lower()
-        for value in (*headers.getRawHeaders(b"connection", []), *connection)
-        for token in value.split(b",")
-    }
+    values = headers.getRawHeaders(b"connection")
+    if values:
+        connection = (*values, *connection)
+    return _listed(connection)
+
+
+def _listed(connection: Iterable[bytes]) -> frozenset[bytes]:
+    """:data:`HOP_BY_HOP` and the names listed in the ``Connection`` values ``connection``."""
+    if not connection:
+        return HOP_BY_HOP  # usually no Connection list: no new set
+    named = {token.strip().lower() for value in connection for token in value.split(b",")}
     named.discard(b"")
-    return HOP_BY_HOP | named if named else HOP_BY_HOP  # usually no Connection list: no new set
+    return HOP_BY_HOP | named if named else HOP_BY_HOP
 
 
 def relayable_phrase(phrase: bytes) -> bytes | None:
@@ -79,9 +90,9 @@ def upstream_headers(
     :param client: the client's address (``X-Forwarded-For``, exactly it), or None.
     :param secure: the client came over TLS (``X-Forwarded-Proto: https``).
     """
-    drop = hop_by_hop_names(src) | _REPLACED_UPSTREAM
-    if keyed:
-        drop = drop | _CLIENT_KEY_HEADERS
+    drop = _DROP_UPSTREAM_KEYED if keyed else _DROP_UPSTREAM
+    if src.hasHeader(b"connection"):
+        drop = drop | hop_by_hop_names(src)
     out = Headers()
     for name, values in src.getAllRawHeaders():
         if name.lower() not in drop:
@@ -103,7 +114,11 @@ def answer_headers(response: IResponse, out: Headers, method: bytes) -> None:
     upstream gave one (Twisted moves it to ``response.length``), so the answer is
     chunked only when the upstream's was. HEAD answers keep theirs in
     ``response.headers``; 204 and 304 carry none."""
-    drop = hop_by_hop_names(response.headers, getattr(response, "upstream_connection", ()))
+    connection = getattr(response, "upstream_connection", None)
+    if connection is None:
+        drop = hop_by_hop_names(response.headers)
+    else:  # an H1Response: its Connection values are kept out of its headers
+        drop = _listed(connection)
     for name, values in response.headers.getAllRawHeaders():
         if name.lower() not in drop:
             out.setRawHeaders(name, values)
