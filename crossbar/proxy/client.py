@@ -70,7 +70,6 @@ def write_head(request: Request, response: IResponse, host: str, draining: bool,
     crossbar's (replacing the host's of those names: a key's rate-limit headers, §Access)
     and ``X-Crossbar-Host``."""
     request.setResponseCode(response.code, relayable_phrase(response.phrase))
-    request.responseHeaders.removeHeader(b"server")
     answer_headers(response, request.responseHeaders, request.method)
     for name, value in extra:
         request.responseHeaders.setRawHeaders(name, [value])

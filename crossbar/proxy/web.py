@@ -14,7 +14,7 @@ from typing import Any
 from urllib.parse import unquote_to_bytes
 
 from twisted.web.resource import IResource, Resource
-from twisted.web.server import Request, Site
+from twisted.web.server import Request, Site, version as _TWISTED_SERVER
 
 from crossbar.errors import error_headers, json_error_bytes, phrase
 from crossbar.ops.record import NO_ROUTE, RequestLog, RequestRecord
@@ -118,9 +118,12 @@ class CrossbarRequest(CappedRequest):
             self.head = head.with_body(self.body_chunks, self.peeked)
         super().process()
 
-    def render(self, resrc: IResource) -> None:
-        self.responseHeaders.removeHeader(b"server")
-        super().render(resrc)
+    def setHeader(self, name: str | bytes, value: str | bytes) -> None:
+        """``Request.setHeader``, but Twisted's ``Server: TwistedWeb/x.y`` (set by
+        ``Request.process``) is never set: no header to remove later, per request."""
+        if name == b"Server" and value == _TWISTED_SERVER:
+            return
+        super().setHeader(name, value)
 
     def head_line(self) -> tuple[bytes, bytes]:
         # On the head, before Twisted sets self.method and self.uri (after the body).
