@@ -40,7 +40,7 @@ from twisted.web.server import NOT_DONE_YET, Request
 
 from tests.harness import sse_event
 
-__all__ = ["FakeRouter"]
+__all__ = ["FakeRouter", "placement_yaml"]
 
 
 class FakeRouter(Resource):
@@ -255,3 +255,16 @@ class FakeRouter(Resource):
             request.finish()
         if not self.busy[model]:
             self.schedule()
+
+
+def placement_yaml(hosts: dict[str, tuple[str, int | None]], placement: str, head: str, queue_timeout: float,
+                   host_extra: str = "") -> str:
+    """A config with one route ``r`` over ``hosts`` (name -> (URL, its ``models_max`` or
+    None for a host without one)) with ``placement``; ``head`` comes first (``health:``,
+    ``timeouts:``), ``host_extra`` is added to each host's mapping (``, max_inflight: 1``)."""
+    text = head + "hosts:\n"
+    for name, (url, models_max) in hosts.items():
+        extra = "" if models_max is None else f", models_max: {models_max}"
+        text += f"  {name}: {{url: \"{url}\"{extra}{host_extra}}}\n"
+    text += f"routes:\n  r:\n    hosts: [{', '.join(hosts)}]\n    queue: {{timeout: {queue_timeout:g}}}\n"
+    return text + f"    placement: {placement}\n"

@@ -11,7 +11,7 @@ from twisted.internet.defer import Deferred, DeferredList, ensureDeferred
 from twisted.trial.unittest import TestCase
 
 from crossbar.process.service import CrossbarService
-from tests.fake_router import FakeRouter
+from tests.fake_router import FakeRouter, placement_yaml
 from tests.harness import FakeLlama, http_client, listen, start_crossbar, wait_for
 
 MODELS = ["m1", "m2", "m3", "m4"]
@@ -80,12 +80,9 @@ class PlacementHostsTests(TestCase):
     async def fleet(self, routers: dict[str, FakeRouter], placement: str = "{}", host_extra: str = "",
                     others: dict[str, Any] | None = None) -> tuple[CrossbarService, str]:
         urls = {name: await listen(self, r) for name, r in {**routers, **(others or {})}.items()}
-        text = "health: {interval: 0.1, timeout: 2}\nhosts:\n"
-        for name, url in urls.items():
-            extra = f", models_max: {routers[name].models_max}" if name in routers else ""
-            text += f"  {name}: {{url: \"{url}\"{extra}{host_extra}}}\n"
-        text += f"routes:\n  r:\n    hosts: [{', '.join(urls)}]\n    queue: {{timeout: 10}}\n"
-        text += f"    placement: {placement}\n"
+        text = placement_yaml({name: (url, routers[name].models_max if name in routers else None)
+                               for name, url in urls.items()}, placement, "health: {interval: 0.1, timeout: 2}\n",
+                              10, host_extra)
         service, base = await start_crossbar(self, text)
         await service.poller.when_first_round_done()
         return service, base

@@ -22,6 +22,7 @@ from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import TestCase
 
 from crossbar.process.service import CrossbarService
+from tests.fake_router import placement_yaml
 from tests.harness import http_client, port_of, require_llama_server, start_crossbar, wait_for
 from tools.llama_server import LlamaServer
 
@@ -42,11 +43,8 @@ class RouterPlacementTests(TestCase):
     async def crossbar(self, servers: list[LlamaServer], models_max: int, placement: str,
                        host_extra: str = "") -> tuple[CrossbarService, str]:
         names = [f"llama{i}" for i in range(len(servers))]
-        text = "health: {interval: 0.2, timeout: 5}\ntimeouts: {first_byte: 60}\nhosts:\n"
-        for name, server in zip(names, servers):
-            text += f"  {name}: {{url: \"{server.url}\", models_max: {models_max}{host_extra}}}\n"
-        text += f"routes:\n  r:\n    hosts: [{', '.join(names)}]\n    queue: {{timeout: 60}}\n"
-        text += f"    placement: {placement}\n"
+        text = placement_yaml({name: (server.url, models_max) for name, server in zip(names, servers)}, placement,
+                              "health: {interval: 0.2, timeout: 5}\ntimeouts: {first_byte: 60}\n", 60, host_extra)
         service, base = await start_crossbar(self, text)
         await service.poller.when_first_round_done()
         return service, base
