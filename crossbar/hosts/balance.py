@@ -210,23 +210,18 @@ def choose(
         placed = "load"
     load = {h: inflight(h) for h in tier}
     roomy = [h for h in tier if has_room(hosts[h], load[h], statuses[h])]
-    copies: list[str] = []
     if not roomy and placement is not None and placement.spread and model is not None and fit is Fit.LOADED:
         # Rule 3 under rule 1: a copy already under way takes the spread (when it has
         # room) and, while one is under way, no other host starts another.
         copies = [h for h in candidates if lists(statuses[h], model, "loading")]
         if copies:
-            load = {h: inflight(h) for h in copies}
-            roomy = [h for h in copies if has_room(hosts[h], load[h], statuses[h])]
             fit, tier = Fit.LOADING, copies
-    if (not roomy and not copies and placement is not None and placement.spread and model is not None
-            and fit is Fit.LOADED):
-        spare = load_tier([h for h in candidates if lists(statuses[h], model, "available")], hosts, statuses,
-                          placement.in_use, placement.last_use, placement.kept,
-                          placement.waiting)
-        load = {h: inflight(h) for h in spare}
-        roomy = [h for h in spare if has_room(hosts[h], load[h], statuses[h])]
-        fit, tier, placed = Fit.AVAILABLE, spare, "spread"
+        else:
+            tier = load_tier([h for h in candidates if lists(statuses[h], model, "available")], hosts, statuses,
+                             placement.in_use, placement.last_use, placement.kept, placement.waiting)
+            fit, placed = Fit.AVAILABLE, "spread"
+        load = {h: inflight(h) for h in tier}
+        roomy = [h for h in tier if has_room(hosts[h], load[h], statuses[h])]
     if not roomy:
         return Verdict.BUSY
     if route.primary is not None and route.primary in roomy:
