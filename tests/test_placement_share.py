@@ -14,13 +14,13 @@ from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from crossbar.config import Host, parse_config
+from crossbar.config import ConfigError, Host, parse_config
 from crossbar.hosts.balance import Chosen, Fit
-from crossbar.state.placement_share import SLOTS, ClusterShare, WorkerShare, fingerprint
+from crossbar.state.placement_share import SLOTS, ClusterShare, WorkerShare, fingerprint, share_names
 from crossbar.state.placer import Placer
 from crossbar.state.runtime import Runtime
 from crossbar.state.shared import SharedCounts
-from crossbar.state.worker_counts import WorkerCounts
+from crossbar.state.worker_counts import WorkerCounts, check_capacity
 from tests.test_placement import CONFIG, _listed
 
 
@@ -305,3 +305,32 @@ class ClusterShareTests(_Shared, SynchronousTestCase):
         self.assertTrue(share.unloading("a", "y"))
         del self.store["one"]
         self.assertFalse(share.unloading("a", "y"))
+
+
+class CapacityTests(SynchronousTestCase):
+    """Every fact of every host of a ``placement`` route has a cell of the workers' shared
+    counts, the unloading mark's included, and the supervisor's capacity check counts
+    them: 4 facts x :data:`SLOTS` slots per host (docs/design.md §Workers)."""
+
+    @staticmethod
+    def config(hosts: int) -> Any:
+        names = [f"h{i}" for i in range(hosts)]
+        text = "listen: tcp:0\nworkers: 2\nhosts:\n" + "".join(f"  {h}: {{url: 'http://{h}:1', models_max: 2}}\n"
+                                                              for h in names)
+        return parse_config(text + f"routes:\n  r: {{hosts: [{', '.join(names)}], placement: {{}}}}\n")
+
+    def test_every_fact_has_a_cell(self) -> None:
+        config = self.config(3)
+        path = self.mktemp()
+        SharedCounts.create(path, 2)
+        fleet = WorkerCounts(SharedCounts(path, 2, 0), config)
+        names = share_names(list(config.hosts))
+        self.assertEqual(len(names), 3 * 4 * SLOTS)
+        self.assertEqual([n for n in names if fleet.cell(n) is None], [])
+        self.assertEqual(sum(n.startswith("pd\0") for n in names), 3 * SLOTS)
+
+    def test_the_capacity_check_counts_them(self) -> None:
+        check_capacity(self.config(59))  # 4,081 cells of 4,096
+        with self.assertRaises(ConfigError) as caught:
+            check_capacity(self.config(60))
+        self.assertIn("needs 4150 shared counters", str(caught.exception))
