@@ -133,9 +133,9 @@ class PlacementState:
             return loads, unloads
         for model in wanted:
             for host, status in statuses.items():
-                mid = model_id(status, model)
                 if not status.router:
                     continue
+                mid = model_id(status, model)
                 if mid in status.available and share.loading(host, mid):
                     loads.append((host, mid))
                 elif mid in status.loaded and share.unloading(host, mid):

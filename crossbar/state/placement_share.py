@@ -150,8 +150,10 @@ class WorkerShare:
             self.fleet.shared.set(cell, (fingerprint(marked[-1]) << 32) | 1 if marked else 0)
 
     def _marked(self, kind: str, host: str, model: str) -> bool:
-        cell = self._cell(kind, host, model)
-        mark = (fingerprint(model) << 32) | 1
+        """Whether another worker's mark ``kind`` of ``model`` on ``host`` is set."""
+        fp = fingerprint(model)
+        cell = self.fleet.cell(placement_slot_cell(kind, host, fp % SLOTS))
+        mark = (fp << 32) | 1
         return cell is not None and any(v == mark for v in self._others(cell))
 
     def publish_use(self, host: str, model: str, seconds: float) -> None:
