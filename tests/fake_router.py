@@ -20,7 +20,9 @@ server, see bench/README.md §Where models live):
   list;
 - ``POST /models/unload {"model": M}`` → ``{"success": true}``: M unloads, and answers in
   flight on it are cut (the connection aborted, as the real server's stopped child ends
-  them); 400 ``model is not found`` for a model it does not list.
+  them); 400 ``model is not found`` for a model it does not list. With ``unload_time``
+  the host takes that many seconds to stop M: M stays listed (and served) as loaded
+  until then, and the answer comes when it is gone.
 
 :ivar loads: every load the host started, in order (model ids); :ivar evictions: likewise.
 :ivar load_wait: seconds requests spent at the host waiting for their model (a place and
@@ -44,16 +46,18 @@ __all__ = ["FakeRouter", "placement_yaml"]
 
 
 class FakeRouter(Resource):
-    """One router-mode host listing ``models``; ``models_max`` (0: no limit) and
-    ``load_time`` seconds per load."""
+    """One router-mode host listing ``models``; ``models_max`` (0: no limit),
+    ``load_time`` seconds per load and ``unload_time`` per unload."""
 
     isLeaf = True
 
-    def __init__(self, models: list[str], models_max: int = 2, load_time: float = 0.3, clock: Any = None) -> None:
+    def __init__(self, models: list[str], models_max: int = 2, load_time: float = 0.3, clock: Any = None,
+                 unload_time: float = 0.0) -> None:
         super().__init__()
         self.models = list(models)
         self.models_max = models_max
         self.load_time = load_time
+        self.unload_time = unload_time
         self.clock = clock if clock is not None else reactor
         self.state: dict[str, str] = {m: "unloaded" for m in models}
         self.used: dict[str, float] = {}
@@ -189,7 +193,7 @@ class FakeRouter(Resource):
         request.setResponseCode(404)
         return b'{"error":{"code":404,"message":"File Not Found","type":"not_found_error"}}'
 
-    def _command(self, request: Request, action: str, model: Any) -> bytes:
+    def _command(self, request: Request, action: str, model: Any) -> Any:
         self.commands.append((action, str(model)))
         if model not in self.state:
             if action == "load":
@@ -198,11 +202,11 @@ class FakeRouter(Resource):
             request.setResponseCode(400)
             return b'{"error":{"code":400,"message":"model is not found","type":"invalid_request_error"}}'
         if action == "unload":
-            self.state[model] = "unloaded"
-            for cut in self.answering.pop(model, []):
-                self.cut += 1
-                cut.channel.transport.abortConnection()  # type: ignore[union-attr]
-            self.schedule()
+            if self.unload_time > 0:
+                self.calls = [c for c in self.calls if c.active()] + [
+                    self.clock.callLater(self.unload_time, self._unloaded, request, model)]
+                return NOT_DONE_YET
+            self.unload(model)
             return b'{"success":true}'
         if self.state[model] != "unloaded":
             request.setResponseCode(400)
@@ -215,6 +219,21 @@ class FakeRouter(Resource):
             self.evict(victim)
         self.load(model)
         return b'{"success":true}'
+
+    def unload(self, model: str) -> None:
+        """Stop ``model`` now: the answers in flight on it are cut."""
+        self.state[model] = "unloaded"
+        for cut in self.answering.pop(model, []):
+            self.cut += 1
+            cut.channel.transport.abortConnection()  # type: ignore[union-attr]
+        self.schedule()
+
+    def _unloaded(self, request: Request, model: str) -> None:
+        """A slow unload (``unload_time``) is done: answered."""
+        self.unload(model)
+        if not request._disconnected:
+            request.write(b'{"success":true}')
+            request.finish()
 
     def _answer(self, request: Request, model: str, doc: dict[str, Any]) -> None:
         self.used[model] = self.clock.seconds()

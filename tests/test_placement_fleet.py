@@ -1,6 +1,8 @@
-"""Rule 1 across processes (docs/design.md §Where models live, rule 7): a burst for a model
-loaded nowhere that reaches two workers (real ``twistd`` with ``workers: 2``), or two
-crossbar instances sharing ``cluster.redis``, makes exactly one host load it."""
+"""Rules 1 and 4 across processes (docs/design.md §Where models live, rule 7): a burst for a
+model loaded nowhere that reaches two workers (real ``twistd`` with ``workers: 2``), or
+two crossbar instances sharing ``cluster.redis``, makes exactly one host load it; while
+one process's idle unload of a model is under way no process sends a request for it to
+that host (the host would cut it), nor a second unload."""
 
 from __future__ import annotations
 
@@ -28,6 +30,16 @@ def fleet_config(urls: list[str], extra: str = "") -> str:
     return text
 
 
+def unload_config(urls: list[str], extra: str = "", idle_unload: float | None = 2.0) -> str:
+    """h0 and h1 (``urls``) in route ``r``, whose models fall idle after ``idle_unload``
+    seconds (None: never); h1 keeps ``m1`` loaded (route ``keep``), so only h0's goes."""
+    text = "health: {interval: 0.5, timeout: 2}\n" + extra + "hosts:\n"
+    text += "".join(f"  h{i}: {{url: \"{u}\", models_max: 2}}\n" for i, u in enumerate(urls))
+    idle = "" if idle_unload is None else f"idle_unload: {idle_unload:g}"
+    return text + ("routes:\n  keep:\n    hosts: [h1]\n    placement: {keep_loaded: [m1]}\n"
+                   f"  r:\n    hosts: [h0, h1]\n    placement: {{{idle}}}\n")
+
+
 async def burst(case: TestCase, bases: list[str], model: str, count: int = 20) -> list[int]:
     async def one(i: int) -> int:
         # a client of its own per request: a new connection each (SO_REUSEPORT spreads them)
@@ -48,6 +60,24 @@ class FleetBurstTests(TestCase):
         for r in routers:
             self.addCleanup(r.stop)
         return routers, [await listen(self, r) for r in routers]
+
+    async def unloading_routers(self) -> tuple[list[FakeRouter], list[str]]:
+        """h0 and h1 with m1 loaded; h0 takes 3 s to unload a model (still serving it)."""
+        routers = [FakeRouter(MODELS, models_max=2, unload_time=3.0) for _ in range(2)]
+        for r in routers:
+            r.state["m1"] = "loaded"
+            self.addCleanup(r.stop)
+        return routers, [await listen(self, r) for r in routers]
+
+    async def no_request_into_the_unload(self, routers: list[FakeRouter], bases: list[str]) -> None:
+        """A burst for m1 while h0 unloads it goes to h1 alone; one unload, nothing cut."""
+        codes = await burst(self, bases, "m1")
+        self.assertEqual(codes, [200] * 20)
+        await wait_for(lambda: routers[0].state["m1"] == "unloaded", 10, "m1 unloaded on h0")
+        await deferLater(reactor, 1.5)  # every process polled h0 since (no second unload)
+        self.assertEqual((routers[0].completions, routers[1].completions.count("m1")), ([], 20))
+        self.assertEqual([c for c in routers[0].commands if c[0] == "unload"], [("unload", "m1")])
+        self.assertEqual(routers[0].cut, 0)
 
     def test_workers(self) -> Deferred[None]:
         async def go() -> None:
@@ -72,6 +102,17 @@ class FleetBurstTests(TestCase):
             await deferLater(reactor, 0.2)
         return ensureDeferred(go())
 
+    def test_workers_unloading(self) -> Deferred[None]:
+        async def go() -> None:
+            routers, urls = await self.unloading_routers()
+            proc = await start_twistd(self, unload_config(urls, "workers: 2\ndrain: {delay: 0.001, grace: 0.001}\n"))
+            await wait_for(lambda: ("unload", "m1") in routers[0].commands, 30, "the idle unload")
+            await self.no_request_into_the_unload(routers, [proc.base])
+            proc.signal("TERM")
+            await proc.ended
+            await deferLater(reactor, 0.2)
+        return ensureDeferred(go())
+
     def test_instances_sharing_redis(self) -> Deferred[None]:
         async def go() -> None:
             self.patch(cluster_module, "BOUND", 1.0)  # what is shared is under test, not a slow Redis
@@ -90,4 +131,23 @@ class FleetBurstTests(TestCase):
             codes = await burst(self, [base for _, base in instances], "m2", 19)
             self.assertEqual(await first + codes, [200] * 20)
             self.assertEqual(sorted(len(r.loads) for r in routers), [0, 0, 1])
+        return ensureDeferred(go())
+
+    def test_instances_sharing_redis_unloading(self) -> Deferred[None]:
+        """The first instance unloads h0's idle m1; the second (no ``idle_unload`` of its
+        own) sends m1 to h1 alone while it is under way."""
+        async def go() -> None:
+            self.patch(cluster_module, "BOUND", 1.0)
+            redis = start_redis(self)
+            routers, urls = await self.unloading_routers()
+            shared = f"cluster: {{redis: \"{redis.url}\"}}\n"
+            instances = [await start_crossbar(self, unload_config(urls, shared, idle_unload))
+                         for idle_unload in (2.0, None)]
+            await wait_for(lambda: all(s.cluster is not None and s.cluster.joined and s.cluster.instances() == 2
+                                       for s, _ in instances), what="both instances joined")
+            await wait_for(lambda: ("unload", "m1") in routers[0].commands, 30, "the idle unload")
+            second = instances[1][0].cluster
+            assert second is not None
+            await wait_for(lambda: second.others("pd\0h0\0m1"), what="the unload shared")
+            await self.no_request_into_the_unload(routers, [instances[1][1]])
         return ensureDeferred(go())

@@ -89,7 +89,8 @@ def is_counter(name: str) -> bool:
 
 def placement_cell(kind: str, host: str, model: str) -> str:
     """A placement fact of ``model`` on ``host`` in Redis (docs/design.md §Where models
-    live, rule 7): ``kind`` ``pm`` (requests in flight), ``pl`` (loading), ``pu`` (last use).
+    live, rule 7): ``kind`` ``pm`` (requests in flight), ``pl`` (loading), ``pd``
+    (unloading, rule 4), ``pu`` (last use).
     Not a count of a :class:`Kind`: :mod:`crossbar.state.placement_share` reads these
     facts (marks, latest uses) its own way."""
     return f"{kind}\0{host}\0{model}"

@@ -1,9 +1,11 @@
 """What crossbar knows of the loads it caused (docs/design.md §Where models live, rules 1, 4
 and 7): the hosts it made load a model (counted as loading at once, until a poll says
-otherwise or ``timeouts.first_byte`` passes), the last request it sent each model on
-each host, when it first saw a model loaded, and the last load and unload per host
-with their reason. Bookkeeping only: no I/O (the commands are
-:class:`crossbar.state.placer.Placer`'s), the clock is injected.
+otherwise or ``timeouts.first_byte`` passes), the models it told a host to unload
+(counted as not loaded there at once, until a poll shows them gone or the same bound
+passes), the last request it sent each model on each host, when it first saw a model
+loaded, and the last load and unload per host with their reason; with a share, the
+marks and uses of the other workers and instances too. Bookkeeping only: no I/O (the
+commands are :class:`crossbar.state.placer.Placer`'s), the clock is injected.
 """
 
 from __future__ import annotations
@@ -54,15 +56,16 @@ class PlacementState:
 
     :param now: clock seconds (``reactor.seconds``).
     :ivar loading: (host, model) -> the :class:`Load` under way (rule 1).
-    :ivar unloading: (host, model) -> clock seconds an unload crossbar sent started or
-        ended (rule 4): counted as not loaded until a later poll shows it gone.
+    :ivar unloading: (host, model) -> clock seconds an unload this process sent started
+        or ended (rule 4): counted as not loaded until a later poll shows it gone; with a
+        :attr:`share`, by the other processes too.
     :ivar last_load: host -> its last load; :ivar last_unload: host -> its last unload.
     :ivar on_move: called with (host, model, ``load``/``unload``, reason) for every
         load and unload crossbar causes (the metrics).
     :ivar on_loaded: called with (host, model, seconds) when a poll shows a load
         crossbar caused finished (the load-time histogram).
-    :ivar share: with workers or ``cluster.redis``, where this process's loads and uses
-        go and the other processes' come from (rule 7), else None.
+    :ivar share: with workers or ``cluster.redis``, where this process's loads, unloads
+        and uses go and the other processes' come from (rule 7), else None.
     """
 
     def __init__(self, now: Callable[[], float]) -> None:
@@ -77,6 +80,7 @@ class PlacementState:
         self.share: PlacementShare | None = None
         self._lingering: dict[tuple[str, str], float] = {}
         self.unloading: dict[tuple[str, str], float] = {}
+        self._unload_lingering: dict[tuple[str, str], float] = {}
 
     def last_use(self, host: str, model: str) -> float | None:
         """Clock seconds of the last request crossbar (any process sharing, rule 7) sent
@@ -94,33 +98,54 @@ class PlacementState:
         return used if used is not None else self._seen.get((host, model))
 
     def overlay(self, statuses: Mapping[str, HostStatus], wanted: Iterable[str] = ()) -> Mapping[str, HostStatus]:
-        """Rule 1: ``statuses`` with every load crossbar caused and no poll settled yet
-        counted as loading (the same mapping when there is none); with a :attr:`share`,
-        the other processes' loads of the ``wanted`` models too."""
-        shared: list[tuple[str, str]] = []
-        if self.share is not None:
-            for model in wanted:
-                for host, status in statuses.items():
-                    mid = model_id(status, model)
-                    if status.router and mid in status.available and self.share.loading(host, mid):
-                        shared.append((host, mid))
-        if not self.loading and not shared and not self.unloading:
+        """Rules 1 and 4: ``statuses`` with every load crossbar caused and no poll settled
+        yet counted as loading, and every model it is unloading as not loaded (the same
+        mapping when there is none); with a :attr:`share`, the other processes' loads
+        and unloads of the ``wanted`` models (ids or aliases) too."""
+        loads, unloads = self._shared(statuses, wanted)
+        if not self.loading and not loads and not unloads and not self.unloading:
             return statuses
         by_host: dict[str, tuple[list[str], list[str]]] = {}
-        for host, model in shared:
+        for host, model in loads:
             by_host.setdefault(host, ([], []))[0].append(model)
         for (host, model), load in self.loading.items():
             loading, evicting = by_host.setdefault(host, ([], []))
             loading.append(model)
             if load.evicts is not None:
                 evicting.append(load.evicts)
-        for host, model in self.unloading:
+        for host, model in [*self.unloading, *unloads]:
             by_host.setdefault(host, ([], []))[1].append(model)
         out = dict(statuses)
         for host, (loading, evicting) in by_host.items():
             if host in out:
                 out[host] = with_loading(out[host], loading, evicting)
         return out
+
+    def _shared(self, statuses: Mapping[str, HostStatus],
+                wanted: Iterable[str]) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+        """The (host, model id) of the ``wanted`` models that another process of
+        :attr:`share` is loading there (listed available) and unloading there (listed
+        loaded): rules 1, 4 and 7."""
+        loads: list[tuple[str, str]] = []
+        unloads: list[tuple[str, str]] = []
+        share = self.share
+        if share is None:
+            return loads, unloads
+        for model in wanted:
+            for host, status in statuses.items():
+                if not status.router:
+                    continue
+                mid = model_id(status, model)
+                if mid in status.available and share.loading(host, mid):
+                    loads.append((host, mid))
+                elif mid in status.loaded and share.unloading(host, mid):
+                    unloads.append((host, mid))
+        return loads, unloads
+
+    def others_unloading(self, host: str, model: str) -> bool:
+        """Another process of :attr:`share` told ``host`` to unload ``model`` (id) and no
+        poll of its showed it gone yet (rule 4): this one sends no second command."""
+        return self.share is not None and self.share.unloading(host, model)
 
     def used(self, host: str, model: str) -> None:
         """A request for ``model`` was sent to ``host`` now."""
@@ -144,6 +169,8 @@ class PlacementState:
         if self.share is not None:
             for host, model in self.loading:
                 self.share.publish_loading(host, model, True)
+            for host, model in [*self.unloading, *self._unload_lingering]:
+                self.share.publish_unloading(host, model, True)
             for (host, model), seconds in self._used.items():
                 self.share.publish_use(host, model, seconds)
 
@@ -166,12 +193,24 @@ class PlacementState:
         that started after the command ended shows it gone (or the command failed, or
         ``timeouts.first_byte`` passed) it counts as not loaded there, so no request is
         sent to it on that host while the host stops it (a request caught by the unload
-        would be cut, and a cut answer marks the host down)."""
+        would be cut, and a cut answer marks the host down); with a :attr:`share`, in
+        every process (rule 7)."""
         self.unloading[(host, model)] = self.now()
+        self._unload_lingering.pop((host, model), None)
+        if self.share is not None:
+            self.share.publish_unloading(host, model, True)
 
-    def unloading_ended(self, host: str, model: str) -> None:
-        """The unload of ``model`` on ``host`` failed: it counts as loaded again."""
-        self.unloading.pop((host, model), None)
+    def unloading_ended(self, host: str, model: str, linger: float = 0.0) -> None:
+        """The unload of ``model`` on ``host`` failed, or is over (a poll showed it gone,
+        ``timeouts.first_byte`` passed, a reload removed the host): it no longer counts
+        here; the other processes of :attr:`share` still see it for ``linger`` seconds
+        (until their own polls show what this one's did)."""
+        if self.unloading.pop((host, model), None) is not None and self.share is not None:
+            if linger > 0:
+                self._unload_lingering[(host, model)] = self.now() + linger
+            else:
+                self._unload_lingering.pop((host, model), None)
+                self.share.publish_unloading(host, model, False)
 
     def unloaded(self, host: str, model: str, reason: str) -> None:
         """``host`` unloaded ``model`` as crossbar told it (rule 4); it stays counted as
@@ -194,7 +233,9 @@ class PlacementState:
         the model is still in flight there (``in_use``, when given: llama-server lists a
         model unloaded while requests for it wait in its own queue for a place; a load
         that failed ends them with an error) (rule 1). Models seen loaded for the first
-        time start their idle time (rule 4)."""
+        time start their idle time; an unload it shows gone, if the poll started after
+        the command ended, is over (the other processes see it ``linger`` seconds more)
+        (rule 4)."""
         now = self.now()
         for model in status.loaded:
             self._seen.setdefault((host, model), now)
@@ -211,22 +252,26 @@ class PlacementState:
             del self._seen[key]
         for (h, model), since in list(self.unloading.items()):
             if h == host and started >= since and model not in status.loaded:
-                del self.unloading[(h, model)]
+                self.unloading_ended(h, model, linger)
 
     def expire(self, bound: float) -> list[tuple[str, str]]:
-        """Drop the loads older than ``bound`` seconds (``timeouts.first_byte``, rule 1),
-        and stop showing the other processes the settled loads whose linger is over;
-        returns the loads dropped."""
+        """Drop the loads (rule 1) and the unloads (rule 4) older than ``bound`` seconds
+        (``timeouts.first_byte``), and stop showing the other processes the settled
+        loads and unloads whose linger is over; returns the loads dropped."""
         now = self.now()
         gone = [k for k, load in self.loading.items() if now - load.since >= bound]
         for key in gone:
             self.drop(*key)
         for key in [k for k, since in self.unloading.items() if now - since >= bound]:
-            del self.unloading[key]
+            self.unloading_ended(*key)
         for key in [k for k, until in self._lingering.items() if until <= now]:
             del self._lingering[key]
             if self.share is not None and key not in self.loading:
                 self.share.publish_loading(*key, False)
+        for key in [k for k, until in self._unload_lingering.items() if until <= now]:
+            del self._unload_lingering[key]
+            if self.share is not None and key not in self.unloading:
+                self.share.publish_unloading(*key, False)
         return gone
 
     def forget(self, hosts: Iterable[str]) -> None:
@@ -235,7 +280,7 @@ class PlacementState:
         for key in [k for k in self.loading if k[0] not in keep]:
             self.drop(*key)
         for key in [k for k in self.unloading if k[0] not in keep]:
-            del self.unloading[key]
+            self.unloading_ended(*key)
         for table in (self._used, self._seen):
             for key in [k for k in table if k[0] not in keep]:
                 del table[key]

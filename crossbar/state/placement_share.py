@@ -1,24 +1,29 @@
 """What placement shares with the other workers and instances (docs/design.md §Where models
-live, rule 7: rule 1's "loading" and the last uses are shared like the in-flight counts;
-§Workers, §Several crossbars).
+live, rule 7: rule 1's "loading", rule 4's "unloading" and the last uses are shared like
+the in-flight counts; §Workers, §Several crossbars).
 
-Three facts per (host, model id): this process's requests in flight for the model there
+Four facts per (host, model id): this process's requests in flight for the model there
 (summed over processes: a model in use anywhere is in use), whether this process made
-the host load it and no poll settled it yet (rule 1: any process's load counts), and
-the clock second of its last request there (the latest over processes). A
-:class:`PlacementShare` publishes this process's and reads the others'.
+the host load it and no poll settled it yet (rule 1: any process's load counts), whether
+this process told the host to unload it and no poll showed it gone yet (rule 4: any
+process's unload counts), and the clock second of its last request there (the latest
+over processes). A :class:`PlacementShare` publishes this process's and reads the
+others'. A process that dies takes its facts with it: the supervisor clears a dead
+worker's row, Redis expires an instance's counts (:data:`~crossbar.state.cluster.TTL`).
 
 - :class:`WorkerShare` (``workers: N``): cells of the workers' shared counts
   (:class:`~crossbar.state.shared.SharedCounts`, one row per process). Cell names come
-  from the config alone (``pm``/``pl``/``pu`` + host + slot, :func:`share_names`), a
-  model id is hashed to one of :data:`SLOTS` slots per host: in-flight counts of two
+  from the config alone (``pm``/``pl``/``pd``/``pu`` + host + slot, :func:`share_names`),
+  a model id is hashed to one of :data:`SLOTS` slots per host: in-flight counts of two
   models on one slot add up (such a model looks in use: never evicted wrongly); a mark
   and a last use carry the model's 31-bit fingerprint in their high half, so only the
-  model's own count (one per slot and process: the latest wins).
+  model's own count (one per slot and process: the latest wins; a mark that ends shows
+  this process's other mark of the slot, if any).
 - :class:`ClusterShare` (``cluster.redis``): counts of the cluster's view
   (:class:`~crossbar.state.cluster.RedisCluster`) named ``pm\\0host\\0model`` (in
-  flight, summed), ``pl\\0host\\0model`` (1 while loading) and ``pu\\0host\\0model``
-  (last use, POSIX seconds: the latest of the others, :meth:`RedisCluster.largest`).
+  flight, summed), ``pl\\0host\\0model`` (1 while loading), ``pd\\0host\\0model`` (1
+  while unloading) and ``pu\\0host\\0model`` (last use, POSIX seconds: the latest of
+  the others, :meth:`RedisCluster.largest`).
 """
 
 from __future__ import annotations
@@ -32,10 +37,13 @@ if TYPE_CHECKING:
     from crossbar.state.cluster import ClusterView
     from crossbar.state.shared import SharedCounts
 
-__all__ = ["SLOTS", "Cells", "ClusterShare", "PlacementShare", "WorkerShare", "fingerprint", "share_names"]
+__all__ = ["KINDS", "SLOTS", "Cells", "ClusterShare", "PlacementShare", "WorkerShare", "fingerprint", "share_names"]
 
 SLOTS = 16
 """Cells per host and fact for the workers' share (model ids hash to them)."""
+
+KINDS = ("pm", "pl", "pd", "pu")
+"""The facts' tags: in flight, loading (rule 1), unloading (rule 4), last use."""
 
 _LOW = 0xFFFFFFFF
 
@@ -51,7 +59,7 @@ def _slot(model: str) -> int:
 
 def share_names(hosts: list[str]) -> list[str]:
     """The workers' cell names for ``hosts`` (the router-mode hosts of ``placement`` routes)."""
-    return [placement_slot_cell(kind, h, i) for h in hosts for kind in ("pm", "pl", "pu") for i in range(SLOTS)]
+    return [placement_slot_cell(kind, h, i) for h in hosts for kind in KINDS for i in range(SLOTS)]
 
 
 class Cells(Protocol):
@@ -73,6 +81,10 @@ class PlacementShare(Protocol):
     def publish_loading(self, host: str, model: str, loading: bool) -> None:
         """This process made ``host`` load ``model`` (``loading``), or that load settled."""
 
+    def publish_unloading(self, host: str, model: str, unloading: bool) -> None:
+        """This process told ``host`` to unload ``model`` (``unloading``, rule 4), or that
+        unload ended (failed, shown gone by a poll, or past ``timeouts.first_byte``)."""
+
     def publish_use(self, host: str, model: str, seconds: float) -> None:
         """This process sent a request for ``model`` to ``host`` at POSIX ``seconds``."""
 
@@ -81,6 +93,10 @@ class PlacementShare(Protocol):
 
     def loading(self, host: str, model: str) -> bool:
         """Another process made ``host`` load ``model`` and no poll of its settled it."""
+
+    def unloading(self, host: str, model: str) -> bool:
+        """Another process told ``host`` to unload ``model`` and no poll of its showed it
+        gone yet (rule 4)."""
 
     def last_use(self, host: str, model: str) -> float | None:
         """The latest request of the other processes for ``model`` on ``host``, or None."""
@@ -95,6 +111,7 @@ class WorkerShare:
     def __init__(self, fleet: Cells) -> None:
         self.fleet = fleet
         self._inflight: dict[tuple[str, int], dict[str, int]] = {}
+        self._marks: dict[tuple[str, str, int], list[str]] = {}
 
     def _cell(self, kind: str, host: str, model: str) -> int | None:
         return self.fleet.cell(placement_slot_cell(kind, host, _slot(model)))
@@ -113,9 +130,31 @@ class WorkerShare:
 
     def publish_loading(self, host: str, model: str, loading: bool) -> None:
         """See :class:`PlacementShare`."""
-        cell = self._cell("pl", host, model)
+        self._mark("pl", host, model, loading)
+
+    def publish_unloading(self, host: str, model: str, unloading: bool) -> None:
+        """See :class:`PlacementShare`."""
+        self._mark("pd", host, model, unloading)
+
+    def _mark(self, kind: str, host: str, model: str, on: bool) -> None:
+        """Set or end this worker's mark ``kind`` of ``model`` on ``host``: the slot shows
+        its latest model still marked (two of one slot: the other's mark comes back when
+        one ends), else 0."""
+        marked = self._marks.setdefault((kind, host, _slot(model)), [])
+        if model in marked:
+            marked.remove(model)
+        if on:
+            marked.append(model)
+        cell = self._cell(kind, host, model)
         if cell is not None:
-            self.fleet.shared.set(cell, (fingerprint(model) << 32) | 1 if loading else 0)
+            self.fleet.shared.set(cell, (fingerprint(marked[-1]) << 32) | 1 if marked else 0)
+
+    def _marked(self, kind: str, host: str, model: str) -> bool:
+        """Whether another worker's mark ``kind`` of ``model`` on ``host`` is set."""
+        fp = fingerprint(model)
+        cell = self.fleet.cell(placement_slot_cell(kind, host, fp % SLOTS))
+        mark = (fp << 32) | 1
+        return cell is not None and any(v == mark for v in self._others(cell))
 
     def publish_use(self, host: str, model: str, seconds: float) -> None:
         """See :class:`PlacementShare`."""
@@ -134,9 +173,11 @@ class WorkerShare:
 
     def loading(self, host: str, model: str) -> bool:
         """See :class:`PlacementShare`."""
-        cell = self._cell("pl", host, model)
-        mark = (fingerprint(model) << 32) | 1
-        return cell is not None and any(v == mark for v in self._others(cell))
+        return self._marked("pl", host, model)
+
+    def unloading(self, host: str, model: str) -> bool:
+        """See :class:`PlacementShare`."""
+        return self._marked("pd", host, model)
 
     def last_use(self, host: str, model: str) -> float | None:
         """See :class:`PlacementShare` (whole seconds)."""
@@ -167,6 +208,10 @@ class ClusterShare:
         """See :class:`PlacementShare`."""
         self.cluster.set(placement_cell("pl", host, model), 1 if loading else 0)
 
+    def publish_unloading(self, host: str, model: str, unloading: bool) -> None:
+        """See :class:`PlacementShare`."""
+        self.cluster.set(placement_cell("pd", host, model), 1 if unloading else 0)
+
     def publish_use(self, host: str, model: str, seconds: float) -> None:
         """See :class:`PlacementShare`."""
         self.cluster.set(placement_cell("pu", host, model), int(seconds))
@@ -178,6 +223,10 @@ class ClusterShare:
     def loading(self, host: str, model: str) -> bool:
         """See :class:`PlacementShare`."""
         return self.cluster.others(placement_cell("pl", host, model)) > 0
+
+    def unloading(self, host: str, model: str) -> bool:
+        """See :class:`PlacementShare`."""
+        return self.cluster.others(placement_cell("pd", host, model)) > 0
 
     def last_use(self, host: str, model: str) -> float | None:
         """See :class:`PlacementShare`."""

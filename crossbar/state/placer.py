@@ -102,8 +102,8 @@ class Placer:
         if not idle_after:
             return
         kept = {m for r in routes if polled in r.hosts and r.placement is not None for m in r.placement.keep_loaded}
-        idle = idle_models(polled, status, min(idle_after), kept, now, runtime.inflight.host_model,
-                           placement.idle_since)
+        idle = [m for m in idle_models(polled, status, min(idle_after), kept, now, runtime.inflight.host_model,
+                                       placement.idle_since) if not placement.others_unloading(polled, m)]
         if idle:
             self._send(polled, "unload", idle[0], "idle")
 
