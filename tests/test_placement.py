@@ -290,6 +290,44 @@ class RuntimeTests(SynchronousTestCase):
         placement.polled("a", self.runtime.table.get("a"), started=1.2)  # type: ignore[arg-type]
         self.assertEqual(placement.unloading, {})
 
+    def test_a_model_being_unloaded_on_its_only_host_makes_the_request_wait(self) -> None:
+        """Rule 4: no other host lists the model: the request waits (it is not sent to
+        load the model into the host's unload, which would cut it), then loads it there
+        once a poll shows it gone."""
+        self.runtime.table.record_success("a", _listed(x="loaded", y="unloaded"))
+        for h in "bc":
+            self.runtime.table.record_success(h, _listed(y="unloaded"))
+        placement = self.runtime.placement
+        self.clock.advance(1)
+        placement.unloading_started("a", "x")
+        self.assertIs(self.runtime.choose(self.route, "x", None, []), Verdict.BUSY)
+        placement.unloaded("a", "x", "idle")
+        self.assertIs(self.runtime.choose(self.route, "x", None, []), Verdict.BUSY)
+        self.runtime.table.record_success("a", _listed(x="unloaded", y="unloaded"))
+        placement.polled("a", self.runtime.table.get("a"), started=1.0)  # type: ignore[arg-type]
+        chosen = self.runtime.choose(self.route, "x", None, [])
+        self.assertEqual((chosen.host, chosen.load), ("a", "load"))  # type: ignore[union-attr]
+
+    def test_a_host_that_keeps_the_model_after_the_unload_ends_the_mark_at_its_second_poll(self) -> None:
+        """Rule 4: a host that answered the unload but still lists the model loaded (it
+        stops it for a moment first, or it kept it, or loaded it again) holds it away
+        for two polls after the answer, not until ``timeouts.first_byte``."""
+        self.runtime.table.record_success("a", _listed(x="loaded", y="unloaded"))
+        placement = self.runtime.placement
+        self.clock.advance(1)
+        placement.unloading_started("a", "x")
+        status = self.runtime.table.get("a")
+        assert status is not None
+        placement.polled("a", status, started=1.0)  # in flight: a poll still listing it says nothing
+        self.clock.advance(0.1)
+        placement.unloaded("a", "x", "idle")
+        placement.polled("a", status, started=1.05)  # started before the answer
+        placement.polled("a", status, started=1.2)  # the first after it: maybe still stopping
+        self.assertIn(("a", "x"), placement.unloading)
+        placement.polled("a", status, started=1.3)
+        self.assertEqual(placement.unloading, {})
+        self.assertEqual(self.runtime.choose(self.route, "x", None, []).host, "a")  # type: ignore[union-attr]
+
     def test_a_failed_unload_or_the_bound_ends_the_unloading_mark(self) -> None:
         placement = self.runtime.placement
         placement.unloading_started("a", "x")

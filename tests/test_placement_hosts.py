@@ -183,6 +183,25 @@ class PlacementHostsTests(TestCase):
             self.assertIn('crossbar_model_unloads_total{host="a",model="m1",reason="idle"} 1.0', metrics)
         return ensureDeferred(go())
 
+    def test_a_request_for_a_model_being_unloaded_on_its_only_host_waits_for_the_unload(self) -> Deferred[None]:
+        """Rule 4: a streamed request for m1 sent while the host stops m1 (it takes 1 s
+        and cuts what it serves of m1 meanwhile, as llama-server does) is not sent into
+        the unload as a load of an "available" model: it waits until a poll shows m1
+        gone, then loads it again; nothing is cut and the host stays healthy."""
+        async def go() -> None:
+            a = FakeRouter(MODELS, models_max=2, unload_time=1.0)
+            a.state.update(m1="loaded")
+            service, base = await self.fleet({"a": a}, "{idle_unload: 0.3}")
+            await wait_for(lambda: ("unload", "m1") in a.commands, what="the idle unload")
+            response = await self.chat(base, "m1", stream=True)
+            self.assertEqual(response.code, 200)
+            self.assertEqual((a.cut, a.loads, a.completions), (0, ["m1"], ["m1"]))
+            self.assertTrue(service.table.get("a").healthy)  # type: ignore[union-attr]
+            whys = [e["why"] for e in (await treq.json_content(
+                await http_client(self).get(base + "/_crossbar/dashboard.json")))["recent"]]
+            self.assertEqual([w.split(" affinity=")[0] for w in whys], ["available load queued"])
+        return ensureDeferred(go())
+
     def test_keep_loaded_after_start_and_after_a_restart(self) -> Deferred[None]:
         async def go() -> None:
             a, b = FakeRouter(MODELS, models_max=2), FakeRouter(MODELS, models_max=2)

@@ -175,6 +175,10 @@ def choose(
     :param draining: hosts being drained (docs/design.md §Operations): they take no new
         request, as if they had no room, and pin no tier; a request whose only healthy
         hosts are draining waits (:data:`Verdict.BUSY`) for another host.
+    A host unloading the model (its status's ``unloading``: crossbar's own unload,
+    §Where models live rule 4) is left out of the available tier; when that leaves it
+    empty the request waits (:data:`Verdict.BUSY`) rather than load the model into the
+    unload.
     :param placement: for a route with ``placement`` (§Where models live): the available
         tier keeps only the hosts rule 2 lets load the model (none: wait), and a request
         that waited ``spread_after`` while its loaded tier has no room goes to a copy
@@ -201,6 +205,12 @@ def choose(
         if awaits_first_poll(route, hosts, statuses, skip):
             return Verdict.BUSY
         return Verdict.NO_HOST if skip else Verdict.NO_MODEL
+    if model is not None and fit is Fit.AVAILABLE:
+        # §Where models live rule 4: a host unloading the model takes no request for it
+        # until the unload is over (the request would be cut): the request waits.
+        tier = [h for h in tier if not lists(statuses[h], model, "unloading")]
+        if not tier:
+            return Verdict.BUSY
     placed = ""
     if placement is not None and model is not None and fit is Fit.AVAILABLE:
         tier = load_tier(tier, hosts, statuses, placement.in_use, placement.last_use, placement.kept,
@@ -217,7 +227,8 @@ def choose(
         if copies:
             fit, tier = Fit.LOADING, copies
         else:
-            tier = load_tier([h for h in candidates if lists(statuses[h], model, "available")], hosts, statuses,
+            tier = load_tier([h for h in candidates if lists(statuses[h], model, "available")
+                              and not lists(statuses[h], model, "unloading")], hosts, statuses,
                              placement.in_use, placement.last_use, placement.kept, placement.waiting)
             fit, placed = Fit.AVAILABLE, "spread"
         load = {h: inflight(h) for h in tier}

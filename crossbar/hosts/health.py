@@ -37,6 +37,11 @@ class HostStatus(ModelList):
     :ivar slots: the slot count the host reported (``GET /props`` → ``total_slots``,
         for ``max_inflight: slots``), or None while unknown; kept across a failure,
         read anew after each recovery, dropped when the host is in router mode.
+    :ivar unloading: ids crossbar told the host to unload and no poll showed gone yet
+        (docs/design.md §Where models live, rule 4): counted ``available`` there, but no
+        request for them goes to this host until the mark ends. Never set by a poll:
+        only the placement overlay's copies carry it
+        (:meth:`~crossbar.state.placement.PlacementState.overlay`).
     """
 
     healthy: bool = False
@@ -47,6 +52,7 @@ class HostStatus(ModelList):
     has_failed: bool = False
     polled: bool = False
     slots: int | None = None
+    unloading: tuple[str, ...] = ()
 
 
 class LifeSign:

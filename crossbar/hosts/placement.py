@@ -58,13 +58,17 @@ def model_id(status: HostStatus, model: str) -> str:
     return status.aliases.get(model, model)
 
 
-def with_loading(status: HostStatus, models: Collection[str], evicting: Collection[str] = ()) -> HostStatus:
-    """Rule 1: ``status`` with each of ``models`` (ids crossbar made the host load) that
-    it lists as available counted as loading instead, and each of ``evicting`` (the
+def with_loading(status: HostStatus, models: Collection[str], evicting: Collection[str] = (),
+                 unloading: Collection[str] = ()) -> HostStatus:
+    """Rules 1 and 4: ``status`` with each of ``models`` (ids crossbar made the host load)
+    that it lists as available counted as loading instead, each of ``evicting`` (the
     models those loads make the host unload) that it lists as loaded counted as
-    available (a copy; ``status`` is frozen)."""
+    available, and each of ``unloading`` (ids crossbar told it to unload) that it lists
+    as loaded counted as available and kept in its ``unloading`` (no request for them
+    goes there until the unload is over) (a copy; ``status`` is frozen)."""
     moved = [m for m in models if m in status.available]
-    gone = [m for m in evicting if m in status.loaded]
+    stopping = [m for m in unloading if m in status.loaded]
+    gone = [m for m in evicting if m in status.loaded and m not in stopping] + stopping
     if not moved and not gone:
         return status
     return replace(
@@ -72,6 +76,7 @@ def with_loading(status: HostStatus, models: Collection[str], evicting: Collecti
         loaded=tuple(m for m in status.loaded if m not in gone),
         loading=tuple(sorted((*status.loading, *moved))),
         available=tuple(sorted((*(m for m in status.available if m not in moved), *gone))),
+        unloading=tuple(sorted({*status.unloading, *stopping})),
     )
 
 

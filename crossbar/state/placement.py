@@ -17,7 +17,7 @@ from crossbar.hosts.health import HostStatus
 from crossbar.hosts.placement import InUse, model_id, with_loading
 from crossbar.state.placement_share import PlacementShare
 
-__all__ = ["Load", "Move", "PlacementState", "REASONS"]
+__all__ = ["Load", "Move", "PlacementState", "REASONS", "Unload"]
 
 REASONS = ("request", "spread", "keep", "idle")
 """Why a model was loaded (``request``, ``spread``, ``keep``) or unloaded (``idle``)."""
@@ -38,6 +38,23 @@ class Load:
     evicts: str | None = None
 
 
+@dataclass
+class Unload:
+    """An unload crossbar told a host to do (rule 4), until it is over.
+
+    :ivar since: clock seconds the command was sent, then the second the host answered
+        it (the bound, ``timeouts.first_byte``, counts from the later).
+    :ivar done: the host answered the command.
+    :ivar shown: good polls started after that answer that still listed the model
+        loaded (llama-server lists a model it is stopping as loaded for a moment; a
+        second such poll means the host kept it, or loaded it again).
+    """
+
+    since: float
+    done: bool = False
+    shown: int = 0
+
+
 @dataclass(frozen=True)
 class Move:
     """The last load or unload of a host (status, the dashboard).
@@ -56,9 +73,10 @@ class PlacementState:
 
     :param now: clock seconds (``reactor.seconds``).
     :ivar loading: (host, model) -> the :class:`Load` under way (rule 1).
-    :ivar unloading: (host, model) -> clock seconds an unload this process sent started
-        or ended (rule 4): counted as not loaded until a later poll shows it gone; with a
-        :attr:`share`, by the other processes too.
+    :ivar unloading: (host, model) -> the :class:`Unload` this process sent (rule 4):
+        the model counts as not loaded there, and no request for it goes there, until
+        a poll started after the host answered shows it gone (or a second such poll
+        still shows it loaded); with a :attr:`share`, in the other processes too.
     :ivar last_load: host -> its last load; :ivar last_unload: host -> its last unload.
     :ivar on_move: called with (host, model, ``load``/``unload``, reason) for every
         load and unload crossbar causes (the metrics).
@@ -79,7 +97,7 @@ class PlacementState:
         self.on_loaded: Callable[[str, str, float], None] | None = None
         self.share: PlacementShare | None = None
         self._lingering: dict[tuple[str, str], float] = {}
-        self.unloading: dict[tuple[str, str], float] = {}
+        self.unloading: dict[tuple[str, str], Unload] = {}
         self._unload_lingering: dict[tuple[str, str], float] = {}
 
     def last_use(self, host: str, model: str) -> float | None:
@@ -105,20 +123,20 @@ class PlacementState:
         loads, unloads = self._shared(statuses, wanted)
         if not self.loading and not loads and not unloads and not self.unloading:
             return statuses
-        by_host: dict[str, tuple[list[str], list[str]]] = {}
+        by_host: dict[str, tuple[list[str], list[str], list[str]]] = {}
         for host, model in loads:
-            by_host.setdefault(host, ([], []))[0].append(model)
+            by_host.setdefault(host, ([], [], []))[0].append(model)
         for (host, model), load in self.loading.items():
-            loading, evicting = by_host.setdefault(host, ([], []))
+            loading, evicting, _ = by_host.setdefault(host, ([], [], []))
             loading.append(model)
             if load.evicts is not None:
                 evicting.append(load.evicts)
         for host, model in [*self.unloading, *unloads]:
-            by_host.setdefault(host, ([], []))[1].append(model)
+            by_host.setdefault(host, ([], [], []))[2].append(model)
         out = dict(statuses)
-        for host, (loading, evicting) in by_host.items():
+        for host, (loading, evicting, unloading) in by_host.items():
             if host in out:
-                out[host] = with_loading(out[host], loading, evicting)
+                out[host] = with_loading(out[host], loading, evicting, unloading)
         return out
 
     def _shared(self, statuses: Mapping[str, HostStatus],
@@ -195,7 +213,7 @@ class PlacementState:
         sent to it on that host while the host stops it (a request caught by the unload
         would be cut, and a cut answer marks the host down); with a :attr:`share`, in
         every process (rule 7)."""
-        self.unloading[(host, model)] = self.now()
+        self.unloading[(host, model)] = Unload(self.now())
         self._unload_lingering.pop((host, model), None)
         if self.share is not None:
             self.share.publish_unloading(host, model, True)
@@ -213,10 +231,12 @@ class PlacementState:
                 self.share.publish_unloading(host, model, False)
 
     def unloaded(self, host: str, model: str, reason: str) -> None:
-        """``host`` unloaded ``model`` as crossbar told it (rule 4); it stays counted as
-        not loaded until a poll that starts from now shows it gone."""
-        if (host, model) in self.unloading:
-            self.unloading[(host, model)] = self.now()
+        """``host`` answered crossbar's unload of ``model`` (rule 4); it stays counted as
+        not loaded until a poll that starts from now shows it gone (or a second one
+        still shows it loaded: :meth:`polled`)."""
+        unload = self.unloading.get((host, model))
+        if unload is not None:
+            unload.since, unload.done = self.now(), True
         self.drop(host, model)
         self._seen.pop((host, model), None)
         self.last_unload[host] = Move(model, reason, self.now())
@@ -233,8 +253,11 @@ class PlacementState:
         the model is still in flight there (``in_use``, when given: llama-server lists a
         model unloaded while requests for it wait in its own queue for a place; a load
         that failed ends them with an error) (rule 1). Models seen loaded for the first
-        time start their idle time; an unload it shows gone, if the poll started after
-        the command ended, is over (the other processes see it ``linger`` seconds more)
+        time start their idle time. An unload is over (the other processes see it
+        ``linger`` seconds more) when a poll started after the command was sent shows
+        the model gone, or when a second poll started after the host answered still
+        lists it loaded (the host kept it, or something loaded it again: without this
+        the mark would hold the model away from the host until ``timeouts.first_byte``)
         (rule 4)."""
         now = self.now()
         for model in status.loaded:
@@ -250,8 +273,12 @@ class PlacementState:
                 self.drop(h, model)
         for key in [k for k in self._seen if k[0] == host and k[1] not in status.loaded]:
             del self._seen[key]
-        for (h, model), since in list(self.unloading.items()):
-            if h == host and started >= since and model not in status.loaded:
+        for (h, model), unload in list(self.unloading.items()):
+            if h != host or started < unload.since:
+                continue
+            if model in status.loaded and unload.done:
+                unload.shown += 1
+            if model not in status.loaded or unload.shown >= 2:
                 self.unloading_ended(h, model, linger)
 
     def expire(self, bound: float) -> list[tuple[str, str]]:
@@ -262,7 +289,7 @@ class PlacementState:
         gone = [k for k, load in self.loading.items() if now - load.since >= bound]
         for key in gone:
             self.drop(*key)
-        for key in [k for k, since in self.unloading.items() if now - since >= bound]:
+        for key in [k for k, unload in self.unloading.items() if now - unload.since >= bound]:
             self.unloading_ended(*key)
         for key in [k for k, until in self._lingering.items() if until <= now]:
             del self._lingering[key]
