@@ -1100,7 +1100,24 @@ def _routes(c: _Checker, raw: Any, hosts: Mapping[str, Host]) -> dict[str, Route
             paths=_paths(c, f"{key}.paths", body.get("paths")),
             placement=_placement(c, f"{key}.placement", body),
         )
+        _warn_kept_fill(c, key, routes[name], hosts)
     return routes
+
+
+def _warn_kept_fill(c: _Checker, key: str, route: Route, hosts: Mapping[str, Host]) -> None:
+    """A warning when ``route``'s ``keep_loaded`` models are as many as the places its
+    hosts have in all (each host's ``models_max``; 0 is no limit): a kept model is never
+    evicted (docs/design.md §Where models live, rules 2 and 5), so once they are loaded a
+    request for any other model of the route waits for a place that never frees, and is
+    answered 503 after ``queue.timeout``."""
+    if route.placement is None or not route.placement.keep_loaded:
+        return
+    places = [hosts[h].models_max for h in route.hosts]
+    kept = len(route.placement.keep_loaded)
+    if 0 not in places and kept >= sum(places):
+        c.warn(f"{key}.placement.keep_loaded",
+               f"its {kept} model(s) fill every place of the route's hosts (models_max in all: {sum(places)}): "
+               "requests for any other model will wait for a place that never frees (503 after queue.timeout)")
 
 
 def _placement(c: _Checker, key: str, route: dict[str, Any]) -> PlacementSettings | None:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from crossbar.config import PlacementSettings
 from tests.test_config import _Case, _RouteCase, doc, parse
 
@@ -46,3 +48,19 @@ class ModelsMaxConfigTests(_Case):
                             "x.yaml: hosts.a.models_max: must be at least 0, not -1")
         self.assertRejected(doc(hosts={"a": {"url": "http://h", "models_max": 1.5}}),
                             "x.yaml: hosts.a.models_max: must be a whole number, not 1.5")
+
+    def test_kept_models_that_fill_every_place_are_warned_of(self) -> None:
+        """Kept models are never evicted: as many as the route's places leave no place for
+        another model (its requests wait, then 503): one warning line, the config loads."""
+        hosts = {"a": {"url": "http://h", "models_max": 1}, "b": {"url": "http://i", "models_max": 2}}
+
+        def warnings(kept: list[str], **extra: Any) -> tuple[str, ...]:
+            routes = {"r": {"hosts": ["a", "b"], "placement": {"keep_loaded": kept}}}
+            return parse(doc(hosts={**hosts, **extra}, routes=routes)).warnings
+
+        self.assertEqual(warnings(["m1", "m2"]), ())
+        self.assertEqual(warnings(["m1", "m2", "m3"]), (
+            "x.yaml: routes.r.placement.keep_loaded: its 3 model(s) fill every place of the route's hosts "
+            "(models_max in all: 3): requests for any other model will wait for a place that never frees "
+            "(503 after queue.timeout)",))
+        self.assertEqual(warnings(["m1", "m2", "m3"], b={"url": "http://i", "models_max": 0}), ())  # no limit
