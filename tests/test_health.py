@@ -290,6 +290,19 @@ class HostTextInTheLogTests(TestCase):
         self.assertEqual(line, "host a is healthy: 1 good poll(s) in a row (models: m\\x1b[31mRED, \\ud800)")
         line.encode("utf-8")  # no lone surrogate left
 
+    def test_a_host_listing_thousands_of_models_gets_a_short_line(self) -> None:
+        """The line names the first 20 loaded ids and counts the rest (a host listing
+        20,000 made a 180 KB line)."""
+        from twisted.logger import formatEvent
+
+        log = LogCapture(self)
+        t, _ = table(recovery_polls=1, hosts=("a",))
+        t.record_success("a", [f"m{i:05d}" for i in range(20_000)])
+        [event] = [e for e in log.events if "is healthy" in formatEvent(e)]
+        names = ", ".join(f"m{i:05d}" for i in range(20))
+        self.assertEqual(formatEvent(event),
+                         f"host a is healthy: 1 good poll(s) in a row (models: {names} and 19980 more)")
+        self.assertEqual(len(event["loaded"]), 20)
 
     def test_a_router_mode_host_says_how_many_models_it_can_load(self) -> None:
         """A router-mode host with nothing loaded is not "models: none": the line says

@@ -68,12 +68,18 @@ class LifeSign:
         self.at = float("-inf")
 
 
+LOGGED_MODELS = 20
+"""Loaded ids the "is healthy" line names at most (a host may list thousands)."""
+
+
 def models_text(status: HostStatus) -> str:
-    """The models of the "is healthy" line: the loaded ids (escaped: a host's text), then
-    how many are loading and how many the host can load on demand (a router-mode host
-    lists them all, most unloaded): ``tiny-a; 2 available``, ``none loaded; 3 available``;
-    ``none`` for a host that lists nothing."""
-    loaded = one_line(", ".join(status.loaded))
+    """The models of the "is healthy" line: the loaded ids (escaped: a host's text; the
+    first :data:`LOGGED_MODELS`, then how many more), then how many are loading and how
+    many the host can load on demand (a router-mode host lists them all, most unloaded):
+    ``tiny-a; 2 available``, ``none loaded; 3 available``; ``none`` for a host that lists
+    nothing."""
+    more = len(status.loaded) - LOGGED_MODELS
+    loaded = one_line(", ".join(status.loaded[:LOGGED_MODELS])) + (f" and {more} more" if more > 0 else "")
     counts = [f"{len(ids)} {what}" for ids, what in ((status.loading, "loading"), (status.available, "available"))
               if ids]
     if not counts:
@@ -247,7 +253,7 @@ class HealthTable:
                 self._log.info(
                     "host {host} is healthy: {reason} (models: {models})",
                     host=name, healthy=True, reason=f"{new.consecutive} good poll(s) in a row",
-                    loaded=[one_line(m) for m in new.loaded], models=models_text(new),
+                    loaded=[one_line(m) for m in new.loaded[:LOGGED_MODELS]], models=models_text(new),
                 )
             else:
                 self._log.warn(
