@@ -5,7 +5,10 @@ the loads crossbar caused with what the poll showed (rule 1), unloads the models
 polled host that fell idle (rule 4) and loads each ``keep_loaded`` model that no healthy
 host of its route holds (rule 5). At most one command is in flight per host, bounded by
 ``timeouts.first_byte``; a host whose command failed gets the next one only after its
-next poll (rule 6: retried at the next poll, never in a loop). Its :meth:`tick` (every
+next poll (rule 6: retried at the next poll, never in a loop). A load counts as loading
+from its command on, while the command is in flight too (rule 1), and as a load crossbar
+caused once the host accepted it (rule 7); failures are counted (:attr:`Placer.on_failure`)
+and logged by streak (:class:`~crossbar.state.placer_log.CommandLog`). Its :meth:`tick` (every
 :data:`TICK` seconds) only drops the loads older than ``timeouts.first_byte`` and wakes
 the requests waiting on a ``placement`` route (a spread is due after ``spread_after``,
 rule 3).
