@@ -16,18 +16,18 @@ import json
 from io import BytesIO
 from typing import Any, Protocol
 
-from twisted.internet.defer import Deferred, ensureDeferred
+from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
 from twisted.python.failure import Failure
 from twisted.web.http_headers import Headers
 from twisted.web.client import FileBodyProducer
 from twisted.web.iweb import IResponse
 
 from crossbar.config import Host
-from crossbar.hosts.poller import read_capped
+from crossbar.hosts.poller import BodyTooLarge, read_capped
 from crossbar.upstream.failures import describe_failure
 from crossbar.upstream.pools import UpstreamPools
 
-__all__ = ["ACTIONS", "CommandFailed", "HTTPModelCommands", "ModelCommands"]
+__all__ = ["ACTIONS", "FAILURES", "CommandFailed", "HTTPModelCommands", "ModelCommands", "http_failure"]
 
 ACTIONS = ("load", "unload")
 
@@ -35,12 +35,27 @@ _MAX_ANSWER = 64 * 1024
 """Bytes of a command's answer read at most (it is a few bytes of JSON)."""
 
 
-class CommandFailed(Exception):
-    """A command was not done; ``reason`` is one line (``HTTP 404``, the connection error)."""
+FAILURES = ("timeout", "http_4xx", "http_5xx", "http_other", "too_large", "connection", "error")
+"""The classes of a failed command (the ``failure`` label of
+``crossbar_model_command_failures_total``): no answer within ``timeouts.first_byte``, a
+status other than 2xx by its class, an answer over :data:`_MAX_ANSWER` bytes, the
+connection failed or was lost, anything else."""
 
-    def __init__(self, reason: str) -> None:
+
+class CommandFailed(Exception):
+    """A command was not done; ``reason`` is one line (``HTTP 404``, the connection
+    error), ``kind`` one of :data:`FAILURES`."""
+
+    def __init__(self, reason: str, kind: str = "error") -> None:
         super().__init__(reason)
         self.reason = reason
+        self.kind = kind
+
+
+def http_failure(code: int) -> CommandFailed:
+    """The failure of a command the host answered with status ``code`` (not 2xx)."""
+    kind = "http_4xx" if 400 <= code < 500 else "http_5xx" if 500 <= code < 600 else "http_other"
+    return CommandFailed(f"HTTP {code}", kind)
 
 
 class ModelCommands(Protocol):
@@ -48,8 +63,8 @@ class ModelCommands(Protocol):
 
     def send(self, host: Host, action: str, model: str) -> Deferred[None]:
         """Tell ``host`` to ``action`` (``load`` or ``unload``) model id ``model``;
-        fires once the host accepted it, fails with :class:`CommandFailed`; cancelling
-        it closes its connection."""
+        fires once the host accepted it (2xx), fails with :class:`CommandFailed`;
+        cancelling it closes its connection and fails it with ``CancelledError``."""
 
 
 class HTTPModelCommands:
@@ -79,11 +94,13 @@ class HTTPModelCommands:
             answer = await read_capped(response, _MAX_ANSWER)
         except Exception:
             failure = Failure()
-            if failure.check(CommandFailed):
-                raise
-            raise CommandFailed(describe_failure(failure)) from None
-        if response.code == 200:
+            if failure.check(CommandFailed, CancelledError):
+                raise  # cancelled: the caller's bound (timeouts.first_byte) or crossbar stopping
+            if failure.check(BodyTooLarge):
+                raise CommandFailed(describe_failure(failure), "too_large") from None
+            raise CommandFailed(describe_failure(failure), "connection") from None
+        if 200 <= response.code < 300:
             return
         if action == "load" and response.code == 400 and b"already running" in answer:
             return  # loaded or loading already: what was wanted
-        raise CommandFailed(f"HTTP {response.code}")
+        raise http_failure(response.code)

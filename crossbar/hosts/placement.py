@@ -20,8 +20,8 @@ from crossbar.config import Host, Route
 from crossbar.hosts.health import HostStatus
 
 __all__ = [
-    "InUse", "LastUse", "Placing", "evicted", "has_free_place", "idle_models", "keep_targets", "least_recent", "load_tier",
-    "model_id", "with_loading",
+    "InUse", "LastUse", "Placing", "evicted", "has_free_place", "idle_models", "keep_targets", "kept_ids", "least_recent",
+    "lists", "load_tier", "model_id", "unlisted_keeps", "with_loading",
 ]
 
 InUse = Callable[[str, str], int]
@@ -154,21 +154,54 @@ def keep_targets(
     host of the route has loaded or loading, on the host rule 2 picks among the healthy
     router-mode hosts listing it available that have no command in flight (``busy``) and
     are not draining; among those the least busy ((in flight + 1) / weight, route order
-    on ties). At most one per host."""
+    on ties). At most one per host, and one per model: a kept name and a host-reported
+    alias of it (§Model names) are one model, loaded once."""
     if route.placement is None:
         return []
     taken = set(busy)
     healthy = [h for h in route.hosts if h in hosts and h in statuses and statuses[h].healthy]
+    kept = kept_ids(route.placement.keep_loaded, [statuses[h] for h in healthy])
+    placed: set[str] = set()
     out: list[tuple[str, str]] = []
     for model in route.placement.keep_loaded:
-        if any(model_id(statuses[h], model) in (*statuses[h].loaded, *statuses[h].loading) for h in healthy):
+        ids = {model_id(statuses[h], model) for h in healthy}
+        if ids & placed or any(model_id(statuses[h], model) in (*statuses[h].loaded, *statuses[h].loading)
+                               for h in healthy):
             continue
         names = [h for h in healthy if h not in taken and h not in draining
                  and model_id(statuses[h], model) in statuses[h].available]
-        tier = load_tier(names, hosts, statuses, in_use, last_use, route.placement.keep_loaded)
+        tier = load_tier(names, hosts, statuses, in_use, last_use, kept)
         if not tier:
             continue
         host = min(tier, key=lambda h: ((inflight(h) + 1) / hosts[h].weight, route.hosts.index(h)))
         taken.add(host)
+        placed |= ids
         out.append((model_id(statuses[host], model), host))
     return out
+
+
+def kept_ids(names: Iterable[str], statuses: Iterable[HostStatus]) -> set[str]:
+    """Rules 4 and 5: the ``keep_loaded`` ``names`` and the ids ``statuses`` list them
+    under (a name may be a host-reported alias, §Model names): what is never unloaded
+    as idle nor evicted for a load."""
+    names = list(names)
+    return {*names, *(model_id(s, m) for s in statuses for m in names)}
+
+
+def lists(status: HostStatus, model: str) -> bool:
+    """Whether ``status`` lists ``model`` (loaded, loading or available), by id or by a
+    host-reported alias (§Model names)."""
+    mid = model_id(status, model)
+    return mid in status.loaded or mid in status.loading or mid in status.available
+
+
+def unlisted_keeps(route: Route, statuses: Mapping[str, HostStatus]) -> list[str] | None:
+    """Rule 5: the ``keep_loaded`` models of ``route`` that no host of the route lists
+    (id or alias), which crossbar can load nowhere; None until every host of the route
+    has had a good poll (``last_ok``), and for a route without ``placement``."""
+    if route.placement is None:
+        return None
+    listings = [statuses.get(h) for h in route.hosts]
+    if any(s is None or s.last_ok is None for s in listings):
+        return None
+    return [m for m in route.placement.keep_loaded if not any(s is not None and lists(s, m) for s in listings)]

@@ -42,7 +42,7 @@ from crossbar.hosturl import HostURL, host_url
 from crossbar.hosts.models import ModelList, ModelsError, parse_models
 from crossbar.waiting import Condition
 
-__all__ = ["MAX_POLL_BODY", "HTTPProbe", "HealthPoller", "IHostProbe", "PollCancelled", "PollFailed", "parse_slots"]
+__all__ = ["MAX_POLL_BODY", "BodyTooLarge", "HTTPProbe", "HealthPoller", "IHostProbe", "PollCancelled", "PollFailed", "parse_slots"]
 
 MAX_POLL_BODY = 1 << 20
 """Bytes read at most from a ``/health`` or ``/v1/models`` body (docs/design.md §health, rule 2)."""
@@ -82,15 +82,20 @@ class IHostProbe(Interface):
         (``props: ...``) when it cannot be read."""
 
 
-class _BodyTooLarge(Exception):
-    pass
+class BodyTooLarge(Exception):
+    """An answer went over the ``limit`` bytes :func:`read_capped` reads (its message
+    says so: ``answer over N bytes``)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"answer over {limit} bytes")
+        self.limit = limit
 
 
 class _CappedBody(Protocol):
     """Collects a response body of at most ``limit`` bytes.
 
     Past the limit it stops the transport (the connection is closed and nothing more is
-    read) and fails ``finished`` with :class:`_BodyTooLarge`. Cancelling ``finished``
+    read) and fails ``finished`` with :class:`BodyTooLarge`. Cancelling ``finished``
     closes the connection too, so a host dripping a body slowly keeps no socket open
     after the poll's timeout.
     """
@@ -117,7 +122,7 @@ class _CappedBody(Protocol):
         self._size += len(data)
         if self._size > self._limit:
             self._stop()
-            self.finished.errback(_BodyTooLarge())
+            self.finished.errback(BodyTooLarge(self._limit))
             return
         self._chunks.append(data)
 
@@ -146,11 +151,11 @@ def read_capped(response: IResponse, limit: int) -> Deferred[bytes]:
     A ``Content-Length`` over the limit fails at once without reading; a longer body is
     cut off at the limit. Either way the connection is closed.
 
-    :raises _BodyTooLarge: (as a failure) when the body exceeds ``limit`` bytes.
+    :raises BodyTooLarge: (as a failure) when the body exceeds ``limit`` bytes.
     """
     if response.length is not UNKNOWN_LENGTH and response.length > limit:
         response.deliverBody(_Discard())
-        return fail(_BodyTooLarge())
+        return fail(BodyTooLarge(limit))
     body = _CappedBody(limit)
     response.deliverBody(body)
     return body.finished
@@ -224,7 +229,7 @@ class HTTPProbe:
         body = b""
         try:
             body = await read_capped(response, MAX_POLL_BODY)
-        except _BodyTooLarge:
+        except BodyTooLarge:
             problem = f"{phase}: body larger than {MAX_POLL_BODY} bytes"
         except Exception:
             failure = Failure()

@@ -28,12 +28,13 @@ from crossbar.ops.dashboard import CSP, load_static, snapshot
 from crossbar.ops.metrics import CONTENT_TYPE_LATEST, Metrics
 from crossbar.ops.recent import RecentRequests
 from crossbar.errors import error_headers, json_error_bytes
-from crossbar.config import Host
+from crossbar.config import Host, Route
 from crossbar.hosts.health import HostStatus
+from crossbar.hosts.placement import unlisted_keeps
 from crossbar.state.placement import Move
 from crossbar.state.runtime import Runtime
 
-__all__ = ["EVENT_INTERVAL", "OpsApp", "rfc3339"]
+__all__ = ["EVENT_INTERVAL", "OpsApp", "rfc3339", "route_placement"]
 
 EVENT_INTERVAL = 1.0
 """Seconds between two events of the dashboard's stream (docs/design.md: at least every 2 s)."""
@@ -151,6 +152,7 @@ class OpsApp:
                 },
                 "keys": key_view(runtime, route),
                 "waiting": runtime.queues.status(name),  # per key, this process's queue (§Access)
+                "placement": route_placement(runtime, route),
             }
         doc: dict[str, Any] = {"hosts": hosts, "routes": routes}
         cluster = runtime.cluster
@@ -319,6 +321,17 @@ class OpsApp:
 
 def _move(move: Move | None) -> dict[str, object] | None:
     return None if move is None else {"model": move.model, "reason": move.reason, "at": rfc3339(move.at)}
+
+
+def route_placement(runtime: Runtime, route: Route) -> dict[str, object] | None:
+    """A route's ``placement`` in the status (docs/design.md §Where models live, rules 5
+    and 7): its ``keep_loaded`` models and those of them no host of the route lists
+    (``unlisted``: crossbar can load them nowhere; empty until every host of the route
+    had a good poll); None without ``placement``."""
+    if route.placement is None:
+        return None
+    return {"keep_loaded": list(route.placement.keep_loaded),
+            "unlisted": unlisted_keeps(route, runtime.table.all()) or []}
 
 
 def _placement(runtime: Runtime, name: str, host: Host | None, status: HostStatus) -> dict[str, object]:

@@ -185,6 +185,12 @@ class Metrics:
             "crossbar_model_unloads", "Unloads crossbar caused on router-mode hosts, by reason (idle).",
             ("host", "model", "reason"), registry=r,
         )
+        self.model_command_failures = Counter(
+            "crossbar_model_command_failures", "Load and unload commands to router-mode hosts that failed "
+            "(retried at the host's next poll), by action and failure: timeout (no answer within "
+            "timeouts.first_byte), http_4xx, http_5xx, http_other (the host refused it), too_large (an answer "
+            "over 64 KiB), connection, error.", ("host", "action", "failure"), registry=r,
+        )
         self.model_load_seconds = Histogram(
             "crossbar_model_load_seconds", "Time from a load crossbar caused to the poll that shows the model loaded.",
             ("host", "model"), buckets=(0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600), registry=r,

@@ -168,6 +168,8 @@ class CrossbarService(MultiService):
         # docs/design.md §Where models live: loads and unloads on router-mode hosts.
         self.placer = Placer(runtime, HTTPModelCommands(self.pools), reactor)
         runtime.placement.on_move = _count_moves(self.metrics)
+        self.placer.on_failure = lambda host, action, failure: self.metrics.model_command_failures.labels(
+            host, action, failure).inc()
         runtime.placement.on_loaded = lambda host, model, seconds: self.metrics.model_load_seconds.labels(
             host, model).observe(seconds)
         self.proxy = ProxyResource(runtime, self.pools, reactor, self.requests)

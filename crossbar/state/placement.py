@@ -314,3 +314,25 @@ class PlacementState:
         for moves in (self.last_load, self.last_unload):
             for host in [h for h in moves if h not in keep]:
                 del moves[host]
+
+    # -- the Placer's load commands (rule 7: counted once the host accepted them) ----------
+
+    def command_started(self, host: str, model: str, reason: str, evicts: str | None = None) -> None:
+        """A load command for ``model`` is on its way to ``host``: it counts as loading at
+        once (rule 1), ``evicts`` as unloaded, as :meth:`started` does; but it is no load
+        crossbar caused yet (no :attr:`last_load`, no :attr:`on_move`): that is
+        :meth:`command_accepted`, when the host said yes (a refused command loads nothing)."""
+        if (host, model) not in self.loading:
+            self.loading[(host, model)] = Load(self.now(), reason, evicts)
+            self._lingering.pop((host, model), None)
+            if self.share is not None:
+                self.share.publish_loading(host, model, True)
+
+    def command_accepted(self, host: str, model: str, reason: str) -> None:
+        """``host`` accepted the load command for ``model`` (2xx): a load crossbar caused,
+        for the status, the dashboard and the metrics (rule 7); its time is when the
+        command was sent (the mark's start), else now."""
+        load = self.loading.get((host, model))
+        self.last_load[host] = Move(model, reason, self.now() if load is None else load.since)
+        if self.on_move is not None:
+            self.on_move(host, model, "load", reason)

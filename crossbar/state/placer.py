@@ -5,7 +5,10 @@ the loads crossbar caused with what the poll showed (rule 1), unloads the models
 polled host that fell idle (rule 4) and loads each ``keep_loaded`` model that no healthy
 host of its route holds (rule 5). At most one command is in flight per host, bounded by
 ``timeouts.first_byte``; a host whose command failed gets the next one only after its
-next poll (rule 6: retried at the next poll, never in a loop). Its :meth:`tick` (every
+next poll (rule 6: retried at the next poll, never in a loop). A load counts as loading
+from its command on, while the command is in flight too (rule 1), and as a load crossbar
+caused once the host accepted it (rule 7); failures are counted (:attr:`Placer.on_failure`)
+and logged by streak (:class:`~crossbar.state.placer_log.CommandLog`). Its :meth:`tick` (every
 :data:`TICK` seconds) only drops the loads older than ``timeouts.first_byte`` and wakes
 the requests waiting on a ``placement`` route (a spread is due after ``spread_after``,
 rule 3).
@@ -13,9 +16,10 @@ rule 3).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
-from twisted.internet.defer import Deferred
+from twisted.internet import defer
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
@@ -23,11 +27,12 @@ from twisted.python.failure import Failure
 
 from crossbar.config import one_line
 from crossbar.hosts.commands import CommandFailed, ModelCommands
-from crossbar.hosts.placement import evicted, idle_models, keep_targets
+from crossbar.hosts.placement import evicted, idle_models, keep_targets, kept_ids, unlisted_keeps
+from crossbar.state.placer_log import CommandLog
 from crossbar.state.runtime import Runtime
 from crossbar.upstream.failures import describe_failure
 
-__all__ = ["Placer", "TICK"]
+__all__ = ["Placer", "TICK", "command_failure"]
 
 TICK = 0.25
 """Seconds between two looks at the waiting requests of ``placement`` routes."""
@@ -40,7 +45,11 @@ class Placer:
         loads crossbar caused: ``runtime.placement``).
     :param commands: sends the commands (:class:`~crossbar.hosts.commands.HTTPModelCommands`).
     :param clock: the reactor (bounds the commands).
-    :ivar busy: host -> its command in flight.
+    :ivar busy: host -> its command in flight; :ivar sending: host -> that command's
+        (action, model id).
+    :ivar log: the streaks of failed and unseen commands, and what they log.
+    :ivar on_failure: called with (host, action, failure class) for every command that
+        failed (the metrics).
     """
 
     _log = Logger(namespace="crossbar.placement")
@@ -50,6 +59,10 @@ class Placer:
         self.commands = commands
         self.clock = clock
         self.busy: dict[str, Deferred[None]] = {}
+        self.sending: dict[str, tuple[str, str]] = {}
+        self._accepted: dict[tuple[str, str], float] = {}
+        self.log = CommandLog()
+        self.on_failure: Callable[[str, str, str], None] | None = None
         self._cooling: set[str] = set()
         self._ticks = LoopingCall(self.tick)
         self._ticks.clock = clock
@@ -58,6 +71,7 @@ class Placer:
         """Run :meth:`tick` every :data:`TICK` s while some route has ``placement`` (after
         start-up, and again after each reload): a fleet without it pays no timer."""
         wanted = any(r.placement is not None for r in self.runtime.config.routes.values())
+        self.log.forget(self.runtime.config.hosts)
         if wanted and not self._ticks.running:
             self._ticks.start(TICK, now=False)
         elif not wanted and self._ticks.running:
@@ -70,23 +84,47 @@ class Placer:
         status = runtime.table.get(host)
         if ok and status is not None:
             health = runtime.config.health  # the others' polls show the load within a round
-            runtime.placement.polled(host, status, self.clock.seconds() - took, health.interval + health.timeout,
-                                     runtime.inflight.host_model)
+            started = self.clock.seconds() - took
+            runtime.placement.polled(host, status, started, health.interval + health.timeout,
+                                     lambda h, m: runtime.inflight.host_model(h, m) or self._commanded(h, m, started))
+            for key in [k for k, at in self._accepted.items() if k[0] == host and at <= started]:
+                del self._accepted[key]
+            self.log.polled(host, status)
+            self._check_keeps(host)
         self.act(host)
+
+    def _commanded(self, host: str, model: str, started: float) -> int:
+        """Rule 1: 1 while the load command for ``model`` is in flight to ``host``, or the
+        host accepted it after the poll that started at ``started`` did (that poll could
+        not show it loading yet); else 0. The mark still ends on the command's failure
+        or after ``timeouts.first_byte``."""
+        in_flight = self.sending.get(host) == ("load", model)
+        return int(in_flight or self._accepted.get((host, model), float("-inf")) > started)
+
+    def _check_keeps(self, host: str) -> None:
+        """Rule 5: after a good poll of ``host``, warn of the ``keep_loaded`` models of its
+        routes that no host of the route lists (once every host of it was polled)."""
+        statuses = self.runtime.table.all()
+        for route in self.runtime.config.routes.values():
+            if route.placement is None or host not in route.hosts:
+                continue
+            missing = unlisted_keeps(route, statuses)
+            if missing is not None:
+                self.log.keep_unlisted(route.name, missing, route.placement.keep_loaded)
 
     def act(self, polled: str | None = None) -> None:
         """Rules 4 and 5 now: unload the idle models of ``polled`` (one command), load
-        the kept models nobody holds (one command per host)."""
+        the kept models nobody holds (one command per host; each route looks after the
+        loads the routes before it sent: two routes keeping one model load it once)."""
         runtime = self.runtime
         config = runtime.config
         routes = [r for r in config.routes.values() if r.placement is not None]
         if not routes:
             return
         placement = runtime.placement
-        statuses = placement.overlay(runtime.table.all(), {m for r in routes if r.placement is not None
-                                                           for m in r.placement.keep_loaded})
-        now = self.clock.seconds()
+        wanted = {m for r in routes if r.placement is not None for m in r.placement.keep_loaded}
         for route in routes:
+            statuses = placement.overlay(runtime.table.all(), wanted)
             targets = keep_targets(route, config.hosts, statuses, set(self.busy) | self._cooling,
                                    runtime.inflight.host, runtime.inflight.host_model, placement.last_use,
                                    runtime.drained)
@@ -94,21 +132,25 @@ class Placer:
                 self._send(host, "load", model, "keep")
         if polled is None or polled in self.busy or polled in self._cooling:
             return
-        status = statuses.get(polled)
+        status = placement.overlay(runtime.table.all(), wanted).get(polled)
         if status is None or not status.healthy or not status.router or polled not in config.hosts:
             return
         idle_after = [r.placement.idle_unload for r in routes
                       if polled in r.hosts and r.placement is not None and r.placement.idle_unload is not None]
         if not idle_after:
             return
-        kept = {m for r in routes if polled in r.hosts and r.placement is not None for m in r.placement.keep_loaded}
-        idle = [m for m in idle_models(polled, status, min(idle_after), kept, now, runtime.inflight.host_model,
-                                       placement.idle_since) if not placement.others_unloading(polled, m)]
+        kept = kept_ids((m for r in routes if polled in r.hosts and r.placement is not None
+                         for m in r.placement.keep_loaded), [status])
+        idle = [m for m in idle_models(polled, status, min(idle_after), kept, self.clock.seconds(),
+                                       runtime.inflight.host_model, placement.idle_since)
+                if not placement.others_unloading(polled, m)]
         if idle:
             self._send(polled, "unload", idle[0], "idle")
 
     def _send(self, name: str, action: str, model: str, reason: str) -> None:
-        """One command to host ``name``, counted and bounded (rule 6)."""
+        """One command to host ``name``, bounded by ``timeouts.first_byte`` (rule 6); a
+        load counts as loading at once (rule 1), and as a load crossbar caused once the
+        host accepted it (rule 7)."""
         runtime = self.runtime
         host = runtime.config.hosts.get(name)
         if host is None or name in self.busy:
@@ -116,36 +158,53 @@ class Placer:
         if action == "load":
             status = runtime.placement.overlay(runtime.table.all()).get(name)
             evicts = None if status is None else evicted(name, host, status, runtime.placement.last_use)
-            runtime.placement.started(name, model, reason, evicts)
+            runtime.placement.command_started(name, model, reason, evicts)
         else:
             runtime.placement.unloading_started(name, model)
-        self._log.info("host {host}: {action} {model} ({reason})", host=name, action=action, model=one_line(model),
-                       reason=reason)
+        if not self.log.quiet(name, action, model):
+            self._log.info("host {host}: {action} {model} ({reason})", host=name, action=action,
+                           model=one_line(model), reason=reason)
         try:
             d = self.commands.send(host, action, model)
         except Exception:
             d = Deferred()
             d.errback(Failure())
         self.busy[name] = d
-        d.addTimeout(runtime.config.timeouts.first_byte, self.clock)
+        self.sending[name] = (action, model)
+        bound = runtime.config.timeouts.first_byte
+        d.addTimeout(bound, self.clock)
+        d.addBoth(lambda result: self._done(name, d, action, model, reason, bound, result))
 
-        def done(result: Any) -> None:
-            if self.busy.get(name) is d:
-                del self.busy[name]
-            if not isinstance(result, Failure) and action == "unload":
+    def _done(self, name: str, d: Deferred[None], action: str, model: str, reason: str, bound: float,
+              result: Any) -> None:
+        """The command ``d`` to host ``name`` ended with ``result`` (None, or a failure
+        after ``bound`` seconds at most): counted if the host accepted it, else logged
+        (:class:`~crossbar.state.placer_log.CommandLog`), counted as failed and its mark
+        ended; the host gets its next command after its next poll (rule 6)."""
+        runtime = self.runtime
+        if self.busy.get(name) is d:
+            del self.busy[name]
+            del self.sending[name]
+        if not isinstance(result, Failure):
+            self.log.accepted(name, action, model)
+            if action == "load":
+                self._accepted[(name, model)] = self.clock.seconds()
+                runtime.placement.command_accepted(name, model, reason)
+            else:
                 runtime.placement.unloaded(name, model, reason)
-            if isinstance(result, Failure):
-                reason_text = result.value.reason if isinstance(result.value, CommandFailed) else describe_failure(result)
-                self._log.warn("host {host}: {action} {model} failed: {reason} (again after its next poll)",
-                               host=name, action=action, model=one_line(model), reason=one_line(reason_text))
-                if action == "load":
-                    runtime.placement.drop(name, model)
-                else:
-                    runtime.placement.unloading_ended(name, model)
-                self._cooling.add(name)
-                runtime.queues.wake()
-
-        d.addBoth(done)
+            return
+        if result.check(CancelledError):
+            return  # crossbar is stopping (stop): no failure of the host's
+        text, kind = command_failure(result, bound)
+        self.log.failed(name, action, model, text)
+        if self.on_failure is not None:
+            self.on_failure(name, action, kind)
+        if action == "load":
+            runtime.placement.drop(name, model)
+        else:
+            runtime.placement.unloading_ended(name, model)
+        self._cooling.add(name)
+        runtime.queues.wake()
 
     def tick(self) -> None:
         """Drop the loads older than ``timeouts.first_byte`` (rule 1), and let the
@@ -160,6 +219,16 @@ class Placer:
         """Stop the ticks and cancel the commands in flight (crossbar is stopping)."""
         if self._ticks.running:
             self._ticks.stop()
-        busy, self.busy = self.busy, {}
+        busy, self.busy, self.sending = self.busy, {}, {}
         for d in busy.values():
             d.cancel()
+
+
+def command_failure(failure: Failure, bound: float) -> tuple[str, str]:
+    """(one line, class of :data:`~crossbar.hosts.commands.FAILURES`) for a failed
+    command bounded by ``bound`` seconds (``timeouts.first_byte``)."""
+    if failure.check(defer.TimeoutError):  # the bound cancelled it
+        return f"no answer within {bound:g} s", "timeout"
+    if isinstance(failure.value, CommandFailed):
+        return failure.value.reason, failure.value.kind
+    return describe_failure(failure), "error"
