@@ -58,6 +58,16 @@ class DecisionTests(SynchronousTestCase):
         self.assertEqual(load_tier("ab", HOSTS, statuses, in_use, last), ["b"])
         self.assertEqual(load_tier("a", HOSTS, statuses, in_use, last), [])
 
+    def test_load_tier_never_evicts_a_model_kept_under_its_alias(self) -> None:
+        """Rule 5: ``keep_loaded: [alias-of-b1]`` keeps b1 (the host reports the alias):
+        a load never evicts it, as it never evicts a model kept by its id."""
+        statuses = {h: router(**{f"{h}1": "loaded", f"{h}2": "loaded", "x": "unloaded"}) for h in "ab"}
+        uses = {("a", "a1"): 8.0, ("a", "a2"): 9.0, ("b", "b1"): 3.0, ("b", "b2"): 9.0}
+        last = lambda h, m: uses.get((h, m))  # noqa: E731
+        self.assertEqual(load_tier("ab", HOSTS, statuses, none_in_use, last), ["b"])
+        self.assertEqual(load_tier("ab", HOSTS, statuses, none_in_use, last, kept=("b1",)), ["a"])
+        self.assertEqual(load_tier("ab", HOSTS, statuses, none_in_use, last, kept=("alias-of-b1",)), ["a"])
+
     def test_load_tier_evicts_the_model_asked_for_longest_ago(self) -> None:
         statuses = {h: router(**{f"{h}1": "loaded", f"{h}2": "loaded", "x": "unloaded"}) for h in "abc"}
         uses = {("a", "a1"): 8.0, ("a", "a2"): 9.0, ("b", "b1"): 3.0, ("b", "b2"): 9.0,

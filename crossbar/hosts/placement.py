@@ -110,7 +110,8 @@ def load_tier(
 ) -> list[str]:
     """Rule 2: of ``names`` (hosts that would load the model), those with a free place;
     else, of the hosts whose least recently used model has no request in flight, none
-    ``waiting`` for it (when given) and is not ``kept`` (a ``keep_loaded`` model, rule 5:
+    ``waiting`` for it (when given) and is not ``kept`` (a ``keep_loaded`` name, or the id
+    the host lists it under: rule 5:
     evicting it would only load it again), those whose such model crossbar sent a request
     to least recently: the load evicts the model of the fleet asked for longest ago, as
     one box evicts its own least recently used (a model asked for a moment ago would be
@@ -123,7 +124,8 @@ def load_tier(
     idle: dict[str, float] = {}
     for h in names:
         lru = least_recent(h, statuses[h], last_use)
-        if lru is not None and lru not in kept and in_use(h, lru) == 0 and not (waiting and waiting(lru)):
+        if (lru is not None and lru not in kept_ids(kept, (statuses[h],)) and in_use(h, lru) == 0
+                and not (waiting and waiting(lru))):
             idle[h] = _seconds(last_use(h, lru))
     oldest = min(idle.values(), default=None)
     return [h for h in idle if idle[h] == oldest]
