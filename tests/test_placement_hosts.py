@@ -178,7 +178,7 @@ class PlacementHostsTests(TestCase):
             status: Any = await treq.json_content(await http_client(self).get(base + "/_crossbar/status"))
             self.assertEqual(status["hosts"]["a"]["last_unload"]["reason"], "idle")
             self.assertEqual(status["hosts"]["a"]["models_max"], 2)
-            self.assertEqual(status["hosts"]["a"]["models"]["m2"], {"inflight": 0, "last_use": None})
+            self.assertEqual(status["hosts"]["a"]["models"]["m2"], {"inflight": 0, "last_use": None, "unloading": False})
             metrics = (await treq.content(await http_client(self).get(base + "/_crossbar/metrics"))).decode()
             self.assertIn('crossbar_model_unloads_total{host="a",model="m1",reason="idle"} 1.0', metrics)
         return ensureDeferred(go())

@@ -285,3 +285,75 @@ class CommandTextTests(TestCase):
             self.assertEqual(self.warned(log), ["host a: load m1 failed: answer over 65536 bytes "
                                                 "(again after its next poll)"])
         return ensureDeferred(go())
+
+
+class IdleUnloadTests(_Case):
+    """Rule 4 against hosts that answer an unload and keep the model, or never answer,
+    and while crossbar drains (found by an attack run: a re-unload every poll, every
+    request for the model answered 503)."""
+
+    routes = "  r: {hosts: [a], placement: {idle_unload: 10}}\n"
+    hosts = "a"
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.list("a", m1="loaded", m2="unloaded")
+
+    def unloads(self) -> list[tuple[str, str, str]]:
+        return [c for c in self.commands.sent if c[1] == "unload"]
+
+    def test_a_host_that_answers_the_unload_and_keeps_the_model_is_not_told_again_at_once(self) -> None:
+        log = LogCapture(self)
+        self.poll("a")  # m1 first seen loaded at 100
+        self.clock.advance(10)
+        self.poll("a")
+        self.assertEqual(self.unloads(), [("a", "unload", "m1")])
+        self.commands.answer()  # {"success": true}, and m1 stays
+        for _ in range(2):
+            self.clock.advance(1)
+            self.poll("a")
+        self.assertEqual(self.runtime.placement.unloading, {})  # the mark ended: m1 takes requests
+        self.assertEqual(self.failures, [("a", "unload", "kept")])
+        for _ in range(9):
+            self.clock.advance(1)
+            self.poll("a")
+        self.assertEqual(self.unloads(), [("a", "unload", "m1")])  # not before another idle_unload
+        self.clock.advance(1)
+        self.poll("a")
+        self.assertEqual(self.unloads(), [("a", "unload", "m1")] * 2)
+        warnings = [formatEvent(e) for e in log.events if e["log_level"] is LogLevel.warn]
+        self.assertEqual(warnings, ["host a: unload m1 failed: the host answered it but still lists the model "
+                                    "loaded (not again before another idle_unload)"])
+
+    def test_a_failed_unload_waits_another_idle_unload(self) -> None:
+        self.poll("a")
+        self.clock.advance(10)
+        self.poll("a")
+        self.commands.answer(CommandFailed("HTTP 500", "http_5xx"))
+        for _ in range(9):
+            self.clock.advance(1)
+            self.poll("a")
+        self.assertEqual(self.unloads(), [("a", "unload", "m1")])
+        self.clock.advance(1)
+        self.poll("a")
+        self.assertEqual(self.unloads(), [("a", "unload", "m1")] * 2)
+
+    def test_a_model_a_queued_request_waits_for_is_not_idle(self) -> None:
+        class Waiter:
+            route_name, queued_at, model, key = "r", 100.0, "m1", ""
+
+            def retry(self) -> bool:
+                return False
+
+        self.runtime.queues.add(Waiter())  # type: ignore[arg-type]
+        self.poll("a")
+        self.clock.advance(30)
+        self.poll("a")
+        self.assertEqual(self.unloads(), [])
+
+    def test_a_draining_crossbar_unloads_nothing(self) -> None:
+        self.poll("a")
+        self.clock.advance(30)
+        self.runtime.draining = True
+        self.poll("a")
+        self.assertEqual(self.unloads(), [])

@@ -35,11 +35,12 @@ _MAX_ANSWER = 64 * 1024
 """Bytes of a command's answer read at most (it is a few bytes of JSON)."""
 
 
-FAILURES = ("timeout", "http_4xx", "http_5xx", "http_other", "too_large", "connection", "error")
+FAILURES = ("timeout", "http_4xx", "http_5xx", "http_other", "too_large", "connection", "error", "kept")
 """The classes of a failed command (the ``failure`` label of
 ``crossbar_model_command_failures_total``): no answer within ``timeouts.first_byte``, a
 status other than 2xx by its class, an answer over :data:`_MAX_ANSWER` bytes, the
-connection failed or was lost, anything else."""
+connection failed or was lost, anything else, and an unload the host answered but two
+polls after still listed the model loaded (``kept``)."""
 
 
 class CommandFailed(Exception):

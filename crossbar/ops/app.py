@@ -336,14 +336,17 @@ def route_placement(runtime: Runtime, route: Route) -> dict[str, object] | None:
 
 def _placement(runtime: Runtime, name: str, host: Host | None, status: HostStatus) -> dict[str, object]:
     """Where models live (docs/design.md §Where models live, rule 7): a router-mode host's
-    ``models_max``, per loaded model its requests in flight and last use (the last
-    request crossbar sent it there), and the last load and unload crossbar caused there
-    with their reason."""
+    ``models_max``, per loaded model its requests in flight, last use (the last request
+    crossbar sent it there) and whether an unload of it there is under way (rule 4: it
+    takes no request meanwhile), and the last load and unload crossbar caused there with
+    their reason."""
     placement = runtime.placement
     return {
         "models_max": host.models_max if host is not None and status.router else None,
         "models": {m: {"inflight": runtime.inflight.host_model(name, m),
-                       "last_use": rfc3339(placement.last_use(name, m))} for m in status.loaded} if status.router else {},
+                       "last_use": rfc3339(placement.last_use(name, m)),
+                       "unloading": (name, m) in placement.unloading or placement.others_unloading(name, m)}
+                   for m in status.loaded} if status.router else {},
         "last_load": _move(placement.last_load.get(name)),
         "last_unload": _move(placement.last_unload.get(name)),
     }

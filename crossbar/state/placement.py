@@ -11,13 +11,13 @@ commands are :class:`crossbar.state.placer.Placer`'s), the clock is injected.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Iterable, Mapping, NamedTuple
 
 from crossbar.hosts.health import HostStatus
 from crossbar.hosts.placement import InUse, model_id, with_loading
 from crossbar.state.placement_share import PlacementShare
 
-__all__ = ["Load", "Move", "PlacementState", "REASONS", "Unload"]
+__all__ = ["Load", "Move", "PlacementState", "REASONS", "Settled", "Unload"]
 
 REASONS = ("request", "spread", "keep", "idle")
 """Why a model was loaded (``request``, ``spread``, ``keep``) or unloaded (``idle``)."""
@@ -53,6 +53,17 @@ class Unload:
     since: float
     done: bool = False
     shown: int = 0
+
+
+class Settled(NamedTuple):
+    """The unloads one poll settled (:meth:`PlacementState.polled`, rule 4).
+
+    :ivar gone: the models the poll shows gone; :ivar kept: those the host answered
+        the unload of and still lists loaded, two polls on.
+    """
+
+    gone: list[str]
+    kept: list[str]
 
 
 @dataclass(frozen=True)
@@ -99,6 +110,7 @@ class PlacementState:
         self._lingering: dict[tuple[str, str], float] = {}
         self.unloading: dict[tuple[str, str], Unload] = {}
         self._unload_lingering: dict[tuple[str, str], float] = {}
+        self._refused: dict[tuple[str, str], float] = {}
 
     def last_use(self, host: str, model: str) -> float | None:
         """Clock seconds of the last request crossbar (any process sharing, rule 7) sent
@@ -111,9 +123,13 @@ class PlacementState:
 
     def idle_since(self, host: str, model: str) -> float | None:
         """Since when ``model`` on ``host`` is unused by crossbar: its last request, else
-        the first poll that showed it loaded; None when neither is known (rule 4)."""
+        the first poll that showed it loaded; or, when later, the moment an unload of it
+        there failed or the host kept it (:meth:`unload_refused`: its idle time starts
+        again, so it is not unloaded again at once); None when none is known (rule 4)."""
         used = self.last_use(host, model)
-        return used if used is not None else self._seen.get((host, model))
+        since = used if used is not None else self._seen.get((host, model))
+        refused = self._refused.get((host, model))
+        return refused if refused is not None and (since is None or refused > since) else since
 
     def overlay(self, statuses: Mapping[str, HostStatus], wanted: Iterable[str] = ()) -> Mapping[str, HostStatus]:
         """Rules 1 and 4: ``statuses`` with every load crossbar caused and no poll settled
@@ -230,6 +246,13 @@ class PlacementState:
                 self._unload_lingering.pop((host, model), None)
                 self.share.publish_unloading(host, model, False)
 
+    def unload_refused(self, host: str, model: str) -> None:
+        """The unload of ``model`` on ``host`` failed, or the host answered it and kept
+        the model (rule 4): the mark ends, and the model's idle time starts again from
+        now, so the next unload of it there waits a whole ``idle_unload``."""
+        self.unloading_ended(host, model)
+        self._refused[(host, model)] = self.now()
+
     def unloaded(self, host: str, model: str, reason: str) -> None:
         """``host`` answered crossbar's unload of ``model`` (rule 4); it stays counted as
         not loaded until a poll that starts from now shows it gone (or a second one
@@ -244,7 +267,7 @@ class PlacementState:
             self.on_move(host, model, "unload", reason)
 
     def polled(self, host: str, status: HostStatus, started: float, linger: float = 0.0,
-               in_use: InUse | None = None) -> None:
+               in_use: InUse | None = None) -> Settled:
         """A good poll of ``host`` that started at clock second ``started`` listed
         ``status``: a load it shows loaded is done (its time observed; the other
         processes see it loading ``linger`` seconds more, until their polls show it
@@ -258,8 +281,10 @@ class PlacementState:
         the model gone, or when a second poll started after the host answered still
         lists it loaded (the host kept it, or something loaded it again: without this
         the mark would hold the model away from the host until ``timeouts.first_byte``)
-        (rule 4)."""
+        (rule 4): then its idle time starts again (:meth:`unload_refused`). Returns the
+        unloads of this process it settled: the models gone, and those the host kept."""
         now = self.now()
+        settled = Settled([], [])
         for model in status.loaded:
             self._seen.setdefault((host, model), now)
         for (h, model), load in list(self.loading.items()):
@@ -271,15 +296,21 @@ class PlacementState:
                     self.on_loaded(host, model, max(0.0, now - load.since))
             elif model not in status.loading and started >= load.since and not (in_use and in_use(h, model)):
                 self.drop(h, model)
-        for key in [k for k in self._seen if k[0] == host and k[1] not in status.loaded]:
-            del self._seen[key]
+        for table in (self._seen, self._refused):
+            for key in [k for k in table if k[0] == host and k[1] not in status.loaded]:
+                del table[key]
         for (h, model), unload in list(self.unloading.items()):
             if h != host or started < unload.since:
                 continue
-            if model in status.loaded and unload.done:
-                unload.shown += 1
-            if model not in status.loaded or unload.shown >= 2:
+            if model not in status.loaded:
                 self.unloading_ended(h, model, linger)
+                settled.gone.append(model)
+            elif unload.done:
+                unload.shown += 1
+                if unload.shown >= 2:
+                    self.unload_refused(h, model)
+                    settled.kept.append(model)
+        return settled
 
     def expire(self, bound: float) -> list[tuple[str, str]]:
         """Drop the loads (rule 1) and the unloads (rule 4) older than ``bound`` seconds
@@ -308,7 +339,7 @@ class PlacementState:
             self.drop(*key)
         for key in [k for k in self.unloading if k[0] not in keep]:
             self.unloading_ended(*key)
-        for table in (self._used, self._seen):
+        for table in (self._used, self._seen, self._refused):
             for key in [k for k in table if k[0] not in keep]:
                 del table[key]
         for moves in (self.last_load, self.last_unload):

@@ -27,12 +27,17 @@ from twisted.python.failure import Failure
 
 from crossbar.config import one_line
 from crossbar.hosts.commands import CommandFailed, ModelCommands
+from crossbar.hosts.health import HostStatus
 from crossbar.hosts.placement import evicted, idle_models, keep_targets, kept_ids, unlisted_keeps
 from crossbar.state.placer_log import CommandLog
 from crossbar.state.runtime import Runtime
 from crossbar.upstream.failures import describe_failure
 
 __all__ = ["Placer", "TICK", "command_failure"]
+
+AGAIN_LOAD = "again after its next poll"
+AGAIN_UNLOAD = "not again before another idle_unload"
+"""What the log says of a failed load (rule 6) and of a failed or kept unload (rule 4)."""
 
 TICK = 0.25
 """Seconds between two looks at the waiting requests of ``placement`` routes."""
@@ -85,8 +90,16 @@ class Placer:
         if ok and status is not None:
             health = runtime.config.health  # the others' polls show the load within a round
             started = self.clock.seconds() - took
-            runtime.placement.polled(host, status, started, health.interval + health.timeout,
-                                     lambda h, m: runtime.inflight.host_model(h, m) or self._commanded(h, m, started))
+            settled = runtime.placement.polled(
+                host, status, started, health.interval + health.timeout,
+                lambda h, m: runtime.inflight.host_model(h, m) or self._commanded(h, m, started))
+            for model in settled.gone:
+                self.log.accepted(host, "unload", model)
+            for model in settled.kept:  # answered, yet still loaded: its idle time starts again (rule 4)
+                self.log.failed(host, "unload", model, "the host answered it but still lists the model loaded",
+                                AGAIN_UNLOAD)
+                if self.on_failure is not None:
+                    self.on_failure(host, "unload", "kept")
             for key in [k for k, at in self._accepted.items() if k[0] == host and at <= started]:
                 del self._accepted[key]
             self.log.polled(host, status)
@@ -130,8 +143,8 @@ class Placer:
                                    runtime.drained)
             for model, host in targets:
                 self._send(host, "load", model, "keep")
-        if polled is None or polled in self.busy or polled in self._cooling:
-            return
+        if polled is None or polled in self.busy or polled in self._cooling or runtime.draining:
+            return  # a draining crossbar unloads nothing: a newer one may be using the models
         status = placement.overlay(runtime.table.all(), wanted).get(polled)
         if status is None or not status.healthy or not status.router or polled not in config.hosts:
             return
@@ -143,9 +156,16 @@ class Placer:
                          for m in r.placement.keep_loaded), [status])
         idle = [m for m in idle_models(polled, status, min(idle_after), kept, self.clock.seconds(),
                                        runtime.inflight.host_model, placement.idle_since)
-                if not placement.others_unloading(polled, m)]
+                if not placement.others_unloading(polled, m) and not self._wanted(status, m)]
         if idle:
             self._send(polled, "unload", idle[0], "idle")
+
+    def _wanted(self, status: HostStatus, model: str) -> bool:
+        """Whether a request waiting in a queue wants ``model`` (an id of ``status``), by
+        its id or an alias the host reports for it: such a model is in use, not idle
+        (rule 4)."""
+        waiting = self.runtime.queues.waiting_for
+        return bool(waiting(model)) or any(waiting(a) for a, m in status.aliases.items() if m == model)
 
     def _send(self, name: str, action: str, model: str, reason: str) -> None:
         """One command to host ``name``, bounded by ``timeouts.first_byte`` (rule 6); a
@@ -186,8 +206,8 @@ class Placer:
             del self.busy[name]
             del self.sending[name]
         if not isinstance(result, Failure):
-            self.log.accepted(name, action, model)
             if action == "load":
+                self.log.accepted(name, action, model)
                 self._accepted[(name, model)] = self.clock.seconds()
                 runtime.placement.command_accepted(name, model, reason)
             else:
@@ -196,13 +216,13 @@ class Placer:
         if result.check(CancelledError):
             return  # crossbar is stopping (stop): no failure of the host's
         text, kind = command_failure(result, bound)
-        self.log.failed(name, action, model, text)
+        self.log.failed(name, action, model, text, AGAIN_UNLOAD if action == "unload" else AGAIN_LOAD)
         if self.on_failure is not None:
             self.on_failure(name, action, kind)
         if action == "load":
             runtime.placement.drop(name, model)
         else:
-            runtime.placement.unloading_ended(name, model)
+            runtime.placement.unload_refused(name, model)  # not again before another idle_unload
         self._cooling.add(name)
         runtime.queues.wake()
 

@@ -54,16 +54,17 @@ class CommandLog:
         return bool(self.failures.get((host, action, model))) or (
             action == "load" and self.unseen.get((host, model), 0) >= UNSEEN_AFTER)
 
-    def failed(self, host: str, action: str, model: str, reason: str) -> None:
-        """The command failed (``reason``: one line): a warning at the streak's
-        1st, 10th, 100th and every 1000th failure."""
+    def failed(self, host: str, action: str, model: str, reason: str, again: str = "again after its next poll") -> None:
+        """The command failed (``reason``: one line; ``again``: when it is tried next): a
+        warning at the streak's 1st, 10th, 100th and every 1000th failure."""
         key = (host, action, model)
         n = self.failures[key] = self.failures.get(key, 0) + 1
         if not logged_at(n):
             return
         streak = "" if n == 1 else f"; {n} failures in a row"
-        self._log.warn("host {host}: {action} {model} failed: {reason} (again after its next poll{streak})",
-                       host=host, action=action, model=one_line(model), reason=one_line(reason), streak=streak)
+        self._log.warn("host {host}: {action} {model} failed: {reason} ({again}{streak})",
+                       host=host, action=action, model=one_line(model), reason=one_line(reason), again=again,
+                       streak=streak)
 
     def accepted(self, host: str, action: str, model: str) -> None:
         """The host accepted the command: a streak of failures ends (one info line); a
