@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -46,7 +46,12 @@ class _FakeCluster:
         return len(self.store)
 
     def take(self, name: str, value: int, limit: int) -> Any:
-        raise NotImplementedError
+        """As the real one's script: set ``value`` only while every instance's counts stay
+        within ``limit``, in one step."""
+        if sum(v.get(name, 0) for k, v in self.store.items() if k != self.me) + value > limit:  # Redis's own
+            return succeed(False)
+        self.set(name, value)
+        return succeed(True)
 
 
 class _Commands:
@@ -305,6 +310,27 @@ class ClusterShareTests(_Shared, SynchronousTestCase):
         self.assertTrue(share.unloading("a", "y"))
         del self.store["one"]
         self.assertFalse(share.unloading("a", "y"))
+
+
+    def test_two_instances_deciding_at_once_send_one_unload(self) -> None:
+        """Rule 4 over Redis: both instances find the model idle in the same moment, each
+        view still without the other's mark (Redis has not told them yet); the unload is
+        claimed in one atomic step of Redis (``take`` with a limit of 1), so one sends it
+        (an attack run saw both send it, in 3 of 6 cycles)."""
+        config = parse_config(CONFIG.replace("{spread_after: 5}", "{spread_after: 5, idle_unload: 10}"))
+        placers: list[tuple[Placer, _Commands]] = []
+        for runtime in (self.a, self.b):
+            runtime.reconfigure(config)
+            commands = _Commands()
+            placers.append((Placer(runtime, commands, self.clock), commands))
+            cluster: Any = runtime.cluster
+            cluster.others = lambda name: 0  # a view that has not heard of the other's mark
+        for placer, _ in placers:
+            placer.polled("a", 0.0, True)
+        self.clock.advance(11)
+        for placer, _ in placers:
+            placer.polled("a", 0.0, True)
+        self.assertEqual([c.sent for _, c in placers], [[("a", "unload", "y")], []])
 
 
 class CapacityTests(SynchronousTestCase):

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, NamedTuple
 
+from twisted.internet.defer import Deferred, succeed
+
 from crossbar.hosts.health import HostStatus
 from crossbar.hosts.placement import InUse, model_id, with_loading
 from crossbar.state.placement_share import PlacementShare
@@ -175,6 +177,15 @@ class PlacementState:
                 elif mid in status.loaded and share.unloading(host, mid):
                     unloads.append((host, mid))
         return loads, unloads
+
+    def claim_unload(self, host: str, model: str) -> Deferred[bool]:
+        """Rule 4: whether this process may unload ``model`` on ``host``: no other process
+        of :attr:`share` has an unload of it under way, decided as one step with
+        publishing this one's (:meth:`PlacementShare.claim_unloading`); True at once
+        without a share. Never fails."""
+        if self.share is None:
+            return succeed(True)
+        return self.share.claim_unloading(host, model)
 
     def others_unloading(self, host: str, model: str) -> bool:
         """Another process of :attr:`share` told ``host`` to unload ``model`` (id) and no

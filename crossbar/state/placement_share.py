@@ -31,6 +31,8 @@ from __future__ import annotations
 import zlib
 from typing import TYPE_CHECKING, Protocol
 
+from twisted.internet.defer import Deferred, succeed
+
 from crossbar.state.cells import placement_cell, placement_slot_cell
 
 if TYPE_CHECKING:
@@ -88,6 +90,12 @@ class PlacementShare(Protocol):
     def publish_use(self, host: str, model: str, seconds: float) -> None:
         """This process sent a request for ``model`` to ``host`` at POSIX ``seconds``."""
 
+    def claim_unloading(self, host: str, model: str) -> Deferred[bool]:
+        """Publish this process's unload of ``model`` on ``host`` if no other process has
+        one under way, as one step (rule 4: one unload of a model at a time): fires
+        True (claimed, published) or False (another process is unloading it). Never
+        fails."""
+
     def inflight(self, host: str, model: str) -> int:
         """Requests for ``model`` in flight to ``host`` from the other processes."""
 
@@ -135,6 +143,15 @@ class WorkerShare:
     def publish_unloading(self, host: str, model: str, unloading: bool) -> None:
         """See :class:`PlacementShare`."""
         self._mark("pd", host, model, unloading)
+
+    def claim_unloading(self, host: str, model: str) -> Deferred[bool]:
+        """See :class:`PlacementShare`: the workers' cells are one box's memory, read
+        and written in the same turn of this worker's reactor (two workers deciding in
+        the same microsecond may both claim)."""
+        if self.unloading(host, model):
+            return succeed(False)
+        self.publish_unloading(host, model, True)
+        return succeed(True)
 
     def _mark(self, kind: str, host: str, model: str, on: bool) -> None:
         """Set or end this worker's mark ``kind`` of ``model`` on ``host``: the slot shows
@@ -211,6 +228,12 @@ class ClusterShare:
     def publish_unloading(self, host: str, model: str, unloading: bool) -> None:
         """See :class:`PlacementShare`."""
         self.cluster.set(placement_cell("pd", host, model), 1 if unloading else 0)
+
+    def claim_unloading(self, host: str, model: str) -> Deferred[bool]:
+        """See :class:`PlacementShare`: one atomic take of the ``pd`` count with a limit
+        of 1 over every live instance (:meth:`~crossbar.state.cluster.RedisCluster.take`;
+        Redis not answering within its bound: this instance's view decides)."""
+        return self.cluster.take(placement_cell("pd", host, model), 1, 1)
 
     def publish_use(self, host: str, model: str, seconds: float) -> None:
         """See :class:`PlacementShare`."""

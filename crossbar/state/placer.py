@@ -63,7 +63,7 @@ class Placer:
         self.runtime = runtime
         self.commands = commands
         self.clock = clock
-        self.busy: dict[str, Deferred[None]] = {}
+        self.busy: dict[str, Deferred[Any]] = {}
         self.sending: dict[str, tuple[str, str]] = {}
         self._accepted: dict[tuple[str, str], float] = {}
         self.log = CommandLog()
@@ -158,7 +158,22 @@ class Placer:
                                        runtime.inflight.host_model, placement.idle_since)
                 if not placement.others_unloading(polled, m) and not self._wanted(status, m)]
         if idle:
-            self._send(polled, "unload", idle[0], "idle")
+            self._claim(polled, idle[0])
+
+    def _claim(self, name: str, model: str) -> None:
+        """Rule 4: unload ``model`` on host ``name`` once this process has claimed the
+        unload over the other workers or instances (only one sends it); the host takes
+        no other command meanwhile."""
+        claim = self.runtime.placement.claim_unload(name, model)
+        self.busy[name] = claim
+
+        def claimed(ok: bool) -> None:
+            if self.busy.get(name) is not claim:
+                return  # stopped meanwhile
+            del self.busy[name]
+            if ok:
+                self._send(name, "unload", model, "idle")
+        claim.addCallbacks(claimed, lambda _: None)  # (cancelled by stop)
 
     def _wanted(self, status: HostStatus, model: str) -> bool:
         """Whether a request waiting in a queue wants ``model`` (an id of ``status``), by
