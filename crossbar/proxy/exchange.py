@@ -10,6 +10,9 @@ host's slot is freed) and :mod:`~crossbar.proxy.modellist` (10). It never reads 
 
 from __future__ import annotations
 
+from functools import wraps
+from typing import Any, Callable, TypeVar, cast
+
 from twisted.internet.defer import CancelledError
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -35,6 +38,21 @@ from crossbar.state.limits import retry_after_header
 __all__ = ["Exchange"]
 
 _log = Logger(namespace="crossbar.proxy")
+
+_H = TypeVar("_H", bound=Callable[..., None])
+
+
+def called_directly(handler: _H) -> _H:
+    """Decorate an exchange's handler that is called directly (by the relay, by the
+    request), not as a Deferred's callback with ``on_bug`` as its errback: a bug in it
+    goes to ``on_bug`` all the same."""
+    @wraps(handler)
+    def guarded(self: Exchange, *args: Any) -> None:
+        try:
+            handler(self, *args)
+        except Exception:
+            self.on_bug(Failure())
+    return cast(_H, guarded)
 
 
 class Exchange(Phased):
@@ -240,11 +258,10 @@ class Exchange(Phased):
         """The host's head arrived: send it to the client at once, then relay the body (rule 6)."""
         assert self.leg is not None
         self._enter(Phase.RELAYING)
-        relay = self.relay = self.leg.relay_answer(answer)
-        relay.ended.addCallback(self.on_relay_end)
-        relay.ended.addErrback(self.on_bug)
+        relay = self.relay = self.leg.relay_answer(answer, self.on_relay_end)
         relay.start(answer.response)
 
+    @called_directly
     def on_relay_end(self, how: RelayEnd) -> None:
         """Rule 7 after the head: a clean end finishes; a dead or silent host is cut."""
         assert self.relay is not None

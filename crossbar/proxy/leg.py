@@ -12,6 +12,8 @@ the exchange's. A failover makes a new leg for the next host.
 
 from __future__ import annotations
 
+from typing import Callable
+
 from twisted.internet.defer import Deferred
 from twisted.web.server import Request
 
@@ -22,7 +24,7 @@ from crossbar.proxy.context import ProxyContext
 from crossbar.proxy.head import RequestHead, upstream_body
 from crossbar.proxy.headers import content_type, is_event_stream
 from crossbar.proxy.ratelimit import key_limit_headers
-from crossbar.proxy.relay import Relay
+from crossbar.proxy.relay import Relay, RelayEnd
 from crossbar.proxy.tally import Tally
 
 __all__ = ["Leg"]
@@ -73,9 +75,10 @@ class Leg:
         self.attempt = None
         return result
 
-    def relay_answer(self, answer: Answer) -> Relay:
+    def relay_answer(self, answer: Answer, on_end: Callable[[RelayEnd], None]) -> Relay:
         """The answer's head goes to the client at once, its body follows through the
-        returned relay (rule 6); the host counts as alive (rule 7)."""
+        returned relay (rule 6), which calls ``on_end`` when it ended; the host counts as
+        alive (rule 7)."""
         ctx, host, tally = self.ctx, self.host, self.tally
         life = ctx.runtime.table.life_sign(host)
         life.at = ctx.clock.seconds()
@@ -85,7 +88,8 @@ class Leg:
         answer_type = content_type(self.request.responseHeaders)
         tally.streamed = is_event_stream(answer_type)
         timeouts = self.head.config.timeouts
-        relay = self.relay = Relay(self.request, ctx.clock, timeouts.idle, timeouts.client_stall, life, answer_type)
+        relay = self.relay = Relay(self.request, ctx.clock, timeouts.idle, timeouts.client_stall, life, answer_type,
+                                   on_end)
         return relay
 
     def stop(self) -> None:
