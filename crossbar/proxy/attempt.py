@@ -34,7 +34,7 @@ from twisted.web.iweb import IResponse
 from zope.interface import implementer
 
 from crossbar.upstream.failures import describe_failure
-from crossbar.upstream.h1client import INLINE_BODY, IInlineBody
+from crossbar.upstream.h1client import INLINE_BODY, HeaderPairs, IInlineBody
 from crossbar.upstream.tls import tls_failure_reason
 from crossbar.upstream.pools import ConnectTracker, UpstreamPools
 
@@ -183,7 +183,7 @@ class Attempt:
         clock: IReactorTime,
         method: bytes,
         url: bytes,
-        headers: Headers,
+        headers: Headers | HeaderPairs,
         body: bytes | Sequence[bytes] | None,
         first_byte_timeout: float,
     ) -> None:

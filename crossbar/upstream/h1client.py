@@ -45,7 +45,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import httptools
 from twisted.internet.defer import Deferred, gatherResults, succeed
@@ -67,7 +67,15 @@ from crossbar.upstream.h1answer import (
 from crossbar.upstream.tcp import no_delay
 from crossbar.compat.twisted import eager_writes, hold_writes, release_writes
 
-__all__ = ["INLINE_BODY", "KEEP_ALIVE_MARGIN", "H1Agent", "H1Connection", "H1Pool", "IInlineBody", "request_head"]
+__all__ = [
+    "INLINE_BODY", "KEEP_ALIVE_MARGIN", "H1Agent", "H1Connection", "H1Pool", "HeaderPairs", "IInlineBody", "request_head",
+]
+
+HeaderPairs = Sequence[tuple[bytes, Sequence[bytes]]]
+"""Request headers as ``(name, values)`` pairs, written in that order as they are (what
+``Headers.getAllRawHeaders`` gives), never a ``Host`` (written from the URL): the
+proxy's forwarded headers, made without a ``Headers``, which would check every name and
+value the client's ``Headers`` already checked (:func:`crossbar.proxy.headers.upstream_headers`)."""
 
 INLINE_BODY = 256 * 1024
 """Bytes: a body of at most this size from an :class:`IInlineBody` producer is written
@@ -169,7 +177,7 @@ class H1Connection(Protocol):
 
     # -- sending ----------------------------------------------------------------------
 
-    def send(self, method: bytes, path: bytes, headers: Headers, producer: IBodyProducer | None,
+    def send(self, method: bytes, path: bytes, headers: Headers | HeaderPairs, producer: IBodyProducer | None,
              host: bytes | None = None) -> Deferred[IResponse]:
         """Write one request; the Deferred fires with its :class:`H1Response` once the
         head arrived (body not read yet), or fails as the module says. Cancelling it
@@ -413,7 +421,7 @@ class H1Connection(Protocol):
             result.errback(ResponseNeverReceived([reason]))
 
 
-def request_head(method: bytes, path: bytes, headers: Headers, host: bytes | None, persistent: bool,
+def request_head(method: bytes, path: bytes, headers: Headers | HeaderPairs, host: bytes | None, persistent: bool,
                  length: int | None) -> list[bytes]:
     """The pieces of one request's head (bytes, to be joined): the request line, ``Host``
     when ``host`` is given (``headers`` then have none), ``Connection: close`` unless
@@ -428,7 +436,7 @@ def request_head(method: bytes, path: bytes, headers: Headers, host: bytes | Non
         lines.append(b"Content-Length: %d\r\n" % length)
     elif method in (b"PUT", b"POST"):
         lines.append(b"Content-Length: 0\r\n")
-    for name, values in headers.getAllRawHeaders():
+    for name, values in headers.getAllRawHeaders() if isinstance(headers, Headers) else headers:
         for value in values:
             lines += (name, b": ", value, b"\r\n")
     lines.append(b"\r\n")
@@ -660,15 +668,17 @@ class H1Agent:
         self._endpoints = endpoints
         self._pool = pool
 
-    def request(self, method: bytes, uri: bytes, headers: Headers | None = None,
+    def request(self, method: bytes, uri: bytes, headers: Headers | HeaderPairs | None = None,
                 bodyProducer: IBodyProducer | None = None) -> Deferred[IResponse]:
         """Send one request; see :meth:`H1Connection.send` for what the Deferred does.
-        A ``Host`` header is added from the URL when ``headers`` has none."""
+        A ``Host`` header is added from the URL when ``headers`` has none (or are
+        :data:`HeaderPairs`)."""
         origin, path = split_url(uri)
         key = origin.key
         if headers is None:
-            headers = Headers()
-        host = None if headers.hasHeader(b"host") else origin.netloc  # written as it is, no copy of headers
+            headers = ()
+        # written as it is, no copy of headers
+        host = None if isinstance(headers, Headers) and headers.hasHeader(b"host") else origin.netloc
         pool = self._pool
         if pool is not None:
             connection = pool.take(key)
