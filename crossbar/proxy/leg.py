@@ -38,7 +38,8 @@ class Leg:
     (:class:`~crossbar.state.inflight.Lease`).
 
     :ivar host: the host's name.
-    :ivar attempt: the request under way until the answer's head (or a failure), else None.
+    :ivar attempt: the request's Deferred (:meth:`send`), else None; cancelling it once it
+        fired (the answer's head, or a failure) does nothing.
     :ivar relay: the answer's body relay once its head went to the client, else None.
     """
 
@@ -59,7 +60,7 @@ class Leg:
         """Send the request (rule 6: the forwarded headers, the body as
         :func:`~crossbar.proxy.head.upstream_body` gives it for this host); fires with the
         answer's head or fails with :class:`~crossbar.proxy.attempt.UpstreamFailed`
-        (rule 7, ``timeouts.first_byte``); either way :attr:`attempt` is None by then."""
+        (rule 7, ``timeouts.first_byte``)."""
         head, name, runtime = self.head, self.host, self.ctx.runtime
         assert head.route is not None
         host = head.config.hosts[name]
@@ -68,12 +69,7 @@ class Leg:
         target = host.url.target(head.rest + self.query)
         attempt = self.attempt = Attempt(self.ctx.pools, self.ctx.clock, head.method, target, headers, body,
                                          head.config.timeouts.first_byte).start()
-        attempt.addBoth(self._settled)
         return attempt
-
-    def _settled(self, result: object) -> object:
-        self.attempt = None
-        return result
 
     def relay_answer(self, answer: Answer, on_end: Callable[[RelayEnd], None]) -> Relay:
         """The answer's head goes to the client at once, its body follows through the
