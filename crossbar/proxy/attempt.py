@@ -118,13 +118,18 @@ class BytesProducer:
         """Write the body to ``consumer`` (an ``IConsumer``); the Deferred fires once
         all of it was handed to the consumer, and never after :meth:`stopProducing`."""
         if self.length <= self.SLICE:
-            consumer.write(b"".join(self._pieces))
+            consumer.write(self.inline())
             return succeed(None)
         self._consumer = consumer
         done: Deferred[None] = Deferred(lambda _: self.stopProducing())
         self._done = done
         self._produce()
         return done
+
+    def inline(self) -> bytes:
+        """The whole body (for one of at most :attr:`SLICE` bytes: the client sends it
+        with the request head, without :meth:`startProducing`)."""
+        return b"".join(self._pieces)
 
     def _next_slice(self) -> bytes:
         """Up to :attr:`SLICE` bytes from where the body stands (copies at most that)."""

@@ -45,7 +45,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import httptools
 from twisted.internet.defer import Deferred, gatherResults, succeed
@@ -93,9 +93,13 @@ would close it at N, possibly while a request is on its way."""
 
 
 class IInlineBody(IBodyProducer):
-    """An ``IBodyProducer`` that, when its ``length`` is at most :data:`INLINE_BODY`,
-    writes its whole body to the consumer inside ``startProducing`` (so the client can
-    send it with the request head in one write)."""
+    """An ``IBodyProducer`` whose body, when its ``length`` is at most :data:`INLINE_BODY`,
+    the client takes whole from :meth:`inline` (and sends with the request head in one
+    write) instead of starting it (no Deferred per request)."""
+
+    def inline() -> bytes:
+        """The whole body, at most :data:`INLINE_BODY` bytes."""
+
 
 class State(Enum):
     """Where one :class:`H1Connection` stands."""
@@ -202,7 +206,7 @@ class H1Connection(Protocol):
         if producer is None:
             transport.write(b"".join(lines))
         elif producer.length <= INLINE_BODY and _inline(producer):
-            producer.startProducing(_Collect(lines))
+            lines.append(cast(IInlineBody, producer).inline())
             transport.write(b"".join(lines))
         else:
             transport.write(b"".join(lines))
@@ -441,18 +445,6 @@ def request_head(method: bytes, path: bytes, headers: Headers | HeaderPairs, hos
             lines += (name, b": ", value, b"\r\n")
     lines.append(b"\r\n")
     return lines
-
-
-class _Collect:
-    """A consumer gathering a small body into the request's write (one syscall)."""
-
-    __slots__ = ("_lines",)
-
-    def __init__(self, lines: list[bytes]) -> None:
-        self._lines = lines
-
-    def write(self, data: bytes) -> None:
-        self._lines.append(data)
 
 
 class _ConnectionFactory(Factory):
