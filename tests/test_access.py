@@ -137,12 +137,12 @@ class ApiKeyHeaderTests(SynchronousTestCase):
     def test_no_key_header_reaches_a_host_from_a_keyed_route(self) -> None:
         src = Headers({b"Authorization": [b"Bearer alice-s3cret"], b"X-Api-Key": [b"alice-s3cret"],
                        b"anthropic-version": [b"2023-06-01"]})
-        keyed = upstream_headers(src, keyed=True, api_key=None, client=None, secure=False)
+        keyed = Headers(dict(upstream_headers(src, keyed=True, api_key=None, client=None, secure=False)))
         self.assertFalse(keyed.hasHeader(b"authorization"))
         self.assertFalse(keyed.hasHeader(b"x-api-key"))
         self.assertEqual(keyed.getRawHeaders(b"anthropic-version"), [b"2023-06-01"])
-        with_host_key = upstream_headers(src, keyed=True, api_key="host-secret", client=None, secure=False)
+        with_host_key = Headers(dict(upstream_headers(src, keyed=True, api_key="host-secret", client=None, secure=False)))
         self.assertEqual(with_host_key.getRawHeaders(b"authorization"), [b"Bearer host-secret"])
         self.assertFalse(with_host_key.hasHeader(b"x-api-key"))
-        unkeyed = upstream_headers(src, keyed=False, api_key=None, client=None, secure=False)
+        unkeyed = Headers(dict(upstream_headers(src, keyed=False, api_key=None, client=None, secure=False)))
         self.assertEqual(unkeyed.getRawHeaders(b"x-api-key"), [b"alice-s3cret"])  # not crossbar's key: passed on

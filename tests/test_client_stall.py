@@ -117,8 +117,7 @@ class _RelayCase(SynchronousTestCase):
 
 class ClientStallTests(_RelayCase):
     def relay(self) -> tuple[Relay, FakeResponse]:
-        relay = Relay(self.request, self.clock, IDLE, STALL, self.life)
-        relay.ended.addCallback(self.ends.append)
+        relay = Relay(self.request, self.clock, IDLE, STALL, self.life, on_end=self.ends.append)
         response = FakeResponse()
         relay.start(response)  # type: ignore[arg-type]
         return relay, response

@@ -98,8 +98,7 @@ class RelayTests(SynchronousTestCase):
         self.channel.connectionLost(Failure(ConnectionDone()))
 
     def relay(self, response: Any | None = None) -> tuple[Relay, Any]:
-        relay = Relay(self.request, self.clock, IDLE, STALL)
-        relay.ended.addCallback(self.ends.append)
+        relay = Relay(self.request, self.clock, IDLE, STALL, on_end=self.ends.append)
         response = response if response is not None else FakeResponse()
         relay.start(response)
         return relay, response
@@ -327,8 +326,7 @@ class RealUpstreamTests(SynchronousTestCase):
     def relay(self, head: bytes) -> Relay:
         d = self.upstream.send(b"GET", b"/x", Headers({b"host": [b"h"]}), None)
         self.upstream.dataReceived(head)
-        relay = Relay(self.request, self.clock, IDLE)
-        relay.ended.addCallback(self.ends.append)
+        relay = Relay(self.request, self.clock, IDLE, on_end=self.ends.append)
         relay.start(self.successResultOf(d))
         return relay
 

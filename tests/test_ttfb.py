@@ -2,8 +2,8 @@
 sent to the host, not from when the connection attempt began (docs/design.md
 §Configuration, ``timeouts``; rule 8).
 
-Unit level, on a :class:`~twisted.internet.task.Clock`: Twisted's real ``Agent`` and
-HTTP/1.1 client protocol and crossbar's real :class:`~crossbar.upstream.pools.ConnectTracker`,
+Unit level, on a :class:`~twisted.internet.task.Clock`: crossbar's real HTTP/1.1 client
+(:class:`~crossbar.upstream.h1client.H1Agent`) and :class:`~crossbar.upstream.pools.ConnectTracker`,
 over a fake endpoint whose connection opens 2 s after the request is started; the
 host's head comes 1 s after that. The :class:`~crossbar.proxy.attempt.Answer` says the request
 was sent at 2 s, and the exchange records a ttfb of 1 s.
@@ -18,9 +18,8 @@ from twisted.internet.interfaces import IProtocolFactory, IStreamClientEndpoint
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.trial.unittest import SynchronousTestCase
-from twisted.web.client import URI, Agent, HTTPConnectionPool
+from twisted.web.client import URI
 from twisted.web.http_headers import Headers
-from twisted.web.iweb import IAgent
 from twisted.web.test.requesthelper import DummyChannel
 from zope.interface import implementer
 
@@ -33,6 +32,7 @@ from crossbar.proxy.peek import peek
 from crossbar.proxy.web import CrossbarRequest
 from crossbar.ops.record import RequestLog, RequestRecord
 from crossbar.state.runtime import Runtime
+from crossbar.upstream.h1client import H1Agent
 from crossbar.upstream.pools import ConnectTracker
 
 CONNECT_DELAY = 2.0
@@ -80,17 +80,17 @@ class SlowEndpoints:
 
 
 class SlowPools:
-    """Stands in for :class:`~crossbar.upstream.pools.UpstreamPools`: a real ``Agent`` and a
-    real :class:`ConnectTracker` over :class:`SlowEndpoints`."""
+    """Stands in for :class:`~crossbar.upstream.pools.UpstreamPools`: crossbar's real
+    agent (:class:`~crossbar.upstream.h1client.H1Agent`, no pool: every request on a new
+    connection) and a real :class:`ConnectTracker` over :class:`SlowEndpoints`."""
 
     def __init__(self, clock: Clock) -> None:
         self.clock = clock
         self.endpoints = SlowEndpoints(clock)
-        self.pool = HTTPConnectionPool(clock, persistent=False)
 
-    def agent(self, fresh: bool = False) -> tuple[IAgent, ConnectTracker]:
+    def agent(self, fresh: bool = False) -> tuple[H1Agent, ConnectTracker]:
         tracker = ConnectTracker(self.endpoints, self.clock)  # type: ignore[arg-type]
-        return Agent.usingEndpointFactory(self.clock, tracker, pool=self.pool), tracker
+        return H1Agent(tracker, None), tracker
 
 
 class RecordingLog(RequestLog):

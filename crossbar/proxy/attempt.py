@@ -20,7 +20,7 @@ from enum import Enum
 from typing import Any, NamedTuple, Sequence
 
 from twisted.internet.defer import Deferred, succeed
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.internet.protocol import Protocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -34,7 +34,7 @@ from twisted.web.iweb import IResponse
 from zope.interface import implementer
 
 from crossbar.upstream.failures import describe_failure
-from crossbar.upstream.h1client import INLINE_BODY, IInlineBody
+from crossbar.upstream.h1client import INLINE_BODY, HeaderPairs, IInlineBody
 from crossbar.upstream.tls import tls_failure_reason
 from crossbar.upstream.pools import ConnectTracker, UpstreamPools
 
@@ -118,13 +118,18 @@ class BytesProducer:
         """Write the body to ``consumer`` (an ``IConsumer``); the Deferred fires once
         all of it was handed to the consumer, and never after :meth:`stopProducing`."""
         if self.length <= self.SLICE:
-            consumer.write(b"".join(self._pieces))
+            consumer.write(self.inline())
             return succeed(None)
         self._consumer = consumer
         done: Deferred[None] = Deferred(lambda _: self.stopProducing())
         self._done = done
         self._produce()
         return done
+
+    def inline(self) -> bytes:
+        """The whole body (for one of at most :attr:`SLICE` bytes: the client sends it
+        with the request head, without :meth:`startProducing`)."""
+        return b"".join(self._pieces)
 
     def _next_slice(self) -> bytes:
         """Up to :attr:`SLICE` bytes from where the body stands (copies at most that)."""
@@ -183,7 +188,7 @@ class Attempt:
         clock: IReactorTime,
         method: bytes,
         url: bytes,
-        headers: Headers,
+        headers: Headers | HeaderPairs,
         body: bytes | Sequence[bytes] | None,
         first_byte_timeout: float,
     ) -> None:
@@ -197,6 +202,8 @@ class Attempt:
         self._current: Deferred[IResponse] | None = None
         self._cancelled = False
         self._requested = 0.0
+        self._timer: IDelayedCall | None = None  # the first-byte timeout of the current try
+        self._late = False  # that timeout passed: whatever the try gives is a timeout
         self.result: Deferred[Answer] = Deferred(self._cancel)
 
     def start(self) -> Deferred[Answer]:
@@ -210,18 +217,35 @@ class Attempt:
         requested = self._requested = self._clock.seconds()
         d = agent.request(self._method, self._url, self._headers, producer)
         self._current = d
-        d.addTimeout(self._timeout, self._clock, onTimeoutCancel=self._timed_out)
+        # The first-byte timeout as Deferred.addTimeout keeps it, without its two links
+        # in the callback chain: it cancels the try, which then counts as a timeout.
+        self._timer = self._clock.callLater(self._timeout, self._time_out, d)
         d.addCallbacks(self._answered, self._failed, callbackArgs=(tracker, requested),
                        errbackArgs=(tracker, fresh))
 
-    def _timed_out(self, result: IResponse | Failure, timeout: float) -> Failure:
-        if not isinstance(result, Failure):  # the head won the race with the cancel
-            result.deliverBody(_Discard())  # nobody reads it: close its connection
-        return Failure(UpstreamFailed(FailureKind.FIRST_BYTE_TIMEOUT, f"no response headers within {timeout:g}s",
+    def _time_out(self, d: Deferred[IResponse]) -> None:
+        """No head within the first-byte timeout: cancel the try (it then fails, or
+        hands over a head that won the race, and either becomes the timeout)."""
+        self._timer = None
+        self._late = True
+        d.cancel()
+
+    def _settled(self) -> None:
+        """The current try gave its result: its timeout no longer runs."""
+        self._current = None
+        timer, self._timer = self._timer, None
+        if timer is not None:
+            timer.cancel()
+
+    def _timeout_failure(self) -> Failure:
+        return Failure(UpstreamFailed(FailureKind.FIRST_BYTE_TIMEOUT, f"no response headers within {self._timeout:g}s",
                                       sent_at=self._requested))
 
     def _answered(self, response: IResponse, tracker: ConnectTracker, requested: float) -> None:
-        self._current = None
+        if self._late:  # the head won the race with the timeout's cancel
+            response.deliverBody(_Discard())  # nobody reads it: close its connection
+            return self._failed(self._timeout_failure(), tracker, False)
+        self._settled()
         if self._cancelled:  # nobody wants the body
             response.deliverBody(_Discard())
             return
@@ -229,7 +253,9 @@ class Attempt:
         self.result.callback(Answer(response, sent_at))
 
     def _failed(self, failure: Failure, tracker: ConnectTracker, fresh: bool) -> None:
-        self._current = None
+        if self._late:  # cancelled by the timeout, whatever the agent says of it
+            failure = self._timeout_failure()
+        self._settled()
         if self._cancelled:
             return  # cancelled by the exchange: says nothing about the host
         if failure.check(UpstreamFailed):

@@ -264,8 +264,11 @@ class HeadDeadlineChannel(BadRequestHook, HTTPChannel):
 
     def _arm_head_deadline(self) -> None:
         self._idle = True  # no byte of the next request yet
-        self._disarm_head_deadline()
-        self._head_timer = self.callLater(self.head_deadline, self._head_deadline_passed)
+        timer = self._head_timer
+        if timer is not None and timer.active():  # left running through an answer: moved, not re-made
+            timer.reset(self.head_deadline)
+        else:
+            self._head_timer = self.callLater(self.head_deadline, self._head_deadline_passed)
 
     def _disarm_head_deadline(self) -> None:
         timer, self._head_timer = self._head_timer, None

@@ -11,12 +11,12 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from twisted.internet.address import IPv4Address, IPv6Address
-from twisted.web.http_headers import Headers
 from twisted.web.iweb import IResponse
 from twisted.web.server import Request
 
 from crossbar.errors import error_headers, json_error_bytes, phrase
 from crossbar.proxy.cors import cors_headers
+from crossbar.upstream.h1client import HeaderPairs
 from crossbar.proxy.headers import HOST_HEADER, answer_headers, relayable_phrase, upstream_headers
 
 __all__ = [
@@ -85,7 +85,7 @@ def abort_connection(request: Request) -> None:
         transport.abortConnection()
 
 
-def forwarded_headers(request: Request, keyed: bool, api_key: str | None, client_key: str) -> Headers:
+def forwarded_headers(request: Request, keyed: bool, api_key: str | None, client_key: str) -> HeaderPairs:
     """The headers to send upstream for ``request`` (rule 6,
     :func:`~crossbar.proxy.headers.upstream_headers`): its client's address and whether
     it came over TLS read from the connection. ``client_key``: the name of the key the

@@ -10,10 +10,12 @@ host's slot is freed) and :mod:`~crossbar.proxy.modellist` (10). It never reads 
 
 from __future__ import annotations
 
+from functools import wraps
+from typing import Any, Callable, TypeVar, cast
+
 from twisted.internet.defer import CancelledError
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.server import Request
 
 from crossbar.config import Config, Route
 from crossbar.hosts.balance import Chosen, Verdict
@@ -29,12 +31,28 @@ from crossbar.proxy.place import QueuePlace
 from crossbar.proxy.policy import Action, Decision, decide
 from crossbar.proxy.ratelimit import key_limit_headers
 from crossbar.proxy.relay import Relay, RelayEnd
+from crossbar.proxy.request import CappedRequest
 from crossbar.proxy.tally import Tally
 from crossbar.state.limits import retry_after_header
 
 __all__ = ["Exchange"]
 
 _log = Logger(namespace="crossbar.proxy")
+
+_H = TypeVar("_H", bound=Callable[..., None])
+
+
+def called_directly(handler: _H) -> _H:
+    """Decorate an exchange's handler that is called directly (by the relay, by the
+    request), not as a Deferred's callback with ``on_bug`` as its errback: a bug in it
+    goes to ``on_bug`` all the same."""
+    @wraps(handler)
+    def guarded(self: Exchange, *args: Any) -> None:
+        try:
+            handler(self, *args)
+        except Exception:
+            self.on_bug(Failure())
+    return cast(_H, guarded)
 
 
 class Exchange(Phased):
@@ -49,7 +67,7 @@ class Exchange(Phased):
     :ivar upstream_query: the query string sent upstream (an alias in ``?model=`` rewritten).
     """
 
-    def __init__(self, ctx: ProxyContext, request: Request, head: RequestHead) -> None:
+    def __init__(self, ctx: ProxyContext, request: CappedRequest, head: RequestHead) -> None:
         super().__init__()
         self.ctx, self.request, self.head = ctx, request, head
         self.runtime, self.clock = ctx.runtime, ctx.clock
@@ -90,7 +108,7 @@ class Exchange(Phased):
     def start(self, checked: Refusal | PathKind) -> None:
         """Answer ``checked``'s refusal (rules 1-3, :func:`~crossbar.proxy.head.check_path`),
         or a key's ``max_inflight`` and limits (429, §Access), or forward."""
-        self.request.notifyFinish().addErrback(self.on_client_gone)
+        self.request.on_lost = self.on_client_gone
         head = self.head
         if isinstance(checked, Refusal):
             return self.answer_error(checked.code, checked.message)
@@ -240,11 +258,10 @@ class Exchange(Phased):
         """The host's head arrived: send it to the client at once, then relay the body (rule 6)."""
         assert self.leg is not None
         self._enter(Phase.RELAYING)
-        relay = self.relay = self.leg.relay_answer(answer)
-        relay.ended.addCallback(self.on_relay_end)
-        relay.ended.addErrback(self.on_bug)
+        relay = self.relay = self.leg.relay_answer(answer, self.on_relay_end)
         relay.start(answer.response)
 
+    @called_directly
     def on_relay_end(self, how: RelayEnd) -> None:
         """Rule 7 after the head: a clean end finishes; a dead or silent host is cut."""
         assert self.relay is not None
@@ -255,10 +272,12 @@ class Exchange(Phased):
                 self.tally.client_left()
             self.carry_out(decide(how, self.host, self.tried), how.value, self.relay.reason)
 
+    @called_directly
     @acts_in(*LIVE)
     def on_client_gone(self, reason: Failure | None) -> None:
-        """The client left before the end: cancel upstream; after the last byte of a complete
-        answer (``[DONE]``) it is recorded as a clean end (rule 8)."""
+        """The client left before the end (the request's ``on_lost``): cancel upstream;
+        after the last byte of a complete answer (``[DONE]``) it is recorded as a clean
+        end (rule 8)."""
         relay = self.relay
         complete = relay is not None and relay.delivered_complete()
         if not complete:

@@ -239,11 +239,18 @@ class H1ServerChannel(HeadDeadlineChannel):
         return rest
 
     def _complete(self, request: Any) -> None:
-        """The request is complete: answer it (as ``HTTPChannel.allContentReceived``)."""
-        self._disarm_head_deadline()
+        """The request is complete: answer it (as ``HTTPChannel.allContentReceived``).
+        A body's deadline is left running (it does not apply while the request is
+        answered: :meth:`_head_deadline_passed`), for the next head's to reuse its timer."""
         self._move(ANSWERING)
         start_answering(self)
         request.requestReceived(self._method, self._target, self._version)
+
+    def _head_deadline_passed(self) -> None:
+        if self.mode is ANSWERING:  # a body's deadline that ran on: none applies now
+            self._head_timer = None
+            return
+        super()._head_deadline_passed()
 
     def requestDone(self, request: Any) -> None:
         if self.mode is ANSWERING:

@@ -8,10 +8,12 @@ each header rule is unit-tested without a socket.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IResponse
+
+from crossbar.upstream.h1client import HeaderPairs
 
 __all__ = [
     "HOP_BY_HOP", "HOST_HEADER", "answer_headers", "content_type", "hop_by_hop_names", "is_event_stream", "relayable_phrase",
@@ -78,33 +80,43 @@ def relayable_phrase(phrase: bytes) -> bytes | None:
 
 def upstream_headers(
     src: Headers, *, keyed: bool, api_key: str | None, client: str | None, secure: bool
-) -> Headers:
-    """The headers sent upstream (rule 6): the client's ``src``, hop-by-hop ones
-    removed, ``Host`` left to the client side (the upstream's), fresh ``X-Forwarded-*``;
-    ``Authorization`` per §Access.
+) -> HeaderPairs:
+    """The headers sent upstream (rule 6), as ``(name, values)`` pairs in the order they
+    are written: the client's ``src``, hop-by-hop ones removed, ``Host`` left to the
+    client side (the upstream's), fresh ``X-Forwarded-*``; ``Authorization`` per §Access.
+    Names and values are the client's as ``src`` holds them (already checked and
+    canonical there: no ``Headers`` is built to check them again).
 
     :param keyed: the route has ``keys``: the client's ``Authorization`` and
         ``X-Api-Key`` (its crossbar key) never leave crossbar.
-    :param api_key: the host's ``api_key``: sent as ``Authorization: Bearer``, never
-        the client's; None for none (and for a keyless preflight on a keyed route).
+    :param api_key: the host's ``api_key`` (printable ASCII, the config checks): sent as
+        ``Authorization: Bearer``, never the client's (in its place when the client sent
+        one); None for none (and for a keyless preflight on a keyed route).
     :param client: the client's address (``X-Forwarded-For``, exactly it), or None.
     :param secure: the client came over TLS (``X-Forwarded-Proto: https``).
     """
     drop = _DROP_UPSTREAM_KEYED if keyed else _DROP_UPSTREAM
     if src.hasHeader(b"connection"):
         drop = drop | hop_by_hop_names(src)
-    out = Headers()
+    host: Sequence[bytes] = ()
+    out: list[tuple[bytes, Sequence[bytes]]] = []
     for name, values in src.getAllRawHeaders():
         if name.lower() not in drop:
-            out.setRawHeaders(name, values)
+            out.append((name, values))
+        elif name == b"Host":  # Headers' names are canonical
+            host = values
     if api_key is not None:
-        out.setRawHeaders(b"Authorization", [b"Bearer " + api_key.encode("ascii")])
+        bearer = (b"Authorization", [b"Bearer " + api_key.encode("ascii")])
+        at = next((i for i, (name, _) in enumerate(out) if name == b"Authorization"), None)
+        if at is None:
+            out.append(bearer)
+        else:
+            out[at] = bearer
     if client:
-        out.setRawHeaders(b"X-Forwarded-For", [client.encode("ascii", "replace")])
-    host = src.getRawHeaders(b"host")
+        out.append((b"X-Forwarded-For", [client.encode("ascii", "replace")]))
     if host:
-        out.setRawHeaders(b"X-Forwarded-Host", [host[0]])
-    out.setRawHeaders(b"X-Forwarded-Proto", [b"https" if secure else b"http"])
+        out.append((b"X-Forwarded-Host", [host[0]]))
+    out.append((b"X-Forwarded-Proto", [b"https" if secure else b"http"]))
     return out
 
 

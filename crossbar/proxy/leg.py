@@ -12,6 +12,8 @@ the exchange's. A failover makes a new leg for the next host.
 
 from __future__ import annotations
 
+from typing import Callable
+
 from twisted.internet.defer import Deferred
 from twisted.web.server import Request
 
@@ -22,7 +24,7 @@ from crossbar.proxy.context import ProxyContext
 from crossbar.proxy.head import RequestHead, upstream_body
 from crossbar.proxy.headers import content_type, is_event_stream
 from crossbar.proxy.ratelimit import key_limit_headers
-from crossbar.proxy.relay import Relay
+from crossbar.proxy.relay import Relay, RelayEnd
 from crossbar.proxy.tally import Tally
 
 __all__ = ["Leg"]
@@ -36,7 +38,8 @@ class Leg:
     (:class:`~crossbar.state.inflight.Lease`).
 
     :ivar host: the host's name.
-    :ivar attempt: the request under way until the answer's head (or a failure), else None.
+    :ivar attempt: the request's Deferred (:meth:`send`), else None; cancelling it once it
+        fired (the answer's head, or a failure) does nothing.
     :ivar relay: the answer's body relay once its head went to the client, else None.
     """
 
@@ -57,7 +60,7 @@ class Leg:
         """Send the request (rule 6: the forwarded headers, the body as
         :func:`~crossbar.proxy.head.upstream_body` gives it for this host); fires with the
         answer's head or fails with :class:`~crossbar.proxy.attempt.UpstreamFailed`
-        (rule 7, ``timeouts.first_byte``); either way :attr:`attempt` is None by then."""
+        (rule 7, ``timeouts.first_byte``)."""
         head, name, runtime = self.head, self.host, self.ctx.runtime
         assert head.route is not None
         host = head.config.hosts[name]
@@ -66,16 +69,12 @@ class Leg:
         target = host.url.target(head.rest + self.query)
         attempt = self.attempt = Attempt(self.ctx.pools, self.ctx.clock, head.method, target, headers, body,
                                          head.config.timeouts.first_byte).start()
-        attempt.addBoth(self._settled)
         return attempt
 
-    def _settled(self, result: object) -> object:
-        self.attempt = None
-        return result
-
-    def relay_answer(self, answer: Answer) -> Relay:
+    def relay_answer(self, answer: Answer, on_end: Callable[[RelayEnd], None]) -> Relay:
         """The answer's head goes to the client at once, its body follows through the
-        returned relay (rule 6); the host counts as alive (rule 7)."""
+        returned relay (rule 6), which calls ``on_end`` when it ended; the host counts as
+        alive (rule 7)."""
         ctx, host, tally = self.ctx, self.host, self.tally
         life = ctx.runtime.table.life_sign(host)
         life.at = ctx.clock.seconds()
@@ -85,7 +84,8 @@ class Leg:
         answer_type = content_type(self.request.responseHeaders)
         tally.streamed = is_event_stream(answer_type)
         timeouts = self.head.config.timeouts
-        relay = self.relay = Relay(self.request, ctx.clock, timeouts.idle, timeouts.client_stall, life, answer_type)
+        relay = self.relay = Relay(self.request, ctx.clock, timeouts.idle, timeouts.client_stall, life, answer_type,
+                                   on_end)
         return relay
 
     def stop(self) -> None:

@@ -26,7 +26,7 @@ class ModelListing(Exchange):
 
     def start(self, checked: Refusal | PathKind) -> None:
         """Answer the list, or wait for the route's first polls (see the module doc)."""
-        self.request.notifyFinish().addErrback(self.on_client_gone)
+        self.request.on_lost = self.on_client_gone
         assert self.route is not None
         if awaits_first_poll(self.route, self.config.hosts, self.runtime.table.all()):
             self.runtime.begin(self)

@@ -20,17 +20,16 @@ bytes it still holds (:func:`~crossbar.compat.twisted.pending_write_bytes`):
 a client that took some since the last check is slow, not stalled, and gets another
 window. No work per body chunk.
 
-Its :attr:`Relay.ended` Deferred fires once with how the body ended
-(:class:`RelayEnd`); the exchange decides what that means for the client and the host.
+Its ``on_end`` is called once with how the body ended (:class:`RelayEnd`); the exchange
+decides what that means for the client and the host.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from enum import Enum
-from typing import Any
+from typing import Any, Callable
 
-from twisted.internet.defer import Deferred
 from twisted.internet.error import ConnectionLost
 from twisted.internet.interfaces import IDelayedCall, IPushProducer, IReactorTime
 from twisted.internet.protocol import Protocol
@@ -88,10 +87,11 @@ class Relay(Protocol):
         (:meth:`crossbar.hosts.health.HealthTable.life_sign`, rule 7); None: not kept.
     :param content_type: the answer's ``Content-Type`` value (None: none), which says
         how :meth:`figures` reads the answer's tail.
+    :param on_end: called once with the :class:`RelayEnd` when the body ended (a
+        direct call, not a Deferred: one per request); None: nobody asks.
     :ivar bytes: body bytes written to the client so far.
     :ivar reason: for :data:`RelayEnd.MID_ANSWER`, :data:`RelayEnd.IDLE_TIMEOUT` and
         :data:`RelayEnd.CLIENT_STALL`, a one-line description of what failed.
-    :ivar ended: fires once with the :class:`RelayEnd`; never errbacks.
     :ivar first_byte_at: clock seconds when the first body byte came, or None.
 
     For the answer's figures (docs/design.md §What the answers say) the relay keeps
@@ -101,7 +101,8 @@ class Relay(Protocol):
     """
 
     def __init__(self, request: Request, clock: IReactorTime, idle_timeout: float, client_stall: float = 60.0,
-                 life: LifeSign | None = None, content_type: bytes | None = None) -> None:
+                 life: LifeSign | None = None, content_type: bytes | None = None,
+                 on_end: Callable[[RelayEnd], None] | None = None) -> None:
         self.request = request
         self._write = request.write  # body_writer's once the head is out (start)
         self.content_type = content_type
@@ -115,7 +116,7 @@ class Relay(Protocol):
         self.state = RelayState.STREAMING
         self.bytes = 0
         self.reason = ""
-        self.ended: Deferred[RelayEnd] = Deferred()
+        self.on_end = on_end
         self.transport: Any = None
         self._timer: IDelayedCall | None = None
         self._last_byte_at = 0.0
@@ -299,7 +300,7 @@ class Relay(Protocol):
 
     def stop(self) -> None:
         """Stop relaying and close the upstream connection (the client left, or crossbar
-        is aborting the request). Fires :attr:`ended` with ``STOPPED`` if still running."""
+        is aborting the request). Ends with ``STOPPED`` if still running."""
         self._end(RelayEnd.STOPPED)
         self._close_upstream()
 
@@ -319,4 +320,6 @@ class Relay(Protocol):
             self._tail.clear()
             self._head = self._response = None
         self.reason = reason
-        self.ended.callback(how)
+        on_end, self.on_end = self.on_end, None  # no cycle left with the exchange: freed by refcount
+        if on_end is not None:
+            on_end(how)

@@ -21,9 +21,10 @@ ever parsing the whole body in one reactor turn (docs/design.md §"Quality bar")
 from __future__ import annotations
 
 from io import BytesIO
-from typing import Any
+from typing import Any, Callable
 
 from twisted.internet.interfaces import ISSLTransport
+from twisted.python.failure import Failure
 from twisted.web.server import Request
 
 from crossbar.errors import raw_error_answer
@@ -101,6 +102,10 @@ class CappedRequest(Request):
     max_body = MAX_BODY
     budget = BODIES
     defaultContentType = None  # never invent a Content-Type for an upstream answer
+    on_lost: Callable[[Failure], None] | None = None
+    """Called with the reason when the client's connection is lost before the request
+    finished: what a ``notifyFinish`` Deferred's errback hears, without a Deferred made
+    and fired per request (the exchange's :meth:`~crossbar.proxy.exchange.Exchange.on_client_gone`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -184,6 +189,7 @@ class CappedRequest(Request):
 
     def finish(self) -> None:
         super().finish()
+        self.on_lost = None  # as Twisted drops its notifyFinish Deferreds; no cycle with the exchange left
         self.release_body()
 
     def process(self) -> None:
@@ -243,6 +249,9 @@ class CappedRequest(Request):
             self._linger.cancel()
         self.release_body()  # the request and its channel form a cycle: free it now
         super().connectionLost(reason)
+        on_lost, self.on_lost = self.on_lost, None
+        if on_lost is not None:
+            on_lost(reason)
 
 
 def _drop(data: bytes) -> None:

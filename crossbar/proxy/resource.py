@@ -55,13 +55,13 @@ class ProxyResource(Resource):
 
     def render(self, request: Request) -> Any:
         """Start the request's :class:`Exchange` on its head; it answers asynchronously."""
-        head = request.head if isinstance(request, CrossbarRequest) else None
-        if head is None:  # not a request of crossbar's site: a wiring bug
+        if not isinstance(request, CrossbarRequest) or request.head is None:  # not crossbar's site's: a wiring bug
             _log.error("no request head for {uri!r}", uri=request.path)
             request.setResponseCode(500)
             for name, value in error_headers(500):
                 request.setHeader(name, value)
             return json_error_bytes(500, "internal error")
+        head = request.head
         checked = check_path(head)  # rules 1-3
         exchange = (ModelListing if checked is PathKind.MODEL_LIST else Exchange)(self.context, request, head)
         try:

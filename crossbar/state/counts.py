@@ -44,6 +44,12 @@ class Counts:
         self.fleet: WorkerCounts | None = None
         self.cluster: ClusterView | None = None
 
+    @property
+    def shared(self) -> bool:
+        """Whether counts go anywhere but this process (workers, or ``cluster.redis``):
+        without, publishing does nothing and a count read is this process's own."""
+        return self.fleet is not None or self.cluster is not None
+
     def publish(self, kind: Kind, name: str, value: int) -> None:
         """This process's count ``name`` (of ``kind``: ``kind.cell(...)``) is ``value``."""
         if self.fleet is not None:

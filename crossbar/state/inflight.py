@@ -51,7 +51,9 @@ class Inflight:
         that answers (each worker is an instance of its own there). A count, not a
         guess (status shows it): room under a max_inflight is taken in Redis when a
         request goes (enter's ``limit``)."""
-        return self.counts.read(HOST_INFLIGHT, HOST_INFLIGHT.cell(host), self._by_host.get(host, 0))
+        own = self._by_host.get(host, 0)
+        counts = self.counts
+        return counts.read(HOST_INFLIGHT, HOST_INFLIGHT.cell(host), own) if counts.shared else own
 
     def publish(self) -> None:
         """Write every count of this process again (after a reload, or on joining a
@@ -107,10 +109,12 @@ class Inflight:
         release the lease and choose again)."""
         self._by_host[host] += 1
         self._by_route_host[(route, host)] += 1
+        lease = Lease(self, route, host)
         counts = self.counts
+        if not counts.shared:  # this process's counts are the counts: nothing to publish or take
+            return lease
         pair, name = self._names_of(route, host)
         counts.publish(ROUTE_HOST_INFLIGHT, pair, self._by_route_host[(route, host)])
-        lease = Lease(self, route, host)
         if limit is not None:
             lease.taken = counts.take(HOST_INFLIGHT, name, self._by_host[host], limit)
         else:
@@ -138,9 +142,10 @@ class Inflight:
         if self._by_route_host.get((route, host), 0) > 0:
             self._by_route_host[(route, host)] -= 1
         counts = self.counts
-        pair, name = self._names_of(route, host)
-        counts.publish(ROUTE_HOST_INFLIGHT, pair, self._by_route_host[(route, host)])
-        counts.publish(HOST_INFLIGHT, name, self._by_host.get(host, 0))
+        if counts.shared:
+            pair, name = self._names_of(route, host)
+            counts.publish(ROUTE_HOST_INFLIGHT, pair, self._by_route_host[(route, host)])
+            counts.publish(HOST_INFLIGHT, name, self._by_host.get(host, 0))
         if self.on_release is not None:
             self.on_release()
 

@@ -226,7 +226,8 @@ class Runtime:
     def count_affinity(self, route: str, outcome: str) -> None:
         """One request of ``route`` was dispatched with affinity ``outcome``."""
         self.affinity_counts[(route, outcome)] += 1
-        self.counts.publish(AFFINITY, AFFINITY.cell(route, outcome), self.affinity_counts[(route, outcome)])
+        if self.counts.shared:
+            self.counts.publish(AFFINITY, AFFINITY.cell(route, outcome), self.affinity_counts[(route, outcome)])
 
     def affinity(self, route: str, outcome: str) -> int:
         """Requests of ``route`` dispatched with affinity ``outcome`` (every worker's)."""

@@ -45,7 +45,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Callable
+from typing import Any, Callable, Sequence, cast
 
 import httptools
 from twisted.internet.defer import Deferred, gatherResults, succeed
@@ -67,7 +67,15 @@ from crossbar.upstream.h1answer import (
 from crossbar.upstream.tcp import no_delay
 from crossbar.compat.twisted import eager_writes, hold_writes, release_writes
 
-__all__ = ["INLINE_BODY", "KEEP_ALIVE_MARGIN", "H1Agent", "H1Connection", "H1Pool", "IInlineBody", "request_head"]
+__all__ = [
+    "INLINE_BODY", "KEEP_ALIVE_MARGIN", "H1Agent", "H1Connection", "H1Pool", "HeaderPairs", "IInlineBody", "request_head",
+]
+
+HeaderPairs = Sequence[tuple[bytes, Sequence[bytes]]]
+"""Request headers as ``(name, values)`` pairs, written in that order as they are (what
+``Headers.getAllRawHeaders`` gives), never a ``Host`` (written from the URL): the
+proxy's forwarded headers, made without a ``Headers``, which would check every name and
+value the client's ``Headers`` already checked (:func:`crossbar.proxy.headers.upstream_headers`)."""
 
 INLINE_BODY = 256 * 1024
 """Bytes: a body of at most this size from an :class:`IInlineBody` producer is written
@@ -85,9 +93,13 @@ would close it at N, possibly while a request is on its way."""
 
 
 class IInlineBody(IBodyProducer):
-    """An ``IBodyProducer`` that, when its ``length`` is at most :data:`INLINE_BODY`,
-    writes its whole body to the consumer inside ``startProducing`` (so the client can
-    send it with the request head in one write)."""
+    """An ``IBodyProducer`` whose body, when its ``length`` is at most :data:`INLINE_BODY`,
+    the client takes whole from :meth:`inline` (and sends with the request head in one
+    write) instead of starting it (no Deferred per request)."""
+
+    def inline() -> bytes:
+        """The whole body, at most :data:`INLINE_BODY` bytes."""
+
 
 class State(Enum):
     """Where one :class:`H1Connection` stands."""
@@ -169,7 +181,7 @@ class H1Connection(Protocol):
 
     # -- sending ----------------------------------------------------------------------
 
-    def send(self, method: bytes, path: bytes, headers: Headers, producer: IBodyProducer | None,
+    def send(self, method: bytes, path: bytes, headers: Headers | HeaderPairs, producer: IBodyProducer | None,
              host: bytes | None = None) -> Deferred[IResponse]:
         """Write one request; the Deferred fires with its :class:`H1Response` once the
         head arrived (body not read yet), or fails as the module says. Cancelling it
@@ -194,7 +206,7 @@ class H1Connection(Protocol):
         if producer is None:
             transport.write(b"".join(lines))
         elif producer.length <= INLINE_BODY and _inline(producer):
-            producer.startProducing(_Collect(lines))
+            lines.append(cast(IInlineBody, producer).inline())
             transport.write(b"".join(lines))
         else:
             transport.write(b"".join(lines))
@@ -413,7 +425,7 @@ class H1Connection(Protocol):
             result.errback(ResponseNeverReceived([reason]))
 
 
-def request_head(method: bytes, path: bytes, headers: Headers, host: bytes | None, persistent: bool,
+def request_head(method: bytes, path: bytes, headers: Headers | HeaderPairs, host: bytes | None, persistent: bool,
                  length: int | None) -> list[bytes]:
     """The pieces of one request's head (bytes, to be joined): the request line, ``Host``
     when ``host`` is given (``headers`` then have none), ``Connection: close`` unless
@@ -428,23 +440,11 @@ def request_head(method: bytes, path: bytes, headers: Headers, host: bytes | Non
         lines.append(b"Content-Length: %d\r\n" % length)
     elif method in (b"PUT", b"POST"):
         lines.append(b"Content-Length: 0\r\n")
-    for name, values in headers.getAllRawHeaders():
+    for name, values in headers.getAllRawHeaders() if isinstance(headers, Headers) else headers:
         for value in values:
             lines += (name, b": ", value, b"\r\n")
     lines.append(b"\r\n")
     return lines
-
-
-class _Collect:
-    """A consumer gathering a small body into the request's write (one syscall)."""
-
-    __slots__ = ("_lines",)
-
-    def __init__(self, lines: list[bytes]) -> None:
-        self._lines = lines
-
-    def write(self, data: bytes) -> None:
-        self._lines.append(data)
 
 
 class _ConnectionFactory(Factory):
@@ -660,15 +660,17 @@ class H1Agent:
         self._endpoints = endpoints
         self._pool = pool
 
-    def request(self, method: bytes, uri: bytes, headers: Headers | None = None,
+    def request(self, method: bytes, uri: bytes, headers: Headers | HeaderPairs | None = None,
                 bodyProducer: IBodyProducer | None = None) -> Deferred[IResponse]:
         """Send one request; see :meth:`H1Connection.send` for what the Deferred does.
-        A ``Host`` header is added from the URL when ``headers`` has none."""
+        A ``Host`` header is added from the URL when ``headers`` has none (or are
+        :data:`HeaderPairs`)."""
         origin, path = split_url(uri)
         key = origin.key
         if headers is None:
-            headers = Headers()
-        host = None if headers.hasHeader(b"host") else origin.netloc  # written as it is, no copy of headers
+            headers = ()
+        # written as it is, no copy of headers
+        host = None if isinstance(headers, Headers) and headers.hasHeader(b"host") else origin.netloc
         pool = self._pool
         if pool is not None:
             connection = pool.take(key)

@@ -156,7 +156,7 @@ class UpstreamPools:
         # pooled connection is retried by the proxy itself (any method), once.
         self.pool = H1Pool(reactor, max_per_host, idle_seconds)
 
-    def agent(self, fresh: bool = False) -> tuple[IAgent, ConnectTracker]:
+    def agent(self, fresh: bool = False) -> tuple[H1Agent, ConnectTracker]:
         """An agent for one attempt (:class:`crossbar.upstream.h1client.H1Agent`) and the
         tracker of its connections.
 
