@@ -54,6 +54,18 @@ class _FakeCluster:
         return succeed(True)
 
 
+def idle_placers(a: Runtime, b: Runtime, clock: Clock) -> list[tuple[Placer, "_Commands"]]:
+    """A Placer (and its noted commands) for each of ``a`` and ``b``, reconfigured with
+    ``idle_unload: 10`` on route ``r``."""
+    config = parse_config(CONFIG.replace("{spread_after: 5}", "{spread_after: 5, idle_unload: 10}"))
+    placers: list[tuple[Placer, _Commands]] = []
+    for runtime in (a, b):
+        runtime.reconfigure(config)
+        commands = _Commands()
+        placers.append((Placer(runtime, commands, clock), commands))
+    return placers
+
+
 class _Commands:
     """The Placer's commands, noted and never answered (the host is still at it)."""
 
@@ -197,12 +209,7 @@ class _Shared:
         """Rule 4 and 6: each process's Placer finds the model idle after its own poll;
         the first to do so unloads it, the other sends no second command."""
         tc: Any = self
-        config = parse_config(CONFIG.replace("{spread_after: 5}", "{spread_after: 5, idle_unload: 10}"))
-        placers: list[tuple[Placer, _Commands]] = []
-        for runtime in (self.a, self.b):
-            runtime.reconfigure(config)
-            commands = _Commands()
-            placers.append((Placer(runtime, commands, self.clock), commands))
+        placers = idle_placers(self.a, self.b, self.clock)
         for placer, _ in placers:
             placer.polled("a", 0.0, True)  # y seen loaded: idle from now
         self.clock.advance(11)
@@ -317,12 +324,8 @@ class ClusterShareTests(_Shared, SynchronousTestCase):
         view still without the other's mark (Redis has not told them yet); the unload is
         claimed in one atomic step of Redis (``take`` with a limit of 1), so one sends it
         (an attack run saw both send it, in 3 of 6 cycles)."""
-        config = parse_config(CONFIG.replace("{spread_after: 5}", "{spread_after: 5, idle_unload: 10}"))
-        placers: list[tuple[Placer, _Commands]] = []
+        placers = idle_placers(self.a, self.b, self.clock)
         for runtime in (self.a, self.b):
-            runtime.reconfigure(config)
-            commands = _Commands()
-            placers.append((Placer(runtime, commands, self.clock), commands))
             cluster: Any = runtime.cluster
             cluster.others = lambda name: 0  # a view that has not heard of the other's mark
         for placer, _ in placers:

@@ -203,11 +203,7 @@ class PlacementState:
         here; the other processes of :attr:`share` still see it for ``linger`` seconds
         (until their own polls show what this one's did)."""
         if self.loading.pop((host, model), None) is not None and self.share is not None:
-            if linger > 0:
-                self._lingering[(host, model)] = self.now() + linger
-            else:
-                self._lingering.pop((host, model), None)
-                self.share.publish_loading(host, model, False)
+            self._end_shared((host, model), linger, self._lingering, self.share.publish_loading)
 
     def republish(self) -> None:
         """Write this process's loads and last uses to :attr:`share` again (after a reload)."""
@@ -251,11 +247,17 @@ class PlacementState:
         here; the other processes of :attr:`share` still see it for ``linger`` seconds
         (until their own polls show what this one's did)."""
         if self.unloading.pop((host, model), None) is not None and self.share is not None:
-            if linger > 0:
-                self._unload_lingering[(host, model)] = self.now() + linger
-            else:
-                self._unload_lingering.pop((host, model), None)
-                self.share.publish_unloading(host, model, False)
+            self._end_shared((host, model), linger, self._unload_lingering, self.share.publish_unloading)
+
+    def _end_shared(self, key: tuple[str, str], linger: float, lingering: dict[tuple[str, str], float],
+                    publish: Callable[[str, str, bool], None]) -> None:
+        """A mark of this process ended: the other processes of :attr:`share` stop seeing
+        it now, or ``linger`` seconds from now (:meth:`expire` then unpublishes it)."""
+        if linger > 0:
+            lingering[key] = self.now() + linger
+        else:
+            lingering.pop(key, None)
+            publish(*key, False)
 
     def unload_refused(self, host: str, model: str) -> None:
         """The unload of ``model`` on ``host`` failed, or the host answered it and kept
