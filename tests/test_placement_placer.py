@@ -314,6 +314,8 @@ class IdleUnloadTests(_Case):
             self.poll("a")
         self.assertEqual(self.runtime.placement.unloading, {})  # the mark ended: m1 takes requests
         self.assertEqual(self.failures, [("a", "unload", "kept")])
+        self.assertEqual([m for m in self.moves if m[2] == "unload"], [])  # kept: no unload counted
+        self.assertNotIn("a", self.runtime.placement.last_unload)
         for _ in range(9):
             self.clock.advance(1)
             self.poll("a")
@@ -324,6 +326,19 @@ class IdleUnloadTests(_Case):
         warnings = [formatEvent(e) for e in log.events if e["log_level"] is LogLevel.warn]
         self.assertEqual(warnings, ["host a: unload m1 failed: the host answered it but still lists the model "
                                     "loaded (not again before another idle_unload)"])
+
+    def test_an_unload_counts_once_a_poll_shows_it_done(self) -> None:
+        """Rule 7: the unload metric and status's last unload count what the host did:
+        answered, then gone at a poll (not the answer alone, which a host may not keep)."""
+        self.poll("a")
+        self.clock.advance(10)
+        self.poll("a")
+        self.commands.answer()
+        self.assertEqual(self.moves, [])
+        self.clock.advance(1)
+        self.poll("a", m1="unloaded", m2="unloaded")
+        self.assertEqual(self.moves, [("a", "m1", "unload", "idle")])
+        self.assertEqual(self.runtime.placement.last_unload["a"].model, "m1")
 
     def test_a_failed_unload_waits_another_idle_unload(self) -> None:
         self.poll("a")

@@ -115,7 +115,12 @@ class RouterPlacementTests(TestCase):
                 return (await self.states(server))["tiny-a"] == "unloaded"
 
             await wait_for(unloaded, timeout=30, what="tiny-a unloaded", step=0.2)
-            status: Any = await treq.json_content(await http_client(self).get(base + "/_crossbar/status"))
+
+            async def counted() -> Any:  # an unload counts once crossbar's poll shows it done
+                doc: Any = await treq.json_content(await http_client(self).get(base + "/_crossbar/status"))
+                return doc["hosts"]["llama0"]["last_unload"] and doc
+
+            status = await wait_for(counted, timeout=10, what="the unload in status", step=0.2)
             self.assertEqual(status["hosts"]["llama0"]["last_unload"]["model"], "tiny-a")
             self.assertEqual(status["hosts"]["llama0"]["last_unload"]["reason"], "idle")
 

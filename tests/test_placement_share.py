@@ -93,6 +93,18 @@ class _Shared:
             for h in "abc":
                 runtime.table.record_success(h, _listed(x="unloaded", y="loaded"))
 
+    def test_an_unload_one_process_saw_refused_restarts_everyones_idle_time(self) -> None:
+        """Rule 4: A's unload of y failed (or the host kept y): y's idle time starts again
+        in B too, so B does not send the next unload at once (an attack run saw each
+        worker and instance of a set send its own, one after another)."""
+        tc: Any = self
+        tc.assertEqual(self.b.placement.idle_since("a", "y"), None)
+        self.a.placement.unloading_started("a", "y")
+        self.clock.advance(5)
+        self.a.placement.unload_refused("a", "y")
+        tc.assertEqual(self.b.placement.idle_since("a", "y"), 1_000_005.0)
+        tc.assertFalse(self.b.placement.others_unloading("a", "y"))
+
     def test_a_load_by_one_is_loading_for_the_other(self) -> None:
         route = self.a.config.routes["r"]
         first = self.a.choose(route, "x", None, [])

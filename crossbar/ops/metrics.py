@@ -182,14 +182,16 @@ class Metrics:
             "keep (keep_loaded).", ("host", "model", "reason"), registry=r,
         )
         self.model_unloads = Counter(
-            "crossbar_model_unloads", "Unloads crossbar caused on router-mode hosts, by reason (idle).",
+            "crossbar_model_unloads", "Unloads crossbar caused on router-mode hosts (answered, then shown gone by a "
+            "poll), by reason (idle).",
             ("host", "model", "reason"), registry=r,
         )
         self.model_command_failures = Counter(
             "crossbar_model_command_failures", "Load and unload commands to router-mode hosts that failed "
-            "(retried at the host's next poll), by action and failure: timeout (no answer within "
-            "timeouts.first_byte), http_4xx, http_5xx, http_other (the host refused it), too_large (an answer "
-            "over 64 KiB), connection, error.", ("host", "action", "failure"), registry=r,
+            "(a load is retried at the host's next poll, an unload after another idle_unload), by action and "
+            "failure: timeout (no answer within timeouts.first_byte), http_4xx, http_5xx, http_other (the host "
+            "refused it), too_large (an answer over 64 KiB), connection, error, kept (an unload the host answered "
+            "but still listed the model loaded two polls later).", ("host", "action", "failure"), registry=r,
         )
         self.model_load_seconds = Histogram(
             "crossbar_model_load_seconds", "Time from a load crossbar caused to the poll that shows the model loaded.",

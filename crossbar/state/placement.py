@@ -47,6 +47,7 @@ class Unload:
     :ivar since: clock seconds the command was sent, then the second the host answered
         it (the bound, ``timeouts.first_byte``, counts from the later).
     :ivar done: the host answered the command.
+    :ivar reason: why crossbar sent it (``idle``), counted once a poll shows it done.
     :ivar shown: good polls started after that answer that still listed the model
         loaded (llama-server lists a model it is stopping as loaded for a moment; a
         second such poll means the host kept it, or loaded it again).
@@ -55,6 +56,7 @@ class Unload:
     since: float
     done: bool = False
     shown: int = 0
+    reason: str = "idle"
 
 
 class Settled(NamedTuple):
@@ -112,7 +114,6 @@ class PlacementState:
         self._lingering: dict[tuple[str, str], float] = {}
         self.unloading: dict[tuple[str, str], Unload] = {}
         self._unload_lingering: dict[tuple[str, str], float] = {}
-        self._refused: dict[tuple[str, str], float] = {}
 
     def last_use(self, host: str, model: str) -> float | None:
         """Clock seconds of the last request crossbar (any process sharing, rule 7) sent
@@ -124,14 +125,11 @@ class PlacementState:
         return theirs if own is None else own if theirs is None else max(own, theirs)
 
     def idle_since(self, host: str, model: str) -> float | None:
-        """Since when ``model`` on ``host`` is unused by crossbar: its last request, else
-        the first poll that showed it loaded; or, when later, the moment an unload of it
-        there failed or the host kept it (:meth:`unload_refused`: its idle time starts
-        again, so it is not unloaded again at once); None when none is known (rule 4)."""
+        """Since when ``model`` on ``host`` is unused by crossbar: its last use (a
+        request, or an unload the host refused: :meth:`unload_refused`), else the first
+        poll that showed it loaded; None when neither is known (rule 4)."""
         used = self.last_use(host, model)
-        since = used if used is not None else self._seen.get((host, model))
-        refused = self._refused.get((host, model))
-        return refused if refused is not None and (since is None or refused > since) else since
+        return used if used is not None else self._seen.get((host, model))
 
     def overlay(self, statuses: Mapping[str, HostStatus], wanted: Iterable[str] = ()) -> Mapping[str, HostStatus]:
         """Rules 1 and 4: ``statuses`` with every load crossbar caused and no poll settled
@@ -216,18 +214,12 @@ class PlacementState:
                 self.share.publish_use(host, model, seconds)
 
     def started(self, host: str, model: str, reason: str, evicts: str | None = None) -> None:
-        """``host`` was made to load ``model`` now (a request sent it, or a command):
-        it counts as loading at once (rule 1), and ``evicts`` (the model it unloads for
-        it, if any) as unloaded; counted for the metrics."""
-        now = self.now()
-        if (host, model) not in self.loading:
-            self.loading[(host, model)] = Load(now, reason, evicts)
-            self._lingering.pop((host, model), None)
-            if self.share is not None:
-                self.share.publish_loading(host, model, True)
-        self.last_load[host] = Move(model, reason, now)
-        if self.on_move is not None:
-            self.on_move(host, model, "load", reason)
+        """A request sent to ``host`` made it load ``model`` now: it counts as loading at
+        once (rule 1), and ``evicts`` (the model it unloads for it, if any) as unloaded;
+        counted for the metrics at once (:meth:`command_started`, then
+        :meth:`command_accepted`)."""
+        self.command_started(host, model, reason, evicts)
+        self.command_accepted(host, model, reason)
 
     def unloading_started(self, host: str, model: str) -> None:
         """crossbar is telling ``host`` to unload ``model`` (rule 4): from now until a poll
@@ -261,20 +253,28 @@ class PlacementState:
 
     def unload_refused(self, host: str, model: str) -> None:
         """The unload of ``model`` on ``host`` failed, or the host answered it and kept
-        the model (rule 4): the mark ends, and the model's idle time starts again from
-        now, so the next unload of it there waits a whole ``idle_unload``."""
+        the model (rule 4): the mark ends, and the refusal counts as a use of the model
+        there, shared like the others (rule 7): its idle time starts again in every
+        process, so the next unload of it there waits a whole ``idle_unload``."""
         self.unloading_ended(host, model)
-        self._refused[(host, model)] = self.now()
+        self.used(host, model)
 
     def unloaded(self, host: str, model: str, reason: str) -> None:
         """``host`` answered crossbar's unload of ``model`` (rule 4); it stays counted as
         not loaded until a poll that starts from now shows it gone (or a second one
         still shows it loaded: :meth:`polled`)."""
         unload = self.unloading.get((host, model))
-        if unload is not None:
-            unload.since, unload.done = self.now(), True
         self.drop(host, model)
         self._seen.pop((host, model), None)
+        if unload is None:  # a poll already showed it gone (the answer came after it)
+            self._unloaded(host, model, reason)
+        else:
+            unload.since, unload.done, unload.reason = self.now(), True, reason
+
+    def _unloaded(self, host: str, model: str, reason: str) -> None:
+        """An unload crossbar caused is done: the host answered it and a poll shows the
+        model gone (status's last unload, the metrics; rule 7). One the host answered and
+        kept is not an unload (:meth:`unload_refused`)."""
         self.last_unload[host] = Move(model, reason, self.now())
         if self.on_move is not None:
             self.on_move(host, model, "unload", reason)
@@ -309,15 +309,16 @@ class PlacementState:
                     self.on_loaded(host, model, max(0.0, now - load.since))
             elif model not in status.loading and started >= load.since and not (in_use and in_use(h, model)):
                 self.drop(h, model)
-        for table in (self._seen, self._refused):
-            for key in [k for k in table if k[0] == host and k[1] not in status.loaded]:
-                del table[key]
+        for key in [k for k in self._seen if k[0] == host and k[1] not in status.loaded]:
+            del self._seen[key]
         for (h, model), unload in list(self.unloading.items()):
             if h != host or started < unload.since:
                 continue
             if model not in status.loaded:
                 self.unloading_ended(h, model, linger)
                 settled.gone.append(model)
+                if unload.done:
+                    self._unloaded(h, model, unload.reason)
             elif unload.done:
                 unload.shown += 1
                 if unload.shown >= 2:
@@ -352,7 +353,7 @@ class PlacementState:
             self.drop(*key)
         for key in [k for k in self.unloading if k[0] not in keep]:
             self.unloading_ended(*key)
-        for table in (self._used, self._seen, self._refused):
+        for table in (self._used, self._seen):
             for key in [k for k in table if k[0] not in keep]:
                 del table[key]
         for moves in (self.last_load, self.last_unload):
@@ -374,9 +375,7 @@ class PlacementState:
 
     def command_accepted(self, host: str, model: str, reason: str) -> None:
         """``host`` accepted the load command for ``model`` (2xx): a load crossbar caused,
-        for the status, the dashboard and the metrics (rule 7); its time is when the
-        command was sent (the mark's start), else now."""
-        load = self.loading.get((host, model))
-        self.last_load[host] = Move(model, reason, self.now() if load is None else load.since)
+        for the status, the dashboard and the metrics (rule 7); its time is now."""
+        self.last_load[host] = Move(model, reason, self.now())
         if self.on_move is not None:
             self.on_move(host, model, "load", reason)
