@@ -1104,14 +1104,20 @@ class SupervisorRuleTests(SynchronousTestCase):
         supervisor._clean_up(None)  # as its stop ends
         self.assertEqual(os.listdir(runtime), [os.path.basename(live)])
 
+    def two_workers(self, timings: WorkerTimings = WorkerTimings()) -> tuple[_SpawnReactor, Supervisor]:
+        """A started supervisor of this config's workers on a fake reactor whose spawns
+        succeed, with ``timings``; its directory removed at the end."""
+        reactor = _SpawnReactor(failures=0)
+        supervisor = Supervisor(self.config(), reactor, environ={}, handle_signals=False, timings=timings)
+        supervisor.startService()
+        self.addCleanup(shutil.rmtree, supervisor.files.directory, True)
+        return reactor, supervisor
+
     def test_a_silent_worker_is_killed(self) -> None:
         """A worker whose reactor is wedged (or a SIGSTOPped process) sends no ``alive``
         line: after STALL seconds it is killed, and so restarted; one that speaks is
         left alone."""
-        reactor = _SpawnReactor(failures=0)
-        supervisor = Supervisor(self.config(), reactor, environ={}, handle_signals=False)
-        supervisor.startService()
-        self.addCleanup(shutil.rmtree, supervisor.files.directory, True)
+        reactor, supervisor = self.two_workers()
         talking, silent = supervisor.workers
         assert talking is not None and silent is not None
         for worker in (talking, silent):
@@ -1131,11 +1137,7 @@ class SupervisorRuleTests(SynchronousTestCase):
         """A worker says nothing before its reactor runs (its imports and config first:
         over 30 s on a loaded machine): not ready, it is killed only STARTUP seconds
         after its start, whatever ``--worker-stall`` says; ready, the stall applies."""
-        reactor = _SpawnReactor(failures=0)
-        supervisor = Supervisor(self.config(), reactor, environ={}, handle_signals=False,
-                                timings=WorkerTimings.with_stall(6.0))
-        supervisor.startService()
-        self.addCleanup(shutil.rmtree, supervisor.files.directory, True)
+        reactor, supervisor = self.two_workers(WorkerTimings.with_stall(6.0))
         starting, ready = supervisor.workers
         assert starting is not None and ready is not None
         ready.childDataReceived(4, b"ready\n")
@@ -1151,11 +1153,7 @@ class SupervisorRuleTests(SynchronousTestCase):
         """When the supervisor's own reactor ran late (a loaded machine, a paused VM),
         its workers' lines wait unread: nobody is killed at that check, only at the
         next one if they are still silent."""
-        reactor = _SpawnReactor(failures=0)
-        supervisor = Supervisor(self.config(), reactor, environ={}, handle_signals=False,
-                                timings=WorkerTimings.with_stall(6.0))
-        supervisor.startService()
-        self.addCleanup(shutil.rmtree, supervisor.files.directory, True)
+        reactor, supervisor = self.two_workers(WorkerTimings.with_stall(6.0))
         talking, silent = supervisor.workers
         assert talking is not None and silent is not None
         for worker in (talking, silent):
