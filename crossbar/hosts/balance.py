@@ -119,6 +119,13 @@ def lists(status: HostStatus, model: str, field: str) -> bool:
     return model in ids or status.aliases.get(model, "") in ids
 
 
+def loadable(names: Iterable[str], model: str, statuses: Mapping[str, HostStatus]) -> list[str]:
+    """Of ``names``, the hosts that list ``model`` available (router mode will load it)
+    and are not unloading it (§Where models live rule 4: a request sent into the host's
+    unload of the model would be cut, so none goes there until the unload is over)."""
+    return [h for h in names if lists(statuses[h], model, "available") and not lists(statuses[h], model, "unloading")]
+
+
 def fit_tier(
     candidates: Iterable[str], model: str | None, statuses: Mapping[str, HostStatus]
 ) -> tuple[Fit, list[str]]:
@@ -206,11 +213,9 @@ def choose(
             return Verdict.BUSY
         return Verdict.NO_HOST if skip else Verdict.NO_MODEL
     if model is not None and fit is Fit.AVAILABLE:
-        # §Where models live rule 4: a host unloading the model takes no request for it
-        # until the unload is over (the request would be cut): the request waits.
-        tier = [h for h in tier if not lists(statuses[h], model, "unloading")]
+        tier = loadable(tier, model, statuses)
         if not tier:
-            return Verdict.BUSY
+            return Verdict.BUSY  # its only hosts are unloading it: wait for the unload to end
     placed = ""
     if placement is not None and model is not None and fit is Fit.AVAILABLE:
         tier = load_tier(tier, hosts, statuses, placement.in_use, placement.last_use, placement.kept,
@@ -227,8 +232,7 @@ def choose(
         if copies:
             fit, tier = Fit.LOADING, copies
         else:
-            tier = load_tier([h for h in candidates if lists(statuses[h], model, "available")
-                              and not lists(statuses[h], model, "unloading")], hosts, statuses,
+            tier = load_tier(loadable(candidates, model, statuses), hosts, statuses,
                              placement.in_use, placement.last_use, placement.kept, placement.waiting)
             fit, placed = Fit.AVAILABLE, "spread"
         load = {h: inflight(h) for h in tier}
