@@ -348,6 +348,26 @@ class ClusterShareTests(_Shared, SynchronousTestCase):
         self.assertEqual([c.sent for _, c in placers], [[("a", "unload", "y")], []])
 
 
+    def test_a_claimed_unload_not_sent_is_released(self) -> None:
+        """Rule 4: Redis answers the claim late, and meanwhile a reload removed the host:
+        nothing is sent, and the claim no longer holds the model away from that host
+        for the other instance."""
+        placer, commands = idle_placers(self.a, self.b, self.clock)[0]
+        cluster: Any = self.a.cluster
+        answer: Deferred[bool] = Deferred()
+        take = cluster.take
+        cluster.take = lambda name, value, limit: (take(name, value, limit), answer)[1]  # written, answered later
+        placer.polled("a", 0.0, True)
+        self.clock.advance(11)
+        placer.polled("a", 0.0, True)
+        self.assertTrue(self.b.placement.others_unloading("a", "y"))  # claimed
+        self.a.reconfigure(parse_config(CONFIG.replace("hosts: [a, b, c]", "hosts: [b, c]")
+                                        .replace('  a: {url: "http://127.0.0.1:9001", models_max: 2}\n', "")))
+        answer.callback(True)
+        self.assertEqual(commands.sent, [])
+        self.assertFalse(self.b.placement.others_unloading("a", "y"))
+
+
 class CapacityTests(SynchronousTestCase):
     """Every fact of every host of a ``placement`` route has a cell of the workers' shared
     counts, the unloading mark's included, and the supervisor's capacity check counts

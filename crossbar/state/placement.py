@@ -117,7 +117,8 @@ class PlacementState:
 
     def last_use(self, host: str, model: str) -> float | None:
         """Clock seconds of the last request crossbar (any process sharing, rule 7) sent
-        ``model`` on ``host``, or None."""
+        ``model`` on ``host`` (or of an unload of it there the host refused:
+        :meth:`unload_refused`), or None."""
         own = self._used.get((host, model))
         if self.share is None:
             return own

@@ -5,7 +5,8 @@ the loads crossbar caused with what the poll showed (rule 1), unloads the models
 polled host that fell idle (rule 4) and loads each ``keep_loaded`` model that no healthy
 host of its route holds (rule 5). At most one command is in flight per host, bounded by
 ``timeouts.first_byte``; a host whose command failed gets the next one only after its
-next poll (rule 6: retried at the next poll, never in a loop). A load counts as loading
+next poll (rule 6: retried at the next poll, never in a loop), and a failed or refused
+unload waits another ``idle_unload`` (rule 4). A load counts as loading
 from its command on, while the command is in flight too (rule 1), and as a load crossbar
 caused once the host accepted it (rule 7); failures are counted (:attr:`Placer.on_failure`)
 and logged by streak (:class:`~crossbar.state.placer_log.CommandLog`). Its :meth:`tick` (every
@@ -173,6 +174,9 @@ class Placer:
             del self.busy[name]
             if ok:
                 self._send(name, "unload", model, "idle")
+                share = self.runtime.placement.share
+                if share is not None and (name, model) not in self.runtime.placement.unloading:
+                    share.publish_unloading(name, model, False)  # not sent (a reload removed the host): released
         claim.addCallbacks(claimed, lambda _: None)  # (cancelled by stop)
 
     def _wanted(self, status: HostStatus, model: str) -> bool:
