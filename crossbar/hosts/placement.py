@@ -21,7 +21,7 @@ from crossbar.hosts.health import HostStatus
 
 __all__ = [
     "InUse", "LastUse", "Placing", "evicted", "has_free_place", "idle_models", "keep_targets", "kept_ids", "least_recent",
-    "lists", "load_tier", "model_id", "unlisted_keeps", "with_loading",
+    "lists_at_all", "load_tier", "model_id", "unlisted_keeps", "with_loading",
 ]
 
 InUse = Callable[[str, str], int]
@@ -111,8 +111,8 @@ def load_tier(
     """Rule 2: of ``names`` (hosts that would load the model), those with a free place;
     else, of the hosts whose least recently used model has no request in flight, none
     ``waiting`` for it (when given) and is not ``kept`` (a ``keep_loaded`` name, or the id
-    the host lists it under: rule 5:
-    evicting it would only load it again), those whose such model crossbar sent a request
+    the host lists it under: rule 5: evicting it would only load it again), those whose
+    such model crossbar sent a request
     to least recently: the load evicts the model of the fleet asked for longest ago, as
     one box evicts its own least recently used (a model asked for a moment ago would be
     asked for again soon, and its reload would evict another); else none (the request
@@ -190,9 +190,10 @@ def kept_ids(names: Iterable[str], statuses: Iterable[HostStatus]) -> set[str]:
     return {*names, *(model_id(s, m) for s in statuses for m in names)}
 
 
-def lists(status: HostStatus, model: str) -> bool:
-    """Whether ``status`` lists ``model`` (loaded, loading or available), by id or by a
-    host-reported alias (§Model names)."""
+def lists_at_all(status: HostStatus, model: str) -> bool:
+    """Whether ``status`` lists ``model`` in any state (loaded, loading or available), by
+    id or by a host-reported alias (§Model names); one state:
+    :func:`crossbar.hosts.balance.lists`."""
     mid = model_id(status, model)
     return mid in status.loaded or mid in status.loading or mid in status.available
 
@@ -206,4 +207,4 @@ def unlisted_keeps(route: Route, statuses: Mapping[str, HostStatus]) -> list[str
     listings = [statuses.get(h) for h in route.hosts]
     if any(s is None or s.last_ok is None for s in listings):
         return None
-    return [m for m in route.placement.keep_loaded if not any(s is not None and lists(s, m) for s in listings)]
+    return [m for m in route.placement.keep_loaded if not any(s is not None and lists_at_all(s, m) for s in listings)]
